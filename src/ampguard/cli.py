@@ -1,0 +1,61 @@
+"""Command-line front end: argument parsing and dispatch only, no logic of its own.
+
+Heavy modules (torch, matplotlib) are imported inside the handlers, so ``ampguard lint`` starts
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "build_parser"]
+
+# Each subcommand: (name, help, add_arguments(parser), run(args) -> exit code).
+_Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--out", default="ampguard-runs/demo", help="run folder (default ampguard-runs/demo)")
+    p.add_argument(
+        "--precision", default="fp16", choices=("auto", "fp16", "bf16", "fp32"),
+        help="precision (default fp16, the one with a loss scaler)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _demo_run(args: argparse.Namespace) -> int:
+    from ampguard.demo import run_demo
+
+    run_demo(steps=args.steps, seed=args.seed, out=args.out, precision=args.precision,
+             progress=not args.no_progress)
+    return 0
+
+
+_SUBCOMMANDS: list[_Subcommand] = [
+    ("demo", "train the built-in model in fp16 on CPU through a Guard", _demo_args, _demo_run),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ampguard`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="ampguard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, add_args, run in _SUBCOMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ampguard`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Findings: the one shape every diagnosis in ampguard takes.
+
+A :class:`Finding` is what a user reads: a stable code (AG1xx runtime, AG2xx lint, AG3xx
+forensics/advisor), a severity, a one-line title, a message, the evidence that triggered it and a
+concrete fix. This module imports no torch, so the linter can use it and start fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Finding", "SEVERITIES"]
+
+SEVERITIES = ("info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis with its evidence and a fix.
+
+    ``step`` is the training step it refers to (runtime findings); ``path``/``line``/``col`` locate
+    it in a source file (lint findings). ``evidence`` holds plain JSON-serialisable values.
+    """
+
+    code: str
+    severity: str
+    title: str
+    message: str
+    step: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+    path: str | None = None
+    line: int | None = None
+    col: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+        if not (isinstance(self.code, str) and self.code.startswith("AG")):
+            raise ValueError(f"code must be an 'AGnnn' string, got {self.code!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready); ``None`` location fields are left out."""
+        out = dataclasses.asdict(self)
+        return {k: v for k, v in out.items() if v is not None or k == "step"}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def __str__(self) -> str:
+        where = f" (step {self.step})" if self.step is not None else ""
+        return f"{self.code} [{self.severity}] {self.title}{where}: {self.message}"
