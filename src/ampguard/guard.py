@@ -1,0 +1,462 @@
+"""Guard: the AMP step orchestrator.
+
+One object replaces ``autocast`` / ``scaler.scale(loss).backward()`` / ``unscale_`` / clip /
+``scaler.step`` / ``scaler.update`` / ``zero_grad`` and does them in the right order, with a
+floor, a cap, hysteresis, a skipped-step signal and state that resumes bitwise.
+
+>>> guard = Guard(model, optimizer, precision="fp16", clip_grad_norm=1.0)
+>>> for x, y in data:
+...     with guard.autocast():
+...         loss = loss_fn(model(x), y)
+...     guard.backward(loss)
+...     result = guard.step()          # result.applied, result.overflow, result.grad_norm
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ampguard import results
+from ampguard.containment import MicrobatchBuffer
+from ampguard.policy import (
+    PrecisionPolicy,
+    check_parameters,
+    device_of,
+    resolve_precision,
+    supports_bf16,
+)
+from ampguard.results import StepResult
+from ampguard.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
+
+__all__ = ["Guard", "StepResult"]
+
+_STATE_VERSION = 1
+_HISTORY = 32  # scale-history ring buffer length (for collapse messages)
+_DRAIN_EVERY = 100  # fused optimizers: settle pending step flags at least this often
+
+
+class Guard:
+    """Guarded mixed-precision training step for ``model`` and one or more optimizers.
+
+    ``step()`` runs, once per accumulation window: unscale (fused multi-tensor unscale + inf
+    check) -> clip the *unscaled* gradients -> ``optimizer.step`` unless they overflowed ->
+    scale update -> ``zero_grad(set_to_none=True)`` -> registered schedulers and callbacks, only if
+    the step was applied.
+
+    Cost: the same host syncs as ``torch.amp.GradScaler``: one per window for optimizers that
+    step in Python (one in all, where torch has one per optimizer), none for fused optimizers
+    (``_step_supports_amp_scaling``), whose step flags are read lazily; reading
+    ``StepResult.applied`` there, or registering schedulers/callbacks, syncs once per window.
+    bf16 and fp32 steps never sync.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        precision: str = "auto",
+        scaler: ScalerConfig | None = None,
+        accumulation_steps: int = 1,
+        clip_grad_norm: float | None = None,
+        *,
+        schedulers: Sequence[Any] = (),
+        contain_nonfinite_microbatches: bool = False,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.optimizers = _as_optimizers(optimizer)
+        _check_window(accumulation_steps, clip_grad_norm)
+        if scaler is not None and not isinstance(scaler, ScalerConfig):
+            raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
+        self.accumulation_steps = accumulation_steps
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.scaler_config = scaler or ScalerConfig()
+        self.contain_nonfinite_microbatches = bool(contain_nonfinite_microbatches)
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        self._device = device_of(params)
+        self._requested_precision = precision
+        self._policy = resolve_precision(precision, self._device)
+        check_parameters(params, self._policy, argument="optimizer")
+        self._params = params
+        self._scaler = self._make_scaler()
+        self._callbacks: list[Callable[[StepResult], Any]] = []
+        for sched in schedulers:
+            self.on_applied(_scheduler_callback(sched))
+        self._micro = 0
+        self._steps = 0
+        self._counts = results.Counters()
+        self._pending: list[tuple[StepResult, torch.Tensor]] = []
+        self._fallback: dict[str, Any] | None = None
+        self._collapsing = False
+        self._hist = torch.zeros(_HISTORY, dtype=torch.float32, device=self._device)
+        self._hist_steps: list[int] = []
+        self._contain: MicrobatchBuffer | None = None
+
+    # ------------------------------------------------------------------ public properties
+    @property
+    def precision(self) -> str:
+        """The resolved precision now ("fp16" | "bf16" | "fp32"); changes after a fallback."""
+        return self._policy.precision
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The resolved :class:`PrecisionPolicy` (device type, dtype, scaler need)."""
+        return self._policy
+
+    @property
+    def scale(self) -> float:
+        """Current loss scale as a float (1.0 when no scaler is in use). Cost: one host sync."""
+        self._drain()
+        return self._scaler.scale() if self._scaler is not None else 1.0
+
+    @property
+    def steps(self) -> int:
+        """Accumulation windows completed (optimizer step attempts, applied or skipped)."""
+        return self._steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows whose step was skipped for overflow. Cost: syncs if flags are pending."""
+        self._drain()
+        return self._counts.skipped
+
+    # ------------------------------------------------------------------ the training step
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Autocast for the forward pass in the resolved precision.
+
+        Under DDP the forward of every micro-batch but the window's last runs in ``no_sync()``,
+        so gradients are all-reduced once per window. Cost: no host sync.
+        """
+        with self._grad_sync_context(), self._policy.autocast():
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward of ``loss / accumulation_steps`` (times the loss scale under fp16).
+
+        ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``). Cost: no host sync.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "loss must be a single-element tensor (reduce it with .mean() or .sum()), got "
+                + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else
+                   type(loss).__name__)
+            )
+        if self.accumulation_steps > 1:
+            loss = loss / self.accumulation_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale_loss(loss)
+        loss.backward(**kwargs)
+        self._micro += 1
+        if self.contain_nonfinite_microbatches:
+            self._contain_microbatch()
+
+    def step(self, **kwargs: Any) -> StepResult:
+        """Finish a micro-batch; at the end of a window, update the parameters.
+
+        Returns a :class:`StepResult`. On the first ``accumulation_steps - 1`` calls of a window
+        nothing is touched and ``applied`` is False. ``kwargs`` go to ``optimizer.step``.
+        Cost: see the class docstring (torch's own syncs, no more).
+        """
+        if self._micro == 0:
+            raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
+        if self._micro < self.accumulation_steps:
+            return StepResult.in_window(self._steps)
+        self._micro = 0
+        self._steps += 1
+        if self._scaler is None:
+            result = self._step_unscaled(kwargs)
+        else:
+            result = self._step_scaled(kwargs)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if len(self._pending) >= _DRAIN_EVERY:
+            self._drain()
+        if self._callbacks and result.applied:
+            for fn in self._callbacks:
+                fn(result)
+        return result
+
+    def on_applied(self, fn: Callable[[StepResult], Any]) -> Callable[[StepResult], Any]:
+        """Register ``fn(result)`` to run after every *applied* step (LR schedulers, EMA, ...).
+
+        Skipped steps never advance what is registered here. Usable as a decorator. With a fused
+        optimizer this costs one host sync per window (the skip flag must be read).
+        """
+        if not callable(fn):
+            raise TypeError(f"on_applied needs a callable, got {type(fn).__name__}")
+        self._callbacks.append(fn)
+        return fn
+
+    # ------------------------------------------------------------------ step internals
+    def _step_unscaled(self, kwargs: dict[str, Any]) -> StepResult:
+        if self._contain is not None:
+            self._contain.install(self._params)  # no scaler: nothing is non-finite-checked
+        grad_norm = self._clip(None)
+        for opt in self.optimizers:
+            opt.step(**kwargs)
+        flags = results.Decoded((True,) * len(self.optimizers), False, 0)
+        self._counts.record(flags)
+        return StepResult(self._steps, True, grad_norm, flags)
+
+    def _step_scaled(self, kwargs: dict[str, Any]) -> StepResult:
+        scaler = self._scaler
+        assert scaler is not None
+        dropped, all_dropped = (None, None)
+        if self._contain is not None:
+            dropped, all_dropped = self._contain.install(self._params)
+        fused = [_is_fused(opt) for opt in self.optimizers]
+        # Fused optimizers unscale inside their kernel unless the grads must be unscaled first.
+        unscale_now = self.clip_grad_norm is not None or not all(fused)
+        inv = scaler.inv_scale() if unscale_now else None
+        found = []
+        for opt in self.optimizers:
+            grads = collect_grads(_params_of(opt))
+            f = scaler.unscale_(grads, inv) if unscale_now else scaler.check_(grads)
+            found.append(f if all_dropped is None else f + all_dropped)
+        grad_norm = self._clip(found)
+        signal = torch.stack(found).sum()
+        if dropped is not None:
+            signal = signal + dropped.float()  # a dropped micro-batch says the scale is too high
+        status = results.pack(found, dropped)
+        if all(fused):
+            # No host sync (as torch): the kernels skip themselves on found_inf.
+            for opt, f in zip(self.optimizers, found, strict=True):
+                self._fused_step(opt, f, unscale_now, kwargs)
+            status = results.add_collapse(status, scaler.update(signal), len(found))
+            self._remember_scale()
+            result = StepResult(self._steps, True, grad_norm, None, owner=self)
+            self._pending.append((result, status))
+            return result
+        status = results.add_collapse(status, scaler.update(signal), len(found))
+        self._remember_scale()
+        flags = results.decode(int(status.item()), len(found))  # the sync torch has in step()
+        for opt, f, ok, is_fused in zip(self.optimizers, found, flags.applied_per_optimizer,
+                                        fused, strict=True):
+            if is_fused:
+                self._fused_step(opt, f, True, kwargs)
+            elif ok:
+                opt.step(**kwargs)
+        result = StepResult(self._steps, True, grad_norm, flags)
+        self._settle(self._steps, flags)
+        return result
+
+    def _fused_step(self, opt: torch.optim.Optimizer, found: torch.Tensor, unscaled: bool,
+                    kwargs: dict[str, Any]) -> None:
+        # The optimizer unscales inside its kernel (grad_scale) and skips itself on found_inf.
+        assert self._scaler is not None
+        opt.grad_scale = None if unscaled else self._scaler.scale_tensor  # type: ignore[attr-defined]
+        opt.found_inf = found  # type: ignore[attr-defined]
+        try:
+            opt.step(**kwargs)
+        finally:
+            del opt.grad_scale, opt.found_inf  # type: ignore[attr-defined]
+
+    def _clip(self, found: list[torch.Tensor] | None) -> torch.Tensor | None:
+        if self.clip_grad_norm is None:
+            return None
+        grads = [p.grad for p in self._params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads)
+        safe = total
+        if found is not None and len(found) > 1:
+            # One optimizer's overflow must not turn the others' gradients into NaN.
+            safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+        torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, safe)
+        return total
+
+    def _remember_scale(self) -> None:
+        assert self._scaler is not None
+        self._hist[self._steps % _HISTORY].copy_(self._scaler.scale_tensor)
+
+    def _contain_microbatch(self) -> None:
+        if self._contain is None:
+            self._contain = MicrobatchBuffer(self._params, self.accumulation_steps)
+        self._contain.absorb(self._params)
+
+    # ------------------------------------------------------------------ flags and collapse
+    def _drain(self) -> None:
+        """Decode pending fused-step flags. Cost: one host sync for all of them."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack([status for _, status in pending]).tolist()
+        for (result, _), value in zip(pending, values, strict=True):
+            result._decoded = results.decode(int(value), len(self.optimizers))
+        for result, _ in pending:
+            self._settle(result.step, result._decoded)
+
+    def _settle(self, step: int, flags: results.Decoded) -> None:
+        self._counts.record(flags)
+        if flags.applied:
+            self._collapsing = False
+        if flags.collapse:
+            self._on_collapse(step)
+
+    def _on_collapse(self, step: int) -> None:
+        policy = self.scaler_config.on_collapse
+        if policy == "raise":
+            raise ScaleCollapseError(self._collapse_message(step))
+        if policy == "warn":
+            if not self._collapsing:
+                warnings.warn(self._collapse_message(step), RuntimeWarning, stacklevel=4)
+            self._collapsing = True
+            return
+        self._fall_back(step)
+
+    def _collapse_message(self, step: int) -> str:
+        tail = self._scale_history()
+        hist = ", ".join(f"{s}: {v:g}" for s, v in tail[-8:])
+        return (
+            f"loss scale collapsed at step {step}: gradients overflow even at min_scale="
+            f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of {self._steps} steps "
+            f"skipped. Scale history (step: scale): {hist}. Try: precision='bf16' (same range as "
+            "fp32); keep the overflowing module in fp32 (ampguard.locate names it); a lower "
+            "learning rate; or ScalerConfig(on_collapse='fallback') to switch automatically."
+        )
+
+    def _scale_history(self) -> list[tuple[int, float]]:
+        steps = range(max(1, self._steps - _HISTORY + 1), self._steps + 1)
+        values = self._hist.tolist()
+        return [(s, values[s % _HISTORY]) for s in steps]
+
+    def _fall_back(self, step: int) -> None:
+        target = "bf16" if supports_bf16(self._device.type) else "fp32"
+        old = self._policy.precision
+        self._policy = resolve_precision(target, self._device)
+        self._scaler = None
+        self._pending.clear()
+        self._fallback = {"step": step, "from": old, "to": target}
+        warnings.warn(
+            f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
+            "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
+            RuntimeWarning, stacklevel=4,
+        )
+
+    @property
+    def fallback(self) -> dict[str, Any] | None:
+        """``{"step", "from", "to"}`` if a collapse fallback switched precision, else None."""
+        return self._fallback
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bitwise, as plain tensors/numbers/strings.
+
+        Loads under ``torch.load(weights_only=True)``. Save at a window boundary (after
+        ``step()`` applied or skipped): gradients of a half-finished window are not saved.
+        Cost: one host sync.
+        """
+        self._drain()
+        if self._micro:
+            warnings.warn(
+                f"Guard.state_dict() called mid-window ({self._micro} of "
+                f"{self.accumulation_steps} micro-batches); their gradients are not saved",
+                RuntimeWarning, stacklevel=2,
+            )
+        return {
+            "version": _STATE_VERSION,
+            "precision": self._policy.precision,
+            "requested_precision": self._requested_precision,
+            "fallback": dict(self._fallback) if self._fallback else None,
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "scaler_config": self.scaler_config.to_dict(),
+            "steps": self._steps,
+            "accumulation_steps": self.accumulation_steps,
+            "counters": self._counts.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; raises ``ValueError`` on a malformed state."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"not an ampguard Guard state (expected a dict with version={_STATE_VERSION})"
+            )
+        try:
+            self._load(state)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed Guard state: missing or bad field {exc}") from exc
+
+    def _load(self, state: dict[str, Any]) -> None:
+        saved_cfg = state["scaler_config"]
+        diff = {k: v for k, v in saved_cfg.items() if getattr(self.scaler_config, k, v) != v}
+        if diff:
+            warnings.warn(f"Guard state was saved with a different ScalerConfig {diff}; keeping "
+                          "the config given to this Guard", RuntimeWarning, stacklevel=3)
+        self._steps = int(state["steps"])
+        self._counts = results.Counters.from_dict(state["counters"])
+        self._fallback = dict(state["fallback"]) if state["fallback"] else None
+        self._micro = 0
+        self._pending.clear()
+        if state["precision"] != self._policy.precision:
+            self._policy = resolve_precision(state["precision"], self._device)
+            self._scaler = self._make_scaler()
+        if self._scaler is not None:
+            if state["scaler"] is None:
+                raise ValueError("Guard state has no scaler state but this Guard uses fp16")
+            self._scaler.load_state_dict(state["scaler"])
+        self._hist.fill_(self._scaler.scale_tensor.item() if self._scaler is not None else 1.0)
+
+    def _make_scaler(self) -> LossScaler | None:
+        if not self._policy.needs_scaler:
+            return None
+        return LossScaler(self.scaler_config, self._device)
+
+    # ------------------------------------------------------------------ distributed
+    def _grad_sync_context(self) -> contextlib.AbstractContextManager:
+        final = self._micro >= self.accumulation_steps - 1
+        no_sync = getattr(self.model, "no_sync", None)
+        if final or no_sync is None or not _is_ddp(self.model):
+            return contextlib.nullcontext()
+        return no_sync()
+
+
+# ---------------------------------------------------------------------- helpers
+def _as_optimizers(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+) -> list[torch.optim.Optimizer]:
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not opts:
+        raise ValueError("optimizer must be an optimizer or a non-empty list of optimizers")
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a list of them, got "
+                f"{type(opt).__name__}"
+            )
+    if len({id(o) for o in opts}) != len(opts):
+        raise ValueError("optimizer lists the same optimizer twice")
+    return opts
+
+
+def _check_window(accumulation_steps: Any, clip_grad_norm: Any) -> None:
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
+            or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+        or not clip_grad_norm > 0
+    ):
+        raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip_grad_norm!r}")
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _is_fused(opt: torch.optim.Optimizer) -> bool:
+    return bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _scheduler_callback(sched: Any) -> Callable[[StepResult], Any]:
+    if not callable(getattr(sched, "step", None)):
+        raise TypeError(f"schedulers must have a .step() method, got {type(sched).__name__}")
+    return lambda _result: sched.step()

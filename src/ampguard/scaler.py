@@ -1,0 +1,254 @@
+"""The loss-scale state machine: torch-identical growth/backoff plus floor, cap and hysteresis.
+
+The scale and its trackers live on the device as tensors and are updated with device ops only, so
+nothing here reads a device value into Python (no host sync) except ``state_dict`` and ``scale``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ScalerConfig", "LossScaler", "ScaleCollapseError", "COLLAPSE_POLICIES", "collect_grads"]
+
+COLLAPSE_POLICIES = ("raise", "warn", "fallback")
+
+
+class ScaleCollapseError(RuntimeError):
+    """The loss scale is at ``min_scale`` and the gradients still overflow.
+
+    Training cannot make progress in fp16 at this point: every step is skipped.
+    """
+
+
+@dataclass(frozen=True)
+class ScalerConfig:
+    """Configuration of the dynamic loss scale (used only when precision resolves to fp16).
+
+    With ``hysteresis=1`` and the scale inside ``[min_scale, max_scale]`` the scale sequence is
+    bitwise identical to ``torch.amp.GradScaler`` with the same ``init_scale``, ``growth_factor``,
+    ``backoff_factor`` and ``growth_interval``. ``dynamic=False`` keeps the scale fixed at
+    ``init_scale`` (overflowing steps are still skipped).
+
+    ``on_collapse`` says what happens on an overflow while the scale is already at ``min_scale``:
+    ``"raise"`` raises :class:`ScaleCollapseError`, ``"warn"`` warns once per collapse episode and
+    keeps skipping, ``"fallback"`` switches the Guard to bf16 (or fp32 where bf16 is unsupported).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    on_collapse: str = "raise"
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.growth_factor > 1, "growth_factor", "must be > 1", self.growth_factor)
+        _check(0 < self.backoff_factor < 1, "backoff_factor", "must be in (0, 1)",
+               self.backoff_factor)
+        _check(_is_int(self.growth_interval) and self.growth_interval >= 1, "growth_interval",
+               "must be an integer >= 1", self.growth_interval)
+        _check(_is_int(self.hysteresis) and self.hysteresis >= 1, "hysteresis",
+               "must be an integer >= 1", self.hysteresis)
+        _check(math.isfinite(self.min_scale) and self.min_scale > 0, "min_scale",
+               "must be finite and > 0", self.min_scale)
+        _check(math.isfinite(self.max_scale) and self.max_scale >= self.min_scale, "max_scale",
+               "must be finite and >= min_scale", self.max_scale)
+        _check(self.min_scale <= self.init_scale <= self.max_scale, "init_scale",
+               f"must lie in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
+               self.init_scale)
+        _check(self.on_collapse in COLLAPSE_POLICIES, "on_collapse",
+               f"must be one of {COLLAPSE_POLICIES}", self.on_collapse)
+        _check(isinstance(self.consecutive_hysteresis, bool), "consecutive_hysteresis",
+               "must be a bool", self.consecutive_hysteresis)
+        _check(isinstance(self.dynamic, bool), "dynamic", "must be a bool", self.dynamic)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-value dict (loads under ``torch.load(weights_only=True)``)."""
+        return dataclasses.asdict(self)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"ScalerConfig.{name} {rule}, got {value!r}")
+
+
+class LossScaler:
+    """Device-resident dynamic loss scale.
+
+    Algorithm of :meth:`update` (per optimizer step, ``found`` = any non-finite gradient)::
+
+        if found:
+            growth_tracker = 0                      # every overflow skips and resets growth
+            budget = max(budget - 1, 0)
+            if budget == 0:                          # hysteresis used up: back off
+                if scale <= min_scale: collapse      # already at the floor
+                scale = max(scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if consecutive_hysteresis: budget = hysteresis
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                budget = hysteresis                  # refilled when the scale grows
+                if isfinite(scale * growth_factor):
+                    scale = min(scale * growth_factor, max_scale)
+
+    The backoff/growth arithmetic is torch's own ``_amp_update_scale_`` kernel, so the scale is
+    bitwise identical to ``torch.amp.GradScaler`` while it stays inside the floor and cap.
+    Cost: no host sync (all device ops); ``update`` runs 2 small kernels with ``hysteresis=1``
+    and about 8 with ``hysteresis>1``.
+    """
+
+    def __init__(self, config: ScalerConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self._scale = torch.full((), config.init_scale, dtype=torch.float32, device=self.device)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._budget = torch.full((), config.hysteresis, dtype=torch.int32, device=self.device)
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The live fp32 scale tensor (0-dim, on the device). No sync."""
+        return self._scale
+
+    def scale(self) -> float:
+        """The current scale as a Python float. Cost: one host sync."""
+        return float(self._scale.item())
+
+    def inv_scale(self) -> torch.Tensor:
+        """``1/scale`` computed in fp64 then rounded to fp32, exactly as torch's GradScaler."""
+        return self._scale.double().reciprocal().float()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (fp32 scale tensor; no sync)."""
+        return loss * self._scale.to(device=loss.device, non_blocking=True)
+
+    def unscale_(self, grads: Iterable[torch.Tensor], inv_scale: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Multiply ``grads`` in place by ``1/scale`` and return a 0-dim fp32 non-finite flag.
+
+        Uses torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype)
+        group. Pass ``inv_scale=ones`` to only check. Cost: no host sync.
+        """
+        inv = self.inv_scale() if inv_scale is None else inv_scale
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
+        for (device, _), group in _group_by_device_dtype(grads).items():
+            per_dev_found = found if device == self.device else found.to(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, per_dev_found, inv.to(device)
+            )
+            if per_dev_found is not found:
+                found.add_(per_dev_found.to(self.device))
+        return found
+
+    def check_(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Non-finite flag of ``grads`` without changing them. Cost: no host sync."""
+        return self.unscale_(grads, torch.ones((), dtype=torch.float32, device=self.device))
+
+    def update(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """Advance the state machine by one optimizer step; return the 0-dim bool collapse flag.
+
+        ``found_inf`` is a 0-dim float tensor, nonzero when any gradient was non-finite.
+        Cost: no host sync.
+        """
+        cfg = self.config
+        if not cfg.dynamic:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        found = found_inf.to(self.device) > 0
+        backoff = self._spend_budget(found) if cfg.hysteresis > 1 else found
+        collapse = backoff & (self._scale <= cfg.min_scale)
+        torch._amp_update_scale_(
+            self._scale, self._growth_tracker, backoff.float(),
+            cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval,
+        )
+        self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+        if cfg.hysteresis > 1:
+            self._refill_budget(found)
+        return collapse
+
+    def _spend_budget(self, found: torch.Tensor) -> torch.Tensor:
+        # An overflow absorbed by hysteresis must still reset the growth tracker; setting it to -1
+        # makes the kernel's "clean step" increment land exactly on 0.
+        self._budget.sub_(found.int()).clamp_(min=0)
+        backoff = found & (self._budget == 0)
+        absorbed = found & ~backoff
+        self._growth_tracker.copy_(torch.where(absorbed, -1, self._growth_tracker))
+        return backoff
+
+    def _refill_budget(self, found: torch.Tensor) -> None:
+        refill = ~found
+        if not self.config.consecutive_hysteresis:
+            refill = refill & (self._growth_tracker == 0)  # growth happened this step
+        self._budget.copy_(torch.where(refill, self.config.hysteresis, self._budget))
+
+    def fill_(self, scale: float) -> None:
+        """Set the scale (used on fallback/restore). Cost: no host sync."""
+        self._scale.fill_(scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scale and trackers as Python numbers. Cost: one host sync (three scalars)."""
+        values = torch.stack(
+            [self._scale.double(), self._growth_tracker.double(), self._budget.double()]
+        ).tolist()
+        return {
+            "scale": values[0],
+            "growth_tracker": int(values[1]),
+            "hysteresis_tracker": int(values[2]),
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` produced (the config is the caller's concern)."""
+        try:
+            scale = float(state["scale"])
+            tracker = int(state["growth_tracker"])
+            budget = int(state.get("hysteresis_tracker", self.config.hysteresis))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid scaler state: {exc!r}") from exc
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"invalid scaler state: scale must be finite and > 0, got {scale}")
+        self._scale.fill_(scale)
+        self._growth_tracker.fill_(tracker)
+        self._budget.fill_(budget)
+
+
+def _group_by_device_dtype(
+    grads: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return groups
+
+
+def collect_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense gradient tensors of ``params`` to unscale (sparse: coalesced values).
+
+    fp16 sparse gradients are coalesced first, as torch does, because duplicate indices can
+    overflow only once summed.
+    """
+    out = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            if g.dtype is torch.float16:
+                p.grad = g = g.coalesce()
+            out.append(g._values())
+        else:
+            out.append(g)
+    return out
