@@ -97,6 +97,7 @@ class Guard:
         self._hist = torch.zeros(_HISTORY, dtype=torch.float32, device=self._device)
         self._hist_steps: list[int] = []
         self._contain: MicrobatchBuffer | None = None
+        self._resume: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -114,6 +115,16 @@ class Guard:
         """Current loss scale as a float (1.0 when no scaler is in use). Cost: one host sync."""
         self._drain()
         return self._scaler.scale() if self._scaler is not None else 1.0
+
+    @property
+    def uses_scaler(self) -> bool:
+        """True while a loss scaler is active (fp16 and no fallback happened)."""
+        return self._scaler is not None
+
+    @property
+    def resume(self) -> dict[str, Any] | None:
+        """Set after a resume: ``{"step", "scale_reset", "saved_scale"}``; else None."""
+        return self._resume
 
     @property
     def steps(self) -> int:
@@ -399,7 +410,21 @@ class Guard:
             if state["scaler"] is None:
                 raise ValueError("Guard state has no scaler state but this Guard uses fp16")
             self._scaler.load_state_dict(state["scaler"])
-        self._hist.fill_(self._scaler.scale_tensor.item() if self._scaler is not None else 1.0)
+        saved = state["scaler"]["scale"] if state["scaler"] is not None else None
+        self._hist.fill_(saved if saved is not None else 1.0)
+        self._mark_resume(scale_reset=False, saved_scale=saved)
+
+    def _adopt_torch_scaler_state(self, state: dict[str, Any]) -> None:
+        """Take over a ``torch.amp.GradScaler.state_dict()`` (scale and growth tracker)."""
+        assert self._scaler is not None
+        self._scaler.load_state_dict(
+            {"scale": state["scale"], "growth_tracker": state.get("_growth_tracker", 0)}
+        )
+        self._mark_resume(scale_reset=False, saved_scale=float(state["scale"]))
+
+    def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
+        self._resume = {"step": self._steps, "scale_reset": scale_reset,
+                        "saved_scale": saved_scale}
 
     def _make_scaler(self) -> LossScaler | None:
         if not self._policy.needs_scaler:
