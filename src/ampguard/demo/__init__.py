@@ -1,0 +1,136 @@
+"""``ampguard demo``: train a small model in fp16 on CPU through a Guard and report what happened.
+
+The built-in data carry a short burst of outlier batches that overflow fp16; the Guard skips those
+steps, backs the loss scale off and grows it back, and the LR schedule only advances on applied steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ampguard.checkpoint import save_checkpoint
+from ampguard.demo.data import DemoData, make_data
+from ampguard.guard import Guard
+from ampguard.scaler import ScalerConfig
+
+__all__ = ["run_demo", "DemoResult", "build_model"]
+
+
+@dataclass
+class DemoResult:
+    """What the demo did: counts, scales, losses and the files it wrote."""
+
+    steps: int
+    precision: str
+    skipped: list[int]
+    spike_steps: tuple[int, ...]
+    scale_start: float
+    scale_end: float
+    scale_min: float
+    loss_before: float
+    loss_after: float
+    seconds: float
+    run_dir: Path
+    checkpoint: Path
+    report: Path | None = None
+    extra_lines: list[str] = field(default_factory=list)
+
+
+def build_model(data: DemoData, seed: int) -> torch.nn.Module:
+    """The student: a 3-layer GELU MLP, seeded."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(data.in_dim, 64), torch.nn.GELU(),
+        torch.nn.Linear(64, 64), torch.nn.GELU(),
+        torch.nn.Linear(64, data.out_dim),
+    )
+
+
+def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo",
+             precision: str = "fp16", progress: bool = True, quiet: bool = False) -> DemoResult:
+    """Train, checkpoint, report; print a summary ending with the report path. Returns the result."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    run_dir = Path(out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = make_data(seed=seed, steps=steps)
+    model = build_model(data, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    guard = Guard(model, optimizer, precision=precision, clip_grad_norm=1.0,
+                  scaler=ScalerConfig(growth_interval=50), schedulers=[schedule])
+    loss_before = _eval_loss(model, data)
+    scale_start = guard.scale
+    started = time.perf_counter()
+    skipped, scales = _train(guard, model, data, progress)
+    seconds = time.perf_counter() - started
+    checkpoint = save_checkpoint(run_dir / "checkpoint.pt", model=model, optimizer=optimizer,
+                                 guard=guard, scheduler=schedule, extra={"seed": seed})
+    result = DemoResult(
+        steps=steps, precision=guard.precision, skipped=skipped, spike_steps=data.spike_steps,
+        scale_start=scale_start, scale_end=guard.scale, scale_min=min(scales, default=1.0),
+        loss_before=loss_before, loss_after=_eval_loss(model, data), seconds=seconds,
+        run_dir=run_dir, checkpoint=checkpoint,
+    )
+    if not quiet:
+        print(summary(result))
+    return result
+
+
+def _train(guard: Guard, model: torch.nn.Module, data: DemoData,
+           progress: bool) -> tuple[list[int], list[float]]:
+    from tqdm import tqdm
+
+    skipped: list[int] = []
+    scales: list[float] = []
+    bar = tqdm(data.batches(), total=data.steps, disable=not progress, desc="fp16 training",
+               unit="step", leave=False)
+    for step, (x, y) in enumerate(bar, start=1):
+        with guard.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        if not guard.step().applied:  # one host sync per step, as torch's GradScaler has
+            skipped.append(step)
+            scales.append(guard.scale)
+    return skipped, scales
+
+
+def _eval_loss(model: torch.nn.Module, data: DemoData) -> float:
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(data.eval_x), data.eval_y))
+
+
+def summary(r: DemoResult) -> str:
+    """The text the demo prints: counts, causes, scale, loss, then where the outputs are."""
+    lines = [
+        f"ampguard demo: {r.steps} steps in {r.precision} on cpu ({r.seconds:.1f} s)",
+        f"  eval loss (fp32):  {r.loss_before:.4f} -> {r.loss_after:.4f}",
+        f"  skipped steps:     {len(r.skipped)} of {r.steps}",
+    ]
+    for first, last in _runs(r.skipped):
+        span = f"step {first}" if first == last else f"steps {first}-{last}"
+        cause = ("outlier batch overflowed fp16 in the forward pass"
+                 if first in r.spike_steps else "gradients overflowed at the current loss scale")
+        lines.append(f"    {span}: {cause}; step skipped, scale backed off")
+    lines.append(f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
+                 f"(lowest after a skip: {r.scale_min:g})")
+    lines.extend(r.extra_lines)
+    lines.append(f"  run folder:        {r.run_dir}")
+    lines.append(f"  checkpoint:        {r.checkpoint}")
+    if r.report is not None:
+        lines.append(f"  report:            {r.report}")
+    return "\n".join(lines)
+
+
+def _runs(steps: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], s)
+        else:
+            runs.append((s, s))
+    return runs
