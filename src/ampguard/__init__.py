@@ -21,9 +21,14 @@ _EXPORTS: dict[str, str] = {
     "ScaleCollapseError": "ampguard.scaler",
     "Guard": "ampguard.guard",
     "StepResult": "ampguard.guard",
+    "ResumeWarmup": "ampguard.resume",
     "CheckpointError": "ampguard.checkpoint",
     "save_checkpoint": "ampguard.checkpoint",
     "load_checkpoint": "ampguard.checkpoint",
+    "Experiment": "ampguard.compare",
+    "Comparison": "ampguard.compare",
+    "compare": "ampguard.compare",
+    "inspect_model": "ampguard.advisor",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -31,6 +31,7 @@ from ampguard.policy import (
     supports_bf16,
 )
 from ampguard.results import StepResult
+from ampguard.resume import ResumeWarmup, WarmupRamp, scale_gap_bits
 from ampguard.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
 
 __all__ = ["Guard", "StepResult"]
@@ -66,6 +67,7 @@ class Guard:
         *,
         schedulers: Sequence[Any] = (),
         contain_nonfinite_microbatches: bool = False,
+        resume_warmup: ResumeWarmup | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -94,10 +96,17 @@ class Guard:
         self._pending: list[tuple[StepResult, torch.Tensor]] = []
         self._fallback: dict[str, Any] | None = None
         self._collapsing = False
-        self._hist = torch.zeros(_HISTORY, dtype=torch.float32, device=self._device)
+        self._hist = torch.full((_HISTORY,), self.scaler_config.init_scale if self._scaler else 1.0,
+                                dtype=torch.float32, device=self._device)
         self._hist_steps: list[int] = []
         self._contain: MicrobatchBuffer | None = None
         self._resume: dict[str, Any] | None = None
+        if resume_warmup is not None and not isinstance(resume_warmup, ResumeWarmup):
+            raise TypeError("resume_warmup must be an ampguard.ResumeWarmup or None, got "
+                            f"{type(resume_warmup).__name__}")
+        self.resume_warmup = resume_warmup
+        self._ramp: WarmupRamp | None = None
+        self._scale_changes = torch.zeros((), dtype=torch.int64, device=self._device)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -181,10 +190,12 @@ class Guard:
             return StepResult.in_window(self._steps)
         self._micro = 0
         self._steps += 1
-        if self._scaler is None:
-            result = self._step_unscaled(kwargs)
-        else:
-            result = self._step_scaled(kwargs)
+        if self._ramp is not None:
+            self._ramp.apply(self.optimizers, self._steps)
+        try:
+            result = self._step_scaled(kwargs) if self._scaler else self._step_unscaled(kwargs)
+        finally:
+            self._end_ramp_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         if len(self._pending) >= _DRAIN_EVERY:
@@ -283,7 +294,16 @@ class Guard:
 
     def _remember_scale(self) -> None:
         assert self._scaler is not None
-        self._hist[self._steps % _HISTORY].copy_(self._scaler.scale_tensor)
+        scale = self._scaler.scale_tensor
+        self._scale_changes.add_(self._hist[(self._steps - 1) % _HISTORY] != scale)
+        self._hist[self._steps % _HISTORY].copy_(scale)
+
+    def _end_ramp_step(self) -> None:
+        if self._ramp is None:
+            return
+        self._ramp.restore()
+        if self._ramp.done(self._steps):
+            self._ramp = None
 
     def _contain_microbatch(self) -> None:
         if self._contain is None:
@@ -353,6 +373,37 @@ class Guard:
     def fallback(self) -> dict[str, Any] | None:
         """``{"step", "from", "to"}`` if a collapse fallback switched precision, else None."""
         return self._fallback
+
+    # ------------------------------------------------------------------ summary
+    def diagnostics(self, last: int = 8) -> dict[str, Any]:
+        """A summary of the run so far, from what the Guard already keeps.
+
+        Current scale, skipped steps (total and by cause), scale changes, the last ``last``
+        scales with their steps, consecutive skips now, micro-batches dropped, fallbacks applied,
+        precision, resume and warm-up state. Cost: one host sync (a few scalars and the
+        32-entry scale history); nothing is recomputed.
+        """
+        self._drain()
+        c = self._counts
+        history = self._scale_history()[-last:] if self._scaler is not None else []
+        return {
+            "step": self._steps,
+            "precision": self._policy.precision,
+            "scale": self.scale,
+            "skipped_steps": c.skipped,
+            "skipped_by_cause": {"overflow": c.skipped_overflow, "collapse": c.skipped_collapse},
+            "applied_steps": c.applied,
+            "scale_changes": int(self._scale_changes.item()),
+            "last_scales": [{"step": s, "scale": v} for s, v in history],
+            "consecutive_skips": c.consecutive_skips,
+            "microbatches_dropped": c.dropped_microbatches,
+            "fallbacks": self._fallbacks(),
+            "resume": dict(self._resume) if self._resume else None,
+            "resume_warmup_active": self._ramp is not None,
+        }
+
+    def _fallbacks(self) -> list[dict[str, Any]]:
+        return [dict(self._fallback)] if self._fallback else []
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -424,7 +475,33 @@ class Guard:
 
     def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
         self._resume = {"step": self._steps, "scale_reset": scale_reset,
-                        "saved_scale": saved_scale}
+                        "saved_scale": saved_scale, "gap_bits": None, "warmup": False}
+        if scale_reset:
+            self._maybe_start_ramp()
+
+    def check_resume(self, previous_scale: float) -> float | None:
+        """Compare the resumed scale with the one the run had right before the interruption.
+
+        ``previous_scale`` comes from the run log (telemetry passes it on resume). Returns the gap
+        in powers of two; starts the ``resume_warmup`` ramp when the gap is large.
+        Cost: one host sync.
+        """
+        if self._resume is None:
+            self._mark_resume(scale_reset=False)
+        assert self._resume is not None
+        gap = scale_gap_bits(previous_scale, self.scale if self._scaler else None)
+        self._resume["previous_scale"] = float(previous_scale)
+        self._resume["gap_bits"] = gap
+        self._maybe_start_ramp()
+        return gap
+
+    def _maybe_start_ramp(self) -> None:
+        cfg, info = self.resume_warmup, self._resume
+        if cfg is None or info is None or info["warmup"]:
+            return
+        if cfg.triggered(info["scale_reset"], info["gap_bits"]):
+            self._ramp = WarmupRamp(cfg, self._steps)
+            info["warmup"] = True
 
     def _make_scaler(self) -> LossScaler | None:
         if not self._policy.needs_scaler:

@@ -112,14 +112,23 @@ class Counters:
 
     applied: int = 0
     skipped: int = 0
+    skipped_overflow: int = 0
+    skipped_collapse: int = 0
     collapses: int = 0
     dropped_microbatches: int = 0
+    consecutive_skips: int = 0
 
     def record(self, flags: Decoded) -> None:
         if flags.applied:
             self.applied += 1
+            self.consecutive_skips = 0
         else:
             self.skipped += 1
+            self.consecutive_skips += 1
+            if flags.collapse:
+                self.skipped_collapse += 1
+            else:
+                self.skipped_overflow += 1
         self.collapses += int(flags.collapse)
         self.dropped_microbatches += flags.dropped
 

@@ -1,0 +1,87 @@
+"""A safe landing after a resume: ramp the learning rate back up while the loss scale settles.
+
+After a resume whose loss scale differs a lot from the scale before the interruption, or was reset
+(a checkpoint without scaler state), the first few hundred steps probe the scale again. The usual
+advice is a lower learning rate until it settles; :class:`ResumeWarmup` does it for you.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ResumeWarmup", "WarmupRamp", "scale_gap_bits"]
+
+
+@dataclass(frozen=True)
+class ResumeWarmup:
+    """Multiply every LR by a factor ramping linearly from ``lr_factor`` to 1 over ``steps``.
+
+    Applies only when the resume check fires: the scale was reset, or differs from the scale
+    before the interruption by at least ``2**min_gap_bits``. The LR the user's scheduler set is
+    restored right after each optimizer step, so schedulers never see the factor and the LRs
+    return bitwise to the scheduler's values when the ramp ends.
+    """
+
+    steps: int = 200
+    lr_factor: float = 0.1
+    min_gap_bits: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"ResumeWarmup.steps must be an integer >= 1, got {self.steps!r}")
+        if not (isinstance(self.lr_factor, (int, float)) and 0 < self.lr_factor <= 1):
+            raise ValueError(f"ResumeWarmup.lr_factor must be in (0, 1], got {self.lr_factor!r}")
+        if isinstance(self.min_gap_bits, bool) or not isinstance(self.min_gap_bits, int) \
+                or self.min_gap_bits < 1:
+            raise ValueError(
+                f"ResumeWarmup.min_gap_bits must be an integer >= 1, got {self.min_gap_bits!r}"
+            )
+
+    def triggered(self, scale_reset: bool, gap_bits: float | None) -> bool:
+        """Whether a resume with this scale reset / gap (in powers of two) warrants the ramp."""
+        return scale_reset or (gap_bits is not None and gap_bits >= self.min_gap_bits)
+
+
+def scale_gap_bits(before: float | None, after: float | None) -> float | None:
+    """``|log2(after / before)|``, or None when either scale is unknown or not positive."""
+    if not before or not after or before <= 0 or after <= 0:
+        return None
+    return abs(math.log2(after / before))
+
+
+class WarmupRamp:
+    """The running ramp: scales param-group LRs around each optimizer step. No host sync."""
+
+    def __init__(self, config: ResumeWarmup, start_step: int) -> None:
+        self.config = config
+        self.start_step = start_step
+        self._saved: list[tuple[dict[str, Any], Any]] = []
+
+    def factor(self, step: int) -> float:
+        """The LR multiplier at window ``step`` (1.0 once the ramp is over)."""
+        t = step - self.start_step - 1  # the first window after the resume gets lr_factor
+        if t >= self.config.steps:
+            return 1.0
+        f = self.config.lr_factor
+        return f + (1.0 - f) * max(t, 0) / self.config.steps
+
+    def done(self, step: int) -> bool:
+        return step - self.start_step >= self.config.steps
+
+    def apply(self, optimizers: Sequence[torch.optim.Optimizer], step: int) -> None:
+        """Multiply every group's LR by the factor, remembering the scheduler's value."""
+        factor = self.factor(step)
+        self._saved = [(g, g["lr"]) for opt in optimizers for g in opt.param_groups]
+        for group, lr in self._saved:
+            group["lr"] = lr * factor
+
+    def restore(self) -> None:
+        """Put back exactly the LR objects the scheduler had set."""
+        for group, lr in self._saved:
+            group["lr"] = lr
+        self._saved = []
