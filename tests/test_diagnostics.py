@@ -1,0 +1,60 @@
+"""Guard.diagnostics(): a cheap summary of scale, skips by cause, history and state."""
+
+import torch
+
+import ampguard as ag
+
+
+def _guard(**kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, ag.Guard(model, opt, precision="fp16", **kwargs)
+
+
+def _run(model, guard, steps, bad=()):
+    for i in range(1, steps + 1):
+        with guard.autocast():
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        guard.backward(loss)
+        if i in bad:
+            model[0].weight.grad.view(-1)[0] = float("inf")
+        guard.step()
+
+
+def test_counts_skips_changes_and_history():
+    model, guard = _guard(scaler=ag.ScalerConfig(init_scale=1024.0, growth_interval=3))
+    _run(model, guard, 9, bad={2, 3})
+    d = guard.diagnostics(last=4)
+    assert d["step"] == 9
+    assert d["skipped_steps"] == 2
+    assert d["skipped_by_cause"] == {"overflow": 2, "collapse": 0}
+    assert d["applied_steps"] == 7
+    # 1024 -> 512 -> 256 (two back-offs at steps 2, 3), growth at steps 6 and 9
+    assert d["scale"] == 1024.0
+    assert d["scale_changes"] == 4
+    assert [e["step"] for e in d["last_scales"]] == [6, 7, 8, 9]
+    assert [e["scale"] for e in d["last_scales"]] == [512.0, 512.0, 512.0, 1024.0]
+    assert d["consecutive_skips"] == 0
+    assert d["precision"] == "fp16"
+    assert d["fallbacks"] == []
+
+
+def test_consecutive_skips_now():
+    model, guard = _guard(scaler=ag.ScalerConfig(init_scale=1024.0))
+    _run(model, guard, 5, bad={4, 5})
+    assert guard.diagnostics()["consecutive_skips"] == 2
+
+
+def test_fallback_is_listed():
+    model, guard = _guard(scaler=ag.ScalerConfig(init_scale=2.0, min_scale=1.0,
+                                                 on_collapse="fallback"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _run(model, guard, 3, bad={1, 2})
+    d = guard.diagnostics()
+    assert d["precision"] == "bf16"
+    assert d["fallbacks"] == [{"step": 2, "from": "fp16", "to": "bf16"}]
+    assert d["skipped_by_cause"] == {"overflow": 1, "collapse": 1}
