@@ -1,0 +1,38 @@
+"""`ampguard demo` end to end (short setting)."""
+
+import torch
+
+import ampguard as ag
+from ampguard.cli import main
+from ampguard.demo import build_model, run_demo
+from ampguard.demo.data import make_data
+
+
+def test_demo_skips_the_outlier_burst_and_learns(tmp_path):
+    result = run_demo(steps=60, out=tmp_path / "run", progress=False, quiet=True)
+    assert result.precision == "fp16"
+    assert result.spike_steps == (24, 25, 26)
+    assert set(result.spike_steps) <= set(result.skipped)
+    assert result.scale_min < result.scale_start  # the scale backed off
+    assert result.loss_after < result.loss_before
+    assert result.checkpoint.is_file()
+
+
+def test_demo_checkpoint_resumes(tmp_path):
+    result = run_demo(steps=30, out=tmp_path, progress=False, quiet=True)
+    data = make_data(steps=30)
+    model = build_model(data, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = ag.Guard(model, opt, precision="fp16")
+    extra = ag.load_checkpoint(result.checkpoint, model=model, optimizer=opt, guard=guard)
+    assert extra == {"seed": 0}
+    assert guard.steps == 30
+    assert guard.scale == result.scale_end
+
+
+def test_cli_demo_prints_summary_ending_with_outputs(tmp_path, capsys):
+    assert main(["demo", "--steps", "40", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped steps:" in out
+    assert "outlier batch overflowed fp16" in out
+    assert out.rstrip().splitlines()[-1].strip().startswith(("report:", "checkpoint:"))
