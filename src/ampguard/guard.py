@@ -81,6 +81,11 @@ class Guard:
         self.scaler_config = scaler or ScalerConfig()
         self.contain_nonfinite_microbatches = bool(contain_nonfinite_microbatches)
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        if next(iter(model.parameters()), None) is None:
+            raise ValueError("model has no parameters: ampguard needs at least one trainable "
+                             "tensor (pass the module that owns the optimizer's parameters)")
+        if not params:
+            raise ValueError("optimizer has no parameters to train (its param_groups are empty)")
         self._device = device_of(params)
         self._requested_precision = precision
         self._policy = resolve_precision(precision, self._device)
