@@ -37,6 +37,7 @@ class DemoResult:
     run_dir: Path
     checkpoint: Path
     report: Path | None = None
+    diagnostics: dict = field(default_factory=dict)
     extra_lines: list[str] = field(default_factory=list)
 
 
@@ -74,7 +75,7 @@ def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/d
         steps=steps, precision=guard.precision, skipped=skipped, spike_steps=data.spike_steps,
         scale_start=scale_start, scale_end=guard.scale, scale_min=min(scales, default=1.0),
         loss_before=loss_before, loss_after=_eval_loss(model, data), seconds=seconds,
-        run_dir=run_dir, checkpoint=checkpoint,
+        run_dir=run_dir, checkpoint=checkpoint, diagnostics=guard.diagnostics(),
     )
     if not quiet:
         print(summary(result))
@@ -118,6 +119,15 @@ def summary(r: DemoResult) -> str:
         lines.append(f"    {span}: {cause}; step skipped, scale backed off")
     lines.append(f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
                  f"(lowest after a skip: {r.scale_min:g})")
+    d = r.diagnostics
+    if d:
+        last = ", ".join(f"{e['step']}: {e['scale']:g}" for e in d["last_scales"][-4:])
+        fallbacks = "; ".join(f"{f['from']} -> {f['to']} at step {f['step']}"
+                              for f in d["fallbacks"]) or "none"
+        lines.append(f"  diagnostics:       {d['scale_changes']} scale changes, "
+                     f"{d['consecutive_skips']} consecutive skips now, "
+                     f"{d['microbatches_dropped']} micro-batches dropped, fallbacks: {fallbacks}")
+        lines.append(f"                     last scales (step: scale): {last}")
     lines.extend(r.extra_lines)
     lines.append(f"  run folder:        {r.run_dir}")
     lines.append(f"  checkpoint:        {r.checkpoint}")
