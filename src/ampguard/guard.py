@@ -23,6 +23,8 @@ import torch
 
 from ampguard import results
 from ampguard.containment import MicrobatchBuffer
+from ampguard.distributed import DistributedState
+from ampguard.distributed import attach as _attach_distributed
 from ampguard.policy import (
     PrecisionPolicy,
     check_parameters,
@@ -68,6 +70,9 @@ class Guard:
         schedulers: Sequence[Any] = (),
         contain_nonfinite_microbatches: bool = False,
         resume_warmup: ResumeWarmup | None = None,
+        audit_every: int | None = 100,
+        on_desync: str = "raise",
+        process_group: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -112,6 +117,10 @@ class Guard:
         self.resume_warmup = resume_warmup
         self._ramp: WarmupRamp | None = None
         self._scale_changes = torch.zeros((), dtype=torch.int64, device=self._device)
+        # distributed (ampguard.distributed): None unless a process group is in play
+        self._dist = _attach_distributed(
+            model, self._device, audit_every=audit_every, on_desync=on_desync,
+            process_group=process_group, containment=self.contain_nonfinite_microbatches)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -205,6 +214,8 @@ class Guard:
             opt.zero_grad(set_to_none=True)
         if len(self._pending) >= _DRAIN_EVERY:
             self._drain()
+        if self._dist is not None:
+            self._dist.maybe_audit(self)  # cross-rank audit every `audit_every` windows
         if self._callbacks and result.applied:
             for fn in self._callbacks:
                 fn(result)
@@ -245,9 +256,16 @@ class Guard:
         found = []
         for opt in self.optimizers:
             grads = collect_grads(_params_of(opt))
+            if self._dist is not None:  # distributed: check the rank-local shards
+                grads = self._dist.local_grads(grads)
             f = scaler.unscale_(grads, inv) if unscale_now else scaler.check_(grads)
             found.append(f if all_dropped is None else f + all_dropped)
+        # distributed: one async all-reduce of the flags, overlapped with clipping
+        agree = None if self._dist is None else self._dist.start_consensus(found, dropped,
+                                                                           self._steps)
         grad_norm = self._clip(found)
+        if agree is not None:
+            found, dropped = agree.wait()
         signal = torch.stack(found).sum()
         if dropped is not None:
             signal = signal + dropped.float()  # a dropped micro-batch says the scale is too high
@@ -514,8 +532,21 @@ class Guard:
         return LossScaler(self.scaler_config, self._device)
 
     # ------------------------------------------------------------------ distributed
+    @property
+    def distributed(self) -> DistributedState | None:
+        """The :class:`~ampguard.distributed.DistributedState` (topology, per-rank counters,
+        audit), or None when training in one process."""
+        return self._dist
+
+    def audit(self) -> dict[str, dict[int, Any]]:
+        """Run the cross-rank audit now (every rank must call it); ``{}`` when in sync or not
+        distributed. Cost: one host sync and one small all-reduce."""
+        return self._dist.audit(self, reason="requested") if self._dist is not None else {}
+
     def _grad_sync_context(self) -> contextlib.AbstractContextManager:
         final = self._micro >= self.accumulation_steps - 1
+        if self._dist is not None:
+            return self._dist.grad_sync_context(final, self.contain_nonfinite_microbatches)
         no_sync = getattr(self.model, "no_sync", None)
         if final or no_sync is None or not _is_ddp(self.model):
             return contextlib.nullcontext()

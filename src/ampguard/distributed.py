@@ -1,0 +1,436 @@
+"""The Guard under torch.distributed: setup detection, found_inf consensus, accumulation, audit.
+
+Detected from the model, no flags needed: ``DistributedDataParallel`` ("ddp"), FSDP2
+``fully_shard`` modules with DTensor parameters ("fsdp2"), or a plain model while a process group
+with more than one rank is initialised ("process_group").
+
+- **Consensus.** Each window, every rank writes its per-optimizer overflow flags (and, with
+  containment, its dropped micro-batch count) into its own row of a small ``(world, n + 1)``
+  tensor; ONE asynchronous ``all_reduce(MAX)`` gives every rank every row. The skip decision uses
+  the column maxima, so all ranks skip or step together, and the rows say which rank overflowed
+  (the overflow origin). Nothing is read on the host: the Guard reads its packed status exactly
+  where torch's GradScaler would.
+- **Accumulation.** Non-final micro-batches run under DDP's ``no_sync()`` or with FSDP2's
+  ``set_requires_gradient_sync(False)``.
+- **Audit.** Every ``audit_every`` windows (and at checkpoint time) one small all-reduce compares
+  scale, growth/hysteresis trackers, step counts, precision and a parameter checksum across ranks;
+  a mismatch raises :class:`DesyncError`, warns, or repairs from rank 0 (``on_desync``).
+
+The DDP communication hook lives in :mod:`ampguard.distributed_hooks`, checkpoints in
+:mod:`ampguard.checkpoint_dist`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ampguard.distributed_hooks import hook_state
+from ampguard.findings import Finding
+
+__all__ = [
+    "ON_DESYNC", "AUDIT_FIELDS", "DesyncError", "PeerFailureError", "Topology", "detect",
+    "DistributedState", "attach", "param_checksum",
+]
+
+ON_DESYNC = ("raise", "warn", "repair")
+AUDIT_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "applied_steps",
+                "skipped_steps", "precision", "param_checksum")
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class DesyncError(RuntimeError):
+    """Ranks disagree on the loss-scale state, step counts or parameters.
+
+    ``step``: the window at which the audit ran; ``differences``: field -> {rank: value};
+    ``ranks``: the (global) ranks whose values differ from the majority (ties: from rank 0).
+    ``finding`` is the same as an ampguard :class:`~ampguard.findings.Finding` (AG120).
+    """
+
+    def __init__(self, message: str, *, step: int, differences: dict[str, dict[int, Any]],
+                 ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.differences = differences
+        self.ranks = list(ranks)
+
+    @property
+    def finding(self) -> Finding:
+        return Finding(
+            code="AG120", severity="error", title="ranks out of sync", message=str(self),
+            step=self.step, evidence={"ranks": self.ranks, "differences": {
+                f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()}},
+            fix=_DESYNC_FIX,
+        )
+
+
+class PeerFailureError(RuntimeError):
+    """A collective of the Guard failed: another rank crashed, exited or timed out."""
+
+
+_DESYNC_FIX = (
+    "Find what the named ranks do differently (rank-dependent code around the Guard, a scale or "
+    "state loaded on some ranks only, a step() skipped on one rank); resume all ranks from the "
+    "same checkpoint, or use Guard(..., on_desync='repair') to copy rank 0's scaler state."
+)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the model is distributed: ``kind`` ("ddp" | "fsdp2" | "process_group") and its group.
+
+    ``rank``/``world_size`` are within ``group``; ``ranks`` maps group rank -> global rank.
+    """
+
+    kind: str
+    group: Any
+    rank: int
+    world_size: int
+    ranks: tuple[int, ...]
+
+    @property
+    def replicated(self) -> bool:
+        """Parameters are full copies on every rank (everything but FSDP2 shards)."""
+        return self.kind != "fsdp2"
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 (``fully_shard``) modules inside ``model``, outermost first."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def detect(model: torch.nn.Module, process_group: Any = None) -> Topology | None:
+    """The :class:`Topology` of ``model``, or None for single-process training.
+
+    A plain model counts as distributed only when a process group with more than one rank is
+    initialised; ``process_group`` overrides the group found (DDP's own, FSDP2's 1-D mesh, else
+    WORLD). Cost: no host sync.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        kind, group = "ddp", model.process_group
+    elif fsdp_modules(model):
+        kind, group = "fsdp2", _mesh_group(model)
+    else:
+        kind, group = "process_group", dist.group.WORLD
+        if dist.get_world_size(process_group or group) < 2:
+            return None
+    group = process_group if process_group is not None else group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return Topology(kind, group, dist.get_rank(group), len(ranks), ranks)
+
+
+def _mesh_group(model: torch.nn.Module) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
+            return p.device_mesh.get_group()
+    return dist.group.WORLD  # HSDP / 2-D meshes: every rank of the job takes part
+
+
+def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Exact, order-independent checksum of the parameters' bits (0-dim int64 on their device).
+
+    Each tensor's bits are summed as integers (no rounding, so equal parameters give equal sums
+    whatever the reduction order) and weighted by the tensor's position. Cost: one read of the
+    parameters; no host sync.
+    """
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+    total = None
+    for i, p in enumerate(params):
+        t = p.detach()
+        if not t.is_floating_point():
+            continue
+        s = t.contiguous().view(ints[t.element_size()]).sum(dtype=torch.int64) * (2 * i + 1)
+        total = s if total is None else total + s
+    if total is None:
+        return torch.zeros((), dtype=torch.int64)
+    return total
+
+
+class _Pending:
+    """An in-flight consensus all-reduce; :meth:`wait` returns the agreed flags."""
+
+    __slots__ = ("state", "buf", "work", "n", "has_dropped", "step")
+
+    def __init__(self, state: DistributedState, buf: torch.Tensor, work: Any, n: int,
+                 has_dropped: bool, step: int) -> None:
+        self.state, self.buf, self.work, self.n = state, buf, work, n
+        self.has_dropped, self.step = has_dropped, step
+
+    def wait(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Agreed ``(found flags, total dropped micro-batches or None)``. Cost: no host sync."""
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise self.state.peer_failure("the found_inf consensus", self.step, exc) from exc
+        return self.state._settle(self.buf, self.n, self.has_dropped)
+
+
+class DistributedState:
+    """What a Guard keeps for distributed training: topology, consensus, audit, counters.
+
+    Counters live on the device: ``rank_overflows`` (windows in which each rank's own gradients
+    were non-finite), ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last
+    window's per-rank rows: the overflow origin). Read them with :meth:`summary` (one sync) or
+    record :meth:`telemetry_fields` (device tensors, no sync).
+    """
+
+    def __init__(self, model: torch.nn.Module, topology: Topology, device: torch.device,
+                 audit_every: int | None, on_desync: str) -> None:
+        self.topology = topology
+        self.model = model
+        self.audit_every = audit_every
+        self.on_desync = on_desync
+        self.device = device
+        self._fsdp = fsdp_modules(model) if topology.kind == "fsdp2" else []
+        self._sync_flag: bool | None = None
+        world = topology.world_size
+        self.rank_overflows = torch.zeros(world, dtype=torch.int64, device=device)
+        self.rank_dropped = torch.zeros(world, dtype=torch.int64, device=device)
+        self.last_rows: torch.Tensor | None = None
+        self.audits = 0
+
+    # ------------------------------------------------------------------ accumulation
+    def grad_sync_context(self, final: bool, containment: bool
+                          ) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce on non-final micro-batches. Cost: no host sync.
+
+        With micro-batch containment every micro-batch is synchronised, so each rank drops the
+        same (all-reduced) non-finite micro-batch.
+        """
+        sync = final or containment
+        kind = self.topology.kind
+        if kind == "ddp" and not sync:
+            return self.model.no_sync()
+        if kind == "fsdp2" and sync is not self._sync_flag:
+            for m in self._fsdp:
+                m.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]
+            self._sync_flag = sync
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def local_grads(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """DTensor gradients -> their local shards, so the overflow check is rank-local.
+
+        (DTensor's own check would all-reduce once per call; the consensus does it once.)
+        """
+        from torch.distributed.tensor import DTensor
+
+        return [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+
+    # ------------------------------------------------------------------ consensus
+    def start_consensus(self, found: list[torch.Tensor], dropped: torch.Tensor | None,
+                        step: int) -> _Pending:
+        """Issue the one all-reduce(MAX) of this window's flags; returns the pending result.
+
+        Cost: one collective of ``world * (n + 1)`` floats, asynchronous; no host sync.
+        """
+        n = len(found)
+        top = self.topology
+        buf = torch.zeros(top.world_size, n + 1, dtype=torch.float32, device=self.device)
+        row = torch.stack([f.to(self.device, torch.float32) for f in found])
+        if dropped is not None:
+            row = torch.cat([row, dropped.to(self.device, torch.float32).reshape(1)])
+        buf[top.rank, : row.numel()] = row
+        try:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=top.group, async_op=True)
+        except RuntimeError as exc:
+            raise self.peer_failure("the found_inf consensus", step, exc) from exc
+        return _Pending(self, buf, work, n, dropped is not None, step)
+
+    def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool
+                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        flags = buf[:, :n]
+        self.rank_overflows.add_(flags.amax(dim=1) > 0)
+        self.last_rows = buf
+        found = list(flags.amax(dim=0).unbind())
+        if not has_dropped:
+            return found, None
+        per_rank = buf[:, n].long()
+        self.rank_dropped.add_(per_rank)
+        return found, per_rank.sum()
+
+    def peer_failure(self, what: str, step: int, exc: BaseException) -> PeerFailureError:
+        top = self.topology
+        return PeerFailureError(
+            f"{what} at step {step} failed on rank {top.global_rank} of {top.world_size} "
+            f"({top.kind}): another rank probably crashed, exited or stopped calling "
+            f"Guard.step(); check the other ranks' logs. Cause: {exc}"
+        )
+
+    # ------------------------------------------------------------------ audit
+    def maybe_audit(self, guard: Any) -> None:
+        """Run :meth:`audit` when ``guard.steps`` is a multiple of ``audit_every``."""
+        if self.audit_every and guard.steps % self.audit_every == 0:
+            self.audit(guard)
+
+    def audit(self, guard: Any, reason: str = "scheduled") -> dict[str, dict[int, Any]]:
+        """Compare the Guard's state across ranks; act on a mismatch per ``on_desync``.
+
+        Returns the differences (field -> {global rank: value}; empty when in sync).
+        Cost: one host sync and one all-reduce of ``world * 8`` int64.
+        """
+        from ampguard._dist_audit import compare_rows, local_row, repair
+
+        top = self.topology
+        table = torch.zeros(top.world_size, len(AUDIT_FIELDS), dtype=torch.int64,
+                            device=self.device)
+        table[top.rank] = local_row(guard, self, self.device)
+        try:
+            dist.all_reduce(table, group=top.group)
+        except RuntimeError as exc:
+            raise self.peer_failure("the cross-rank audit", guard.steps, exc) from exc
+        rows = table.tolist()
+        self.audits += 1
+        diffs, odd = compare_rows(rows, top.ranks)
+        if not diffs:
+            return diffs
+        message = _desync_message(guard.steps, reason, self.audit_every, diffs, odd)
+        unrepairable = self.on_desync == "repair" and "precision" in diffs
+        if self.on_desync == "raise" or unrepairable:
+            raise DesyncError(message, step=guard.steps, differences=diffs, ranks=odd)
+        if self.on_desync == "repair":
+            repair(guard, self, rows[0], "param_checksum" in diffs)
+            message += " Repaired: rank 0's scaler state and counters were copied to every rank"
+            message += (" and its parameters broadcast (optimizer state was not)."
+                        if "param_checksum" in diffs else ".")
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return diffs
+
+    def replicated_params(self) -> list[torch.Tensor]:
+        """Parameters that must be identical on every rank (empty under FSDP2)."""
+        if not self.topology.replicated:
+            return []
+        model = self.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+            return [p for name, p in model.module.named_parameters() if name not in ignored]
+        return list(model.parameters())
+
+    # ------------------------------------------------------------------ telemetry
+    @property
+    def is_writer(self) -> bool:
+        """True on the rank that writes run logs (global rank 0 of the group)."""
+        return self.topology.rank == 0
+
+    def telemetry_fields(self) -> dict[str, Any]:
+        """Per-window fields for the run log (device tensors; no host sync).
+
+        ``overflow_ranks``: 1.0 where that rank's own gradients overflowed in the last window;
+        ``hook_nonfinite_ranks``: ranks left out by the non-finite-safe DDP hook (last bucket).
+        """
+        rows, hook = self.last_rows, hook_state(self.model)
+        return {
+            "rank": self.topology.global_rank,
+            "world_size": self.topology.world_size,
+            "overflow_ranks": None if rows is None else rows[:, :-1].amax(dim=1),
+            "hook_nonfinite_ranks": None if hook is None else hook.last_flags,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Rank-aware counters as plain values. Cost: one host sync."""
+        top = self.topology
+        over, dropped = torch.stack([self.rank_overflows, self.rank_dropped]).tolist()
+        hook = hook_state(self.model)
+        return {
+            "kind": top.kind, "rank": top.global_rank, "world_size": top.world_size,
+            "ranks": list(top.ranks), "audits": self.audits,
+            "rank_overflows": dict(zip(top.ranks, over, strict=True)),
+            "rank_dropped_microbatches": dict(zip(top.ranks, dropped, strict=True)),
+            "hook": hook.summary() if hook is not None else None,
+        }
+
+    def findings(self, step: int | None = None) -> list[Finding]:
+        """AG121 when some ranks overflow much more often than others; the hook's AG122.
+
+        Cost: one or two host syncs.
+        """
+        hook = hook_state(self.model)
+        out = hook.findings(step) if hook is not None else []
+        counts = self.summary()["rank_overflows"]
+        top, low = max(counts.values(), default=0), min(counts.values(), default=0)
+        if top == 0 or low * 2 > top:
+            return out
+        hot = sorted(r for r, c in counts.items() if c == top)
+        return out + [Finding(
+            code="AG121", severity="warning", title="overflows start on some ranks only",
+            message=(f"rank(s) {hot} had non-finite local gradients in {top} windows, other "
+                     f"ranks in as few as {low}; every rank skipped those steps together"),
+            step=step, evidence={"rank_overflows": {str(r): c for r, c in counts.items()}},
+            fix=("Inspect the data shard and the hardware of the named ranks (a corrupt sample, "
+                 "a faulty device); ampguard.locate on one of their batches names the module."),
+        )]
+
+
+def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | None = 100,
+           on_desync: str = "raise", process_group: Any = None,
+           containment: bool = False) -> DistributedState | None:
+    """Validate the options and return the :class:`DistributedState`, or None (single process).
+
+    Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
+    """
+    if audit_every is not None and (isinstance(audit_every, bool)
+                                    or not isinstance(audit_every, int) or audit_every < 1):
+        raise ValueError(f"audit_every must be None or an integer >= 1, got {audit_every!r}")
+    if on_desync not in ON_DESYNC:
+        raise ValueError(f"on_desync must be one of {ON_DESYNC}, got {on_desync!r}")
+    topology = detect(model, process_group)
+    if topology is None:
+        return None
+    if topology.kind == "fsdp2" and containment:
+        raise ValueError(
+            "contain_nonfinite_microbatches=True is not supported with FSDP2 (each rank sees only "
+            "its gradient shard, so ranks would drop different micro-batches); use DDP, or rely "
+            "on the skipped step"
+        )
+    return DistributedState(model, topology, device, audit_every, on_desync)
+
+
+def _desync_message(step: int, reason: str, every: int | None,
+                    diffs: dict[str, dict[int, Any]], odd: list[int]) -> str:
+    when = f"every {every} steps" if every else "audit"
+    parts = []
+    for field_name, values in diffs.items():
+        groups: dict[Any, list[int]] = {}
+        for r, v in values.items():
+            groups.setdefault(v, []).append(r)
+        parts.append(f"{field_name}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} = {_fmt(v)}"
+            for v, rs in groups.items()))
+    return (f"ranks out of sync at step {step} ({reason} audit, {when}): rank(s) "
+            f"{', '.join(map(str, odd))} differ. " + " | ".join(parts) + ". Fix: " + _DESYNC_FIX)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def scale_from_bits(bits: int) -> float:
+    """The fp32 value whose bit pattern is ``bits`` (audit rows store the scale exactly)."""
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def precision_name(code: int) -> str:
+    return _PRECISIONS[code] if 0 <= code < len(_PRECISIONS) else f"unknown({code})"
+
+
+def precision_code(name: str) -> int:
+    return _PRECISIONS.index(name)
