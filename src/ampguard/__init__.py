@@ -25,6 +25,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "ampguard.checkpoint",
     "save_checkpoint": "ampguard.checkpoint",
     "load_checkpoint": "ampguard.checkpoint",
+    "locate": "ampguard.forensics",
+    "Diagnosis": "ampguard.forensics",
     "Experiment": "ampguard.compare",
     "Comparison": "ampguard.compare",
     "compare": "ampguard.compare",

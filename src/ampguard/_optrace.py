@@ -1,0 +1,299 @@
+"""Op-level tracer shared by ``locate`` and ``coverage``: every aten op and the module that ran it.
+
+A :class:`OpTrace` is a ``TorchDispatchMode`` plus forward pre/post hooks on every module of the
+model. In forward an op belongs to the innermost module whose *own* code is running (the top of
+the hook stack). In backward an op belongs to the module whose forward created the autograd node
+that runs it: the hooks log ``(autograd sequence number, module)`` transitions, and a node's
+sequence number says which module was running when it was created. Two refinements make the
+backward attribution name the tensor whose gradient it is:
+
+- a dtype cast node (``ToCopyBackward0``) is attributed to the module that produced the cast's
+  input: a gradient that overflows while being cast down to an fp16 activation is that
+  activation's gradient;
+- a node created outside the model (in ``loss_fn``) is attributed the same way, to the module
+  whose output the gradient flows into.
+
+With ``numerics=True`` each op also records, on the device and without host syncs, the max |x|
+of its floating inputs (NaN/inf propagate into it) and of its outputs, the largest finite |x| of
+its outputs and their NaN/inf counts; :meth:`OpTrace.stats` reads them all with one sync.
+
+Hooks and the mode are installed only inside ``with trace.session(phase):`` and removed on exit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "flatten_tensors", "op_name"]
+
+# Columns of OpTrace.stats(); -1 in a column means "no floating tensor there".
+STAT_FIELDS = ("in_amax", "out_amax", "out_finite_amax", "out_nan", "out_inf")
+
+# Uninitialised memory may hold anything: never blame these ops for a non-finite value.
+_UNINITIALISED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One aten op as it ran.
+
+    ``module`` is the qualified module name (``""`` is the root) or ``None`` outside the model;
+    ``dtype`` the precision the op computed in (its first floating input, else its output);
+    ``numel`` the element count of its largest floating input; ``intentional`` is True when a
+    non-finite Python scalar was an argument (``masked_fill(mask, -inf)``); ``row`` indexes
+    :meth:`OpTrace.stats` (``None`` when numerics were not recorded for it).
+    """
+
+    index: int
+    phase: str
+    module: str | None
+    op: str
+    dtype: torch.dtype | None
+    out_dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    numel: int
+    intentional: bool
+    row: int | None
+    autocast: bool
+
+
+def op_name(func: Any) -> str:
+    """``aten.addmm.default`` -> ``"aten.addmm"`` (the overload packet's name)."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet is not None:
+        return f"{packet._qualified_op_name.replace('::', '.')}"
+    return str(func)
+
+
+def flatten_tensors(value: Any) -> list[torch.Tensor]:
+    """All tensors in nested tuples/lists/dicts (and dataclass-like ``__dict__``-free values)."""
+    out: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+    return out
+
+
+def _floating(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in tensors if t.is_floating_point() and t.numel() > 0]
+
+
+def _has_nonfinite_scalar(args: Any) -> bool:
+    stack = [args]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return False
+
+
+class _Mode(TorchDispatchMode):
+    """The dispatch half of :class:`OpTrace`; records every non-view op."""
+
+    def __init__(self, trace: OpTrace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if getattr(func, "is_view", False):
+            return func(*args, **kwargs)
+        trace = self.trace
+        inputs = _floating(flatten_tensors((args, kwargs)))
+        in_amax = trace._amax(inputs) if trace.numerics else None
+        out = func(*args, **kwargs)
+        trace._record(func, args, kwargs, inputs, in_amax, out)
+        return out
+
+
+class OpTrace:
+    """Records the aten ops of a model's forward and backward with module attribution.
+
+    >>> trace = OpTrace(model, numerics=True)
+    >>> with trace.session("forward"), torch.autocast("cpu", dtype=torch.float16):
+    ...     loss = loss_fn(model, batch)
+    >>> with trace.session("backward"):
+    ...     loss.backward()
+    >>> trace.events[0].module, trace.events[0].op
+    """
+
+    def __init__(self, model: torch.nn.Module, *, numerics: bool = False) -> None:
+        self.model = model
+        self.numerics = numerics
+        self.events: list[OpEvent] = []
+        self._rows: list[torch.Tensor] = []
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._owners = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
+        self._stack: list[str] = []
+        self._autocast_stack: list[bool] = []
+        # (first autograd sequence number, module) transitions, in creation order
+        self._seq: list[int] = []
+        self._seq_module: list[str | None] = []
+        self.phase = "forward"
+        self._device_type = _device_type(model)
+
+    # ------------------------------------------------------------------ sessions
+    @contextlib.contextmanager
+    def session(self, phase: str) -> Iterator[OpTrace]:
+        """Record ops of ``phase`` ("forward" | "backward") inside the block; hooks are removed
+        and the mode exited on the way out, even on error."""
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+        self.phase = phase
+        handles = self._install_hooks()
+        try:
+            with _Mode(self):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._stack.clear()
+            self._autocast_stack.clear()
+
+    def _install_hooks(self) -> list[Any]:
+        handles = []
+        for module in self.model.modules():
+            handles.append(module.register_forward_pre_hook(self._pre_hook, prepend=True))
+            handles.append(module.register_forward_hook(self._post_hook, always_call=True))
+        return handles
+
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        self._stack.append(name)
+        self._autocast_stack.append(torch.is_autocast_enabled(self._device_type))
+        self._mark(name)
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._names.get(id(module)) is None or not self._stack:
+            return
+        self._stack.pop()
+        self._autocast_stack.pop()
+        self._mark(self._stack[-1] if self._stack else None)
+
+    def _mark(self, module: str | None) -> None:
+        seq = torch._C._autograd._get_sequence_nr()
+        if self._seq and self._seq[-1] == seq:
+            self._seq_module[-1] = module
+        else:
+            self._seq.append(seq)
+            self._seq_module.append(module)
+
+    # ------------------------------------------------------------------ attribution
+    def current_module(self) -> str | None:
+        """The module an op running now belongs to (see the module docstring)."""
+        if self.phase == "forward" or self._stack:
+            return self._stack[-1] if self._stack else None
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        own = self._node_module(node)
+        if own is None or node.name() == "ToCopyBackward0":
+            return self._producer_module(node) or own
+        return own
+
+    def _node_module(self, node: Any) -> str | None:
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: the parameter's owner
+            return self._owners.get(id(variable))
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self._seq, seq) - 1
+        return self._seq_module[i] if i >= 0 else None
+
+    def _producer_module(self, node: Any, depth: int = 8) -> str | None:
+        frontier = [node]
+        for _ in range(depth):
+            nxt = []
+            for n in frontier:
+                for child, _slot in n.next_functions:
+                    if child is None:
+                        continue
+                    found = self._node_module(child)
+                    if found is not None:
+                        return found
+                    nxt.append(child)
+            if not nxt:
+                return None
+            frontier = nxt
+        return None
+
+    # ------------------------------------------------------------------ recording
+    def _record(self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor],
+                in_amax: torch.Tensor | None, out: Any) -> None:
+        outputs = _floating(flatten_tensors(out))
+        name = op_name(func)
+        row = None
+        if self.numerics and (inputs or outputs):
+            row = len(self._rows)
+            self._rows.append(self._row(in_amax, outputs, inputs))
+        first_out = outputs[0] if outputs else None
+        dtype = inputs[0].dtype if inputs else (first_out.dtype if first_out is not None else None)
+        self.events.append(OpEvent(
+            index=len(self.events),
+            phase=self.phase,
+            module=self.current_module(),
+            op=name,
+            dtype=dtype,
+            out_dtype=first_out.dtype if first_out is not None else None,
+            shape=tuple(first_out.shape) if first_out is not None else (),
+            numel=max((t.numel() for t in inputs), default=0),
+            intentional=name.startswith(_UNINITIALISED) or _has_nonfinite_scalar((args, kwargs)),
+            row=row,
+            autocast=self._autocast_stack[-1] if self._autocast_stack else False,
+        ))
+
+    @staticmethod
+    def _amax(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        if not tensors:
+            return None
+        device = tensors[0].device
+        vals = [t.detach().abs().amax().float().to(device) for t in tensors]
+        return torch.stack(vals).amax() if len(vals) > 1 else vals[0]
+
+    def _row(self, in_amax: torch.Tensor | None, outputs: list[torch.Tensor],
+             inputs: list[torch.Tensor]) -> torch.Tensor:
+        device = (outputs or inputs)[0].device
+        none = torch.full((), -1.0, device=device)
+        if not outputs:
+            return torch.stack([in_amax.to(device), none, none, none, none])
+        absd = [t.detach().abs() for t in outputs]
+        out_amax = torch.stack([a.amax().float() for a in absd]).amax()
+        finite = torch.stack([
+            torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+            .amax().float() for a in absd
+        ]).amax()
+        nan = sum(torch.isnan(a).sum() for a in absd).float()
+        inf = sum(torch.isinf(a).sum() for a in absd).float()
+        first = in_amax.to(device) if in_amax is not None else none
+        return torch.stack([first, out_amax, finite, nan, inf])
+
+    def stats(self) -> list[list[float]]:
+        """Per-row numerics (columns :data:`STAT_FIELDS`). Cost: one host sync."""
+        if not self._rows:
+            return []
+        return torch.stack([r.to(self._rows[0].device) for r in self._rows]).cpu().tolist()
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
