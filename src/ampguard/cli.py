@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from ampguard import _cli_compare
+
 __all__ = ["main", "build_parser"]
 
 # Each subcommand: (name, help, add_arguments(parser), run(args) -> exit code).
@@ -37,6 +39,10 @@ def _demo_run(args: argparse.Namespace) -> int:
 
 _SUBCOMMANDS: list[_Subcommand] = [
     ("demo", "train the built-in model in fp16 on CPU through a Guard", _demo_args, _demo_run),
+    ("compare", "A/B-train a factory's experiment in fp32/fp16/bf16 and give a verdict",
+     _cli_compare.compare_args, _cli_compare.compare_run),
+    ("inspect", "static AMP checks and an fp32 range probe of a factory's model",
+     _cli_compare.inspect_args, _cli_compare.inspect_run),
 ]
 
 

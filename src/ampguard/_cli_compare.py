@@ -1,0 +1,84 @@
+"""``ampguard compare`` and ``ampguard inspect``: argument parsing and dispatch only.
+
+torch and the heavy modules are imported inside the handlers, so building the parser stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["compare_args", "compare_run", "inspect_args", "inspect_run"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning an "
+                   "ampguard.Experiment")
+    p.add_argument("--steps", type=_positive_int, default=300,
+                   help="training steps per variant (default 300)")
+    p.add_argument("--out", default=None,
+                   help="folder for comparison.html and comparison.json (default: none)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
+                        "fp16_noscaler (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed before each variant (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _fail(command: str, exc: Exception) -> int:
+    print(f"ampguard {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def compare_run(args: argparse.Namespace) -> int:
+    from ampguard._loader import load_factory
+    from ampguard.compare import compare
+
+    variants = None if args.variants is None else [
+        v.strip() for v in args.variants.split(",") if v.strip()]
+    try:
+        factory = load_factory(args.factory)
+        cmp = compare(factory, steps=args.steps, variants=variants,
+                      progress=not args.no_progress, seed=args.seed)
+    except (ValueError, TypeError) as exc:
+        return _fail("compare", exc)
+    print(cmp.summary())
+    if args.out is not None:
+        print(f"\nreport: {cmp.save(args.out)}")
+    return 0
+
+
+def inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning a model, "
+                   "or an ampguard.Experiment (then its first batch is probed)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def inspect_run(args: argparse.Namespace) -> int:
+    """Exit code 1 when any finding is an error, else 0."""
+    from ampguard._loader import load_factory
+    from ampguard.advisor import inspect_model
+
+    try:
+        findings = inspect_model(load_factory(args.factory)())
+    except (ValueError, TypeError) as exc:
+        return _fail("inspect", exc)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"{f}\n    fix: {f.fix}" if f.fix else str(f))
+        if not findings:
+            print("no AMP hazards found")
+    return 1 if any(f.severity == "error" for f in findings) else 0

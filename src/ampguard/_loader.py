@@ -1,0 +1,83 @@
+"""Load a ``pkg.module:factory`` (or ``path/to/file.py:factory``) reference for the CLI.
+
+Every failure is a ``ValueError``/``TypeError`` whose message names the reference and says what
+to do, so the CLI can print it as a one-line error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["load_factory"]
+
+_FORM = "expected 'pkg.module:factory' or 'path/to/file.py:factory'"
+
+
+def load_factory(ref: str) -> Callable[[], Any]:
+    """The callable named by ``ref`` (``module:attr``, ``attr`` may be dotted).
+
+    The current directory is importable (as with ``python -m``), so ``ampguard compare
+    mymodel:make`` works from the folder that holds ``mymodel.py``.
+    """
+    if not isinstance(ref, str):
+        raise TypeError(f"factory reference must be a string ({_FORM}), got {type(ref).__name__}")
+    module_ref, sep, attr = ref.rpartition(":")
+    if not sep or not module_ref or not attr:
+        raise ValueError(f"invalid factory reference {ref!r}: {_FORM}")
+    module = _import(module_ref)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n, v in vars(module).items()
+                           if callable(v) and not n.startswith("_"))[:12]
+            raise ValueError(f"{module_ref!r} has no attribute {attr!r}; callables there: "
+                             f"{', '.join(names) or 'none'}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{ref!r} is a {type(obj).__name__}, not a callable factory")
+    return obj
+
+
+def _import(module_ref: str) -> ModuleType:
+    if module_ref.endswith(".py") or os.sep in module_ref or "/" in module_ref:
+        return _import_file(Path(module_ref))
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_ref)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_ref == exc.name or module_ref.startswith(exc.name + ".")):
+            raise ValueError(
+                f"cannot import module {module_ref!r} ({exc}); run from the folder that holds it, "
+                "add it to PYTHONPATH, or pass a file path (path/to/file.py:factory)"
+            ) from exc
+        raise ValueError(f"importing {module_ref!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise ValueError(f"importing {module_ref!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise ValueError(f"no such file {str(path)!r} (from the factory reference)")
+    name = f"_ampguard_factory_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    parent = str(path.resolve().parent)
+    if parent not in sys.path:
+        sys.path.insert(0, parent)  # so the file can import its neighbours, as a script would
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"importing {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
+    return module
