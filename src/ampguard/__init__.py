@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "load_checkpoint": "ampguard.checkpoint",
     "locate": "ampguard.forensics",
     "Diagnosis": "ampguard.forensics",
+    "coverage": "ampguard.coverage",
+    "Coverage": "ampguard.coverage",
     "Experiment": "ampguard.compare",
     "Comparison": "ampguard.compare",
     "compare": "ampguard.compare",

@@ -62,7 +62,6 @@ class OpEvent:
     numel: int
     intentional: bool
     row: int | None
-    autocast: bool
 
 
 def op_name(func: Any) -> str:
@@ -143,7 +142,8 @@ class OpTrace:
         self._names = {id(m): name for name, m in model.named_modules()}
         self._owners = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
         self._stack: list[str] = []
-        self._autocast_stack: list[bool] = []
+        # module -> was autocast on at every entry into its forward
+        self.autocast_on_entry: dict[str, bool] = {}
         # (first autograd sequence number, module) transitions, in creation order
         self._seq: list[int] = []
         self._seq_module: list[str | None] = []
@@ -166,7 +166,6 @@ class OpTrace:
             for h in handles:
                 h.remove()
             self._stack.clear()
-            self._autocast_stack.clear()
 
     def _install_hooks(self) -> list[Any]:
         handles = []
@@ -180,14 +179,14 @@ class OpTrace:
         if name is None:
             return
         self._stack.append(name)
-        self._autocast_stack.append(torch.is_autocast_enabled(self._device_type))
+        enabled = torch.is_autocast_enabled(self._device_type)
+        self.autocast_on_entry[name] = self.autocast_on_entry.get(name, True) and enabled
         self._mark(name)
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._names.get(id(module)) is None or not self._stack:
             return
         self._stack.pop()
-        self._autocast_stack.pop()
         self._mark(self._stack[-1] if self._stack else None)
 
     def _mark(self, module: str | None) -> None:
@@ -258,7 +257,6 @@ class OpTrace:
             numel=max((t.numel() for t in inputs), default=0),
             intentional=name.startswith(_UNINITIALISED) or _has_nonfinite_scalar((args, kwargs)),
             row=row,
-            autocast=self._autocast_stack[-1] if self._autocast_stack else False,
         ))
 
     @staticmethod

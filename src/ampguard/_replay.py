@@ -72,6 +72,7 @@ class Run:
     loss: float
     grads: dict[str, float] = field(default_factory=dict)   # name -> max |grad| (nan/inf kept)
     order: list[str] = field(default_factory=list)          # parameters in accumulation order
+    entered: dict[str, bool] = field(default_factory=dict)  # module -> autocast on at entry
 
     @property
     def failed(self) -> bool:
@@ -107,7 +108,7 @@ def replay(model: torch.nn.Module, loss_fn: Callable[..., Any], batch: Any,
         g.detach().abs().amax().float().to(loss.device) for g in grads.values()
     ]).tolist()
     return Run(policy.precision, scale, trace.events, trace.stats(), values[0],
-               dict(zip(grads, values[1:], strict=True)), order)
+               dict(zip(grads, values[1:], strict=True)), order, trace.autocast_on_entry)
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
