@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Comparison": "ampguard.compare",
     "compare": "ampguard.compare",
     "inspect_model": "ampguard.advisor",
+    "watch": "ampguard.integrations.watch",
 }
 
 __all__ = ["__version__", *_EXPORTS]
