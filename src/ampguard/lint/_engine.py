@@ -1,0 +1,169 @@
+"""Running the rules: code selection, per-file checks, ``# noqa``, and walking folders."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ampguard.findings import Finding
+from ampguard.lint._model import FileModel
+from ampguard.lint._source import Parsed, noqa_codes, parse, syntax_finding
+from ampguard.lint.rules import RULES, Context
+
+__all__ = [
+    "DEFAULT_EXCLUDES", "Options", "iter_python_files", "lint_bytes", "make_options", "parse_codes",
+]
+
+DEFAULT_EXCLUDES = (
+    ".git", ".hg", ".svn", ".venv", "venv", "__pycache__", "build", "dist", "node_modules",
+    ".tox", ".nox", ".eggs", "*.egg-info", "site-packages", ".mypy_cache", ".pytest_cache",
+    ".ruff_cache",
+)
+_CODE = re.compile(r"^AG\d{0,3}$")
+_TRIGGERS = {code: (r.triggers, tuple(t.encode() for t in r.triggers)) for code, r in RULES.items()}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a run checks: the enabled codes and the torch version AG208 assumes."""
+
+    codes: frozenset[str]
+    torch_version: tuple[int, int] | None
+
+
+def parse_codes(value: str | Iterable[str] | None, argument: str) -> list[str]:
+    """``"AG201,AG21"`` or ``["AG201"]`` -> validated code prefixes (``ALL`` allowed)."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"{argument} must hold code strings, got {item!r}")
+        code = item.strip().upper()
+        if not code:
+            continue
+        if code != "ALL" and not (_CODE.match(code) and any(c.startswith(code) for c in RULES)):
+            raise ValueError(f"{argument}: unknown code {item.strip()!r}; known codes are "
+                             f"{min(RULES)}..{max(RULES)} (prefixes such as AG20 and ALL work)")
+        out.append(code)
+    return out
+
+
+def _matches(code: str, prefixes: list[str]) -> bool:
+    return any(p == "ALL" or code.startswith(p) for p in prefixes)
+
+
+def make_options(select: str | Iterable[str] | None = None,
+                 ignore: str | Iterable[str] | None = None,
+                 torch_version: str | None = None) -> Options:
+    """Validate the user's choices into :class:`Options`."""
+    chosen = parse_codes(select, "select") or ["ALL"]
+    dropped = parse_codes(ignore, "ignore")
+    codes = frozenset(c for c in RULES if _matches(c, chosen) and not _matches(c, dropped))
+    if torch_version is None:
+        version = _installed_torch()
+    elif isinstance(torch_version, str):
+        version = _version(torch_version)
+        if version is None:
+            raise ValueError(
+                f"torch_version must look like '2.5' or '2.5.1', got {torch_version!r}")
+    else:
+        raise TypeError(f"torch_version must be a version string or None, got {torch_version!r}")
+    return Options(codes, version)
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    match = re.match(r"^\s*(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@lru_cache(maxsize=1)
+def _installed_torch() -> tuple[int, int] | None:
+    """The installed torch's version, read from its metadata (torch itself is not imported)."""
+    from importlib import metadata
+
+    try:
+        return _version(metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def lint_bytes(source: str | bytes, path: str, options: Options) -> list[Finding]:
+    """All findings for one file's contents, ``# noqa`` applied, unsorted."""
+    parsed = parse(source, path)
+    if isinstance(parsed, Finding):
+        return [parsed] if "AG200" in options.codes else []
+    raw = 1 if isinstance(source, bytes) else 0
+    rules = [RULES[c] for c in sorted(options.codes)
+             if RULES[c].check is not None and any(t in source for t in _TRIGGERS[c][raw])]
+    if not rules:
+        return []
+    try:
+        ctx = Context(FileModel(parsed.tree), path, options.torch_version)
+        findings = [f for rule in rules for f in rule.check(ctx)]
+    except RecursionError:
+        message = "cannot analyse: the code is nested too deeply"
+        return [syntax_finding(path, message)] if "AG200" in options.codes else []
+    return _finish(findings, parsed)
+
+
+def _finish(findings: list[Finding], parsed: Parsed) -> list[Finding]:
+    if not findings:
+        return []
+    lines = parsed.text.splitlines()
+    out: dict[tuple, Finding] = {}
+    for finding in findings:
+        line = finding.line or 1
+        end = int(finding.evidence.get("end_line", line))
+        if _silenced(finding.code, lines, line) or (end != line and _silenced(finding.code,
+                                                                               lines, end)):
+            continue
+        text = lines[line - 1] if 0 < line <= len(lines) else ""
+        col = finding.col or 1
+        if not text.isascii():  # ast columns count UTF-8 bytes; editors count characters
+            col = len(text.encode()[: col - 1].decode("utf-8", "ignore")) + 1
+            finding = dataclasses.replace(finding, col=col)
+        out.setdefault((finding.code, line, col, finding.message), finding)
+    return list(out.values())
+
+
+def _silenced(code: str, lines: list[str], line: int) -> bool:
+    if not 0 < line <= len(lines):
+        return False
+    codes = noqa_codes(lines[line - 1])
+    return codes is None or (codes is not False and code in codes)
+
+
+def _excluded(name: str, rel: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p) for p in patterns)
+
+
+def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str] = ()) -> \
+        Iterator[str]:
+    """Files to lint: each file named, and the ``*.py`` files under each folder named.
+
+    Folders skip :data:`DEFAULT_EXCLUDES` and ``exclude`` (glob patterns matched against a name
+    or a path relative to the folder given). Symlinked folders are not followed.
+    """
+    patterns = (*DEFAULT_EXCLUDES, *exclude)
+    for raw in paths:
+        path = os.fspath(raw)
+        if os.path.isfile(path):
+            yield path
+            continue
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"paths: no such file or folder: {path!r}")
+        for root, dirs, files in os.walk(path):
+            rel_root = os.path.relpath(root, path)
+            dirs[:] = sorted(d for d in dirs if not _excluded(
+                d, os.path.normpath(os.path.join(rel_root, d)), patterns))
+            for name in sorted(files):
+                rel = os.path.normpath(os.path.join(rel_root, name))
+                if name.endswith(".py") and not _excluded(name, rel, tuple(exclude)):
+                    yield os.path.join(root, name)

@@ -1,0 +1,448 @@
+"""What the rules read: one pass over a file's AST for parents, scopes, imports, bindings and calls.
+
+Names are resolved the way a reader would: through imports (``from torch.cuda import amp``), aliases
+(``GradScaler = torch.cuda.amp.GradScaler``, ``partial(torch.autocast, ...)``), simple assignments
+(``scaler = GradScaler()``) and attributes (``self.scaler = ...``, keyed by their text).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cached_property
+
+from ampguard.lint._names import GRAD_SCALERS, canonical, dotted, terminal
+
+__all__ = ["FUNCS", "FileModel", "Scope", "branch_of"]
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_SKIP_FIELDS = frozenset({"ctx", "op", "ops"})
+_PARENT = "_ag_parent"
+
+
+class Scope:
+    """Names bound in one function (or the module): imports, assigned values, star imports."""
+
+    __slots__ = ("node", "parent", "imports", "assigns", "stars")
+
+    def __init__(self, node: ast.AST, parent: Scope | None) -> None:
+        self.node = node
+        self.parent = parent
+        self.imports: dict[str, str] = {}
+        self.assigns: dict[str, list[ast.AST | None]] = {}  # None: a value we cannot know
+        self.stars: list[str] = []
+
+    def bind(self, name: str, value: ast.AST | None) -> None:
+        self.assigns.setdefault(name, []).append(value)
+
+
+class FileModel:
+    """Facts about one parsed file, collected in a single iterative pass."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.tree = tree
+        self.calls: list[ast.Call] = []
+        self.by_terminal: dict[str, list[ast.Call]] = {}
+        self.scopes: dict[ast.AST, Scope] = {}
+        self.attr_bindings: dict[str, list[ast.AST | None]] = {}
+        self.subscript_sets: list[tuple[ast.Subscript, ast.AST]] = []
+        self.functions: dict[str, list[ast.AST]] = {}
+        self.loops: list[ast.AST] = []
+        self._qual: dict[int, str | None] = {}
+        self._calls_to: dict[frozenset[str], list[ast.Call]] = {}
+        self._collect()
+
+    # ----------------------------------------------------------------- collection
+    def _collect(self) -> None:
+        module = Scope(self.tree, None)
+        self.scopes[self.tree] = module
+        stack: list[tuple[ast.AST, ast.AST | None, Scope]] = [(self.tree, None, module)]
+        pop, push = stack.pop, stack.append
+        for_types = (ast.For, ast.AsyncFor, ast.While)
+        while stack:
+            node, parent, scope = pop()
+            setattr(node, _PARENT, parent)
+            kind = type(node)
+            if kind is ast.Call:
+                self.calls.append(node)
+                name = terminal(node.func)
+                if name is not None:
+                    self.by_terminal.setdefault(name, []).append(node)
+            elif kind is ast.Assign:
+                for target in node.targets:
+                    self._bind(target, node.value, scope)
+            elif kind in (ast.AnnAssign, ast.NamedExpr):
+                if node.value is not None:
+                    self._bind(node.target, node.value, scope)
+            elif kind is ast.AugAssign:
+                self._bind(node.target, None, scope)
+            elif kind in (ast.Import, ast.ImportFrom):
+                self._import(node, scope)
+            elif kind in _SCOPES:
+                scope = self._enter(node, scope)
+            elif kind is ast.ClassDef:
+                scope.bind(node.name, node)
+            elif kind in for_types:
+                self.loops.append(node)
+                if kind is not ast.While:
+                    self._bind(node.target, None, scope)
+            elif kind is ast.comprehension:
+                self._bind(node.target, None, scope)
+            elif kind is ast.withitem:
+                if node.optional_vars is not None:
+                    self._bind(node.optional_vars, None, scope)
+            elif kind is ast.ExceptHandler and node.name:
+                scope.bind(node.name, None)
+            for field in node._fields:
+                if field in _SKIP_FIELDS:
+                    continue
+                value = getattr(node, field, None)
+                if isinstance(value, list):
+                    for item in reversed(value):
+                        if isinstance(item, ast.AST):
+                            push((item, node, scope))
+                elif isinstance(value, ast.AST):
+                    push((value, node, scope))
+
+    def _enter(self, node: ast.AST, scope: Scope) -> Scope:
+        if not isinstance(node, ast.Lambda):
+            scope.bind(node.name, node)
+            self.functions.setdefault(node.name, []).append(node)
+        inner = Scope(node, scope)
+        self.scopes[node] = inner
+        args = node.args
+        for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+            if arg is not None:
+                inner.bind(arg.arg, None)
+        return inner
+
+    def _bind(self, target: ast.AST, value: ast.AST | None, scope: Scope) -> None:
+        if isinstance(target, ast.Name):
+            scope.bind(target.id, value)
+        elif isinstance(target, ast.Attribute):
+            key = dotted(target)
+            if key is not None:
+                self.attr_bindings.setdefault(key, []).append(value)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            values = value.elts if isinstance(value, (ast.Tuple, ast.List)) else None
+            if values is not None and len(values) != len(target.elts):
+                values = None
+            for i, elt in enumerate(target.elts):
+                self._bind(elt, values[i] if values is not None else None, scope)
+        elif isinstance(target, ast.Starred):
+            self._bind(target.value, None, scope)
+        elif isinstance(target, ast.Subscript) and value is not None:
+            self.subscript_sets.append((target, value))
+
+    @staticmethod
+    def _import(node: ast.Import | ast.ImportFrom, scope: Scope) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    scope.imports[alias.asname] = alias.name
+                else:
+                    head = alias.name.split(".", 1)[0]
+                    scope.imports[head] = head
+            return
+        module = "." * (node.level or 0) + (node.module or "")
+        for alias in node.names:
+            if alias.name == "*":
+                scope.stars.append(module)
+            else:
+                scope.imports[alias.asname or alias.name] = f"{module}.{alias.name}"
+
+    # ----------------------------------------------------------------- structure
+    @staticmethod
+    def parent(node: ast.AST) -> ast.AST | None:
+        """The node that holds ``node`` (``None`` for the module)."""
+        return getattr(node, _PARENT, None)
+
+    def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
+        """Parents of ``node`` from the nearest outwards."""
+        node = getattr(node, _PARENT, None)
+        while node is not None:
+            yield node
+            node = getattr(node, _PARENT, None)
+
+    def scope_of(self, node: ast.AST) -> Scope:
+        """The function (or module) scope whose names ``node`` sees."""
+        for anc in self.ancestors(node):
+            if anc in self.scopes:
+                return self.scopes[anc]
+        return self.scopes[self.tree]
+
+    def function_of(self, node: ast.AST) -> ast.AST | None:
+        """The nearest enclosing ``def`` (``None`` at module level)."""
+        for anc in self.ancestors(node):
+            if isinstance(anc, FUNCS):
+                return anc
+        return None
+
+    def class_of(self, node: ast.AST) -> ast.ClassDef | None:
+        """The nearest enclosing class."""
+        for anc in self.ancestors(node):
+            if isinstance(anc, ast.ClassDef):
+                return anc
+        return None
+
+    def top_unit(self, node: ast.AST) -> ast.AST:
+        """The module-level ``def``/``class`` that holds ``node``, or the module itself."""
+        last = node
+        for anc in self.ancestors(node):
+            if anc is self.tree:
+                return last if isinstance(last, (*FUNCS, ast.ClassDef)) else self.tree
+            last = anc
+        return self.tree
+
+    def branch_path(self, node: ast.AST) -> tuple[tuple[int, object], ...]:
+        """Conditional branches ``node`` sits in, outermost first: ``(id(condition), branch)``."""
+        path: list[tuple[int, object]] = []
+        child = node
+        for anc in self.ancestors(node):
+            branch = branch_of(anc, child)
+            if branch is not None:
+                path.append((id(anc), branch))
+            child = anc
+        path.reverse()
+        return tuple(path)
+
+    def exclusive(self, a: ast.AST, b: ast.AST) -> bool:
+        """True when ``a`` and ``b`` sit in different branches of the same ``if``/``match``/..."""
+        seen = dict(self.branch_path(a))
+        return any(key in seen and seen[key] != branch for key, branch in self.branch_path(b))
+
+    def statements(self, body: list[ast.stmt]) -> Iterator[ast.AST]:
+        """Every node under ``body`` in source order, not entering nested def/class/lambda."""
+        stack = list(reversed(body))
+        while stack:
+            node = stack.pop()
+            yield node
+            if isinstance(node, (*_SCOPES, ast.ClassDef)):
+                continue
+            children = [c for c in ast.iter_child_nodes(node)]
+            stack.extend(reversed(children))
+
+    # ----------------------------------------------------------------- names
+    def binding(self, name: str, scope: Scope) -> tuple[str, object] | None:
+        """``("import", qualname)`` or ``("values", [values])`` for ``name`` seen from ``scope``."""
+        s: Scope | None = scope
+        while s is not None:
+            if name in s.imports:
+                return "import", s.imports[name]
+            values = s.assigns.get(name)
+            if values is not None:
+                return "values", values
+            s = s.parent
+        for star in self.scopes[self.tree].stars:
+            if star.startswith("torch"):
+                return "import", f"{star}.{name}"
+        return None
+
+    def qualname(self, expr: ast.AST, depth: int = 0) -> str | None:
+        """Canonical dotted name ``expr`` refers to (``torch.amp.GradScaler``), else ``None``."""
+        key = id(expr)
+        if key in self._qual:
+            return self._qual[key]
+        result = self._qualname(expr, depth)
+        self._qual[key] = result
+        return result
+
+    def _qualname(self, expr: ast.AST, depth: int) -> str | None:
+        if depth > 8:
+            return None
+        attrs: list[str] = []
+        while isinstance(expr, ast.Attribute):
+            attrs.append(expr.attr)
+            expr = expr.value
+        if not isinstance(expr, ast.Name):
+            return None
+        found = self.binding(expr.id, self.scope_of(expr))
+        if found is None:
+            return None
+        if found[0] == "import":
+            base = str(found[1])
+        else:
+            values = found[1]
+            if len(values) != 1 or values[0] is None:
+                return None
+            value = values[0]
+            if isinstance(value, ast.Call) and terminal(value.func) == "partial" and value.args:
+                value = value.args[0]
+            if not isinstance(value, (ast.Name, ast.Attribute)):
+                return None
+            base = self.qualname(value, depth + 1)
+            if base is None:
+                return None
+        for attr in reversed(attrs):
+            base = f"{base}.{attr}"
+        return canonical(base)
+
+    def call_name(self, call: ast.Call) -> str | None:
+        """Canonical name of the function a call invokes."""
+        return self.qualname(call.func)
+
+    def values_of(self, expr: ast.AST) -> tuple[list[ast.AST], bool]:
+        """Values ``expr`` (a name or ``self.x``) was assigned, and whether that list is complete.
+
+        Conditional expressions and ``a or b`` are opened up into their branches.
+        """
+        if isinstance(expr, ast.Name):
+            found = self.binding(expr.id, self.scope_of(expr))
+            raw = found[1] if found is not None and found[0] == "values" else None
+        else:
+            key = dotted(expr)
+            raw = self.attr_bindings.get(key) if key is not None else None
+        if not raw:
+            return [], False
+        out: list[ast.AST] = []
+        complete = True
+        stack = list(raw)
+        while stack:
+            value = stack.pop()
+            if value is None:
+                complete = False
+            elif isinstance(value, ast.IfExp):
+                stack.extend((value.body, value.orelse))
+            elif isinstance(value, ast.BoolOp):
+                stack.extend(value.values)
+            else:
+                out.append(value)
+        return out, complete
+
+    def single_value(self, expr: ast.AST) -> ast.AST | None:
+        """The one value a name was ever assigned (no branches), else ``None``."""
+        if isinstance(expr, ast.Name):
+            found = self.binding(expr.id, self.scope_of(expr))
+            raw = found[1] if found is not None and found[0] == "values" else None
+        else:
+            key = dotted(expr)
+            raw = self.attr_bindings.get(key) if key is not None else None
+        if raw and len(raw) == 1 and raw[0] is not None:
+            return raw[0]
+        return None
+
+    def calls_to(self, targets: frozenset[str]) -> list[ast.Call]:
+        """Calls whose function resolves to one of ``targets``, also through local aliases
+        (``from torch import load as torch_load``, ``OldScaler = torch.cuda.amp.GradScaler``)."""
+        cached = self._calls_to.get(targets)
+        if cached is not None:
+            return cached
+        names = {t.rsplit(".", 1)[-1] for t in targets}
+        for scope in self.scopes.values():
+            names.update(n for n, t in scope.imports.items() if canonical(t) in targets)
+            for name, values in scope.assigns.items():
+                if len(values) == 1 and isinstance(values[0], (ast.Name, ast.Attribute)) \
+                        and self.qualname(values[0]) in targets:
+                    names.add(name)
+        found = [c for n in sorted(names) for c in self.by_terminal.get(n, ())
+                 if self.call_name(c) in targets]
+        self._calls_to[targets] = found
+        return found
+
+    # ----------------------------------------------------------------- GradScaler facts
+    @cached_property
+    def scaler_ctors(self) -> list[ast.Call]:
+        """Calls that construct a GradScaler (any spelling, resolved through imports)."""
+        out = [c for c in self.calls_to(GRAD_SCALERS)
+               if terminal(c.func) not in ("GradScaler", "ShardedGradScaler")]
+        for name in ("GradScaler", "ShardedGradScaler"):
+            for call in self.by_terminal.get(name, ()):
+                qual = self.call_name(call)
+                if qual is not None and (qual in GRAD_SCALERS or qual.endswith("." + name)):
+                    out.append(call)
+                elif qual is None and self._unbound(call.func):
+                    out.append(call)
+        return out
+
+    def _unbound(self, func: ast.AST) -> bool:
+        while isinstance(func, ast.Attribute):
+            func = func.value
+        return isinstance(func, ast.Name) and self.binding(func.id, self.scope_of(func)) is None
+
+    @cached_property
+    def scaler_keys(self) -> frozenset[str]:
+        """Texts (``scaler``, ``self.scaler``) that name a GradScaler in this file."""
+        keys: set[str] = set(self.ctor_targets)
+        keys.update(self._evidence_keys)
+        for name in ("step", "update", "scale", "get_scale", "unscale_"):
+            for call in self.by_terminal.get(name, ()):
+                key = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else None
+                if key is not None and _scaler_word(key):
+                    keys.add(key)
+        return frozenset(keys)
+
+    @cached_property
+    def ctor_targets(self) -> dict[str, ast.Call]:
+        out: dict[str, ast.Call] = {}
+        for call in self.scaler_ctors:
+            node: ast.AST = call
+            for anc in self.ancestors(call):
+                if isinstance(anc, (ast.IfExp, ast.BoolOp)):
+                    node = anc
+                    continue
+                if isinstance(anc, ast.Assign):
+                    for target in anc.targets:
+                        if (key := dotted(target)) is not None:
+                            out.setdefault(key, call)
+                elif isinstance(anc, (ast.AnnAssign, ast.NamedExpr)) and anc.value is node:
+                    if (key := dotted(anc.target)) is not None:
+                        out.setdefault(key, call)
+                break
+        return out
+
+    @cached_property
+    def _evidence_keys(self) -> frozenset[str]:
+        keys = set()
+        for call in self.by_terminal.get("unscale_", ()):
+            if isinstance(call.func, ast.Attribute) and (key := dotted(call.func.value)):
+                keys.add(key)
+        for call in self.by_terminal.get("backward", ()):
+            inner = call.func.value if isinstance(call.func, ast.Attribute) else None
+            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                    and inner.func.attr == "scale" and (key := dotted(inner.func.value)):
+                keys.add(key)
+        return frozenset(keys)
+
+    def ctor_of(self, key: str) -> ast.Call | None:
+        """The GradScaler construction assigned to ``key``, if any."""
+        return self.ctor_targets.get(key)
+
+    @cached_property
+    def uses_grad_scaler(self) -> bool:
+        """The file constructs a GradScaler that is not switched off, or uses one unmistakably."""
+        from ampguard.lint._context import scaler_state
+
+        if any(scaler_state(self, call) != "off" for call in self.scaler_ctors):
+            return True
+        return bool(self._evidence_keys)
+
+
+def _scaler_word(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1].lower()
+    return "scaler" in last and "sched" not in last
+
+
+def branch_of(anc: ast.AST, child: ast.AST) -> object | None:
+    """Which conditional branch of ``anc`` holds its child ``child`` (``None``: not conditional)."""
+    kind = type(anc)
+    if kind is ast.If or kind is ast.IfExp:
+        if child is anc.test:
+            return None
+        return 0 if (child in anc.body if kind is ast.If else child is anc.body) else 1
+    if kind is ast.BoolOp:
+        index = next(i for i, v in enumerate(anc.values) if v is child)
+        return index if index > 0 else None
+    if kind in (ast.Try, getattr(ast, "TryStar", ast.Try)):
+        if child in anc.handlers:
+            return "handler"
+        if child in anc.orelse:
+            return "else"
+        return None
+    if kind in (ast.For, ast.AsyncFor, ast.While):
+        return "else" if child in anc.orelse else None
+    if kind is ast.comprehension:
+        return "if" if child in anc.ifs else None
+    if kind is getattr(ast, "Match", None):
+        return next((i for i, c in enumerate(anc.cases) if c is child), None)
+    return None

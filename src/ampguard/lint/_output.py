@@ -1,0 +1,77 @@
+"""Printing findings: ``path:line:col: CODE message`` text, a JSON list, or SARIF 2.1.0."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path, PurePath
+
+from ampguard.findings import Finding
+from ampguard.lint.rules import RULES
+
+__all__ = ["FORMATS", "format_findings", "sort_findings"]
+
+FORMATS = ("text", "json", "sarif")
+_SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+_SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
+
+
+def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
+    """Findings in (path, line, column, code) order."""
+    return sorted(findings, key=lambda f: (f.path or "", f.line or 0, f.col or 0, f.code))
+
+
+def format_findings(findings: Iterable[Finding], fmt: str = "text") -> str:
+    """Render ``findings`` as ``text``, ``json`` or ``sarif`` (always ends with a newline)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    items = sort_findings(findings)
+    if fmt == "text":
+        return "".join(f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}\n" for f in items)
+    if fmt == "json":
+        return json.dumps([f.to_dict() for f in items], indent=2) + "\n"
+    return json.dumps(_sarif(items), indent=2) + "\n"
+
+
+def _uri(path: str | None) -> str:
+    if not path:
+        return "<unknown>"
+    if os.path.isabs(path):
+        return Path(path).as_uri()
+    return PurePath(path).as_posix()
+
+
+def _sarif(findings: list[Finding]) -> dict:
+    from ampguard import __version__
+
+    codes = sorted(RULES)
+    rules = [{
+        "id": code,
+        "name": RULES[code].title.replace(" ", "-"),
+        "shortDescription": {"text": RULES[code].title},
+        "fullDescription": {"text": f"{RULES[code].title}. Fix: {RULES[code].fix}"},
+        "help": {"text": RULES[code].fix},
+        "defaultConfiguration": {"level": _SARIF_LEVEL[RULES[code].severity]},
+    } for code in codes]
+    results = [{
+        "ruleId": f.code,
+        "ruleIndex": codes.index(f.code) if f.code in RULES else 0,
+        "level": _SARIF_LEVEL.get(f.severity, "warning"),
+        "message": {"text": f"{f.message}. Fix: {f.fix}" if f.fix else f.message},
+        "locations": [{"physicalLocation": {
+            "artifactLocation": {"uri": _uri(f.path)},
+            "region": {"startLine": f.line or 1, "startColumn": f.col or 1},
+        }}],
+    } for f in findings]
+    return {
+        "$schema": _SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {
+                "name": "ampguard-lint", "version": __version__,
+                "rules": rules,
+            }},
+            "results": results,
+        }],
+    }

@@ -1,0 +1,101 @@
+"""Reading a file: bytes -> text -> AST, with one AG200 finding for anything that does not parse.
+
+Also reads ``# noqa`` comments.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+import warnings
+from dataclasses import dataclass
+
+from ampguard.findings import Finding
+
+__all__ = ["Parsed", "noqa_codes", "parse", "syntax_finding"]
+
+_NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.I)
+
+
+@dataclass
+class Parsed:
+    """A parsed file; ``text`` is decoded lazily (only files with findings need it)."""
+
+    path: str
+    tree: ast.Module
+    data: bytes | None = None
+    _text: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = _decode(self.data or b"", strict=False)
+        return self._text
+
+
+def syntax_finding(path: str, message: str, line: int | None = 1, col: int | None = 1) -> Finding:
+    """The AG200 finding for a file that could not be read or parsed."""
+    return Finding(
+        code="AG200", severity="error", title="file could not be parsed", message=message,
+        fix="fix the syntax or save the file as UTF-8 (or declare its encoding with a coding "
+            "comment); the other rules cannot check a file that does not parse",
+        path=path, line=max(int(line or 1), 1), col=max(int(col or 1), 1),
+    )
+
+
+def parse(source: str | bytes, path: str) -> Parsed | Finding:
+    """Parse ``source``; returns :class:`Parsed` or the AG200 finding that explains why not."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes etc. are not ours to report
+            tree = ast.parse(source, filename=path)
+    except SyntaxError as err:
+        if isinstance(source, bytes):
+            bad = _encoding_problem(source, path)
+            if bad is not None:
+                return bad
+        return syntax_finding(path, f"syntax error: {err.msg}", err.lineno, err.offset)
+    except ValueError as err:  # null bytes (Python < 3.12)
+        return syntax_finding(path, f"cannot parse: {err}")
+    except (RecursionError, MemoryError):
+        return syntax_finding(path, "cannot parse: the code is nested too deeply")
+    if isinstance(source, bytes):
+        return Parsed(path, tree, data=source)
+    return Parsed(path, tree, _text=source)
+
+
+def _decode(data: bytes, strict: bool) -> str:
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError:
+        encoding = "utf-8"
+    return data.decode(encoding, "strict" if strict else "replace")
+
+
+def _encoding_problem(data: bytes, path: str) -> Finding | None:
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as err:
+        return syntax_finding(path, f"cannot read the encoding declaration: {err}")
+    try:
+        data.decode(encoding)
+    except (UnicodeDecodeError, LookupError) as err:
+        start = getattr(err, "start", 0)
+        line = data.count(b"\n", 0, start) + 1
+        return syntax_finding(path, f"file is not valid {encoding}: {err}", line)
+    return None
+
+
+def noqa_codes(line: str) -> frozenset[str] | None | bool:
+    """Codes a ``# noqa`` on ``line`` silences: ``None`` for all, ``False`` for no comment."""
+    if "#" not in line:
+        return False
+    match = _NOQA.search(line)
+    if match is None:
+        return False
+    codes = match.group("codes")
+    if not codes:
+        return None
+    return frozenset(c.upper() for c in re.split(r"[,\s]+", codes) if c)

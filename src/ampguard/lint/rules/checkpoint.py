@@ -1,0 +1,139 @@
+"""AG205 (checkpoint without the scaler's state) and AG208 (unsafe ``torch.load``)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from ampguard.findings import Finding
+from ampguard.lint._context import is_model_like, is_scheduler_like, keyword
+from ampguard.lint._names import dotted, terminal
+from ampguard.lint.rules._base import Context, Rule
+
+__all__ = ["AG205", "AG208", "WEIGHTS_ONLY_DEFAULT_SINCE"]
+
+WEIGHTS_ONLY_DEFAULT_SINCE = (2, 6)  # torch.load(weights_only=True) became the default in 2.6
+_SAVE, _LOAD = frozenset({"torch.save"}), frozenset({"torch.load"})
+_Entries = list[tuple[str | None, ast.AST]]
+
+
+def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
+    model = ctx.model
+    if not model.uses_grad_scaler:
+        return
+    for call in model.calls_to(_SAVE):
+        entries = _entries(ctx, keyword(call, "obj", 0), call)
+        if entries is None:
+            continue
+        kinds = {_kind(ctx, key, value) for key, value in entries}
+        if {"model", "optimizer"} <= kinds and not kinds & {"scaler", "unknown"}:
+            yield ctx.finding(
+                AG205, call, "checkpoint saves the model and optimizer but not the GradScaler: "
+                "a resumed run restarts the loss scale at its initial value (more skipped "
+                "steps, different numerics)", keys=sorted(k for k, _ in entries if k))
+
+
+def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call) -> _Entries | None:
+    """The (key, value) pairs of the dict being saved; ``None`` when they cannot all be known."""
+    literal = _literal(obj)
+    if literal is not None or not isinstance(obj, ast.Name):
+        return literal
+    model = ctx.model
+    literal = _literal(model.single_value(obj))
+    if literal is None:
+        return None
+    scope = model.scope_of(obj)
+    for target, value in model.subscript_sets:
+        if dotted(target.value) == obj.id and model.scope_of(target) is scope:
+            key = target.slice.value if isinstance(target.slice, ast.Constant) else None
+            literal.append((key if isinstance(key, str) else None, value))
+    for call in model.calls:
+        if call is save or model.scope_of(call) is not scope:
+            continue
+        func = call.func
+        if isinstance(func, ast.Attribute) and dotted(func.value) == obj.id:
+            more = _literal(call.args[0]) if call.args else _literal(ast.Call(
+                func=ast.Name("dict"), args=[], keywords=call.keywords))
+            if func.attr != "update" or more is None:
+                return None
+            literal.extend(more)
+        elif any(dotted(a) == obj.id for a in (*call.args, *(k.value for k in call.keywords))):
+            return None  # handed to a helper that may add entries
+    return literal
+
+
+def _literal(node: ast.AST | None) -> _Entries | None:
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            return None
+        return [(k.value if isinstance(k, ast.Constant) and isinstance(k.value, str) else None, v)
+                for k, v in zip(node.keys, node.values, strict=True)]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" \
+            and not node.args and all(kw.arg is not None for kw in node.keywords):
+        return [(kw.arg, kw.value) for kw in node.keywords]
+    return None
+
+
+def _kind(ctx: Context, key: str | None, value: ast.AST) -> str:
+    """``scaler``/``model``/``optimizer``/``other``, or ``unknown`` for state we cannot see into."""
+    k = (key or "").lower()
+    holder = _state_dict_holder(value)
+    holder_text = (dotted(holder) or "").lower() if holder is not None else ""
+    last = holder_text.rsplit(".", 1)[-1]
+    if "scaler" in k or k in ("amp", "scale", "loss_scale") or "scaler" in last or last == "amp" \
+            or (holder is not None and dotted(holder) in ctx.model.scaler_keys):
+        return "scaler"
+    if "optim" in k:
+        return "optimizer"
+    if "model" in k or k in ("state_dict", "net", "network", "weights", "params"):
+        return "model"
+    if holder is None:
+        name = terminal(value.func) if isinstance(value, ast.Call) else None
+        return "unknown" if name and "state" in name.lower() else "other"
+    if "optim" in last or last in ("opt", "optimizer"):
+        return "optimizer"
+    if is_model_like(ctx.model, holder) or "model" in last or "ema" in last:
+        return "model"
+    if is_scheduler_like(ctx.model, holder):
+        return "other"
+    return "unknown"
+
+
+def _state_dict_holder(value: ast.AST) -> ast.AST | None:
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+            and value.func.attr == "state_dict":
+        return value.func.value
+    return None
+
+
+def _check_load(ctx: Context) -> Iterator[Finding]:
+    model = ctx.model
+    for call in model.calls_to(_LOAD):
+        flag = keyword(call, "weights_only")
+        if flag is not None:
+            if isinstance(flag, ast.Constant) and flag.value is False:
+                yield ctx.finding(AG208, call, "torch.load(..., weights_only=False) unpickles "
+                                  "arbitrary objects: loading an untrusted checkpoint runs its "
+                                  "code", weights_only=False)
+            continue
+        if any(kw.arg is None for kw in call.keywords) or ctx.torch_version is None:
+            continue
+        if ctx.torch_version < WEIGHTS_ONLY_DEFAULT_SINCE:
+            version = ".".join(map(str, ctx.torch_version))
+            yield ctx.finding(AG208, call, f"torch.load without weights_only: torch {version} "
+                              "defaults to weights_only=False and unpickles arbitrary objects",
+                              torch_version=version)
+
+
+AG205 = Rule(
+    code="AG205", severity="warning", title="checkpoint without GradScaler state",
+    fix="add 'scaler': scaler.state_dict() to the checkpoint and call "
+        "scaler.load_state_dict(ckpt['scaler']) when resuming",
+    triggers=("save",), check=_check_checkpoint,
+)
+AG208 = Rule(
+    code="AG208", severity="warning", title="unsafe checkpoint load",
+    fix="load with torch.load(path, weights_only=True) (register extra types with "
+        "torch.serialization.add_safe_globals) or use ampguard.load_checkpoint",
+    triggers=("load",), check=_check_load,
+)

@@ -1,0 +1,113 @@
+"""AG201 (clipping scaled gradients) and AG202 (double optimizer step): order within one step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ampguard.findings import Finding
+from ampguard.lint._flow import Env, Event, Interpreter, OutOfBudget
+from ampguard.lint.rules._base import Context, Rule
+from ampguard.lint.rules._units import events, flow_units
+
+__all__ = ["AG201", "AG202"]
+
+_UNSCALED = "unscaled"
+
+
+class _ClipAnalysis:
+    """May-facts: ("pending", scaler) after scale(loss).backward(); "unscaled" once unscale_ ran.
+
+    A clip fires only when some path carries scaled gradients and *no* path unscaled them, so a
+    correlated ``if amp: ... unscale_`` never produces a false finding.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.found: dict[int, Finding] = {}
+
+    def join(self, a: frozenset, b: frozenset) -> frozenset:
+        return a | b
+
+    def apply(self, state: frozenset, event: Event, env: Env) -> frozenset:
+        kind = event.kind
+        if kind == "bwd_scaled":
+            return (state - {_UNSCALED}) | {("pending", env.rename(event.key))}
+        if kind in ("unscale", "opaque"):
+            return state | {_UNSCALED}
+        if kind in ("update", "zero"):
+            return frozenset()
+        if kind == "clip" and env.record and _UNSCALED not in state:
+            pending = sorted(f[1] for f in state if isinstance(f, tuple) and f[0] == "pending")
+            if pending and id(event.node) not in self.found:
+                self.found[id(event.node)] = self.ctx.finding(
+                    AG201, event.node,
+                    f"gradient clipping runs on scaled gradients: no {pending[0]}.unscale_"
+                    f"(optimizer) after {pending[0]}.scale(loss).backward() in this step",
+                    scaler=pending[0],
+                )
+        return state
+
+
+class _DoubleStepAnalysis:
+    """Must-facts: ("scaler", opt) after scaler.step(opt), ("plain", opt) after opt.step()."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.found: dict[int, Finding] = {}
+
+    def join(self, a: frozenset, b: frozenset) -> frozenset:
+        return a & b
+
+    def apply(self, state: frozenset, event: Event, env: Env) -> frozenset:
+        kind = event.kind
+        if kind in ("bwd", "bwd_scaled", "zero"):
+            return frozenset()
+        if kind == "sstep" and event.arg is not None:
+            opt = env.rename(event.arg)
+            if ("plain", opt) in state:
+                self._report(event, env, opt, f"{env.rename(event.key)}.step({opt}) after {opt}"
+                             f".step() in the same step: the optimizer steps twice")
+            return state | {("scaler", opt)}
+        if kind == "ostep":
+            opt = env.rename(event.key)
+            if ("scaler", opt) in state:
+                self._report(event, env, opt, f"{opt}.step() after scaler.step({opt}) in the same "
+                             "step: the optimizer steps twice (scaler.step already stepped it)")
+            return state | {("plain", opt)}
+        return state
+
+    def _report(self, event: Event, env: Env, opt: str, message: str) -> None:
+        if env.record and id(event.node) not in self.found:
+            self.found[id(event.node)] = self.ctx.finding(AG202, event.node, message, optimizer=opt)
+
+
+def _run(ctx: Context, analysis: _ClipAnalysis | _DoubleStepAnalysis) -> Iterator[Finding]:
+    extractor = events(ctx)
+    for unit in flow_units(ctx):
+        try:
+            Interpreter(extractor, analysis).body(unit.body, frozenset(), record=True)
+        except OutOfBudget:
+            continue
+    yield from analysis.found.values()
+
+
+def _check_clip(ctx: Context) -> Iterator[Finding]:
+    return _run(ctx, _ClipAnalysis(ctx))
+
+
+def _check_double(ctx: Context) -> Iterator[Finding]:
+    return _run(ctx, _DoubleStepAnalysis(ctx))
+
+
+AG201 = Rule(
+    code="AG201", severity="error", title="gradient clipping on scaled gradients",
+    fix="call scaler.unscale_(optimizer) after scaler.scale(loss).backward() and before "
+        "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
+    triggers=("clip_grad",), check=_check_clip,
+)
+AG202 = Rule(
+    code="AG202", severity="error", title="optimizer stepped twice",
+    fix="call only scaler.step(optimizer); it runs optimizer.step() itself unless the gradients "
+        "overflowed",
+    triggers=(".step(",), check=_check_double,
+)

@@ -1,0 +1,27 @@
+# ruff: noqa  (a fixture written in the style of third-party training scripts)
+"""AG202 fires: optimizer.step() in the same step as scaler.step(optimizer)."""
+import torch
+
+model = torch.nn.Linear(4, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler()
+
+for x in [torch.randn(2, 4)]:
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(optimizer)
+    optimizer.step()  # expect: AG202
+    scaler.update()
+    optimizer.zero_grad()
+
+
+class Trainer:
+    def __init__(self):
+        self.model = torch.nn.Linear(4, 4)
+        self.opt = torch.optim.Adam(self.model.parameters())
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def step(self, loss):
+        self.scaler.scale(loss).backward()
+        self.opt.step()
+        self.scaler.step(self.opt)  # expect: AG202
+        self.scaler.update()

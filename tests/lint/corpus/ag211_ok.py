@@ -1,0 +1,32 @@
+# ruff: noqa  (a fixture written in the style of third-party training scripts)
+"""AG211 look-alikes: inputs cast to half, a model halved for evaluation/export or in the branch
+that has no scaler."""
+import torch
+import torch.nn as nn
+
+model = nn.Linear(4, 4)
+
+
+def train_step(inputs, targets):
+    inputs = inputs.half()
+    targets = targets.to(torch.float16)
+    return inputs, targets
+
+
+def evaluate(net):
+    net.half()
+    return net
+
+
+def export(use_fp16):
+    if use_fp16:
+        model.half()
+    return model
+
+
+def setup(pure_fp16):
+    if pure_fp16:
+        model.half()
+        return None
+    else:
+        return torch.amp.GradScaler("cuda")
