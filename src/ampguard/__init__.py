@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "compare": "ampguard.compare",
     "inspect_model": "ampguard.advisor",
     "watch": "ampguard.integrations.watch",
+    "lint_source": "ampguard.lint",
+    "lint_paths": "ampguard.lint",
 }
 
 __all__ = ["__version__", *_EXPORTS]

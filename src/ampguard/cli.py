@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from ampguard import _cli_compare
+from ampguard import _cli_compare, _cli_lint
 
 __all__ = ["main", "build_parser"]
 
@@ -43,6 +43,8 @@ _SUBCOMMANDS: list[_Subcommand] = [
      _cli_compare.compare_args, _cli_compare.compare_run),
     ("inspect", "static AMP checks and an fp32 range probe of a factory's model",
      _cli_compare.inspect_args, _cli_compare.inspect_run),
+    ("lint", "check training scripts for AMP mistakes (static, imports no torch)",
+     _cli_lint.lint_args, _cli_lint.lint_run),
 ]
 
 
