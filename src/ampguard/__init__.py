@@ -36,6 +36,9 @@ _EXPORTS: dict[str, str] = {
     "watch": "ampguard.integrations.watch",
     "lint_source": "ampguard.lint",
     "lint_paths": "ampguard.lint",
+    "Telemetry": "ampguard.telemetry",
+    "RuleConfig": "ampguard.rules",
+    "report": "ampguard.report",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from ampguard import _cli_compare, _cli_lint
+from ampguard import _cli_compare, _cli_lint, _cli_report
 
 __all__ = ["main", "build_parser"]
 
@@ -45,6 +45,8 @@ _SUBCOMMANDS: list[_Subcommand] = [
      _cli_compare.inspect_args, _cli_compare.inspect_run),
     ("lint", "check training scripts for AMP mistakes (static, imports no torch)",
      _cli_lint.lint_args, _cli_lint.lint_run),
+    ("report", "summarise a run folder (findings first) and write its report.html",
+     _cli_report.report_args, _cli_report.report_run),
 ]
 
 

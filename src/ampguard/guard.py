@@ -15,6 +15,7 @@ floor, a cap, hysteresis, a skipped-step signal and state that resumes bitwise.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from ampguard import results
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
+from ampguard.findings import Finding
 from ampguard.policy import (
     PrecisionPolicy,
     check_parameters,
@@ -35,6 +37,8 @@ from ampguard.policy import (
 from ampguard.results import StepResult
 from ampguard.resume import ResumeWarmup, WarmupRamp, scale_gap_bits
 from ampguard.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
+from ampguard.telemetry import Telemetry
+from ampguard.telemetry import attach as _attach_telemetry
 
 __all__ = ["Guard", "StepResult"]
 
@@ -73,6 +77,7 @@ class Guard:
         audit_every: int | None = 100,
         on_desync: str = "raise",
         process_group: Any = None,
+        telemetry: str | os.PathLike | Telemetry | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -121,6 +126,8 @@ class Guard:
         self._dist = _attach_distributed(
             model, self._device, audit_every=audit_every, on_desync=on_desync,
             process_group=process_group, containment=self.contain_nonfinite_microbatches)
+        # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
+        self._telemetry = _attach_telemetry(telemetry, self)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -182,6 +189,8 @@ class Guard:
                 + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else
                    type(loss).__name__)
             )
+        if self._telemetry is not None:
+            self._telemetry._on_backward(loss)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         if self._scaler is not None:
@@ -236,10 +245,14 @@ class Guard:
     def _step_unscaled(self, kwargs: dict[str, Any]) -> StepResult:
         if self._contain is not None:
             self._contain.install(self._params)  # no scaler: nothing is non-finite-checked
+        if self._telemetry is not None:
+            self._telemetry._on_grads(False)
         grad_norm = self._clip(None)
         for opt in self.optimizers:
             opt.step(**kwargs)
         flags = results.Decoded((True,) * len(self.optimizers), False, 0)
+        if self._telemetry is not None:
+            self._telemetry._on_step(None, grad_norm)
         self._counts.record(flags)
         return StepResult(self._steps, True, grad_norm, flags)
 
@@ -263,6 +276,8 @@ class Guard:
         # distributed: one async all-reduce of the flags, overlapped with clipping
         agree = None if self._dist is None else self._dist.start_consensus(found, dropped,
                                                                            self._steps)
+        if self._telemetry is not None:
+            self._telemetry._on_grads(not unscale_now)  # fused, no clip: grads still scaled
         grad_norm = self._clip(found)
         if agree is not None:
             found, dropped = agree.wait()
@@ -276,11 +291,15 @@ class Guard:
                 self._fused_step(opt, f, unscale_now, kwargs)
             status = results.add_collapse(status, scaler.update(signal), len(found))
             self._remember_scale()
+            if self._telemetry is not None:
+                self._telemetry._on_step(status, grad_norm)
             result = StepResult(self._steps, True, grad_norm, None, owner=self)
             self._pending.append((result, status))
             return result
         status = results.add_collapse(status, scaler.update(signal), len(found))
         self._remember_scale()
+        if self._telemetry is not None:
+            self._telemetry._on_step(status, grad_norm)
         flags = results.decode(int(status.item()), len(found))  # the sync torch has in step()
         for opt, f, ok, is_fused in zip(self.optimizers, found, flags.applied_per_optimizer,
                                         fused, strict=True):
@@ -386,6 +405,8 @@ class Guard:
         self._scaler = None
         self._pending.clear()
         self._fallback = {"step": step, "from": old, "to": target}
+        if self._telemetry is not None:
+            self._telemetry._on_fallback(step, old, target)
         warnings.warn(
             f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
             "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
@@ -437,6 +458,8 @@ class Guard:
         Cost: one host sync.
         """
         self._drain()
+        if self._telemetry is not None:
+            self._telemetry.flush()
         if self._micro:
             warnings.warn(
                 f"Guard.state_dict() called mid-window ({self._micro} of "
@@ -497,10 +520,16 @@ class Guard:
         self._mark_resume(scale_reset=False, saved_scale=float(state["scale"]))
 
     def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
+        # telemetry continues the run log (and the step count, for a checkpoint without Guard
+        # state) and returns the scale the run had before the interruption
+        previous = None if self._telemetry is None else \
+            self._telemetry._on_resume(scale_reset, saved_scale)
         self._resume = {"step": self._steps, "scale_reset": scale_reset,
                         "saved_scale": saved_scale, "gap_bits": None, "warmup": False}
         if scale_reset:
             self._maybe_start_ramp()
+        if previous is not None:
+            self.check_resume(previous)
 
     def check_resume(self, previous_scale: float) -> float | None:
         """Compare the resumed scale with the one the run had right before the interruption.
@@ -525,6 +554,42 @@ class Guard:
         if cfg.triggered(info["scale_reset"], info["gap_bits"]):
             self._ramp = WarmupRamp(cfg, self._steps)
             info["warmup"] = True
+
+    # ------------------------------------------------------------------ telemetry
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The attached :class:`ampguard.Telemetry` (``telemetry=`` argument), or None."""
+        return self._telemetry
+
+    def findings(self) -> list[Finding]:
+        """The AG1xx findings over the run so far (needs ``telemetry=``).
+
+        Also writes ``findings.json`` to the run folder. Cost: one host sync (the telemetry
+        flush) and a read of the run log.
+        """
+        if self._telemetry is None:
+            raise RuntimeError("Guard.findings() needs telemetry: create the Guard with "
+                               "telemetry=RUN_DIR (or an ampguard.Telemetry)")
+        return self._telemetry.findings()
+
+    def close(self) -> None:
+        """Flush telemetry, write ``findings.json`` and close the run log (no-op without
+        telemetry; idempotent). Cost: one host sync."""
+        if self._telemetry is not None:
+            self._telemetry.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # keep what was recorded, and let the training loop's own exception propagate
+            self.close()
+        except Exception as err:  # noqa: BLE001
+            warnings.warn(f"Guard.close() failed while handling {exc_type.__name__}: {err!r}",
+                          RuntimeWarning, stacklevel=2)
 
     def _make_scaler(self) -> LossScaler | None:
         if not self._policy.needs_scaler:

@@ -1,0 +1,137 @@
+"""Parameter layout for telemetry: layers (parameters grouped by owning module) and range chunks.
+
+Done once when telemetry attaches, so the per-step work is a fixed number of multi-tensor ops
+whatever the number of parameter tensors.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Layout", "Chunk", "build_layout", "plan_chunks", "run_meta"]
+
+_ROOT = "(root)"
+_OUTSIDE = "(not in model)"
+
+
+@dataclass
+class Layout:
+    """Parameters in layer order with their layer index, and per-layer names and sizes."""
+
+    names: list[str]
+    params: list[torch.Tensor]
+    layer_of: list[int]  # layer index of each parameter in ``params``
+    numel: list[int]  # elements per layer
+    tensors: list[int]  # parameter tensors per layer
+
+
+@dataclass
+class Chunk:
+    """A slice of the parameters whose gradients are flattened together on range steps.
+
+    ``items``: (parameter index, start, end) element ranges; ``lengths``/``layer``: device tensors
+    with each item's length and layer index, for segment reductions without Python loops.
+    """
+
+    items: list[tuple[int, int, int]]
+    lengths: torch.Tensor
+    layer: torch.Tensor
+    total: int
+
+
+def build_layout(model: torch.nn.Module, params: list[torch.Tensor]) -> Layout:
+    """Group ``params`` (a Guard's optimizer parameters) by the module that directly owns them."""
+    owner: dict[int, str] = {}
+    order: list[str] = []
+    for mname, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in owner:
+                owner[id(p)] = mname or _ROOT
+                if owner[id(p)] not in order:
+                    order.append(owner[id(p)])
+    seen: set[int] = set()
+    by_layer: dict[str, list[torch.Tensor]] = {}
+    for p in params:
+        if id(p) in seen or p.numel() == 0:
+            continue
+        seen.add(id(p))
+        by_layer.setdefault(owner.get(id(p), _OUTSIDE), []).append(p)
+    names = [n for n in [*order, _OUTSIDE] if n in by_layer]
+    flat: list[torch.Tensor] = []
+    layer_of: list[int] = []
+    for i, name in enumerate(names):
+        flat.extend(by_layer[name])
+        layer_of.extend([i] * len(by_layer[name]))
+    return Layout(
+        names=names, params=flat, layer_of=layer_of,
+        numel=[sum(p.numel() for p in by_layer[n]) for n in names],
+        tensors=[len(by_layer[n]) for n in names],
+    )
+
+
+def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list[Chunk]:
+    """Split the layer-ordered parameters into chunks of at most ``max_elements`` elements."""
+    chunks: list[Chunk] = []
+    items: list[tuple[int, int, int]] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal items, size
+        if items:
+            lengths = torch.tensor([b - a for _, a, b in items], dtype=torch.int64, device=device)
+            layer = torch.tensor([layout.layer_of[i] for i, _, _ in items], dtype=torch.int64,
+                                 device=device)
+            chunks.append(Chunk(items, lengths, layer, size))
+        items, size = [], 0
+
+    for i, p in enumerate(layout.params):
+        n = p.numel()
+        for start in range(0, n, max_elements):
+            end = min(n, start + max_elements)
+            if size + end - start > max_elements:
+                close()
+            items.append((i, start, end))
+            size += end - start
+    close()
+    return chunks
+
+
+def run_meta(guard: Any, layout: Layout, telemetry_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``meta.json`` content of a new run."""
+    import ampguard
+
+    model = guard.model
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "format": 1,
+        "ampguard_version": ampguard.__version__,
+        "torch_version": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": str(guard._device),
+        "model": {
+            "class": type(model).__name__,
+            "parameters": n_params,
+            "trainable_tensors": len(layout.params),
+            "layers": len(layout.names),
+        },
+        "layers": {"names": layout.names, "numel": layout.numel, "tensors": layout.tensors},
+        "precision": guard.precision,
+        "requested_precision": guard._requested_precision,
+        "scaler": guard.scaler_config.to_dict(),
+        "guard": {
+            "accumulation_steps": guard.accumulation_steps,
+            "clip_grad_norm": guard.clip_grad_norm,
+            "optimizers": [type(o).__name__ for o in guard.optimizers],
+            "contain_nonfinite_microbatches": guard.contain_nonfinite_microbatches,
+        },
+        "telemetry": telemetry_config,
+        "resumes": [],
+    }

@@ -1,0 +1,76 @@
+"""Turn one flush worth of device rows (now on the host) into JSON-ready step records."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ampguard import _ranges, results
+from ampguard.runlog import floats, num
+
+__all__ = ["RowInfo", "build_records", "SCALE", "STATUS", "LOSS", "NORM", "FIXED"]
+
+SCALE, STATUS, LOSS, NORM, FIXED = 0, 1, 2, 3, 4  # columns of a step row
+
+
+class RowInfo(NamedTuple):
+    """Host-side facts about a recorded step (its values are in the device row)."""
+
+    step: int
+    micro: int
+    scaled: bool  # a loss scaler was in use
+    grads_scaled: bool  # recorded gradients still carried the loss scale (fused, no clipping)
+    layers: bool
+    guard_norm: bool  # column NORM holds the Guard's own (clipping) grad norm
+    range_slot: int  # -1: no range sample
+    precision: str
+    n_opt: int
+
+
+def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *, carry: float,
+                  numel: np.ndarray, layer_stats: bool) -> tuple[list[dict[str, Any]], float]:
+    """Records for ``infos``; ``carry`` is the scale before the first row. Returns the records
+    and the scale after the last row (the next flush's carry)."""
+    n_layers = len(numel)
+    out = []
+    for info, row in zip(infos, rows, strict=True):
+        before = carry if info.scaled else 1.0
+        after = float(row[SCALE]) if info.scaled else 1.0
+        flags = results.decode(int(row[STATUS]), info.n_opt)
+        rec: dict[str, Any] = {
+            "step": info.step, "scale_before": num(before), "scale": num(after),
+            "applied": flags.applied, "overflow": flags.overflow, "collapse": flags.collapse,
+            "dropped": flags.dropped, "loss": num(row[LOSS] / info.micro),
+            "precision": info.precision,
+        }
+        if flags.overflow and info.n_opt > 1:
+            rec["overflowed"] = [i for i, ok in enumerate(flags.applied_per_optimizer) if not ok]
+        inv = 1.0 / before if info.grads_scaled else 1.0
+        if info.layers and layer_stats:
+            stats = row[FIXED:].astype(np.float64).reshape(2, n_layers)
+            sq = stats[0] * inv * inv
+            rec["grad_norm"] = num(np.sqrt(sq.sum()))
+            rec["layers"] = {"grad_norm": floats(np.sqrt(sq)),
+                             "zero_frac": floats(1.0 - stats[1] / numel)}
+        elif info.layers:
+            rec["grad_norm"] = num(row[NORM] * inv)
+        elif info.guard_norm:
+            rec["grad_norm"] = num(row[NORM])
+        if info.range_slot >= 0:
+            rec["range"] = _range_record(ranges[info.range_slot], n_layers, before)
+        out.append(rec)
+        carry = after if info.scaled else carry
+    return out, carry
+
+
+def _range_record(row: np.ndarray, n_layers: int, scale: float) -> dict[str, Any]:
+    amax = row[:n_layers].astype(np.float64)
+    hist = row[n_layers:].astype(np.float64).reshape(n_layers, _ranges.BINS)
+    s = _ranges.summarize(hist, amax, scale)
+    lo, hi = s["window"]  # type: ignore[misc]
+    return {
+        "amax": floats(s["amax"]), "headroom_bits": floats(s["headroom_bits"]),
+        "underflow": floats(s["underflow"]), "safe_lo": floats(s["safe_lo"]),
+        "safe_hi": floats(s["safe_hi"]), "window": [num(lo), num(hi)],
+    }

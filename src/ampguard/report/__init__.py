@@ -1,0 +1,83 @@
+"""``ampguard.report``: the offline HTML report and the terminal summary of a run folder.
+
+>>> path = ampguard.report("runs/exp1")      # writes runs/exp1/report.html and findings.json
+>>> print(ampguard.report.summary("runs/exp1"))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from pathlib import Path
+from typing import TextIO
+
+from ampguard import rules, runlog
+from ampguard.findings import Finding
+from ampguard.report.html import render
+from ampguard.report.summary import run_facts, summary_text
+
+__all__ = ["report", "summary", "print_summary"]
+
+
+def _analyse(run_dir: str | os.PathLike, config: rules.RuleConfig | None):  # noqa: ANN202
+    run = runlog.load_run(run_dir)
+    found = rules.evaluate(run, config)
+    causes = rules.skip_causes(run, config)
+    return run, found, causes, run_facts(run, causes)
+
+
+def _save_findings(run: runlog.RunLog, found: list[Finding]) -> None:
+    runlog.write_json_atomic(run.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
+
+
+def report(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None) -> Path:
+    """Write ``run_dir/report.html`` (self-contained, opens offline) and ``findings.json``.
+
+    ``config`` overrides the rule thresholds. Returns the report's path. Raises ``ValueError``
+    when ``run_dir`` is not a run folder. Needs matplotlib (``pip install 'ampguard[report]'``).
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("ampguard.report needs matplotlib: pip install 'ampguard[report]'"
+                          ) from exc
+    from ampguard.report.plots import FIGURES
+
+    run, found, causes, facts = _analyse(run_dir, config)
+    _save_findings(run, found)
+    figures = [(title, make(run)) for _, title, make in FIGURES]
+    page = render(run, found, facts, causes, figures)
+    target = run.run_dir / runlog.REPORT
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, target)
+    return target
+
+
+def summary(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None) -> str:
+    """The terminal summary of ``run_dir``: findings with fixes first, then skips and scale."""
+    run, found, _causes, facts = _analyse(run_dir, config)
+    return summary_text(run, found, facts)
+
+
+def print_summary(run_dir: str | os.PathLike, file: TextIO | None = None, *,
+                  config: rules.RuleConfig | None = None) -> None:
+    """Print :func:`summary` to ``file`` (stdout by default)."""
+    print(summary(run_dir, config=config), file=file or sys.stdout)
+
+
+report.summary = summary  # type: ignore[attr-defined]
+report.print_summary = print_summary  # type: ignore[attr-defined]
+
+
+class _CallableModule(types.ModuleType):
+    """``import ampguard.report`` binds this module where ``ampguard.report`` (the function) is
+    expected; calling the module calls :func:`report`, so both spellings work."""
+
+    def __call__(self, run_dir: str | os.PathLike, *,
+                 config: rules.RuleConfig | None = None) -> Path:
+        return report(run_dir, config=config)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,419 @@
+"""Runtime rules AG101-AG108: findings over a run log written by :class:`ampguard.Telemetry`.
+
+Every threshold is a field of :class:`RuleConfig` (defaults below). Warm-up is excluded where the
+rule is about a steady state: from the run start (and from a resume that reset the scale) until
+``warmup_clean_steps`` consecutive applied steps, at most ``warmup_max_steps`` steps, the scale is
+still finding its level from ``init_scale`` and its overflows are expected.
+
+========  =====================  ===============================================================
+code      title                  fires when
+========  =====================  ===============================================================
+AG101     loss scale collapse    a step overflowed at ``min_scale`` (error); or an overflow left
+                                 the scale within ``collapse_floor_factor`` of ``min_scale``; or
+                                 after warm-up it fell by ``2**collapse_halvings`` within
+                                 ``collapse_window`` steps
+AG102     loss scale oscillation ``osc_min_cycles`` or more grow -> overflow -> back-off cycles
+                                 after warm-up, at least ``osc_min_rate`` cycles per step
+AG103     high skip rate         after warm-up, more than ``skip_rate`` of the steps in some
+                                 ``skip_window``-step window were skipped
+AG104     dead layer             a layer's gradient was all exact zeros on ``dead_steps``
+                                 consecutive sampled applied steps while another layer's was not
+AG105     fp16 saturation        a layer's largest unscaled gradient came within
+                                 ``saturation_factor`` of fp16's max (65504) without overflowing
+AG106     gradient underflow     on at least half of a layer's range samples, more than
+                                 ``underflow_frac`` of its nonzero gradients were below fp16's
+                                 smallest normal at the scale in use
+AG107     resume gap             after a resume the scale differs from the one before the
+                                 interruption by ``2**resume_gap_bits`` or more, or was reset to
+                                 ``init_scale`` (checkpoint without scaler state)
+AG108     bf16 recommended       on ``bf16_min_samples`` range samples the safe scale window was
+                                 empty: no fp16 scale keeps the small gradients and the large ones
+========  =====================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ampguard._ranges import FP16_MAX
+from ampguard.findings import Finding
+from ampguard.runlog import RunLog
+
+__all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "TITLES"]
+
+TITLES = {
+    "AG101": "loss scale collapse",
+    "AG102": "loss scale oscillation",
+    "AG103": "high skipped-step rate",
+    "AG104": "dead layer",
+    "AG105": "fp16 saturation",
+    "AG106": "gradient underflow",
+    "AG107": "loss scale gap after resume",
+    "AG108": "bf16 recommended",
+}
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    """Thresholds of the AG1xx rules (see the module docstring for what each controls)."""
+
+    warmup_clean_steps: int = 10
+    warmup_max_steps: int = 100
+    collapse_floor_factor: float = 8.0
+    collapse_halvings: int = 6
+    collapse_window: int = 200
+    osc_min_cycles: int = 4
+    osc_min_rate: float = 0.01
+    skip_rate: float = 0.05
+    skip_window: int = 100
+    skip_min_steps: int = 20
+    dead_steps: int = 20
+    saturation_factor: float = 16.0
+    underflow_frac: float = 0.05
+    resume_gap_bits: int = 4
+    bf16_min_samples: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_clean_steps", "warmup_max_steps", "collapse_halvings",
+                     "collapse_window", "osc_min_cycles", "skip_window", "skip_min_steps",
+                     "dead_steps", "resume_gap_bits", "bf16_min_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RuleConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("collapse_floor_factor", "saturation_factor"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"RuleConfig.{name} must be a number >= 1, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("osc_min_rate", "skip_rate", "underflow_frac"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"RuleConfig.{name} must be in [0, 1), got "
+                                 f"{getattr(self, name)!r}")
+
+
+def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
+    """All AG1xx findings for ``run``, most severe first, then by step."""
+    cfg = config or RuleConfig()
+    if not isinstance(cfg, RuleConfig):
+        raise TypeError(f"config must be an ampguard.rules.RuleConfig, got {type(cfg).__name__}")
+    warm = warmup_mask(run, cfg)
+    found: list[Finding] = []
+    for rule in (_ag101, _ag102, _ag103, _ag104, _ag105, _ag106, _ag107, _ag108):
+        found.extend(rule(run, cfg, warm))
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted(found, key=lambda f: (order[f.severity], f.step or 0, f.code))
+
+
+def _finding(code: str, severity: str, message: str, step: int | None, evidence: dict[str, Any],
+             fix: str) -> Finding:
+    return Finding(code, severity, TITLES[code], message, step=step,
+                   evidence=_plain(evidence), fix=fix)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ---------------------------------------------------------------------- warm-up and causes
+def warmup_mask(run: RunLog, cfg: RuleConfig) -> np.ndarray:
+    """True for steps in a warm-up: the scale probing its level after the start or a reset."""
+    n = len(run.steps)
+    warm = np.zeros(n, dtype=bool)
+    starts = [0] + [int(np.searchsorted(run.steps, int(r["step"]), side="right"))
+                    for r in run.resumes if r.get("scale_reset")]
+    for start in sorted(set(starts)):
+        clean = 0
+        end = min(n, start + cfg.warmup_max_steps)
+        for i in range(start, end):
+            clean = clean + 1 if run.applied[i] else 0
+            if clean >= cfg.warmup_clean_steps:
+                end = i + 1 - clean
+                break
+        warm[start:end] = True
+    return warm
+
+
+def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[int]]:
+    """Skipped steps by cause: warm-up probing, collapse, every micro-batch dropped, overflow."""
+    warm = warmup_mask(run, cfg or RuleConfig())
+    accumulation = int(run.meta.get("guard", {}).get("accumulation_steps", 1))
+    out: dict[str, list[int]] = {"warm-up overflow": [], "collapse": [],
+                                 "all micro-batches dropped": [], "overflow": []}
+    for i in np.flatnonzero(~run.applied):
+        step = int(run.steps[i])
+        if run.collapse[i]:
+            out["collapse"].append(step)
+        elif run.dropped[i] >= accumulation:
+            out["all micro-batches dropped"].append(step)
+        elif warm[i]:
+            out["warm-up overflow"].append(step)
+        else:
+            out["overflow"].append(step)
+    return out
+
+
+def _fp16(precisions: list[str]) -> np.ndarray:
+    return np.array([p == "fp16" for p in precisions], dtype=bool)
+
+
+# ---------------------------------------------------------------------- scale rules
+def _ag101(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    sc = run.scaler_config()
+    min_scale = float(sc.get("min_scale", 1.0))
+    fix = ("Find the module that overflows (ampguard.locate) and keep it in fp32 "
+           "(ampguard.fp32_islands.keep_fp32(model, [name])), lower the learning rate or clip "
+           "gradients, or train "
+           "in bf16 (precision='bf16'); ScalerConfig(on_collapse='fallback') switches "
+           "automatically.")
+    if run.collapse.any():
+        idx = np.flatnonzero(run.collapse)
+        step = int(run.steps[idx[0]])
+        return [_finding("AG101", "error",
+                         f"the loss scale collapsed: gradients overflowed at min_scale="
+                         f"{min_scale:g} on {len(idx)} step(s), first at step {step}; those "
+                         "steps were skipped and the model did not learn from them.",
+                         step, {"collapse_steps": run.steps[idx[:20]].tolist(),
+                                "collapses": len(idx), "min_scale": min_scale}, fix)]
+    if not sc.get("dynamic", True) or len(run.steps) == 0:
+        return []
+    floor = min_scale * cfg.collapse_floor_factor
+    low = np.flatnonzero(run.overflow & (run.scale <= floor))
+    if len(low) and float(sc.get("init_scale", 2.0**16)) > floor:
+        i = int(low[0])
+        return [_finding("AG101", "warning",
+                         f"overflows drove the loss scale down to {run.scale[i]:g} at step "
+                         f"{int(run.steps[i])}, within {cfg.collapse_floor_factor:g}x of "
+                         f"min_scale={min_scale:g}: one more bad stretch and every step is "
+                         "skipped.", int(run.steps[i]),
+                         {"scale": run.scale[i], "min_scale": min_scale,
+                          "overflow_steps": run.steps[low[:20]].tolist()}, fix)]
+    return _net_drop(run, cfg, warm, fix)
+
+
+def _net_drop(run: RunLog, cfg: RuleConfig, warm: np.ndarray, fix: str) -> list[Finding]:
+    post = np.flatnonzero(~warm)
+    if len(post) < 2:
+        return []
+    logs = np.log2(np.maximum(run.scale[post], 1e-30))
+    w = min(cfg.collapse_window, len(post))
+    peaks = sliding_window_view(np.concatenate([np.full(w - 1, -np.inf), logs]), w).max(axis=1)
+    drop = peaks - logs
+    worst = int(np.argmax(drop))
+    if drop[worst] < cfg.collapse_halvings:
+        return []
+    step = int(run.steps[post[worst]])
+    return [_finding("AG101", "warning",
+                     f"the loss scale fell by 2^{drop[worst]:.0f} (to {run.scale[post[worst]]:g})"
+                     f" within {w} steps, ending at step {step}: the gradients keep overflowing "
+                     "and the scale is heading for min_scale.", step,
+                     {"halvings": drop[worst], "window_steps": w,
+                      "scale": run.scale[post[worst]]}, fix)]
+
+
+def _ag102(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    post = np.flatnonzero(~warm)
+    if len(post) == 0:
+        return []
+    before, after = run.scale_before[post], run.scale[post]
+    events = [(i, "grow" if a > b else "back") for i, b, a in zip(post, before, after,
+                                                                  strict=True) if a != b]
+    cycles = [(int(run.steps[j]), float(run.scale[i]))
+              for (i, e1), (j, e2) in zip(events, events[1:], strict=False)
+              if e1 == "grow" and e2 == "back" and run.scale_before[j] == run.scale[i]]
+    if len(cycles) < cfg.osc_min_cycles or len(cycles) / len(post) < cfg.osc_min_rate:
+        return []
+    tops, counts = np.unique([top for _, top in cycles], return_counts=True)
+    top = float(tops[int(np.argmax(counts))])
+    interval = int(run.scaler_config().get("growth_interval", 2000))
+    gaps = np.diff([s for s, _ in cycles])
+    period = float(np.median(gaps)) if len(gaps) else math.nan
+    return [_finding("AG102", "warning",
+                     f"the loss scale oscillated: {len(cycles)} grow -> overflow -> back-off "
+                     f"cycles after warm-up (one every ~{period:.0f} steps), most often at "
+                     f"scale {top:g}; each cycle skips a step.", cycles[0][0],
+                     {"cycles": len(cycles), "top_scale": top, "median_period": period,
+                      "growth_interval": interval, "cycle_steps": [s for s, _ in cycles[:20]]},
+                     f"Grow less often: ScalerConfig(growth_interval={interval * 4}), or cap the "
+                     f"scale below the cycle's top: ScalerConfig(max_scale={top / 2:g}).")]
+
+
+def _ag103(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    post = np.flatnonzero(~warm)
+    if len(post) < cfg.skip_min_steps:
+        return []
+    skipped = (~run.applied[post]).astype(np.float64)
+    w = min(cfg.skip_window, len(post))
+    rates = sliding_window_view(skipped, w).mean(axis=1)
+    worst = int(np.argmax(rates))
+    if rates[worst] <= cfg.skip_rate:
+        return []
+    first, last = int(run.steps[post[worst]]), int(run.steps[post[worst + w - 1]])
+    causes = {k: len(v) for k, v in skip_causes(run, cfg).items() if v}
+    return [_finding("AG103", "warning",
+                     f"{rates[worst]:.0%} of steps {first}-{last} were skipped (threshold "
+                     f"{cfg.skip_rate:.0%}, warm-up excluded); {int(skipped.sum())} of "
+                     f"{len(post)} steps after warm-up skipped in all.", first,
+                     {"window": [first, last], "rate": rates[worst],
+                      "skipped_after_warmup": int(skipped.sum()), "steps_after_warmup": len(post),
+                      "causes": causes},
+                     "Skipped steps are lost work: see the AG101/AG102 findings if present; "
+                     "otherwise find the overflowing module (ampguard.locate) and keep it in "
+                     "fp32, lower the learning rate or clip gradients, or use precision='bf16'.")]
+
+
+# ---------------------------------------------------------------------- layer rules
+def _ag104(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    ok = run.layer_applied & np.isfinite(run.zero_frac).all(axis=1)
+    if ok.sum() < cfg.dead_steps or run.zero_frac.shape[1] < 2:
+        return []
+    zf, steps = run.zero_frac[ok], run.layer_steps[ok]
+    dead = zf >= 1.0
+    out = []
+    for j, name in enumerate(run.layers):
+        others_alive = (~np.delete(dead, j, axis=1)).any(axis=1)
+        start, length = _longest_run(dead[:, j] & others_alive)
+        if length < cfg.dead_steps:
+            continue
+        first, last = int(steps[start]), int(steps[start + length - 1])
+        numel = run.meta.get("layers", {}).get("numel", [None] * len(run.layers))[j]
+        out.append(_finding(
+            "AG104", "warning",
+            f"layer {name!r} got all-zero gradients on {length} consecutive sampled steps "
+            f"({first}-{last}) while other layers learned: it is not training (the loss can "
+            "still move through the other layers).", first,
+            {"layer": name, "first_step": first, "last_step": last, "samples": length,
+             "numel": numel},
+            f"Check what blocks the gradient into {name!r}: a saturated sigmoid/tanh gate "
+            "(its derivative rounds to 0 in fp16; keep the gate in fp32), a branch whose "
+            "weights are all zero-initialised, a detach() or a ReLU that is always off. If the "
+            "layer is frozen on purpose, set requires_grad=False and leave it out of the "
+            "optimizer."))
+    return out
+
+
+def _longest_run(mask: np.ndarray) -> tuple[int, int]:
+    best, best_start, start = 0, 0, None
+    for i, m in enumerate([*mask.tolist(), False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            if i - start > best:
+                best, best_start = i - start, start
+            start = None
+    return best_start, best
+
+
+def _range_ok(run: RunLog) -> np.ndarray:
+    return run.range_applied & _fp16(run.range_precision)
+
+
+def _ag105(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    ok = _range_ok(run)
+    limit = FP16_MAX / cfg.saturation_factor
+    out = []
+    for j, name in enumerate(run.layers):
+        amax = np.where(ok, run.amax[:, j], np.nan) if len(ok) else np.zeros(0)
+        hits = np.flatnonzero(amax >= limit)
+        if not len(hits):
+            continue
+        worst = int(hits[np.argmax(amax[hits])])
+        step = int(run.range_steps[hits[0]])
+        out.append(_finding(
+            "AG105", "warning",
+            f"layer {name!r}: unscaled gradients reach {amax[worst]:.4g}, within "
+            f"{FP16_MAX / amax[worst]:.3g}x of fp16's max 65504 without overflowing (first at "
+            f"step {step}); fp16 holds them only at loss scales <= {FP16_MAX / amax[worst]:.3g},"
+            " where small gradients underflow.", step,
+            {"layer": name, "amax": amax[worst], "steps": run.range_steps[hits[:20]].tolist(),
+             "fp16_max": FP16_MAX},
+            f"Keep {name!r} in fp32 (ampguard.fp32_islands.keep_fp32(model, [{name!r}])), "
+            "normalise its inputs or "
+            "lower the learning rate / clip gradients; or use precision='bf16'."))
+    return out
+
+
+def _ag106(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    ok = _range_ok(run)
+    if not ok.any():
+        return []
+    out = []
+    for j, name in enumerate(run.layers):
+        frac = run.underflow[ok, j]
+        valid = np.isfinite(frac)
+        hits = valid & (frac > cfg.underflow_frac)
+        if not hits.any() or hits.sum() * 2 < valid.sum():
+            continue
+        k = int(np.argmax(np.where(hits, frac, -1.0)))
+        steps, scales, lo = run.range_steps[ok], run.range_scale[ok], run.safe_lo[ok, j]
+        out.append(_finding(
+            "AG106", "warning",
+            f"layer {name!r}: {frac[k]:.1%} of its nonzero unscaled gradients fall below fp16's "
+            f"smallest normal (6.1e-05) at loss scale {scales[k]:g} (step {int(steps[k])}; "
+            f"{int(hits.sum())} of {int(valid.sum())} samples above {cfg.underflow_frac:.0%}): "
+            "they become subnormal or zero in the fp16 backward.", int(steps[k]),
+            {"layer": name, "underflow": frac[k], "scale": scales[k], "safe_lo": lo[k],
+             "samples": int(valid.sum()), "samples_above": int(hits.sum())},
+            f"Use a larger loss scale: at least {lo[k]:g} keeps 99.9% of this layer's gradients "
+            f"(ScalerConfig(init_scale={lo[k]:g}, min_scale={lo[k]:g})); with a fixed scale, "
+            "switch to dynamic scaling; or use precision='bf16'."))
+    return out
+
+
+# ---------------------------------------------------------------------- resume and range
+def _ag107(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    out = []
+    for r in run.resumes:
+        prev, new = r.get("previous_scale"), r.get("scale")
+        if not prev or not new or prev <= 0 or new <= 0:
+            continue
+        gap = abs(math.log2(new / prev))
+        reset = bool(r.get("scale_reset"))
+        if not ((reset and gap > 0) or gap >= cfg.resume_gap_bits):
+            continue
+        step = int(r["step"])
+        why = "was reset to init_scale (the checkpoint had no loss-scaler state)" if reset \
+            else f"differs by 2^{gap:.0f} from the one before the interruption"
+        out.append(_finding(
+            "AG107", "warning",
+            f"resumed at step {step} with loss scale {new:g}, which {why} ({prev:g}): the next "
+            "steps probe the scale again, overflowing or underflowing meanwhile.", step,
+            {"step": step, "previous_scale": prev, "scale": new, "gap_bits": gap,
+             "scale_reset": reset},
+            "Lower the learning rate for a few hundred steps after the resume "
+            "(Guard(..., resume_warmup=ampguard.ResumeWarmup(steps=200, lr_factor=0.1))), and "
+            "save the Guard with the checkpoint (ampguard.save_checkpoint(..., guard=guard)) so "
+            "the scale is restored."))
+    return out
+
+
+def _ag108(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
+    ok = _range_ok(run)
+    lo, hi = run.window[:, 0], run.window[:, 1]
+    with np.errstate(invalid="ignore"):
+        empty = ok & np.isfinite(lo) & np.isfinite(hi) & (lo > hi)
+    if empty.sum() < min(cfg.bf16_min_samples, max(int(ok.sum()), 1)) or not empty.any():
+        return []
+    k = int(np.flatnonzero(empty)[0])
+    step = int(run.range_steps[k])
+    return [_finding(
+        "AG108", "warning",
+        f"the gradients' dynamic range is wider than fp16 can hold at any loss scale on "
+        f"{int(empty.sum())} of {int(ok.sum())} range samples: at step {step} keeping 99.9% of "
+        f"them above fp16's smallest normal needs scale >= {lo[k]:g}, keeping the largest below "
+        f"65504 needs scale <= {hi[k]:g}.", step,
+        {"samples_empty": int(empty.sum()), "samples": int(ok.sum()), "safe_lo": lo[k],
+         "safe_hi": hi[k], "steps": run.range_steps[empty][:20].tolist()},
+        "Train in bf16 (precision='bf16': fp32's range, no loss scale needed), or keep the "
+        "layers with the largest gradients in fp32.")]
