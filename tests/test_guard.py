@@ -244,6 +244,19 @@ def test_grads_are_cleared_to_none_after_a_skipped_step():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+def test_parameters_without_gradients_are_left_alone(opt_name):
+    model = make_model()
+    unused = nn.Linear(4, 4)  # in the optimizer, never in the forward: its .grad stays None
+    opt = OPTIMIZERS[opt_name]([*model.parameters(), *unused.parameters()])
+    guard = ag.Guard(model, opt, precision="fp16", clip_grad_norm=1.0)
+    before = [p.detach().clone() for p in unused.parameters()]
+    results = [guard_step(guard, model, i, overflow=i == 1) for i in range(3)]
+    assert [r.applied for r in results] == [True, False, True]
+    assert_bitwise([p.detach() for p in unused.parameters()], before)
+    assert all(p.grad is None for p in unused.parameters())
+
+
 # ---------------------------------------------------------------------- clipping
 def test_grad_norm_is_the_unscaled_total_norm():
     model = make_model()

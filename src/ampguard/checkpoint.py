@@ -137,11 +137,17 @@ def _read(target: Path) -> Any:
 def _reason(exc: Exception) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     # torch's weights_only message: a generic first line, the specific cause further down
-    detail = next((ln for ln in lines if "GLOBAL" in ln or "error:" in ln), None)
-    if detail and "GLOBAL" in detail:
+    detail = next((ln for ln in lines if "GLOBAL" in ln), None)
+    if detail:
         return (f"it references code or objects that weights_only loading refuses "
                 f"({detail[:160]}); refused without executing anything")
-    detail = detail or (lines[0] if lines else type(exc).__name__)
+    if lines and lines[0].startswith("Weights only load failed"):
+        # e.g. "Unsupported operand 149": random bytes, or a protocol-4+ pickle (STACK_GLOBAL)
+        detail = next((ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the"))),
+                      "unsupported pickle content")
+        return (f"corrupt, or a pickle that weights_only loading refuses ({detail[:160]}); "
+                "refused without executing anything")
+    detail = lines[0] if lines else type(exc).__name__
     return f"corrupt or truncated file ({detail[:160]})"
 
 
