@@ -43,7 +43,7 @@ def _fail(command: str, exc: Exception) -> int:
 
 def compare_run(args: argparse.Namespace) -> int:
     from ampguard._loader import load_factory
-    from ampguard.compare import compare
+    from ampguard.experiments import compare
 
     variants = None if args.variants is None else [
         v.strip() for v in args.variants.split(",") if v.strip()]

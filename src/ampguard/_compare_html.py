@@ -25,7 +25,7 @@ _VERDICT_COLORS = {"amp_ok": "#e6f4ea", "dynamic_scale_conflict": "#fff4e5",
                    "fp16_range": "#fde8e8", "model_problem": "#fde8e8"}
 _CSS = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;
-text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
+text-align:right}th{background:#f4f4f4}.t{text-align:left}
 .verdict{padding:1em;border-radius:6px;margin:1em 0}.no{color:#b00020;font-weight:600}
 code,pre{background:#f6f6f6;padding:2px 4px;white-space:pre-wrap}img{max-width:100%}"""
 
@@ -114,8 +114,10 @@ def _table(cmp: Any) -> str:
                                          else "")),
                  str(r.skipped), _fmt(r.final_scale, "g"), _fmt(r.max_rel_dev, ".3g"),
                  f"{r.throughput_ratio:.2f}x")
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+        rows.append("<tr>" + "".join(f'<td{" class=t" if i in (0, 1, 3) else ""}>{c}</td>'
+                                     for i, c in enumerate(cells)) + "</tr>")
+    return ("<table><tr>" + "".join(f'<th{" class=t" if i in (0, 1, 3) else ""}>{h}</th>'
+                                    for i, h in enumerate(head)) + "</tr>"
             + "".join(rows) + "</table>")
 
 

@@ -94,14 +94,13 @@ def _judge_amp(r: Any, base: Any, steps: int) -> None:
         r.trained = True
         r.reason = f"final loss {tail:.4g} vs fp32 {tail_f:.4g}, {r.skipped} skipped"
     r.max_rel_dev = _max_rel_dev(r.losses, base.losses)
-    per_step = r.seconds / max(len(r.losses), 1)
-    base_per_step = base.seconds / max(len(base.losses), 1)
-    r.throughput_ratio = base_per_step / per_step if per_step > 0 else math.inf
+    ok = r.step_seconds > 0 and base.step_seconds > 0  # False for NaN (too few steps)
+    r.throughput_ratio = base.step_seconds / r.step_seconds if ok else math.nan
 
 
 def judge(results: dict[str, Any], steps: int) -> Any:
     """Fill in each variant's ``trained``/``reason``/ratios and build the Comparison."""
-    from ampguard.compare import Comparison
+    from ampguard.experiments import Comparison
 
     base = results["fp32"]
     _judge_fp32(base)

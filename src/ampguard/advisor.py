@@ -66,7 +66,7 @@ def inspect_model(model: nn.Module | Any, batch: Any = None,
 
 
 def _unpack(model: Any, batch: Any, loss_fn: Any, optimizer: Any) -> tuple:
-    from ampguard.compare import Experiment
+    from ampguard.experiments import Experiment
 
     if isinstance(model, Experiment):
         exp = model

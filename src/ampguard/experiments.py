@@ -11,6 +11,9 @@ verdict with an explanation and a fix:
 - ``fp16_range`` (AG335): the fixed scale fails too: values leave fp16's range. The first
   failing batch is named and, where :mod:`ampguard.forensics` is available, ``locate`` runs on it.
 - ``model_problem`` (AG336): fp32 fails too; not an AMP issue.
+
+(The module is not called ``compare``: ``import ampguard.compare`` would then replace the
+``ampguard.compare`` function with the module.)
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import math
 import random
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -87,7 +92,9 @@ class VariantResult:
     skipped: int = 0
     skipped_at: list[int] = field(default_factory=list)  # 1-based steps the Guard skipped
     final_scale: float | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the timed steps (all but the first)
+    timed_steps: int = 0
+    step_seconds: float = math.nan  # per step: median on CPU, mean on accelerators
     error: str | None = None
     params_finite: bool = True
     first_bad_step: int | None = None  # 1-based step of the first skip or non-finite loss
@@ -105,7 +112,7 @@ class VariantResult:
         """JSON-ready dict; non-finite numbers become None."""
         d = dataclasses.asdict(self)
         d["losses"] = [_v.json_float(x) for x in self.losses]
-        for key in ("max_rel_dev", "throughput_ratio", "final_scale", "seconds"):
+        for key in ("max_rel_dev", "throughput_ratio", "final_scale", "seconds", "step_seconds"):
             d[key] = None if d[key] is None else _v.json_float(d[key])
         d["steps"] = self.steps
         return d
@@ -278,6 +285,44 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None) -> Any:
     return Guard(exp.model, exp.optimizer, precision="fp16", scaler=cfg)
 
 
+class _Clock:
+    """Step times after the first (which pays one-off costs: warm-up, optimizer state).
+
+    On CPU each step's wall time is exact, and the median ignores the preemption spikes of a
+    busy machine; on an accelerator steps run asynchronously, so the mean over one timed
+    window (synchronised at both ends) is used.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self._device = device_type
+        self._last = time.perf_counter()
+        self._times: list[float] = []
+        self._start: float | None = None
+
+    def _sync(self) -> None:
+        if self._device == "cuda":
+            torch.cuda.synchronize()
+
+    def tick(self) -> None:
+        if self._start is None:  # end of step 1: start timing
+            self._sync()
+            self._start = self._last = time.perf_counter()
+            return
+        now = time.perf_counter()
+        self._times.append(now - self._last)
+        self._last = now
+
+    def stop(self) -> tuple[float, int, float]:
+        """(seconds of the timed steps, their count, seconds per step)."""
+        self._sync()
+        if self._start is None or not self._times:
+            return 0.0, 0, math.nan
+        total = time.perf_counter() - self._start
+        per_step = (total / len(self._times) if self._device != "cpu"
+                    else statistics.median(self._times))
+        return total, len(self._times), per_step
+
+
 def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed: int,
                  scaler: ScalerConfig | None, bar: Any, capture: dict[str, Any]) -> VariantResult:
     exp = _fresh(factory, seed)
@@ -285,31 +330,20 @@ def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed:
     guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler)
     device_type = next(p.device.type for p in exp.model.parameters())
     losses: list[torch.Tensor] = []
-    start = time.perf_counter()
+    clock = _Clock(device_type)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             for i, batch in enumerate(_stream(exp.batches, steps)):
-                if guard is None:
-                    loss = _plain_step(exp, batch, device_type)
-                else:
-                    loss, skipped = _guarded_step(exp, guard, batch)
-                    if skipped:
-                        res.skipped += 1
-                        res.skipped_at.append(i + 1)
-                        res.first_bad_step = res.first_bad_step or i + 1
-                        if name == "fp16_fixed" and "batch" not in capture:
-                            _capture(capture, exp, batch, i)
-                losses.append(loss.detach().float().reshape(()))
+                losses.append(_step(exp, guard, batch, device_type, res, i, capture))
+                clock.tick()
                 if bar is not None:
                     bar.update(1)
     except Exception as exc:  # noqa: BLE001 - an AMP variant failing is a result, not a crash
         if name == "fp32":
             raise
         res.error = f"{type(exc).__name__}: {exc}"
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    res.seconds = time.perf_counter() - start
+    res.seconds, res.timed_steps, res.step_seconds = clock.stop()
     res.losses = torch.stack(losses).tolist() if losses else []
     res.params_finite = all(bool(torch.isfinite(p).all()) for p in exp.model.parameters())
     if guard is not None and name.startswith("fp16"):
@@ -318,6 +352,22 @@ def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed:
     if bad and (res.first_bad_step is None or bad[0] < res.first_bad_step):
         res.first_bad_step = bad[0]
     return res
+
+
+def _step(exp: Experiment, guard: Any, batch: Any, device_type: str, res: VariantResult,
+          index: int, capture: dict[str, Any]) -> torch.Tensor:
+    """One training step of a variant; records skips; returns the detached loss (no sync)."""
+    if guard is None:
+        loss = _plain_step(exp, batch, device_type)
+    else:
+        loss, skipped = _guarded_step(exp, guard, batch)
+        if skipped:
+            res.skipped += 1
+            res.skipped_at.append(index + 1)
+            res.first_bad_step = res.first_bad_step or index + 1
+            if res.name == "fp16_fixed" and "batch" not in capture:
+                _capture(capture, exp, batch, index)
+    return loss.detach().float().reshape(())
 
 
 def _plain_step(exp: Experiment, batch: Any, device_type: str) -> torch.Tensor:
