@@ -7,13 +7,14 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["SyncCounter", "interleaved_medians", "count_syncs"]
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense`` calls: every ``.item()``/``bool(t)``/``int(t)``."""
+class _ScalarReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: every ``.item()``/``bool(t)``/``int(t)``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -23,6 +24,37 @@ class SyncCounter(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class _ListReads(TorchFunctionMode):
+    """Counts ``Tensor.tolist``, which syncs without reaching the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.tolist:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SyncCounter:
+    """Context manager counting host syncs: scalar reads plus ``tolist`` calls."""
+
+    def __enter__(self) -> SyncCounter:
+        self._lists, self._scalars = _ListReads(), _ScalarReads()
+        self._lists.__enter__()
+        self._scalars.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._scalars.__exit__(*exc)
+        self._lists.__exit__(*exc)
+
+    @property
+    def count(self) -> int:
+        return self._scalars.count + self._lists.count
 
 
 def count_syncs(step: Callable[[], None], steps: int) -> float:

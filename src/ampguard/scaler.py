@@ -38,6 +38,9 @@ class ScalerConfig:
     ``on_collapse`` says what happens on an overflow while the scale is already at ``min_scale``:
     ``"raise"`` raises :class:`ScaleCollapseError`, ``"warn"`` warns once per collapse episode and
     keeps skipping, ``"fallback"`` switches the Guard to bf16 (or fp32 where bf16 is unsupported).
+    With fused optimizers (no host sync per step) a collapse is acted on when the step's flags are
+    next read: ``StepResult.applied``, ``guard.scale``, ``diagnostics()``, a telemetry flush, or at
+    the latest every 100 steps.
     """
 
     init_scale: float = 2.0**16
