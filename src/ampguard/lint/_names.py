@@ -6,7 +6,7 @@ import ast
 
 __all__ = [
     "AUTOCASTS", "BCE_FUNCTIONS", "BCE_MODULES", "CLIPS", "DEPRECATED", "GRAD_SCALERS", "NO_GRAD",
-    "SIGMOIDS", "SOFTMAXES", "canonical", "dotted", "terminal",
+    "SOFTMAXES", "canonical", "dotted", "terminal",
 ]
 
 GRAD_SCALERS = frozenset({
@@ -32,7 +32,6 @@ CLIPS = frozenset({
 })
 NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad"})
 SOFTMAXES = frozenset({"torch.softmax", "torch.nn.functional.softmax", "torch.special.softmax"})
-SIGMOIDS = frozenset({"torch.sigmoid", "torch.nn.functional.sigmoid", "torch.special.expit"})
 BCE_FUNCTIONS = frozenset({"torch.nn.functional.binary_cross_entropy"})
 BCE_MODULES = frozenset({"torch.nn.BCELoss"})
 

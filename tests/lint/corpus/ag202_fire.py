@@ -25,3 +25,19 @@ class Trainer:
         self.opt.step()
         self.scaler.step(self.opt)  # expect: AG202
         self.scaler.update()
+
+
+def train_one_epoch(model, criterion, optimizer, loader, args, scaler=None):
+    for image, target in loader:
+        output = model(image)
+        optimizer.zero_grad()
+        if args.amp:
+            with torch.autocast("cuda"):
+                loss = criterion(output, target)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss = criterion(output, target)
+            loss.backward()
+        optimizer.step()  # expect: AG202

@@ -33,3 +33,15 @@ def next_iteration(loader):
         scaler.scale(g(x).sum()).backward()
         scaler.step(optimizer)
         scaler.update()
+
+
+def correlated(loss, use_amp):
+    if use_amp:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+    else:
+        loss.backward()
+    if not use_amp:
+        optimizer.step()
+    if use_amp:
+        scaler.update()

@@ -12,4 +12,5 @@ def losses(logits, target, probs_np):
     b = torch.log(torch.softmax(logits, -1).clamp(min=1e-8))
     c = np.log(probs_np)
     d = torch.log(logits.exp())
-    return a + entropy + b.sum() + float(c.sum()) + d.sum()
+    e = torch.log(torch.sigmoid(logits))  # AG209 covers softmax only
+    return a + entropy + b.sum() + float(c.sum()) + d.sum() + e.sum()

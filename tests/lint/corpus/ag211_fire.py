@@ -14,3 +14,11 @@ model = Net().cuda().half()  # expect: AG211
 net = Net()
 net.to("cuda", dtype=torch.float16)  # expect: AG211
 scaler = torch.amp.GradScaler("cuda")
+
+
+def train(loader):
+    student_model = Net()
+    student_model.half()  # expect: AG211
+    grad_scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        grad_scaler.scale(student_model(x).sum()).backward()

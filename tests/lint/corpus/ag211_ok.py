@@ -30,3 +30,18 @@ def setup(pure_fp16):
         return None
     else:
         return torch.amp.GradScaler("cuda")
+
+
+def state_dict_in_half(net, half=False):
+    if half:
+        net.half()
+    return net.state_dict()
+
+
+def train_pure_fp16_fsdp(fsdp_model, loader):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    fsdp_model.half()
+    scaler = ShardedGradScaler()
+    for x in loader:
+        scaler.scale(fsdp_model(x).sum()).backward()

@@ -7,16 +7,15 @@ from collections.abc import Iterator
 
 from ampguard.findings import Finding
 from ampguard.lint._context import enclosing_autocast
-from ampguard.lint._names import BCE_FUNCTIONS, BCE_MODULES, SIGMOIDS, SOFTMAXES, dotted
+from ampguard.lint._names import BCE_FUNCTIONS, BCE_MODULES, SOFTMAXES
 from ampguard.lint.rules._base import Context, Rule
 
 __all__ = ["AG209", "AG210"]
 
-_BETTER = {"softmax": "log_softmax (or cross_entropy on the logits)", "sigmoid": "logsigmoid"}
 
 
 def _squash(ctx: Context, node: ast.AST, depth: int = 0) -> str | None:
-    """``"softmax"``/``"sigmoid"`` when ``node`` is (an index of, or a name bound to) one."""
+    """``"softmax"`` when ``node`` is (an index of, or a name bound to) a softmax."""
     if isinstance(node, ast.Subscript):
         node = node.value
     if isinstance(node, ast.Name) and depth == 0:
@@ -27,13 +26,9 @@ def _squash(ctx: Context, node: ast.AST, depth: int = 0) -> str | None:
     qual = ctx.model.call_name(node)
     if qual in SOFTMAXES:
         return "softmax"
-    if qual in SIGMOIDS:
-        return "sigmoid"
     func = node.func
-    if isinstance(func, ast.Attribute) and func.attr in ("softmax", "sigmoid") and qual is None:
-        receiver = dotted(func.value)
-        if receiver is None or ctx.model.qualname(func.value) is None:
-            return func.attr  # tensor method: x.softmax(-1)
+    if isinstance(func, ast.Attribute) and func.attr == "softmax" and qual is None:
+        return "softmax"  # tensor method: x.softmax(-1)
     return None
 
 
@@ -50,8 +45,9 @@ def _check_log(ctx: Context) -> Iterator[Finding]:
                 continue
             if inner is not None:
                 yield ctx.finding(
-                    AG209, call, f"log of {inner}: the {inner} underflows to 0 (log -> -inf) for "
-                    f"confident predictions, worse in fp16; use {_BETTER[inner]}", op=inner)
+                    AG209, call, "log of softmax: the probabilities underflow to 0 (log -> -inf) "
+                    "for confident predictions, worse in fp16; use log_softmax (or cross_entropy "
+                    "on the logits)", op=inner)
 
 
 def _is_bce(ctx: Context, call: ast.Call) -> str | None:
@@ -85,10 +81,10 @@ def _check_bce(ctx: Context) -> Iterator[Finding]:
 
 
 AG209 = Rule(
-    code="AG209", severity="warning", title="log of softmax/sigmoid (numerically fragile loss)",
-    fix="use torch.log_softmax / F.cross_entropy / F.nll_loss(log_softmax(x)) for softmax, and "
-        "F.logsigmoid / binary_cross_entropy_with_logits for sigmoid",
-    triggers=("softmax", "sigmoid", "expit"), check=_check_log,
+    code="AG209", severity="warning", title="log of softmax (numerically fragile loss)",
+    fix="use torch.log_softmax(x, dim), or F.cross_entropy / F.nll_loss(F.log_softmax(x)) for a "
+        "loss, instead of taking the log of softmax probabilities",
+    triggers=("softmax",), check=_check_log,
 )
 AG210 = Rule(
     code="AG210", severity="error", title="binary_cross_entropy / BCELoss inside autocast",

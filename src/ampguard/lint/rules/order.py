@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 from ampguard.findings import Finding
@@ -49,54 +50,75 @@ class _ClipAnalysis:
 
 
 class _DoubleStepAnalysis:
-    """Must-facts: ("scaler", opt) after scaler.step(opt), ("plain", opt) after opt.step()."""
+    """Facts (may, must): ("scaler"/"plain", opt, node) after scaler.step(opt) / opt.step().
+
+    A second step fires when the first one ran on every path (must), or on some path while the
+    second is no more conditional than the first (its ``if`` conditions are a prefix of the
+    first's), as in ``if amp: scaler.step(opt) ... opt.step()``. Steps in correlated or exclusive
+    branches (``if amp: scaler.step(opt)`` / ``if not amp: opt.step()``) never fire.
+    """
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.found: dict[int, Finding] = {}
 
-    def join(self, a: frozenset, b: frozenset) -> frozenset:
-        return a & b
+    def join(self, a: tuple, b: tuple) -> tuple:
+        return a[0] | b[0], a[1] & b[1]
 
-    def apply(self, state: frozenset, event: Event, env: Env) -> frozenset:
+    def apply(self, state: tuple, event: Event, env: Env) -> tuple:
         kind = event.kind
+        may, must = state
         if kind in ("bwd", "bwd_scaled", "zero"):
-            return frozenset()
+            return frozenset(), frozenset()
         if kind == "sstep" and event.arg is not None:
             opt = env.rename(event.arg)
-            if ("plain", opt) in state:
+            if self._earlier(state, "plain", opt, event.node):
                 self._report(event, env, opt, f"{env.rename(event.key)}.step({opt}) after {opt}"
                              f".step() in the same step: the optimizer steps twice")
-            return state | {("scaler", opt)}
+            return may | {("scaler", opt, event.node)}, must | {("scaler", opt)}
         if kind == "ostep":
             opt = env.rename(event.key)
-            if ("scaler", opt) in state:
+            if self._earlier(state, "scaler", opt, event.node):
                 self._report(event, env, opt, f"{opt}.step() after scaler.step({opt}) in the same "
                              "step: the optimizer steps twice (scaler.step already stepped it)")
-            return state | {("plain", opt)}
+            return may | {("plain", opt, event.node)}, must | {("plain", opt)}
         return state
+
+    def _earlier(self, state: tuple, kind: str, opt: str, node: ast.AST) -> bool:
+        may, must = state
+        if (kind, opt) in must:
+            return True
+        model = self.ctx.model
+        here = model.branch_path(node)
+        for fact in may:
+            if fact[0] == kind and fact[1] == opt \
+                    and model.function_of(fact[2]) is model.function_of(node) \
+                    and model.branch_path(fact[2])[: len(here)] == here:
+                return True
+        return False
 
     def _report(self, event: Event, env: Env, opt: str, message: str) -> None:
         if env.record and id(event.node) not in self.found:
             self.found[id(event.node)] = self.ctx.finding(AG202, event.node, message, optimizer=opt)
 
 
-def _run(ctx: Context, analysis: _ClipAnalysis | _DoubleStepAnalysis) -> Iterator[Finding]:
+def _run(ctx: Context, analysis: _ClipAnalysis | _DoubleStepAnalysis,
+         start: object) -> Iterator[Finding]:
     extractor = events(ctx)
     for unit in flow_units(ctx):
         try:
-            Interpreter(extractor, analysis).body(unit.body, frozenset(), record=True)
+            Interpreter(extractor, analysis).body(unit.body, start, record=True)
         except OutOfBudget:
             continue
     yield from analysis.found.values()
 
 
 def _check_clip(ctx: Context) -> Iterator[Finding]:
-    return _run(ctx, _ClipAnalysis(ctx))
+    return _run(ctx, _ClipAnalysis(ctx), frozenset())
 
 
 def _check_double(ctx: Context) -> Iterator[Finding]:
-    return _run(ctx, _DoubleStepAnalysis(ctx))
+    return _run(ctx, _DoubleStepAnalysis(ctx), (frozenset(), frozenset()))
 
 
 AG201 = Rule(

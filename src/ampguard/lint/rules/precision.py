@@ -97,11 +97,28 @@ def _fp16_cast(ctx: Context, call: ast.Call) -> bool:
     return False
 
 
+def _scaler_users(ctx: Context) -> list[ast.AST]:
+    """Enabled (non-sharded) GradScaler constructions and unmistakable uses of a scaler.
+
+    ShardedGradScaler is left out: it is built to unscale fp16 gradients (pure fp16 + FSDP).
+    """
+    model = ctx.model
+    users: list[ast.AST] = [c for c in model.scaler_ctors if scaler_state(model, c) != "off"
+                            and "Sharded" not in (model.call_name(c) or ast.unparse(c.func))]
+    sharded = {k for k, c in model.ctor_targets.items() if "Sharded" in ast.unparse(c.func)}
+    for name in ("unscale_", "scale"):
+        for call in model.by_terminal.get(name, ()):
+            key = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else None
+            if key in model.scaler_keys and key not in sharded:
+                users.append(call)
+    return users
+
+
 def _check_half(ctx: Context) -> Iterator[Finding]:
     model = ctx.model
     if not model.uses_grad_scaler:
         return
-    ctors = [c for c in model.scaler_ctors if scaler_state(model, c) != "off"]
+    users = _scaler_users(ctx)
     for name in ("half", "to", "type"):
         for call in model.by_terminal.get(name, ()):
             if not _fp16_cast(ctx, call) or not is_model_like(model, call.func.value):
@@ -110,7 +127,8 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
             if is_eval_function(func) or (func is not None and _NOT_TRAINING & set(
                     func.name.lower().split("_"))):
                 continue
-            if ctors and all(model.exclusive(call, c) for c in ctors):
+            same = [u for u in users if model.function_of(u) is func]
+            if not same or all(model.exclusive(call, u) for u in same):
                 continue
             what = dotted(call.func.value) or "the model"
             yield ctx.finding(

@@ -1,0 +1,89 @@
+"""Lines per second of ``ampguard lint`` over a large tree (default: the installed torch package).
+
+Runs on one core, in this process: files are read into memory first, then linted one by one with
+every rule enabled. ``ast.parse`` alone over the same files is timed in the same run as the floor
+any AST-based linter pays. Usage::
+
+    python benchmarks/bench_lint.py                 # the installed torch package
+    python benchmarks/bench_lint.py PATH --repeat 3 # any folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+
+from ampguard.lint import iter_python_files
+from ampguard.lint._engine import lint_bytes, make_options
+
+
+def _torch_dir() -> str:
+    spec = importlib.util.find_spec("torch")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        raise SystemExit("torch is not installed; pass a folder to benchmark")
+    return os.path.dirname(spec.origin)
+
+
+def _best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?", default=None, help="folder (default: installed torch)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs; the best is reported")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    root = args.path or _torch_dir()
+    files = []
+    for path in iter_python_files([root]):
+        with open(path, "rb") as handle:
+            files.append((path, handle.read()))
+    lines = sum(data.count(b"\n") for _, data in files)
+    options = make_options()
+    findings: list = []
+
+    def parse_only() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for path, data in files:
+                try:
+                    ast.parse(data, filename=path)
+                except (SyntaxError, ValueError):
+                    pass
+
+    def lint_all() -> None:
+        findings.clear()
+        for path, data in files:
+            findings.extend(lint_bytes(data, path, options))
+
+    parse_s = _best(parse_only, args.repeat)
+    lint_s = _best(lint_all, args.repeat)
+    result = {
+        "root": root, "files": len(files), "lines": lines, "findings": len(findings),
+        "lint_seconds": round(lint_s, 2), "lint_lines_per_s": round(lines / lint_s),
+        "parse_seconds": round(parse_s, 2), "parse_lines_per_s": round(lines / parse_s),
+        "lint_over_parse": round(lint_s / parse_s, 2),
+        "python": sys.version.split()[0],
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
