@@ -1,0 +1,126 @@
+"""Attach-mode findings (AG120-AG122), next to the AG101-AG108 rules over the run log.
+
+- AG120 the framework's skipped-step flag disagrees with what the scaler did (e.g. Accelerate /
+  HF Trainer with a fused optimizer: the step was skipped but reported as applied, so the LR
+  scheduler advanced on a skipped step).
+- AG121 attach-mode guard features changed the scale (hysteresis absorbed an overflow, the floor
+  or the cap held it): the run's numbers differ from the bare scaler's at those steps.
+- AG122 fp16 was requested but the framework runs without loss scaling or autocast on this
+  device (made by the integrations, which know what was requested).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ampguard import runlog
+from ampguard.findings import Finding
+
+__all__ = ["attach_findings", "fp16_inactive", "persist", "FINDING_EVENT"]
+
+FINDING_EVENT = "finding"  # events.jsonl line kind: {"kind": "finding", "step", "finding": {...}}
+
+_MAX_STEPS = 20  # steps listed in evidence
+
+
+def attach_findings(watch: Any) -> list[Finding]:
+    """Findings of one :class:`Watch` (after the telemetry was flushed). Cost: one host sync."""
+    out = list(watch._notes)
+    if watch._framework_flags:
+        out.extend(_skip_flag_mismatch(watch))
+    if watch.policy.active:
+        out.extend(_interventions(watch))
+    return out
+
+
+def persist(run_dir: Path, found: list[Finding]) -> None:
+    """Append ``found`` to the run's event log as ``finding`` events (whole lines, atomic).
+
+    The rules read them back with the run log (the last event per code and title wins), so the
+    report and ``ampguard report`` show attach-mode findings too.
+    """
+    if not found or not (run_dir / runlog.EVENTS).exists():
+        return
+    log = runlog.EventLog(run_dir / runlog.EVENTS, fresh=False)
+    try:
+        log.append([{"kind": FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
+                    for f in found])
+    finally:
+        log.close()
+
+
+def _skip_flag_mismatch(watch: Any) -> list[Finding]:
+    run = runlog.load_run(watch.run_dir)
+    truth = {int(s): not bool(a) for s, a in zip(run.steps, run.applied, strict=True)}
+    missed = sorted(s for s, skipped in watch._framework_flags.items()
+                    if truth.get(s) is True and not skipped)
+    invented = sorted(s for s, skipped in watch._framework_flags.items()
+                      if truth.get(s) is False and skipped)
+    name = watch.framework or "the framework"
+    out = []
+    if missed:
+        out.append(Finding(
+            code="AG120", severity="warning",
+            title="Skipped steps reported as applied",
+            message=(f"{len(missed)} optimizer step(s) were skipped by the GradScaler (non-finite "
+                     f"gradients) but {name} reported them as applied. With a fused optimizer "
+                     "GradScaler calls optimizer.step() even when it skips (the kernel skips "
+                     f"itself), and {name} takes 'step() was called' to mean 'applied', so its "
+                     "LR scheduler and step counters advanced on skipped steps."),
+            step=missed[0],
+            evidence={"steps": missed[:_MAX_STEPS], "count": len(missed), "framework": name},
+            fix=("Gate the scheduler on ampguard's record (events.jsonl 'applied') or use a "
+                 "non-fused optimizer (fused=False) until the framework reads found_inf; "
+                 "ampguard's run log and report already count these steps as skipped."),
+        ))
+    if invented:
+        out.append(Finding(
+            code="AG120", severity="warning",
+            title="Applied steps reported as skipped",
+            message=(f"{len(invented)} optimizer step(s) were applied but {name} reported them "
+                     "as skipped, so its LR scheduler did not advance on them."),
+            step=invented[0],
+            evidence={"steps": invented[:_MAX_STEPS], "count": len(invented), "framework": name},
+            fix="Trust ampguard's run log for skipped steps; report the mismatch upstream.",
+        ))
+    return out
+
+
+def _interventions(watch: Any) -> list[Finding]:
+    counts, first = (watch._interventions.tolist(), watch._first_intervention.tolist())
+    if not any(counts):
+        return []
+    pol = watch.policy
+    parts = []
+    for n, what in zip(counts, (f"overflows absorbed by hysteresis={pol.hysteresis}",
+                                f"backoffs stopped at min_scale={pol.min_scale}",
+                                f"growths held at max_scale={pol.max_scale}"), strict=True):
+        if n:
+            parts.append(f"{n} {what}")
+    steps = [s for s in first if s > 0]
+    return [Finding(
+        code="AG121", severity="info",
+        title="Attach-mode guard changed the loss scale",
+        message=("The scale differs from what the bare GradScaler would have set: "
+                 + "; ".join(parts) + ". Parameters stay identical on every other step."),
+        step=min(steps) if steps else None,
+        evidence={"absorbed": counts[0], "floored": counts[1], "capped": counts[2],
+                  "first_step": {"absorbed": first[0], "floored": first[1], "capped": first[2]},
+                  "policy": pol.to_dict()},
+        fix=("Nothing to do if intended. Frequent floor hits mean fp16 cannot hold these "
+             "gradients: consider bf16 or keeping the overflowing module in fp32."),
+    )]
+
+
+def fp16_inactive(framework: str, detail: str) -> Finding:
+    """AG122: fp16 requested, but the framework runs without loss scaling/autocast."""
+    return Finding(
+        code="AG122", severity="warning",
+        title="fp16 requested but not active",
+        message=(f"{framework} was asked for fp16 mixed precision but runs without a loss scaler "
+                 f"and without fp16 autocast on this device ({detail}): training is fp32."),
+        evidence={"framework": framework, "detail": detail},
+        fix=("Use bf16 on this device (bf16=True / precision='bf16-mixed'), or run on a device "
+             "where the framework supports fp16 autocast with a GradScaler."),
+    )

@@ -1,0 +1,356 @@
+"""Attach mode: ``ag.watch`` observes a training loop that keeps its own ``GradScaler``.
+
+>>> scaler = torch.amp.GradScaler("cuda")
+>>> with ag.watch(scaler, model, optimizer, telemetry="runs/exp1") as handle:
+...     for x, y in data:
+...         with torch.autocast("cuda", dtype=torch.float16):
+...             loss = loss_fn(model(x), y)
+...         scaler.scale(loss).backward()
+...         scaler.step(optimizer)
+...         scaler.update()
+...         optimizer.zero_grad()
+>>> handle.findings()             # AG1xx findings over the run; runs/exp1 holds the run log
+
+The loop is unchanged and so are its numbers: parameters, optimizer state and the scale are
+bitwise identical to the same loop without ``watch`` (the scaler's methods are wrapped, read and
+called through; gradients are read, never written). Skipped steps come from the ``found_inf``
+tensors the scaler itself used, so fused optimizers (whose ``step`` runs even on a skipped step)
+are reported right. Recording goes through :class:`ampguard.Telemetry` (device ring buffer,
+deferred flush), so between flushes ``watch`` adds no host sync.
+
+Optional attach-mode guard features (``min_scale``, ``max_scale``, ``hysteresis``) are applied
+through the scaler's ``update``; they change numbers only in the pathological regime (a scale
+falling below the floor, growing past the cap, or halving on a lone spike). See
+:mod:`ampguard.integrations._policy`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampguard import results, runlog
+from ampguard import telemetry as _telemetry
+from ampguard.findings import Finding
+from ampguard.integrations import _findings
+from ampguard.integrations._optim import as_optimizer_list, params_of
+from ampguard.integrations._policy import AttachPolicy, PolicyState
+from ampguard.integrations._tap import ScalerTap, is_grad_scaler
+from ampguard.policy import device_of
+from ampguard.scaler import ScaleCollapseError
+
+__all__ = ["watch", "Watch", "PRECISIONS"]
+
+PRECISIONS = ("fp16", "bf16", "fp32")
+
+
+def watch(scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *,
+          precision: str | None = None, min_scale: float | None = None,
+          max_scale: float | None = None, hysteresis: int = 1,
+          consecutive_hysteresis: bool = False, on_collapse: str = "warn") -> Watch:
+    """Observe a loop that calls ``scaler.scale/step/update`` itself; return a :class:`Watch`.
+
+    ``scaler``: the loop's ``torch.amp.GradScaler`` (or a subclass), or ``None`` for a bf16/fp32
+    loop without one (then give ``precision``; steps are recorded from the optimizer's step hooks).
+    ``optimizer``: one optimizer or a list (framework wrappers are unwrapped). ``telemetry``: a run
+    folder or an :class:`ampguard.Telemetry`. ``precision``: ``"fp16"`` (the default with an
+    enabled scaler), ``"bf16"`` or ``"fp32"``.
+
+    Guard features, all off by default (pure observation): ``min_scale`` (floor), ``max_scale``
+    (cap), ``hysteresis`` (overflows tolerated before backing off; ``consecutive_hysteresis``
+    refills the budget on every clean step, else only when the scale grows) and ``on_collapse``
+    (``"warn"`` | ``"raise"`` when overflows persist at ``min_scale``; checked at each flush).
+
+    Cost: one host sync now (reads the scale once for the run log); none per step afterwards
+    except the telemetry flush every ``flush_every`` steps.
+    """
+    return Watch(scaler, model, optimizer, telemetry, precision=precision,
+                 policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
+                                     on_collapse))
+
+
+class Watch:
+    """Handle returned by :func:`watch`: ``findings()``, ``report()``, ``close()``; a context
+    manager (``close`` on exit).
+
+    ``steps`` counts optimizer steps seen (one per ``scaler.update``, applied or skipped).
+    """
+
+    def __init__(self, scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *,
+                 precision: str | None = None, policy: AttachPolicy | None = None,
+                 framework: str | None = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if scaler is not None and not is_grad_scaler(scaler):
+            raise TypeError("scaler must be a torch.amp.GradScaler (or subclass) or None, got "
+                            f"{type(scaler).__name__}")
+        self.optimizers = as_optimizer_list(optimizer)
+        self.policy = policy or AttachPolicy()
+        self.framework = framework
+        enabled = scaler is not None and scaler.is_enabled()
+        self.precision = _resolve_precision(precision, enabled)
+        if self.policy.active and not enabled:
+            raise ValueError("min_scale, max_scale and hysteresis need an enabled GradScaler "
+                             "(fp16); this loop has none")
+        self.scaler = scaler if enabled else None
+        self._done = 0
+        self._closed = False
+        self._grads_seen = False
+        self._framework_flags: dict[int, bool] = {}
+        self._collapses_seen = 0
+        self._collapsing = False
+        self._view = _RunView(model, self.optimizers, self.scaler, self.precision, self.policy,
+                              framework)
+        self.telemetry = _resolve_telemetry(telemetry)
+        _telemetry.attach(self.telemetry, self._view)
+        self._tap: ScalerTap | None = None
+        self._hooks: list[Any] = []
+        self._notes: list[Finding] = []  # findings an integration adds (e.g. AG122)
+        self._state = PolicyState(self.policy) if self.policy.active else None
+        dev = self._view._device
+        self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._first_intervention = torch.zeros(3, dtype=torch.int64, device=dev)
+        if self.scaler is not None:
+            self._tap = ScalerTap(self.scaler, self, {id(o) for o in self.optimizers})
+        else:
+            primary = self.optimizers[0]
+            self._hooks = [primary.register_step_pre_hook(self._pre_step),
+                           primary.register_step_post_hook(self._post_step)]
+
+    # ------------------------------------------------------------------ public
+    @property
+    def run_dir(self) -> Path:
+        return self.telemetry.run_dir
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps seen (applied or skipped). No sync."""
+        return self._done
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for overflow so far. Cost: one host sync (flushes the telemetry)."""
+        self.telemetry.flush()
+        return sum(self.telemetry.skip_counts().values())
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Record this micro-batch's loss in a loop without a scaler. Cost: no host sync.
+
+        With an enabled scaler the loss handed to ``scaler.scale`` is recorded automatically and
+        this call does nothing.
+        """
+        if self._tap is None and not self._closed and isinstance(loss, torch.Tensor) \
+                and loss.numel() == 1:
+            self.telemetry._on_backward(loss.detach())
+
+    def findings(self) -> list[Finding]:
+        """The AG1xx findings over the run so far (rules + attach mode); writes findings.json.
+
+        Cost: one host sync (flush) and a read of the run log.
+        """
+        if self._closed:
+            return [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)]
+        found = self.telemetry.findings()
+        return self._merge(found)
+
+    def report(self) -> Path:
+        """Write ``report.html`` into the run folder and return its path. Cost: as findings()."""
+        from ampguard.report import report as write_report
+
+        if not self._closed:
+            self.findings()
+        return write_report(self.run_dir)
+
+    def close(self) -> None:
+        """Stop observing (the scaler and optimizer are restored), flush, write findings.json.
+
+        Idempotent. Cost: one host sync.
+        """
+        if self._closed:
+            return
+        if self._tap is not None:
+            self._tap.close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        try:
+            self.telemetry.close()
+            rules_found = [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)] \
+                if self._findings_path.exists() else []
+            self._merge(rules_found)
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ tap callbacks (hot path)
+    def _on_loss(self, loss: torch.Tensor) -> None:
+        self.telemetry._on_backward(loss)
+
+    def _on_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._grads_seen:
+            return  # one gradient sample per step, taken before the first unscale_
+        self._grads_seen = True
+        self._view._steps = self._done + 1
+        self.telemetry._on_grads(True)
+
+    def _on_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
+                   scale_before: torch.Tensor, manual: bool) -> None:
+        scaler = self.scaler
+        self._view._steps = step = self._done + 1
+        zero = torch.zeros((), dtype=torch.float32, device=scale_before.device)
+        status = results.pack([found.get(id(o), zero) for o in self.optimizers], None)
+        if self._state is not None and not manual:
+            collapse, kinds = self._state.apply(scaler._scale, scaler._growth_tracker,
+                                                scale_before, found_all)
+            status = results.add_collapse(status, collapse, len(self.optimizers))
+            self._count_interventions(kinds, step)
+        self._record_step(status)
+
+    def _count_interventions(self, kinds: torch.Tensor, step: int) -> None:
+        kinds = kinds.to(self._interventions.device)
+        self._interventions.add_(kinds.long())
+        first = self._first_intervention
+        first.copy_(torch.where(kinds & (first == 0), step, first))
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._closed:
+            self._view._steps = self._done + 1
+            self.telemetry._on_grads(False)
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._closed:
+            self._view._steps = self._done + 1
+            self._record_step(None)
+
+    def _record_step(self, status: torch.Tensor | None) -> None:
+        flushes = self.telemetry.flushes
+        self.telemetry._on_step(status, None)
+        self._done += 1
+        self._grads_seen = False
+        if self.telemetry.flushes != flushes:
+            self._check_collapse()
+
+    # ------------------------------------------------------------------ framework reports
+    def _note_framework_skip(self, skipped: bool) -> None:
+        """A framework's own skipped-step flag for the step just recorded (host bool)."""
+        self._framework_flags[self._done] = bool(skipped)
+
+    def _check_collapse(self) -> None:
+        if self.policy.min_scale is None:
+            return
+        total = self.telemetry.skip_counts()["collapse"]
+        new, self._collapses_seen = total - self._collapses_seen, total
+        if not new:
+            self._collapsing = False
+            return
+        msg = (f"loss scale collapsed: gradients overflow even at min_scale="
+               f"{self.policy.min_scale:g} ({total} collapsed steps so far, last flush at step "
+               f"{self._done}). Try bf16, keeping the overflowing module in fp32 "
+               "(ampguard.locate names it), or a lower learning rate.")
+        if self.policy.on_collapse == "raise":
+            raise ScaleCollapseError(msg)
+        if not self._collapsing:
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        self._collapsing = True
+
+    # ------------------------------------------------------------------ findings
+    @property
+    def _findings_path(self) -> Path:
+        return self.run_dir / runlog.FINDINGS
+
+    def _merge(self, rules_found: list[Finding]) -> list[Finding]:
+        own = _findings.attach_findings(self)
+        _findings.persist(self.run_dir, own)  # so that ag.report / `ampguard report` show them
+        codes = {f.code for f in own}
+        merged = [f for f in rules_found if f.code not in codes] + own
+        runlog.write_json_atomic(self._findings_path, [f.to_dict() for f in merged])
+        return merged
+
+
+# ---------------------------------------------------------------------- the Guard-shaped view
+class _ScaleView:
+    """The scaler's live scale tensor, shaped like :class:`ampguard.LossScaler` for Telemetry."""
+
+    def __init__(self, scaler: Any) -> None:
+        self._scaler = scaler
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        return self._scaler._scale
+
+    def inv_scale(self) -> torch.Tensor:
+        return self._scaler._scale.double().reciprocal().float()
+
+
+class _ScalerInfo:
+    """What the run log says about an attached scaler (meta.json ``scaler``)."""
+
+    def __init__(self, scaler: Any, policy: AttachPolicy, framework: str | None) -> None:
+        self._data: dict[str, Any] = {"mode": "attach", "framework": framework or "plain"}
+        self.init_scale = 1.0
+        if scaler is not None:
+            scale = scaler._scale
+            # the scale at attach time: the run log's first "scale before"
+            self.init_scale = float(scale.item()) if scale is not None else \
+                float(scaler._init_scale)
+            self._data.update(
+                scaler_class=type(scaler).__name__, init_scale=self.init_scale,
+                growth_factor=scaler.get_growth_factor(),
+                backoff_factor=scaler.get_backoff_factor(),
+                growth_interval=scaler.get_growth_interval(),
+                # unset guard features are left out: the rules then use their defaults
+                **{k: v for k, v in policy.to_dict().items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class _RunView:
+    """The attributes :class:`ampguard.Telemetry` reads from a Guard, for a loop it does not run."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                 scaler: Any, precision: str, policy: AttachPolicy,
+                 framework: str | None) -> None:
+        self.model = model
+        self.optimizers = optimizers
+        self._params = params_of(optimizers)
+        self._device = device_of(self._params)
+        self.precision = self._requested_precision = precision
+        self._scaler = _ScaleView(scaler) if scaler is not None else None
+        self.scaler_config = _ScalerInfo(scaler, policy, framework)
+        self._steps = 0
+        self.accumulation_steps = 1
+        self.clip_grad_norm = None
+        self.contain_nonfinite_microbatches = False
+
+
+def _resolve_precision(precision: str | None, scaled: bool) -> str:
+    if precision is None:
+        if not scaled:
+            raise ValueError("watch() without an enabled GradScaler needs precision='bf16' or "
+                             "'fp32' (the loop's autocast dtype)")
+        return "fp16"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if scaled and precision != "fp16":
+        raise ValueError(f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
+                         "scaling); pass precision='fp16' or None")
+    return precision
+
+
+def _resolve_telemetry(telemetry: Any) -> Any:
+    if isinstance(telemetry, (str, os.PathLike)):
+        return _telemetry.Telemetry(telemetry)
+    if isinstance(telemetry, _telemetry.Telemetry):
+        return telemetry
+    raise TypeError("telemetry must be a run folder path or an ampguard.Telemetry, got "
+                    f"{type(telemetry).__name__}")
