@@ -2,8 +2,9 @@
 
 Every threshold is a field of :class:`RuleConfig` (defaults below). Warm-up is excluded where the
 rule is about a steady state: from the run start (and from a resume that reset the scale) until
-``warmup_clean_steps`` consecutive applied steps, at most ``warmup_max_steps`` steps, the scale is
-still finding its level from ``init_scale`` and its overflows are expected.
+the first scale growth or ``warmup_clean_steps`` consecutive applied steps, at most
+``warmup_max_steps`` steps, the scale is still finding its level from ``init_scale`` and its
+overflows are expected.
 
 ========  =====================  ===============================================================
 code      title                  fires when
@@ -128,7 +129,11 @@ def _plain(value: Any) -> Any:
 
 # ---------------------------------------------------------------------- warm-up and causes
 def warmup_mask(run: RunLog, cfg: RuleConfig) -> np.ndarray:
-    """True for steps in a warm-up: the scale probing its level after the start or a reset."""
+    """True for steps in a warm-up: the scale probing its level after the start or a reset.
+
+    A warm-up ends at its first scale growth or before its first ``warmup_clean_steps``
+    consecutive applied steps, and lasts at most ``warmup_max_steps`` steps.
+    """
     n = len(run.steps)
     warm = np.zeros(n, dtype=bool)
     starts = [0] + [int(np.searchsorted(run.steps, int(r["step"]), side="right"))
@@ -137,6 +142,9 @@ def warmup_mask(run: RunLog, cfg: RuleConfig) -> np.ndarray:
         clean = 0
         end = min(n, start + cfg.warmup_max_steps)
         for i in range(start, end):
+            if run.scale[i] > run.scale_before[i]:  # the first growth: the level was found
+                end = i
+                break
             clean = clean + 1 if run.applied[i] else 0
             if clean >= cfg.warmup_clean_steps:
                 end = i + 1 - clean

@@ -247,24 +247,24 @@ class Telemetry:
 
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
         row = self._ranges[slot]
-        n_layers = len(self.layers)
-        amax, hist = row[:n_layers], row[n_layers:]
+        amax, hist = row[:len(self.layers)], row[len(self.layers):]
         inv = self._guard._scaler.inv_scale() if grads_scaled else None
-        lo, hi, bins = 2.0**_ranges.E_MIN, _ranges.E_MAX, _ranges.BINS
+        bins = _ranges.BINS
         for ch in self._chunks:
-            flat = torch.cat([grads[i].reshape(-1)[a:b] for i, a, b in ch.items]).float()
+            parts = [grads[i].reshape(-1)[a:b] for i, a, b in ch.items]
+            peaks = torch.stack(torch._foreach_norm(parts, math.inf)).float()
+            flat = torch.cat(parts).float()
             if inv is not None:
+                peaks.mul_(inv)
                 flat.mul_(inv)
-            flat.abs_()
-            amax.scatter_reduce_(0, ch.layer, torch.segment_reduce(flat, "max", lengths=ch.lengths),
-                                 "amax")
-            nonzero = flat.sign()
-            # bin 0: exact zero; bin k: floor(log2|g|) == E_MIN + k - 1 (clamped); NaN: top bin
-            flat.clamp_(min=lo).log2_().floor_().clamp_(max=hi).sub_(_ranges.E_MIN - 1)
-            flat.mul_(nonzero).nan_to_num_(nan=bins - 1)
-            keys = flat.long() + torch.repeat_interleave(ch.layer * bins, ch.lengths,
-                                                         output_size=ch.total)
-            hist.index_add_(0, keys, self._one.expand(ch.total))
+            amax.scatter_reduce_(0, ch.layer, peaks, "amax")
+            # |g| = m * 2**e with m in [0.5, 1): floor(log2|g|) = e - 1 exactly. Bin 0: exact
+            # zero; bin k: floor(log2|g|) == E_MIN + k - 1 (clamped); non-finite: the top bin.
+            mant, expo = torch.frexp(flat)
+            key = torch.where(mant == 0, 0, expo.sub_(_ranges.E_MIN).clamp_(1, bins - 1))
+            key.masked_fill_(~torch.isfinite(flat), bins - 1)
+            key = key + torch.repeat_interleave(ch.layer * bins, ch.lengths, output_size=ch.total)
+            hist.index_add_(0, key, self._one.expand(ch.total))
 
     # ------------------------------------------------------------------ resume and events
     def _on_resume(self, scale_reset: bool, saved_scale: float | None) -> float | None:
