@@ -23,6 +23,7 @@ The DDP communication hook lives in :mod:`ampguard.distributed_hooks`, checkpoin
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 import warnings
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from ampguard.findings import Finding
 
 __all__ = [
     "ON_DESYNC", "AUDIT_FIELDS", "DesyncError", "PeerFailureError", "Topology", "detect",
-    "DistributedState", "attach", "param_checksum",
+    "DistributedState", "attach", "param_checksum", "rank_telemetry",
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
@@ -51,7 +52,7 @@ class DesyncError(RuntimeError):
 
     ``step``: the window at which the audit ran; ``differences``: field -> {rank: value};
     ``ranks``: the (global) ranks whose values differ from the majority (ties: from rank 0).
-    ``finding`` is the same as an ampguard :class:`~ampguard.findings.Finding` (AG120).
+    ``finding`` is the same as an ampguard :class:`~ampguard.findings.Finding` (AG130).
     """
 
     def __init__(self, message: str, *, step: int, differences: dict[str, dict[int, Any]],
@@ -64,7 +65,7 @@ class DesyncError(RuntimeError):
     @property
     def finding(self) -> Finding:
         return Finding(
-            code="AG120", severity="error", title="ranks out of sync", message=str(self),
+            code="AG130", severity="error", title="ranks out of sync", message=str(self),
             step=self.step, evidence={"ranks": self.ranks, "differences": {
                 f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()}},
             fix=_DESYNC_FIX,
@@ -119,9 +120,13 @@ def detect(model: torch.nn.Module, process_group: Any = None) -> Topology | None
 
     A plain model counts as distributed only when a process group with more than one rank is
     initialised; ``process_group`` overrides the group found (DDP's own, FSDP2's 1-D mesh, else
-    WORLD). Cost: no host sync.
+    WORLD); ``process_group="local"`` means rank-local training (e.g. an eval or EMA model on
+    one rank): no consensus, no audit. Cost: no host sync.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if isinstance(process_group, str) and process_group != "local":
+        raise ValueError(f"process_group must be None, 'local' or a ProcessGroup, got "
+                         f"{process_group!r}")
+    if process_group == "local" or not (dist.is_available() and dist.is_initialized()):
         return None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         kind, group = "ddp", model.process_group
@@ -359,7 +364,7 @@ class DistributedState:
         }
 
     def findings(self, step: int | None = None) -> list[Finding]:
-        """AG121 when some ranks overflow much more often than others; the hook's AG122.
+        """AG131 when some ranks overflow much more often than others; the hook's AG132.
 
         Cost: one or two host syncs.
         """
@@ -371,7 +376,7 @@ class DistributedState:
             return out
         hot = sorted(r for r, c in counts.items() if c == top)
         return out + [Finding(
-            code="AG121", severity="warning", title="overflows start on some ranks only",
+            code="AG131", severity="warning", title="overflows start on some ranks only",
             message=(f"rank(s) {hot} had non-finite local gradients in {top} windows, other "
                      f"ranks in as few as {low}; every rank skipped those steps together"),
             step=step, evidence={"rank_overflows": {str(r): c for r, c in counts.items()}},
@@ -402,6 +407,19 @@ def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | N
             "on the skipped step"
         )
     return DistributedState(model, topology, device, audit_every, on_desync)
+
+
+def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:
+    """The ``telemetry=`` argument this rank keeps: rank 0 writes the run log, others nothing.
+
+    A run-folder path containing ``{rank}`` is formatted per rank and kept on every rank (each
+    rank writes its own log: "unless asked").
+    """
+    if state is None or telemetry is None:
+        return telemetry
+    if isinstance(telemetry, (str, os.PathLike)) and "{rank}" in os.fspath(telemetry):
+        return os.fspath(telemetry).replace("{rank}", str(state.topology.global_rank))
+    return telemetry if state.is_writer else None
 
 
 def _desync_message(step: int, reason: str, every: int | None,

@@ -14,8 +14,7 @@ same all-reduce (no extra collective) and are counted on the device for telemetr
 If every rank is non-finite the result is NaN, and the Guard skips the step as usual.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.
 from typing import Any
 
 import torch
@@ -61,7 +60,7 @@ class NonfiniteSafeState:
         return {"drop": self.drop, "dropped_buckets": dict(zip(self.ranks, counts, strict=True))}
 
     def findings(self, step: int | None = None) -> list[Finding]:
-        """AG122 for each rank whose contribution was non-finite. Cost: one host sync."""
+        """AG132 for each rank whose contribution was non-finite. Cost: one host sync."""
         counts = self.summary()["dropped_buckets"]
         bad = {r: c for r, c in counts.items() if c}
         if not bad:
@@ -69,7 +68,7 @@ class NonfiniteSafeState:
         action = ("left out of the all-reduce; the step used the healthy ranks' mean" if self.drop
                   else "spread to every rank through the all-reduce")
         return [Finding(
-            code="AG122", severity="warning", title="non-finite gradients on some ranks",
+            code="AG132", severity="warning", title="non-finite gradients on some ranks",
             message=f"rank(s) {sorted(bad)} sent non-finite local gradients ({action})",
             step=step, evidence={"dropped_buckets": {str(r): c for r, c in counts.items()}},
             fix=("Inspect the named ranks' data and devices; ampguard.locate on one of their "

@@ -26,6 +26,7 @@ from ampguard import results
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
+from ampguard.distributed import rank_telemetry as _rank_telemetry
 from ampguard.findings import Finding
 from ampguard.policy import (
     PrecisionPolicy,
@@ -126,6 +127,7 @@ class Guard:
         self._dist = _attach_distributed(
             model, self._device, audit_every=audit_every, on_desync=on_desync,
             process_group=process_group, containment=self.contain_nonfinite_microbatches)
+        telemetry = _rank_telemetry(self._dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
         self._telemetry = _attach_telemetry(telemetry, self)
 
