@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -269,6 +270,26 @@ def test_following_the_keep_fp32_plan_makes_fp16_finite(batch):
     assert plan.evidence["precision"] == "fp16"
     keep_in_fp32(model, plan.evidence["keep_fp32"])
     assert torch.isfinite(fp16_forward(model, batch[0])).all()
+
+
+def test_the_plan_stops_overflow_in_a_real_guard(batch):
+    if "keep_fp32" not in inspect.signature(ag.Guard).parameters:
+        pytest.skip("this Guard has no keep_fp32 yet")
+    model = Deep()
+    keep = one(ag.inspect_model(model, batch, mse), "AG331").evidence["keep_fp32"]
+    overflowed = {}
+    for plan in ([], keep):
+        m = Deep()
+        m.load_state_dict(model.state_dict())
+        guard = ag.Guard(m, torch.optim.SGD(m.parameters(), lr=0.01), precision="fp16",
+                         keep_fp32=plan, scaler=ag.ScalerConfig(on_collapse="warn"))
+        overflowed[tuple(plan)] = []
+        for _ in range(4):
+            with guard.autocast():
+                loss = mse(m, batch)
+            guard.backward(loss)
+            overflowed[tuple(plan)].append(guard.step().overflow)
+    assert overflowed[()] == [True] * 4 and overflowed[tuple(keep)] == [False] * 4
 
 
 def test_consumer_of_a_big_fp32_value_is_kept_in_fp32_too(batch):

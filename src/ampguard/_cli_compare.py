@@ -63,15 +63,20 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning a model, "
                    "or an ampguard.Experiment (then its first batch is probed)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed before calling the factory "
+                   "(default 0)")
 
 
 def inspect_run(args: argparse.Namespace) -> int:
     """Exit code 1 when any finding is an error, else 0."""
     from ampguard._loader import load_factory
     from ampguard.advisor import inspect_model
+    from ampguard.experiments import seed_all
 
     try:
-        findings = inspect_model(load_factory(args.factory)())
+        factory = load_factory(args.factory)
+        seed_all(args.seed)
+        findings = inspect_model(factory())
     except (ValueError, TypeError) as exc:
         return _fail("inspect", exc)
     if args.json:

@@ -24,8 +24,6 @@ import importlib
 import inspect
 import math
 import random
-import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,10 +34,12 @@ import torch
 from torch import nn
 
 from ampguard import _compare_verdict as _v
+from ampguard._compare_timing import StepClock
 from ampguard.findings import Finding
 from ampguard.scaler import ScalerConfig
 
-__all__ = ["Experiment", "Comparison", "VariantResult", "VARIANTS", "VERDICTS", "compare"]
+__all__ = ["Experiment", "Comparison", "VariantResult", "VARIANTS", "VERDICTS", "compare",
+           "seed_all"]
 
 VARIANTS: dict[str, str] = {
     "fp32": "fp32 baseline (autocast off)",
@@ -236,7 +236,8 @@ def _progress(enabled: bool, total: int) -> Any:
     return tqdm(total=total, unit="step", leave=False)
 
 
-def _seed_all(seed: int) -> None:
+def seed_all(seed: int) -> None:
+    """Seed Python's, torch's and numpy's RNGs (what compare does before each variant)."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -248,7 +249,7 @@ def _seed_all(seed: int) -> None:
 
 
 def _fresh(factory: Callable[[], Experiment], seed: int) -> Experiment:
-    _seed_all(seed)
+    seed_all(seed)
     exp = factory()
     if not isinstance(exp, Experiment):
         raise TypeError(f"factory() must return an ampguard.Experiment, got {type(exp).__name__}")
@@ -285,44 +286,6 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None) -> Any:
     return Guard(exp.model, exp.optimizer, precision="fp16", scaler=cfg)
 
 
-class _Clock:
-    """Step times after the first (which pays one-off costs: warm-up, optimizer state).
-
-    On CPU each step's wall time is exact, and the median ignores the preemption spikes of a
-    busy machine; on an accelerator steps run asynchronously, so the mean over one timed
-    window (synchronised at both ends) is used.
-    """
-
-    def __init__(self, device_type: str) -> None:
-        self._device = device_type
-        self._last = time.perf_counter()
-        self._times: list[float] = []
-        self._start: float | None = None
-
-    def _sync(self) -> None:
-        if self._device == "cuda":
-            torch.cuda.synchronize()
-
-    def tick(self) -> None:
-        if self._start is None:  # end of step 1: start timing
-            self._sync()
-            self._start = self._last = time.perf_counter()
-            return
-        now = time.perf_counter()
-        self._times.append(now - self._last)
-        self._last = now
-
-    def stop(self) -> tuple[float, int, float]:
-        """(seconds of the timed steps, their count, seconds per step)."""
-        self._sync()
-        if self._start is None or not self._times:
-            return 0.0, 0, math.nan
-        total = time.perf_counter() - self._start
-        per_step = (total / len(self._times) if self._device != "cpu"
-                    else statistics.median(self._times))
-        return total, len(self._times), per_step
-
-
 def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed: int,
                  scaler: ScalerConfig | None, bar: Any, capture: dict[str, Any]) -> VariantResult:
     exp = _fresh(factory, seed)
@@ -330,7 +293,7 @@ def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed:
     guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler)
     device_type = next(p.device.type for p in exp.model.parameters())
     losses: list[torch.Tensor] = []
-    clock = _Clock(device_type)
+    clock = StepClock(device_type)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
