@@ -200,8 +200,8 @@ def _restored(model: nn.Module) -> Iterator[None]:
     """Restore buffers (e.g. BatchNorm running stats), gradients and the RNG afterwards."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     grads = {p: p.grad for p in model.parameters()}
-    devices = sorted({b.device.index for b in buffers.values() if b.device.type == "cuda"} | {
-        p.device.index for p in grads if p.device.type == "cuda"})
+    cuda = [t.device for t in [*buffers.values(), *grads] if t.device.type == "cuda"]
+    devices = sorted({torch.cuda.current_device() if d.index is None else d.index for d in cuda})
     with torch.random.fork_rng(devices=devices):
         try:
             yield
