@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 
 import pytest
 import torch
@@ -150,6 +151,19 @@ class HidesSquare(nn.Module):
         return hidden_square(self.fc(x))
 
 
+myops = types.ModuleType("myops")  # a user extension module holding the Function
+myops.Square = Square
+
+
+class UsesModuleAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return myops.Square.apply(self.fc(x))
+
+
 class TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
@@ -212,6 +226,11 @@ def test_undecorated_custom_function_is_flagged_with_its_module():
     f = one(ag.inspect_model(UsesSquare(Square)), "AG322")
     assert f.evidence["functions"] == [f"{__name__}.Square"]
     assert f.evidence["modules"] == ["<root>"]
+
+
+def test_custom_function_reached_through_a_module_attribute_is_flagged():
+    f = one(ag.inspect_model(UsesModuleAttribute()), "AG322")
+    assert f.evidence["functions"] == [f"{__name__}.Square"]
 
 
 def test_custom_function_with_custom_fwd_and_bwd_passes(batch):

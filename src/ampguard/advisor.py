@@ -212,8 +212,9 @@ def _functions_in(code: Any, env: dict[str, Any]) -> list[type]:
     out = []
     for n in names:
         obj = env.get(n)
-        candidates = [obj] + ([getattr(obj, a, None) for a in names]
-                              if isinstance(obj, types.ModuleType) else [])
+        deeper = (isinstance(obj, types.ModuleType)
+                  and obj.__name__.split(".")[0] not in ("torch", "ampguard"))
+        candidates = [obj] + ([getattr(obj, a, None) for a in names] if deeper else [])
         out += [c for c in candidates if _is_custom_function(c) and c not in out]
     return out
 
