@@ -27,9 +27,20 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
         help="precision (default fp16, the one with a loss scaler)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--distributed", nargs="?", const="ddp", default=None, choices=("ddp", "fsdp2"),
+        help="train on every torchrun rank with DDP (default) or FSDP2: "
+             "torchrun --nproc-per-node 2 -m ampguard demo --distributed [ddp|fsdp2]",
+    )
 
 
 def _demo_run(args: argparse.Namespace) -> int:
+    if args.distributed:
+        from ampguard.demo.distributed import run_distributed_demo
+
+        run_distributed_demo(args.distributed, steps=args.steps, seed=args.seed, out=args.out,
+                             precision=args.precision, progress=not args.no_progress)
+        return 0
     from ampguard.demo import run_demo
 
     run_demo(steps=args.steps, seed=args.seed, out=args.out, precision=args.precision,

@@ -241,6 +241,13 @@ class DistributedState:
 
         return [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
 
+    @staticmethod
+    def plain_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+        """A DTensor (FSDP2's replicated grad norm) as a plain tensor. Cost: no host sync."""
+        from torch.distributed.tensor import DTensor
+
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
     # ------------------------------------------------------------------ consensus
     def start_consensus(self, found: list[torch.Tensor], dropped: torch.Tensor | None,
                         step: int) -> _Pending:
