@@ -285,3 +285,11 @@ def test_bad_large_reduction_names_the_argument():
 def test_unknown_keep_fp32_pattern_names_the_argument():
     with pytest.raises(ValueError, match="keep_fp32"):
         ag.coverage(MLP(), mse, make_batch(), keep_fp32=["nope"])
+
+
+def test_importing_the_submodule_keeps_ag_coverage_callable():
+    from ampguard.coverage import Coverage as FromModule
+
+    assert FromModule is ag.Coverage
+    cov = ag.coverage(MLP(), mse, make_batch())
+    assert isinstance(cov, ag.Coverage)

@@ -13,9 +13,12 @@ backward attribution name the tensor whose gradient it is:
 - a node created outside the model (in ``loss_fn``) is attributed the same way, to the module
   whose output the gradient flows into.
 
-With ``numerics=True`` each op also records, on the device and without host syncs, the max |x|
-of its floating inputs (NaN/inf propagate into it) and of its outputs, the largest finite |x| of
-its outputs and their NaN/inf counts; :meth:`OpTrace.stats` reads them all with one sync.
+With ``numerics=True`` each op also records, on the device, the max |x| of its floating inputs
+(NaN/inf propagate into it) and of its outputs, the largest finite |x| of its outputs and their
+NaN/inf counts; :meth:`OpTrace.stats` reads them all with one sync. Until the first op of a pass
+that turns finite low-precision inputs into NaN/inf, each fp16/bf16 op's numbers are read at once
+(one sync per op), and that op is recomputed from fp32 copies of its inputs: ``shadow[index]`` is
+the max |x| the op reaches in fp32 (the value that did not fit), or None if it cannot be rerun.
 
 Hooks and the mode are installed only inside ``with trace.session(phase):`` and removed on exit.
 """
@@ -32,10 +35,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "flatten_tensors", "op_name"]
+__all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "flatten_tensors", "op_name", "is_new", "LOW"]
 
 # Columns of OpTrace.stats(); -1 in a column means "no floating tensor there".
 STAT_FIELDS = ("in_amax", "out_amax", "out_finite_amax", "out_nan", "out_inf")
+
+LOW = (torch.float16, torch.bfloat16)
 
 # Uninitialised memory may hold anything: never blame these ops for a non-finite value.
 _UNINITIALISED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
@@ -85,6 +90,14 @@ def flatten_tensors(value: Any) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             stack.extend(reversed(list(item.values())))
     return out
+
+
+def is_new(row: list[float] | None, intentional: bool = False) -> bool:
+    """The op made a non-finite value its inputs did not have (a NaN out of infs counts)."""
+    if row is None or intentional or row[1] < 0:
+        return False
+    in_amax, _, _, nan, inf = row
+    return (nan > 0 and not math.isnan(in_amax)) or (inf > 0 and math.isfinite(in_amax))
 
 
 def _floating(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -149,6 +162,8 @@ class OpTrace:
         self._seq_module: list[str | None] = []
         self.phase = "forward"
         self._device_type = _device_type(model)
+        self.shadow: dict[int, float | None] = {}
+        self._hunting = {"forward": True, "backward": True}
 
     # ------------------------------------------------------------------ sessions
     @contextlib.contextmanager
@@ -207,7 +222,8 @@ class OpTrace:
             return None
         own = self._node_module(node)
         if own is None or node.name() == "ToCopyBackward0":
-            return self._producer_module(node) or own
+            producer = self._producer_module(node)
+            return own if producer is None else producer
         return own
 
     def _node_module(self, node: Any) -> str | None:
@@ -246,6 +262,13 @@ class OpTrace:
             self._rows.append(self._row(in_amax, outputs, inputs))
         first_out = outputs[0] if outputs else None
         dtype = inputs[0].dtype if inputs else (first_out.dtype if first_out is not None else None)
+        intentional = name.startswith(_UNINITIALISED) or _has_nonfinite_scalar((args, kwargs))
+        if row is not None and first_out is not None and first_out.dtype in LOW \
+                and self._hunting[self.phase]:
+            values = self._rows[row].tolist()  # one sync per low-precision op until found
+            if is_new(values, intentional):
+                self.shadow[len(self.events)] = _shadow(func, args, kwargs, name, values[0])
+                self._hunting[self.phase] = False
         self.events.append(OpEvent(
             index=len(self.events),
             phase=self.phase,
@@ -255,7 +278,7 @@ class OpTrace:
             out_dtype=first_out.dtype if first_out is not None else None,
             shape=tuple(first_out.shape) if first_out is not None else (),
             numel=max((t.numel() for t in inputs), default=0),
-            intentional=name.startswith(_UNINITIALISED) or _has_nonfinite_scalar((args, kwargs)),
+            intentional=intentional,
             row=row,
         ))
 
@@ -289,6 +312,31 @@ class OpTrace:
         if not self._rows:
             return []
         return torch.stack([r.to(self._rows[0].device) for r in self._rows]).cpu().tolist()
+
+
+def _shadow(func: Any, args: Any, kwargs: Any, name: str, in_amax: float) -> float | None:
+    """Max |x| of ``func``'s outputs recomputed from fp32 copies of its inputs."""
+    if name == "aten._to_copy":
+        return in_amax  # a cast down: the value that did not fit is its input
+    if name.endswith("_") or "out" in kwargs:
+        return None  # in place: the inputs are already overwritten
+    try:
+        with torch.no_grad():
+            out = func(*_upcast(args), **_upcast(kwargs))
+        values = [t.abs().amax().float() for t in _floating(flatten_tensors(out))]
+        return float(torch.stack(values).amax()) if values else None
+    except Exception:  # noqa: BLE001 - any op may refuse fp32 inputs; the shadow is optional
+        return None
+
+
+def _upcast(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().float() if value.dtype in LOW else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_upcast(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _upcast(v) for k, v in value.items()}
+    return value
 
 
 def _device_type(model: torch.nn.Module) -> str:

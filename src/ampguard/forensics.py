@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ampguard._forensics_text import explain, fix_for, title_for
-from ampguard._optrace import OpEvent
+from ampguard._optrace import OpEvent, is_new
 from ampguard._replay import Preserved, Run, nonfinite_leaves, replay
 from ampguard.findings import Finding
 from ampguard.policy import device_of, resolve_precision
@@ -197,12 +197,7 @@ def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------- classification
 def _is_new(run: Run, e: OpEvent) -> bool:
-    """The op made a non-finite value its inputs did not have (NaN from inf counts)."""
-    row = run.row(e)
-    if row is None or e.intentional or row[1] < 0:
-        return False
-    in_amax, _, _, nan, inf = row
-    return (nan > 0 and not math.isnan(in_amax)) or (inf > 0 and math.isfinite(in_amax))
+    return is_new(run.row(e), e.intentional)
 
 
 def _first_new(run: Run) -> OpEvent | None:

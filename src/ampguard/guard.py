@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ampguard import results
+from ampguard import _guard_forensics, results
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
@@ -79,6 +79,10 @@ class Guard:
         on_desync: str = "raise",
         process_group: Any = None,
         telemetry: str | os.PathLike | Telemetry | None = None,
+        keep_fp32: Sequence[str] | str | None = None,
+        forensics: bool = False,
+        auto_fallback: bool = False,
+        coverage_step: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -130,6 +134,11 @@ class Guard:
         telemetry = _rank_telemetry(self._dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
         self._telemetry = _attach_telemetry(telemetry, self)
+        # forensics (ampguard._guard_forensics): keep_fp32 islands, armed tracing, auto_fallback,
+        # coverage_step; None (zero cost) unless one of them is used
+        self._forensics = _guard_forensics.attach(
+            self, keep_fp32=keep_fp32, forensics=forensics, auto_fallback=auto_fallback,
+            coverage_step=coverage_step)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -177,7 +186,8 @@ class Guard:
         Under DDP the forward of every micro-batch but the window's last runs in ``no_sync()``,
         so gradients are all-reduced once per window. Cost: no host sync.
         """
-        with self._grad_sync_context(), self._policy.autocast():
+        traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
+        with self._grad_sync_context(), self._policy.autocast(), traced:
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -197,17 +207,26 @@ class Guard:
             loss = loss / self.accumulation_steps
         if self._scaler is not None:
             loss = self._scaler.scale_loss(loss)
-        loss.backward(**kwargs)
+        if self._forensics is not None:  # armed or coverage windows trace the backward too
+            self._forensics.on_loss(loss)
+            with self._forensics.session("backward"):
+                loss.backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
         self._micro += 1
         if self.contain_nonfinite_microbatches:
             self._contain_microbatch()
 
-    def step(self, **kwargs: Any) -> StepResult:
+    def step(self, *, batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+             **kwargs: Any) -> StepResult:
         """Finish a micro-batch; at the end of a window, update the parameters.
 
         Returns a :class:`StepResult`. On the first ``accumulation_steps - 1`` calls of a window
         nothing is touched and ``applied`` is False. ``kwargs`` go to ``optimizer.step``.
-        Cost: see the class docstring (torch's own syncs, no more).
+        With ``forensics``/``auto_fallback``, ``batch`` and ``loss_fn(model, batch)`` let an
+        overflowing step be replayed with :func:`ampguard.locate` (fp16 vs fp32).
+        Cost: see the class docstring (torch's own syncs, no more); an armed forensics window
+        or a replay adds its own (see ``ampguard._guard_forensics``).
         """
         if self._micro == 0:
             raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
@@ -227,6 +246,8 @@ class Guard:
             self._drain()
         if self._dist is not None:
             self._dist.maybe_audit(self)  # cross-rank audit every `audit_every` windows
+        if self._forensics is not None:  # diagnose an armed/replayable overflow, fall back
+            self._forensics.on_step(result, batch, loss_fn)
         if self._callbacks and result.applied:
             for fn in self._callbacks:
                 fn(result)
@@ -368,6 +389,8 @@ class Guard:
             self._settle(result.step, result._decoded)
 
     def _settle(self, step: int, flags: results.Decoded) -> None:
+        if self._forensics is not None:
+            self._forensics.on_settled(step, flags.overflow, flags.applied)
         self._counts.record(flags)
         if flags.applied:
             self._collapsing = False
@@ -450,7 +473,8 @@ class Guard:
         }
 
     def _fallbacks(self) -> list[dict[str, Any]]:
-        return [dict(self._fallback)] if self._fallback else []
+        changes = self._forensics.changes if self._forensics is not None else []
+        return ([dict(self._fallback)] if self._fallback else []) + [dict(c) for c in changes]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -479,6 +503,7 @@ class Guard:
             "steps": self._steps,
             "accumulation_steps": self.accumulation_steps,
             "counters": self._counts.to_dict(),
+            "forensics": self._forensics.state() if self._forensics is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -512,6 +537,8 @@ class Guard:
             self._scaler.load_state_dict(state["scaler"])
         saved = state["scaler"]["scale"] if state["scaler"] is not None else None
         self._hist.fill_(saved if saved is not None else 1.0)
+        if self._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
+            self._forensics.load(state.get("forensics"))
         self._mark_resume(scale_reset=False, saved_scale=saved)
 
     def _adopt_torch_scaler_state(self, state: dict[str, Any]) -> None:
@@ -564,22 +591,34 @@ class Guard:
         """The attached :class:`ampguard.Telemetry` (``telemetry=`` argument), or None."""
         return self._telemetry
 
+    @property
+    def coverage(self) -> Any:
+        """The :class:`ampguard.Coverage` of window ``coverage_step`` once it ran, else None."""
+        return self._forensics.coverage if self._forensics is not None else None
+
     def findings(self) -> list[Finding]:
-        """The AG1xx findings over the run so far (needs ``telemetry=``).
+        """The AG1xx findings over the run so far (needs ``telemetry=``), plus the AG3xx
+        diagnoses, fallbacks and coverage of ``forensics``/``auto_fallback``/``coverage_step``
+        (those work without telemetry too).
 
         Also writes ``findings.json`` to the run folder. Cost: one host sync (the telemetry
         flush) and a read of the run log.
         """
         if self._telemetry is None:
+            if self._forensics is not None:
+                return self._forensics.findings()
             raise RuntimeError("Guard.findings() needs telemetry: create the Guard with "
                                "telemetry=RUN_DIR (or an ampguard.Telemetry)")
-        return self._telemetry.findings()
+        found = self._telemetry.findings()
+        return self._forensics.merge_findings_file(found) if self._forensics else found
 
     def close(self) -> None:
         """Flush telemetry, write ``findings.json`` and close the run log (no-op without
         telemetry; idempotent). Cost: one host sync."""
         if self._telemetry is not None:
             self._telemetry.close()
+            if self._forensics is not None:  # add the AG3xx findings to findings.json
+                self._forensics.merge_findings_file()
 
     def __enter__(self) -> Guard:
         return self
