@@ -105,6 +105,11 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
     found: list[Finding] = []
     for rule in (_ag101, _ag102, _ag103, _ag104, _ag105, _ag106, _ag107, _ag108):
         found.extend(rule(run, cfg, warm))
+    # --- findings recorded during the run (attach mode, ampguard.integrations: AG120-AG122) ---
+    recorded = {(e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
+                for e in run.events if e.get("kind") == "finding" and "finding" in e}
+    found.extend(recorded.values())  # the last event per code and title wins
+    # --- end of recorded findings ---
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(found, key=lambda f: (order[f.severity], f.step or 0, f.code))
 

@@ -67,7 +67,9 @@ class Telemetry:
     norm), ``layer_every`` (gradient statistics every N steps; 1 = every step), ``range_every``
     (fp16 range statistics every N steps; 0 = off), ``tensorboard`` (also write ``tb/`` with the
     ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
-    resume point; False starts the log over).
+    resume point; False starts the log over), ``sinks`` (extra sinks such as
+    :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
+    ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
 
     Cost: no host sync between flushes; a flush is one device-to-host copy. Per step: about 4
     tiny kernels; on statistics steps 2 multi-tensor norms plus 4 kernels; on range steps about
@@ -76,7 +78,8 @@ class Telemetry:
 
     def __init__(self, run_dir: str | os.PathLike, flush_every: int = 100,
                  layer_stats: bool = True, layer_every: int = 10, range_every: int = 100,
-                 tensorboard: bool = False, *, resume: bool = True) -> None:
+                 tensorboard: bool = False, *, resume: bool = True,
+                 sinks: Any = ()) -> None:
         if not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(f"Telemetry run_dir must be a path (str or os.PathLike), got "
                             f"{type(run_dir).__name__}")
@@ -95,6 +98,13 @@ class Telemetry:
         self._guard: Any = None
         self._closed = False
         self.flushes = 0
+        # --- extra sinks (ampguard.integrations.sinks): start/write/close protocol ---
+        self.sinks = tuple(sinks)
+        for sink in self.sinks:
+            if not all(callable(getattr(sink, m, None)) for m in ("start", "write", "close")):
+                raise TypeError("Telemetry sinks must have start(run_dir, layers), "
+                                f"write(records, skip_rate) and close(); got {type(sink).__name__}")
+        # --- end of extra sinks ---
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments as a plain dict (recorded in ``meta.json``)."""
@@ -157,6 +167,8 @@ class Telemetry:
         if self.tensorboard:
             from ampguard._tbsink import TensorBoardSink
             self._sink = TensorBoardSink(self.run_dir / runlog.TB_DIR, self.layers)
+        for sink in self.sinks:  # extra sinks
+            sink.start(self.run_dir, list(self.layers))
 
     @property
     def _events(self) -> Path:
@@ -336,6 +348,8 @@ class Telemetry:
         rates = self._tally_up(records)
         if self._sink is not None:
             self._sink.write(records, rates)
+        for sink in self.sinks:  # extra sinks
+            sink.write(records, rates)
         self.flushes += 1
 
     def _tally_up(self, records: list[dict[str, Any]]) -> list[float]:
@@ -399,6 +413,8 @@ class Telemetry:
             self._closed = True
             if self._sink is not None:
                 self._sink.close()
+            for sink in self.sinks:  # extra sinks
+                sink.close()
             if self._log is not None:
                 self._log.close()
                 self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
