@@ -110,7 +110,8 @@ def run(run_dir: Path, model: nn.Module, steps: int, *, scaler: ag.ScalerConfig 
     return run_dir
 
 
-def resumed(run_dir: Path, *, restore_guard: bool, before: int = 30, after: int = 20) -> Path:
+def resumed(run_dir: Path, *, restore_guard: bool, before: int = 30, after: int = 20,
+            range_every: int = 100) -> Path:
     """Train, checkpoint (with or without the Guard's state), then resume in a new process-like
     setup (new model, optimizer, Guard, Telemetry on the same folder) and train on."""
     scaler = ag.ScalerConfig(growth_interval=1000)
@@ -118,14 +119,16 @@ def resumed(run_dir: Path, *, restore_guard: bool, before: int = 30, after: int 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = run_dir / "ckpt.pt"
     with ag.Guard(model, opt, precision="fp16", scaler=scaler,
-                  telemetry=ag.Telemetry(run_dir, flush_every=8)) as guard:
+                  telemetry=ag.Telemetry(run_dir, flush_every=8,
+                                         range_every=range_every)) as guard:
         train(guard, model, before, amp=1e3)  # the scale backs off from 65536
         ag.save_checkpoint(ckpt, model=model, optimizer=opt,
                            guard=guard if restore_guard else None)
     model = mlp(seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with ag.Guard(model, opt, precision="fp16", scaler=scaler,
-                  telemetry=ag.Telemetry(run_dir, flush_every=8)) as guard:
+                  telemetry=ag.Telemetry(run_dir, flush_every=8,
+                                         range_every=range_every)) as guard:
         ag.load_checkpoint(ckpt, model=model, optimizer=opt, guard=guard)
         train(guard, model, after, amp=1e3)
     return run_dir
