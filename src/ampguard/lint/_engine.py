@@ -166,4 +166,4 @@ def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str]
             for name in sorted(files):
                 rel = os.path.normpath(os.path.join(rel_root, name))
                 if name.endswith(".py") and not _excluded(name, rel, tuple(exclude)):
-                    yield os.path.join(root, name)
+                    yield os.path.normpath(os.path.join(root, name))

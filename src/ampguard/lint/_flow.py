@@ -11,6 +11,7 @@ the state it tracks and how an event changes it (an :class:`Analysis`).
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ _MAX_INLINE_DEPTH = 3
 class Event:
     """One step of the AMP protocol found in the source."""
 
-    kind: str  # bwd, bwd_scaled, unscale, sstep, ostep, update, zero, clip, opaque, call
+    kind: str  # bwd, bwd_scaled, unscale, sstep, pstep, ostep, update, zero, clip, opaque, call
     node: ast.AST
     key: str | None = None  # scaler (or optimizer, for ostep) text
     arg: str | None = None  # optimizer text of scaler.step(opt)
@@ -66,6 +67,8 @@ class Events:
             if attr == "step" and key:
                 if key in self.scalers:
                     return [Event("sstep", call, key, dotted(call.args[0]))] if call.args else []
+                if call.args and self._is_parameter(func.value):  # a helper's scaler argument?
+                    return [Event("pstep", call, key, dotted(call.args[0]))]
                 if not is_scheduler_like(self.model, func.value):
                     return [Event("ostep", call, key)]
                 return []
@@ -240,6 +243,9 @@ class Interpreter:
             self.budget -= 1
             if self.budget < 0:
                 raise OutOfBudget
+            if event.kind == "pstep":  # step on a parameter: a scaler if the caller passed one
+                kind = "sstep" if env.rename(event.key) in self.events.scalers else "ostep"
+                event = dataclasses.replace(event, kind=kind)
             if event.kind == "call":
                 state = self._inline(state, event, env)
             else:
