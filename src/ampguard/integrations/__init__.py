@@ -10,6 +10,7 @@ modules import their framework on import and fail with a clear ``ImportError`` n
 - :mod:`ampguard.integrations.sinks`: optional W&B / MLflow sinks for a run's records
 """
 
+from ampguard.integrations._policy import grad_scaler, guard_options
 from ampguard.integrations.watch import Watch, watch
 
-__all__ = ["watch", "Watch"]
+__all__ = ["watch", "Watch", "grad_scaler", "guard_options"]

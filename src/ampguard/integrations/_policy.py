@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttachPolicy", "PolicyState", "COLLAPSE_POLICIES"]
+__all__ = ["AttachPolicy", "PolicyState", "COLLAPSE_POLICIES", "grad_scaler", "guard_options"]
 
 COLLAPSE_POLICIES = ("warn", "raise")
 
@@ -132,3 +132,42 @@ class PolicyState:
         if self._budget is None or self._budget.device != device:
             self._budget = torch.full((), self.policy.hysteresis, dtype=torch.int32, device=device)
         return self._budget
+
+
+def grad_scaler(config: Any, device: str = "cuda") -> torch.amp.GradScaler:
+    """A ``torch.amp.GradScaler`` with the scale settings of an :class:`ampguard.ScalerConfig`.
+
+    Hand it to a framework that takes a scaler (Lightning's ``MixedPrecision(scaler=...)``) and
+    pass :func:`guard_options` of the same config to ampguard's callback for the floor, cap and
+    hysteresis.
+    """
+    from ampguard.scaler import ScalerConfig
+
+    if not isinstance(config, ScalerConfig):
+        raise TypeError(f"config must be an ampguard.ScalerConfig, got {type(config).__name__}")
+    if not config.dynamic:
+        raise ValueError("config.dynamic=False (a fixed scale) has no GradScaler equivalent; "
+                         "use dynamic=True")
+    return torch.amp.GradScaler(device, init_scale=config.init_scale,
+                                growth_factor=config.growth_factor,
+                                backoff_factor=config.backoff_factor,
+                                growth_interval=config.growth_interval)
+
+
+def guard_options(config: Any) -> dict[str, Any]:
+    """The attach-mode guard options (``min_scale``, ``max_scale``, ``hysteresis``,
+    ``consecutive_hysteresis``, ``on_collapse``) of an :class:`ampguard.ScalerConfig`.
+
+    ``on_collapse="fallback"`` needs the Guard (it switches the autocast dtype) and is refused.
+    """
+    from ampguard.scaler import ScalerConfig
+
+    if not isinstance(config, ScalerConfig):
+        raise TypeError(f"config must be an ampguard.ScalerConfig, got {type(config).__name__}")
+    if config.on_collapse not in COLLAPSE_POLICIES:
+        raise ValueError(f"on_collapse={config.on_collapse!r} needs ampguard.Guard (it changes "
+                         f"the loop's precision); attach mode supports {COLLAPSE_POLICIES}")
+    return {"min_scale": config.min_scale, "max_scale": config.max_scale,
+            "hysteresis": config.hysteresis,
+            "consecutive_hysteresis": config.consecutive_hysteresis,
+            "on_collapse": config.on_collapse}

@@ -82,7 +82,8 @@ class Watch:
 
     def __init__(self, scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *,
                  precision: str | None = None, policy: AttachPolicy | None = None,
-                 framework: str | None = None) -> None:
+                 framework: str | None = None, loss_from_scaler: bool = True,
+                 grads_from_optimizer_hooks: bool = True) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if scaler is not None and not is_grad_scaler(scaler):
@@ -97,6 +98,9 @@ class Watch:
             raise ValueError("min_scale, max_scale and hysteresis need an enabled GradScaler "
                              "(fp16); this loop has none")
         self.scaler = scaler if enabled else None
+        # Integrations that see the loss and the final gradients in their own hooks turn these off.
+        self._loss_from_scaler = loss_from_scaler and self.scaler is not None
+        self._grads_from_hooks = grads_from_optimizer_hooks
         self._done = 0
         self._closed = False
         self._grads_seen = False
@@ -110,6 +114,8 @@ class Watch:
         self._tap: ScalerTap | None = None
         self._hooks: list[Any] = []
         self._notes: list[Finding] = []  # findings an integration adds (e.g. AG122)
+        self._on_close: list[Any] = []  # integrations' undo callbacks (remove their wrappers)
+        self._persisted: list[dict[str, Any]] = []  # findings already in the event log
         self._state = PolicyState(self.policy) if self.policy.active else None
         dev = self._view._device
         self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
@@ -143,7 +149,7 @@ class Watch:
         With an enabled scaler the loss handed to ``scaler.scale`` is recorded automatically and
         this call does nothing.
         """
-        if self._tap is None and not self._closed and isinstance(loss, torch.Tensor) \
+        if not self._loss_from_scaler and not self._closed and isinstance(loss, torch.Tensor) \
                 and loss.numel() == 1:
             self.telemetry._on_backward(loss.detach())
 
@@ -177,6 +183,8 @@ class Watch:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        while self._on_close:
+            self._on_close.pop()()
         try:
             self.telemetry.close()
             rules_found = [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)] \
@@ -193,7 +201,8 @@ class Watch:
 
     # ------------------------------------------------------------------ tap callbacks (hot path)
     def _on_loss(self, loss: torch.Tensor) -> None:
-        self.telemetry._on_backward(loss)
+        if self._loss_from_scaler:
+            self.telemetry._on_backward(loss)
 
     def _on_grads(self, optimizer: torch.optim.Optimizer) -> None:
         if self._grads_seen:
@@ -222,7 +231,13 @@ class Watch:
         first.copy_(torch.where(kinds & (first == 0), step, first))
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._closed:
+        if self._grads_from_hooks:
+            self._observe_grads()
+
+    def _observe_grads(self) -> None:
+        """Sample the (unscaled) gradients of a scaler-free step once. Cost: no host sync."""
+        if self._tap is None and not self._closed and not self._grads_seen:
+            self._grads_seen = True
             self._view._steps = self._done + 1
             self.telemetry._on_grads(False)
 
@@ -269,7 +284,9 @@ class Watch:
 
     def _merge(self, rules_found: list[Finding]) -> list[Finding]:
         own = _findings.attach_findings(self)
-        _findings.persist(self.run_dir, own)  # so that ag.report / `ampguard report` show them
+        fresh = [f for f in own if f.to_dict() not in self._persisted]
+        _findings.persist(self.run_dir, fresh)  # so that ag.report / `ampguard report` show them
+        self._persisted.extend(f.to_dict() for f in fresh)
         codes = {f.code for f in own}
         merged = [f for f in rules_found if f.code not in codes] + own
         runlog.write_json_atomic(self._findings_path, [f.to_dict() for f in merged])

@@ -1,0 +1,121 @@
+"""Accelerate: observe ``accelerator.scaler`` and ``optimizer_step_was_skipped`` without changing
+the loop.
+
+>>> accelerator = Accelerator(mixed_precision="fp16")
+>>> model, optimizer, data = accelerator.prepare(model, optimizer, data)
+>>> with watch_accelerator(accelerator, model, optimizer, telemetry="runs/exp1") as handle:
+...     for x, y in data:
+...         with accelerator.autocast():
+...             loss = loss_fn(model(x), y)
+...         accelerator.backward(loss)
+...         optimizer.step()
+...         optimizer.zero_grad()
+>>> handle.report()
+
+Accelerate decides "skipped" by whether ``optimizer.step`` was called under ``scaler.step``. A
+fused optimizer's ``step`` is always called (its kernel skips itself on ``found_inf``), so
+``optimizer_step_was_skipped`` stays False on skipped steps and the scheduler advances. ampguard
+records skips from ``found_inf``, and reports every step where Accelerate's flag disagrees as
+AG120. Nothing in Accelerate's own behaviour is changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampguard.integrations._extras import require
+from ampguard.integrations._findings import fp16_inactive
+from ampguard.integrations._policy import AttachPolicy
+from ampguard.integrations.watch import Watch
+
+require("accelerate", "ampguard.integrations.accelerate")
+
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+
+__all__ = ["watch_accelerator", "observe_skip_flags", "accelerate_precision"]
+
+
+def watch_accelerator(accelerator: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any,
+                      *, min_scale: float | None = None, max_scale: float | None = None,
+                      hysteresis: int = 1, consecutive_hysteresis: bool = False,
+                      on_collapse: str = "warn") -> Watch:
+    """Attach ampguard to a prepared Accelerate loop; return the :class:`Watch` handle.
+
+    ``model``/``optimizer``: what ``accelerator.prepare`` returned (one optimizer or a list).
+    Records the scale and skips from ``accelerator.scaler`` under fp16, or every optimizer step
+    under bf16/fp32, the loss given to ``accelerator.backward`` (before its division by the
+    accumulation steps) and the unscaled gradient statistics. Guard options as in
+    :func:`ampguard.watch` (fp16 only). Cost: as :func:`ampguard.watch`.
+    """
+    if not hasattr(accelerator, "backward") or not hasattr(accelerator, "mixed_precision"):
+        raise TypeError(f"accelerator must be an accelerate.Accelerator, got "
+                        f"{type(accelerator).__name__}")
+    scaler = accelerator.scaler
+    precision, note = accelerate_precision(accelerator.mixed_precision, scaler,
+                                           accelerator.device)
+    handle = Watch(scaler, accelerator.unwrap_model(model), optimizer, telemetry,
+                   precision=precision, framework="accelerate", loss_from_scaler=False,
+                   policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
+                                       on_collapse))
+    if note is not None:
+        handle._notes.append(note)
+    _record_backward_loss(handle, accelerator)
+    observe_skip_flags(handle, optimizer)
+    return handle
+
+
+def accelerate_precision(mixed_precision: str, scaler: Any, device: Any) -> tuple[str, Any]:
+    """ampguard's precision for Accelerate's ``mixed_precision`` setting, and an AG122 finding
+    when fp16 was asked for but runs without a scaler (Accelerate on CPU: fp32)."""
+    if scaler is not None and scaler.is_enabled():
+        return "fp16", None
+    if mixed_precision in ("bf16", "fp8"):
+        return "bf16", None
+    if mixed_precision == "fp16":
+        return "fp32", fp16_inactive(
+            "accelerate", f"Accelerate creates no GradScaler and no fp16 autocast on device "
+            f"{str(device)!r}")
+    return "fp32", None
+
+
+def observe_skip_flags(handle: Watch, optimizer: Any) -> None:
+    """After each real step of every ``AcceleratedOptimizer`` in ``optimizer``, hand its own
+    ``step_was_skipped`` to ``handle`` (compared with ``found_inf`` in the findings: AG120).
+
+    The optimizer's ``step`` is wrapped on the instance and called through unchanged; the wrapper
+    is removed when ``handle`` closes. Cost: no host sync (the flag is a host bool).
+    """
+    opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in opts:
+        if not isinstance(opt, AcceleratedOptimizer) or opt.scaler is None:
+            continue  # without a scaler Accelerate never reports a skip
+        _wrap_step(handle, opt)
+
+
+def _wrap_step(handle: Watch, opt: AcceleratedOptimizer) -> None:
+    original = opt.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        before = handle.steps
+        result = original(*args, **kwargs)
+        if handle.steps != before:  # a real step (not an accumulation micro-batch)
+            handle._note_framework_skip(opt.step_was_skipped)
+        return result
+
+    opt.__dict__["step"] = step
+    handle._on_close.append(lambda: opt.__dict__.get("step") is step and opt.__dict__.pop("step"))
+
+
+def _record_backward_loss(handle: Watch, accelerator: Any) -> None:
+    original = accelerator.backward
+
+    def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        handle.record_loss(loss)
+        return original(loss, **kwargs)
+
+    accelerator.__dict__["backward"] = backward
+    handle._on_close.append(
+        lambda: accelerator.__dict__.get("backward") is backward
+        and accelerator.__dict__.pop("backward"))

@@ -1,0 +1,120 @@
+"""Lightning: ``AmpGuardCallback`` reads the precision plugin's scaler and the gradients.
+
+>>> trainer = L.Trainer(precision="16-mixed", callbacks=[AmpGuardCallback()])
+>>> trainer.fit(model, data)          # run log + report.html in <default_root_dir>/ampguard
+
+The callback attaches to ``trainer.precision_plugin.scaler`` (:func:`ampguard.watch`) when the
+fit starts; no number changes. Lightning's AMP plugin calls ``scaler.unscale_`` and then
+``on_before_optimizer_step``. ampguard samples the gradients just before that unscale (without
+a scaler: in ``on_before_optimizer_step``), takes the loss from ``scaler.scale`` (without a
+scaler: from ``on_before_backward``), and the skip from the scaler's ``found_inf`` at
+``scaler.update``.
+
+To run ampguard's scaler settings (floor, cap, hysteresis) under Lightning, build the plugin's
+scaler from a :class:`ampguard.ScalerConfig` and hand the same config to the callback::
+
+    cfg = ag.ScalerConfig(init_scale=2.0**12, growth_interval=500, min_scale=1.0, hysteresis=2)
+    plugin = MixedPrecision("16-mixed", "cuda", scaler=grad_scaler(cfg, "cuda"))
+    trainer = L.Trainer(plugins=[plugin], callbacks=[AmpGuardCallback(**guard_options(cfg))])
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampguard.findings import Finding
+from ampguard.integrations._extras import require
+from ampguard.integrations._finish import close_and_report
+from ampguard.integrations._policy import AttachPolicy
+from ampguard.integrations.watch import Watch
+
+require("lightning", "ampguard.integrations.lightning")
+
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+__all__ = ["AmpGuardCallback", "lightning_precision"]
+
+_PRECISIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16",
+               "bf16-true": "bf16", "32-true": "fp32", "64-true": "fp32"}
+
+
+class AmpGuardCallback(Callback):
+    """Attach ampguard to a ``lightning.pytorch.Trainer`` fit.
+
+    ``telemetry``: a run folder or an :class:`ampguard.Telemetry`; default
+    ``<trainer.default_root_dir>/ampguard``. ``report``: write ``report.html`` when the fit ends
+    (needs matplotlib). Guard options as in :func:`ampguard.watch` (16-mixed only). After the
+    fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
+    """
+
+    def __init__(self, telemetry: Any = None, *, report: bool = True,
+                 min_scale: float | None = None, max_scale: float | None = None,
+                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
+                 on_collapse: str = "warn") -> None:
+        if not isinstance(report, bool):
+            raise TypeError(f"report must be True or False, got {report!r}")
+        self.telemetry = telemetry
+        self.report = report
+        self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
+                                   on_collapse)
+        self.watch: Watch | None = None
+        self._findings: list[Finding] = []
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.watch.run_dir if self.watch is not None else None
+
+    def findings(self) -> list[Finding]:
+        """Findings of the last fit (during the fit: so far; costs a flush)."""
+        if self.watch is not None and not self.watch._closed:
+            return self.watch.findings()
+        return list(self._findings)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._attach(trainer, pl_module)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        # Under 16-mixed this loss is already scaled; the watch then takes the unscaled one
+        # from scaler.scale and ignores this call.
+        if self.watch is not None:
+            self.watch.record_loss(loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.watch is None or self.watch._closed:
+            self._attach(trainer, pl_module)  # e.g. a callback added after on_fit_start
+        # Without a scaler the gradients are final here; Lightning runs the closure (forward and
+        # backward) inside optimizer.step, after the optimizer's own pre-step hooks.
+        self.watch._observe_grads()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()  # keep what was recorded up to the failure
+
+    # ------------------------------------------------------------------ helpers
+    def _attach(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        telemetry = self.telemetry if self.telemetry is not None else \
+            os.path.join(trainer.default_root_dir, "ampguard")
+        self.watch = Watch(scaler, pl_module, list(trainer.optimizers), telemetry,
+                           precision=lightning_precision(plugin, scaler), policy=self.policy,
+                           framework="lightning", grads_from_optimizer_hooks=False)
+
+    def _close(self) -> None:
+        if self.watch is not None and not self.watch._closed:
+            self._findings = close_and_report(self.watch, self.report)
+
+
+def lightning_precision(plugin: Any, scaler: Any) -> str:
+    """ampguard's precision name for a Lightning precision plugin."""
+    if scaler is not None and scaler.is_enabled():
+        return "fp16"
+    return _PRECISIONS.get(str(getattr(plugin, "precision", "32-true")), "fp32")

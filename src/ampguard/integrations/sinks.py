@@ -1,0 +1,135 @@
+"""Optional W&B and MLflow sinks for :class:`ampguard.Telemetry` (TensorBoard is built in).
+
+>>> tel = ag.Telemetry("runs/exp1", sinks=[WandbSink(project="my-project")])
+>>> tel = ag.Telemetry("runs/exp1", sinks=[MlflowSink(experiment="my-exp")])
+
+A sink receives the step records at every telemetry flush (never between flushes, so it adds no
+per-step cost) and logs ``ampguard/scale``, ``ampguard/skip_rate``, ``ampguard/loss``,
+``ampguard/grad_norm``, ``ampguard/applied`` and per-layer ``ampguard/layer_grad_norm/<layer>``
+against the optimizer step. W&B keeps its own step counter for the user's metrics, so ampguard's
+metrics use ``ampguard/step`` as their x-axis (``define_metric``) and never move it. Both work
+offline: ``WANDB_MODE=offline`` / ``mode="offline"`` writes a local run; MLflow logs to whatever
+``tracking_uri`` says (a local folder or database works without a server).
+
+Each sink imports its package when constructed and raises ``ImportError`` naming the extra
+(``pip install "ampguard[wandb]"`` / ``"ampguard[mlflow]"``) when it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ampguard.integrations._extras import require
+
+__all__ = ["WandbSink", "MlflowSink", "step_metrics"]
+
+_PREFIX = "ampguard/"
+_MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
+def _tag(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", name) or "_"
+
+
+def step_metrics(record: dict[str, Any], skip_rate: float,
+                 layers: Sequence[str]) -> dict[str, float]:
+    """The finite scalar metrics of one step record, keyed ``ampguard/...``."""
+    values: dict[str, Any] = {
+        "scale": record.get("scale"), "skip_rate": skip_rate, "loss": record.get("loss"),
+        "grad_norm": record.get("grad_norm"), "applied": float(bool(record.get("applied", True))),
+    }
+    per_layer = (record.get("layers") or {}).get("grad_norm") or []
+    for name, value in zip(layers, per_layer, strict=False):
+        values[f"layer_grad_norm/{_tag(name)}"] = value
+    return {_PREFIX + k: float(v) for k, v in values.items() if v is not None}
+
+
+class WandbSink:
+    """Logs ampguard's step records to a W&B run.
+
+    ``run``: an existing ``wandb`` run (left open on close), else ``wandb.run`` when one is
+    active, else a new run from ``wandb.init(dir=<run_dir>, **init_kwargs)`` (finished on close).
+    """
+
+    def __init__(self, run: Any = None, **init_kwargs: Any) -> None:
+        self._wandb = require("wandb", "WandbSink")
+        self._given = run
+        self._init_kwargs = init_kwargs
+        self.run: Any = None
+        self._owned = False
+        self._layers: list[str] = []
+
+    def start(self, run_dir: str | os.PathLike, layers: Sequence[str]) -> None:
+        self._layers = list(layers)
+        run = self._given if self._given is not None else self._wandb.run
+        if run is None:
+            kwargs = {"dir": str(run_dir), **self._init_kwargs}
+            run = self._wandb.init(**kwargs)
+            self._owned = True
+        run.define_metric(_PREFIX + "step")
+        run.define_metric(_PREFIX + "*", step_metric=_PREFIX + "step")
+        self.run = run
+
+    def write(self, records: Sequence[dict[str, Any]], skip_rate: Sequence[float]) -> None:
+        for rec, rate in zip(records, skip_rate, strict=True):
+            row = step_metrics(rec, rate, self._layers)
+            row[_PREFIX + "step"] = int(rec["step"])
+            self.run.log(row)
+
+    def close(self) -> None:
+        if self._owned and self.run is not None:
+            self.run.finish()
+        self.run = None
+
+
+class MlflowSink:
+    """Logs ampguard's step records to an MLflow run (one ``log_batch`` per flush).
+
+    ``run_id``: log into this run; else the active run (``mlflow.active_run()``); else a new run
+    in ``experiment`` (default "ampguard"), ended on close. ``tracking_uri``: where to log
+    (default: MLflow's own setting).
+    """
+
+    def __init__(self, run_id: str | None = None, *, experiment: str = "ampguard",
+                 tracking_uri: str | None = None) -> None:
+        self._mlflow = require("mlflow", "MlflowSink")
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._given = run_id
+        self._experiment = experiment
+        self.run_id: str | None = None
+        self._owned = False
+        self._layers: list[str] = []
+
+    def start(self, run_dir: str | os.PathLike, layers: Sequence[str]) -> None:
+        self._layers = list(layers)
+        active = self._mlflow.active_run()
+        run_id = self._given or (active.info.run_id if active is not None else None)
+        if run_id is None:
+            exp = self._client.get_experiment_by_name(self._experiment)
+            exp_id = exp.experiment_id if exp is not None else \
+                self._client.create_experiment(self._experiment)
+            run_id = self._client.create_run(exp_id, tags={"ampguard.run_dir": str(run_dir)}
+                                             ).info.run_id
+            self._owned = True
+        self.run_id = run_id
+
+    def write(self, records: Sequence[dict[str, Any]], skip_rate: Sequence[float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, int(rec["step"]))
+                   for rec, rate in zip(records, skip_rate, strict=True)
+                   for key, value in step_metrics(rec, rate, self._layers).items()]
+        for start in range(0, len(metrics), _MLFLOW_BATCH):
+            self._client.log_batch(self.run_id, metrics=metrics[start:start + _MLFLOW_BATCH])
+
+    def close(self) -> None:
+        if self._owned and self.run_id is not None:
+            self._client.set_terminated(self.run_id)
+        self.run_id = None

@@ -1,0 +1,119 @@
+"""Hugging Face ``Trainer``: ``AmpGuardCallback`` records each optimizer step and writes a report.
+
+>>> trainer = Trainer(model=model, args=TrainingArguments(..., fp16=True), train_dataset=data,
+...                   callbacks=[AmpGuardCallback()])        # run log in <output_dir>/ampguard
+>>> trainer.train()                                          # report.html written at the end
+
+The callback finds the Trainer's ``GradScaler`` on its ``AcceleratedOptimizer`` and attaches to it
+(:func:`ampguard.watch`): no number changes. Under bf16/fp32 (no scaler) it records every
+optimizer step and takes the loss from the model output. Skips are read from ``found_inf``, and
+steps the Trainer wrongly counted as applied (fused optimizer: the LR scheduler advanced on a
+skipped step) are reported as AG120.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampguard.findings import Finding
+from ampguard.integrations._extras import require
+from ampguard.integrations._findings import fp16_inactive
+from ampguard.integrations._finish import close_and_report
+from ampguard.integrations._policy import AttachPolicy
+from ampguard.integrations.watch import Watch
+
+require("transformers", "ampguard.integrations.transformers")
+from transformers import TrainerCallback  # noqa: E402
+
+from ampguard.integrations.accelerate import observe_skip_flags  # noqa: E402
+
+__all__ = ["AmpGuardCallback"]
+
+
+class AmpGuardCallback(TrainerCallback):
+    """Attach ampguard to a ``transformers.Trainer`` run.
+
+    ``telemetry``: a run folder or an :class:`ampguard.Telemetry`; default
+    ``<output_dir>/ampguard``. ``report``: write ``report.html`` when training ends (needs
+    matplotlib). Guard options (``min_scale``, ``max_scale``, ``hysteresis``,
+    ``consecutive_hysteresis``, ``on_collapse``) as in :func:`ampguard.watch`, fp16 only.
+    After training, ``findings()`` returns the run's findings and ``run_dir`` its folder.
+    """
+
+    def __init__(self, telemetry: Any = None, *, report: bool = True,
+                 min_scale: float | None = None, max_scale: float | None = None,
+                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
+                 on_collapse: str = "warn") -> None:
+        if not isinstance(report, bool):
+            raise TypeError(f"report must be True or False, got {report!r}")
+        self.telemetry = telemetry
+        self.report = report
+        self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
+                                   on_collapse)
+        self.watch: Watch | None = None
+        self._findings: list[Finding] = []
+        self._loss_hook: Any = None
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.watch.run_dir if self.watch is not None else None
+
+    def findings(self) -> list[Finding]:
+        """Findings of the last run (during training: so far; costs a flush)."""
+        if self.watch is not None and not self.watch._closed:
+            return self.watch.findings()
+        return list(self._findings)
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        self._close()
+        if model is None or optimizer is None:
+            raise ValueError("AmpGuardCallback needs the Trainer's model and optimizer "
+                             "(transformers passes them to on_train_begin)")
+        scaler = getattr(optimizer, "scaler", None)
+        precision, note = _trainer_precision(args, scaler)
+        telemetry = self.telemetry if self.telemetry is not None else \
+            os.path.join(args.output_dir, "ampguard")
+        self.watch = Watch(scaler, model, optimizer, telemetry, precision=precision,
+                           policy=self.policy, framework="transformers")
+        if note is not None:
+            self.watch._notes.append(note)
+        observe_skip_flags(self.watch, optimizer)
+        if self.watch.scaler is None:
+            self._loss_hook = model.register_forward_hook(self._record_output_loss)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close()
+
+    # ------------------------------------------------------------------ helpers
+    def _record_output_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not module.training or self.watch is None:
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.watch.record_loss(loss)
+
+    def _close(self) -> None:
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        if self.watch is not None and not self.watch._closed:
+            self._findings = close_and_report(self.watch, self.report)
+
+
+def _trainer_precision(args: Any, scaler: Any) -> tuple[str, Finding | None]:
+    if scaler is not None and scaler.is_enabled():
+        return "fp16", None
+    if getattr(args, "bf16", False):
+        return "bf16", None
+    if getattr(args, "fp16", False):
+        return "fp32", fp16_inactive(
+            "transformers.Trainer", f"fp16=True, but Accelerate creates no GradScaler and no "
+            f"fp16 autocast on device {str(getattr(args, 'device', '?'))!r}")
+    return "fp32", None
