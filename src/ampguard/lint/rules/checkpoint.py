@@ -129,11 +129,11 @@ AG205 = Rule(
     code="AG205", severity="warning", title="checkpoint without GradScaler state",
     fix="add 'scaler': scaler.state_dict() to the checkpoint and call "
         "scaler.load_state_dict(ckpt['scaler']) when resuming",
-    triggers=("save",), check=_check_checkpoint,
+    triggers=("GradScaler", "unscale_", ".scale("), check=_check_checkpoint,
 )
 AG208 = Rule(
     code="AG208", severity="warning", title="unsafe checkpoint load",
     fix="load with torch.load(path, weights_only=True) (register extra types with "
         "torch.serialization.add_safe_globals) or use ampguard.load_checkpoint",
-    triggers=("load",), check=_check_load,
+    triggers=("weights_only", "torch.load", "import load", "serialization"), check=_check_load,
 )

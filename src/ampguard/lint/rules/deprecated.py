@@ -39,5 +39,5 @@ AG206 = Rule(
     code="AG206", severity="warning", title="deprecated AMP API",
     fix="replace torch.cuda.amp.X(...) with torch.amp.X('cuda', ...) and torch.cpu.amp.X(...) "
         "with torch.amp.X('cpu', ...) (for autocast: torch.amp.autocast(device_type=...))",
-    triggers=("amp",), check=_check,
+    triggers=("cuda.amp", "cpu.amp", "import amp"), check=_check,
 )

@@ -36,5 +36,5 @@ AG212 = Rule(
     code="AG212", severity="warning", title="GradScaler in no-grad or evaluation code",
     fix="compute evaluation losses without the scaler (plain loss.item() or a metric), and create "
         "and use the GradScaler only in the training step",
-    triggers=("scale",), check=_check,
+    triggers=("GradScaler", ".scale("), check=_check,
 )

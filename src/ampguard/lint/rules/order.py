@@ -125,11 +125,11 @@ AG201 = Rule(
     code="AG201", severity="error", title="gradient clipping on scaled gradients",
     fix="call scaler.unscale_(optimizer) after scaler.scale(loss).backward() and before "
         "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
-    triggers=("clip_grad",), check=_check_clip,
+    triggers=("clip_grad",), check=_check_clip,  # also needs a scaler: cheap to find out
 )
 AG202 = Rule(
     code="AG202", severity="error", title="optimizer stepped twice",
     fix="call only scaler.step(optimizer); it runs optimizer.step() itself unless the gradients "
         "overflowed",
-    triggers=(".step(",), check=_check_double,
+    triggers=("caler", "unscale_", ".scale("), check=_check_double,
 )

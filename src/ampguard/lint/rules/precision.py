@@ -141,11 +141,11 @@ AG203 = Rule(
     code="AG203", severity="warning", title="GradScaler used with bfloat16",
     fix="drop the GradScaler for bf16 (or build it with enabled=(dtype == torch.float16)); "
         "scaling is only needed for float16",
-    triggers=("bf16", "bfloat16", "cpu"), check=_check_bf16,
+    triggers=("GradScaler",), check=_check_bf16,
 )
 AG211 = Rule(
     code="AG211", severity="error", title="model cast to fp16 while a GradScaler is used",
     fix="keep the parameters in float32 and let autocast run the ops in fp16; remove "
         "model.half() / model.to(torch.float16)",
-    triggers=("half", "float16"), check=_check_half,
+    triggers=("GradScaler", "unscale_", ".scale("), check=_check_half,
 )

@@ -65,5 +65,5 @@ AG207 = Rule(
     fix="step the scheduler only when the optimizer stepped, e.g. compare scaler.get_scale() "
         "before and after scaler.update() (a lower scale means the step was skipped), or use "
         "ampguard's Guard, whose StepResult.applied says so",
-    triggers=("sched",), check=_check,
+    triggers=("caler", "unscale_", ".scale("), check=_check,
 )

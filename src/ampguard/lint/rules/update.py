@@ -184,5 +184,5 @@ AG204 = Rule(
     code="AG204", severity="error", title="scaler.update() missing or mistimed",
     fix="call scaler.update() exactly once per optimizer step, right after scaler.step(optimizer) "
         "(inside the same accumulation branch)",
-    triggers=(".step(", ".update("), check=_check,
+    triggers=("caler", "unscale_", ".scale("), check=_check,
 )
