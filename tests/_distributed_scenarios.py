@@ -1,0 +1,378 @@
+"""What each rank runs in tests/test_distributed.py: real gloo process groups, real DDP/FSDP2.
+
+:func:`run_group` spawns ``world`` processes, each runs the named scenarios in order and puts
+``(scenario, rank, "ok" | "error", value)`` on a queue. A scenario that raises ends its process
+(as torchrun would), so the other ranks' next collective fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import ampguard as ag
+from ampguard.checkpoint_dist import load_distributed_checkpoint, save_distributed_checkpoint
+from ampguard.distributed import PeerFailureError
+from ampguard.distributed_hooks import register_nonfinite_safe_hook
+
+SCALE = ag.ScalerConfig(init_scale=2.0**10, growth_interval=1000)
+ROWS = 4  # rows per rank per micro-batch
+
+
+# ---------------------------------------------------------------------- process plumbing
+def run_group(world: int, scenarios: list[str], timeout: float = 100.0,
+              tmp: str | None = None) -> dict[str, dict[int, tuple[str, Any]]]:
+    """Run ``scenarios`` on ``world`` gloo ranks; ``{scenario: {rank: (status, value)}}``."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    tmp = tmp or tempfile.mkdtemp(prefix="ampguard-dist-")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenarios, queue, tmp))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[str, dict[int, tuple[str, Any]]] = {name: {} for name in scenarios}
+    deadline = time.monotonic() + timeout
+    expected = world * len(scenarios)
+    got = 0
+    try:
+        while got < expected and time.monotonic() < deadline:
+            try:
+                name, rank, status, value = queue.get(timeout=0.5)
+            except queue_module.Empty:  # is anyone still alive?
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            out[name][rank] = (status, value)
+            got += 1
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Tensors -> (exact) Python lists: a tensor sent through the queue needs its sender alive."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, scenarios: list[str], queue: Any,
+               tmp: str) -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    try:
+        for name in scenarios:
+            try:
+                value = SCENARIOS[name](rank, world, tmp)
+            except BaseException as exc:
+                queue.put((name, rank, "error", f"{type(exc).__name__}: {exc}\n"
+                           + traceback.format_exc(limit=4)))
+                raise
+            queue.put((name, rank, "ok", _plain(value)))
+    finally:
+        queue.close()
+        queue.join_thread()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- models and data
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                         nn.Linear(32, 4))
+
+
+def batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global micro-batch ``micro`` of window ``step`` (same on every rank)."""
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(rows, 16, generator=gen), torch.randn(rows, 4, generator=gen)
+
+
+def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * ROWS:(rank + 1) * ROWS]
+
+
+def window(guard: ag.Guard, model: nn.Module, step: int, rank: int | None, world: int,
+           inject: Callable[[], None] | None = None) -> ag.StepResult:
+    """One accumulation window on this rank's shard (``rank=None``: the whole global batch)."""
+    result = None
+    for micro in range(guard.accumulation_steps):
+        x, y = batch(step, micro, ROWS * world)
+        if rank is not None:
+            x, y = shard(x, rank), shard(y, rank)
+        with guard.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        if inject is not None and micro == guard.accumulation_steps - 1:
+            inject()
+        result = guard.step()
+    assert result is not None
+    return result
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    ps = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return torch.cat([p.detach().reshape(-1) for p in ps]).clone()
+
+
+def ddp(model: nn.Module) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _poison(model: nn.Module, value: float = float("inf")) -> Callable[[], None]:
+    def inject() -> None:
+        from torch.distributed.tensor import DTensor
+
+        g = next(model.parameters()).grad
+        local = g._local_tensor if isinstance(g, DTensor) else g
+        local.view(-1)[0] = value
+    return inject
+
+
+# ---------------------------------------------------------------------- scenarios
+def inf_on_one_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """DDP; at window 2 the last rank's gradient gets an inf AFTER DDP's all-reduce."""
+    model = ddp(make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE)
+    victim = world - 1
+    applied, scales = [], []
+    for step in range(1, 5):
+        hit = _poison(model) if (step == 2 and rank == victim) else None
+        applied.append(window(guard, model, step, rank, world, hit).applied)
+        scales.append(guard.scale)
+    return {"applied": applied, "scales": scales, "params": flat(model),
+            "summary": guard.distributed.summary()}
+
+
+def _accumulation_run(rank: int, world: int, wrap: Callable[[nn.Module], nn.Module],
+                      windows: int = 3, inject_window: int | None = None) -> nn.Module:
+    model = wrap(make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, accumulation_steps=2)
+    for step in range(1, windows + 1):
+        hit = _poison(model) if (step == inject_window and rank == world - 1) else None
+        window(guard, model, step, rank, world, hit)
+    model.guard = guard  # for the caller
+    return model
+
+
+def ddp_accumulation(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """DDP, 2 micro-batches per window; rank 0 also runs one process on the global batch."""
+    calls = []
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def counting_hook(state, bucket):  # noqa: ANN001 - DDP rejects string annotations
+        calls.append(1)
+        return allreduce_hook(state, bucket)
+
+    def wrap(m: nn.Module) -> nn.Module:
+        model = ddp(m)
+        model.register_comm_hook(None, counting_hook)
+        return model
+
+    params = flat(_accumulation_run(rank, world, wrap))
+    return {"allreduce_calls": len(calls), "params": params}
+
+
+def single_process(world: int) -> torch.Tensor:
+    """Reference (run in the test process): one process, the global batch, the same windows."""
+    model = make_model()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, accumulation_steps=2)
+    for step in range(1, 4):
+        window(guard, model, step, None, world)
+    return flat(model)
+
+
+def fsdp2_vs_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """FSDP2 and DDP, fp16 autocast, accumulation 2; window 2 overflows on the last rank only."""
+    sharded = _accumulation_run(rank, world, fsdp2, inject_window=2)
+    replicated = _accumulation_run(rank, world, ddp, inject_window=2)
+    g = sharded.guard
+    return {"max_diff": float((flat(sharded) - flat(replicated)).abs().max()),
+            "moved": float((flat(replicated) - flat(make_model())).abs().max()),
+            "kind": g.distributed.topology.kind, "skipped": g.skipped_steps,
+            "scale": g.scale, "ddp_scale": replicated.guard.scale,
+            "rank_overflows": g.distributed.summary()["rank_overflows"]}
+
+
+def desync_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The last rank's scale is changed at window 2; the audit runs every 3 windows."""
+    model = ddp(make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, audit_every=3)
+    for step in range(1, 7):
+        try:
+            window(guard, model, step, rank, world)
+        except ag.DesyncError as exc:
+            return {"step": step, "ranks": exc.ranks, "message": str(exc),
+                    "differences": exc.differences, "code": exc.finding.code}
+        if step == 2 and rank == world - 1:
+            guard._scaler.fill_(64.0)
+    return {"step": None}
+
+
+def desync_repairs(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    model = ddp(make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, audit_every=2, on_desync="repair")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 4):
+            window(guard, model, step, rank, world)
+            if step == 1 and rank == 1:
+                guard._scaler.fill_(64.0)
+                with torch.no_grad():
+                    model.module[0].weight.add_(1.0)
+    return {"scale": guard.scale, "params": flat(model),
+            "warnings": [str(w.message) for w in caught if "out of sync" in str(w.message)]}
+
+
+def _resume_case(rank: int, world: int, tmp: str, wrap: Callable[[nn.Module], nn.Module],
+                 folder: str) -> dict[str, Any]:
+    path = os.path.join(tmp, folder)
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, ag.Guard]:
+        model = wrap(make_model(seed))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, ag.Guard(model, opt, precision="fp16", scaler=SCALE,
+                                    accumulation_steps=2)
+
+    model, opt, guard = build(0)
+    for step in range(1, 4):
+        window(guard, model, step, rank, world,
+               _poison(model) if step == 2 and rank == 0 else None)
+    torch.manual_seed(100 + rank)  # each rank's own RNG stream must come back on resume
+    save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard,
+                                extra={"step": 3})
+    rng_after_save = torch.rand(3)
+    for step in range(4, 7):
+        window(guard, model, step, rank, world)
+    uninterrupted = flat(model)
+    model2, opt2, guard2 = build(1)
+    extra = load_distributed_checkpoint(path, model=model2, optimizer=opt2, guard=guard2)
+    rng_restored = bool(torch.equal(torch.rand(3), rng_after_save))
+    loaded_scale = guard2.scale
+    for step in range(4, 7):
+        window(guard2, model2, step, rank, world)
+    return {"equal": bool(torch.equal(uninterrupted, flat(model2))), "extra": extra,
+            "scale": guard2.scale, "loaded_scale": loaded_scale, "skipped": guard2.skipped_steps,
+            "rng_restored": rng_restored, "rng": rng_after_save,
+            "files": sorted(os.listdir(tmp))}
+
+
+def ddp_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _resume_case(rank, world, tmp, ddp, "ddp.pt")
+
+
+def fsdp2_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _resume_case(rank, world, tmp, fsdp2, "fsdp2-ckpt")
+
+
+def hook_drops_nan_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The last rank's batch is NaN; the hook leaves it out and the step is applied."""
+    model = ddp(make_model())
+    register_nonfinite_safe_hook(model)
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE)
+    x, y = batch(1, 0, ROWS * world)
+    x, y = shard(x, rank), shard(y, rank)
+    if rank == world - 1:
+        x = torch.full_like(x, float("nan"))
+    with guard.autocast():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    applied = guard.step().applied
+    return {"applied": applied, "params": flat(model),
+            "hook": guard.distributed.summary()["hook"],
+            "codes": [f.code for f in guard.distributed.findings()]}
+
+
+def healthy_ranks_step(world: int) -> torch.Tensor:
+    """Reference (run in the test process): one step on the healthy ranks' rows only."""
+    model = make_model()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE)
+    x, y = batch(1, 0, ROWS * world)
+    with guard.autocast():
+        loss = nn.functional.mse_loss(model(x[: ROWS * (world - 1)]).float(),
+                                      y[: ROWS * (world - 1)])
+    guard.backward(loss)
+    guard.step()
+    return flat(model)
+
+
+def rank_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The last rank raises between backward and step; the others must fail fast, not hang."""
+    model = ddp(make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE)
+
+    def crash() -> None:
+        raise RuntimeError("simulated crash on the last rank")
+
+    window(guard, model, 1, rank, world)
+    started = time.monotonic()
+    try:
+        window(guard, model, 2, rank, world, crash if rank == world - 1 else None)
+    except PeerFailureError as exc:
+        return {"error": type(exc).__name__, "message": str(exc),
+                "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from ampguard.demo.distributed import run_distributed_demo
+
+    return run_distributed_demo("fsdp2", steps=40, out=os.path.join(tmp, "demo-fsdp2"),
+                                progress=False, quiet=True)
+
+
+SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
+    f.__name__: f for f in (inf_on_one_rank, ddp_accumulation, fsdp2_vs_ddp, desync_raises,
+                            desync_repairs, ddp_resume, fsdp2_resume, hook_drops_nan_rank,
+                            rank_raises, demo_fsdp2)
+}

@@ -1,0 +1,314 @@
+"""ampguard under torch.distributed, for real: gloo process groups of 2 and 4 CPU ranks, DDP and
+FSDP2 (``fully_shard``), fp16 autocast. Each group is spawned once per module and runs several
+scenarios (tests/_distributed_scenarios.py); each test checks one behaviour of one scenario.
+
+Tolerances: DDP vs one process on the same global batch differ only by fp16/fp32 rounding order
+(about 5e-6 here), so parameters must agree to 1e-4 while training moves them by > 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import _distributed_scenarios as S
+import pytest
+import torch
+import torch.distributed as dist
+
+import ampguard as ag
+from ampguard.checkpoint import CheckpointError
+from ampguard.distributed import param_checksum
+
+TWO = ["inf_on_one_rank", "ddp_accumulation", "fsdp2_vs_ddp", "desync_raises", "desync_repairs",
+       "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank", "demo_fsdp2"]
+FOUR = ["inf_on_one_rank", "desync_raises", "rank_raises"]
+GROUP_TIMEOUT = 150
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return S.run_group(2, TWO, timeout=120, tmp=str(tmp_path_factory.mktemp("two")))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return S.run_group(4, FOUR, timeout=120, tmp=str(tmp_path_factory.mktemp("four")))
+
+
+def ok(results: dict, name: str) -> dict[int, dict]:
+    """The scenario's value per rank; fails with the rank's error if any rank did not finish."""
+    per_rank = results[name]
+    for rank, (status, value) in sorted(per_rank.items()):
+        if status != "ok":
+            pytest.fail(f"{name} failed on rank {rank}: {value}")
+    return {rank: value for rank, (_, value) in per_rank.items()}
+
+
+def group(request: pytest.FixtureRequest, world: int) -> tuple[dict, int]:
+    return request.getfixturevalue("two" if world == 2 else "four"), world
+
+
+def all_ranks(values: dict[int, dict], world: int) -> list[dict]:
+    assert sorted(values) == list(range(world)), f"ranks that reported: {sorted(values)}"
+    return [values[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------- found_inf consensus
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_inf_on_one_rank_makes_every_rank_skip_that_step(request, world):
+    results, world = group(request, world)
+    for v in all_ranks(ok(results, "inf_on_one_rank"), world):
+        assert v["applied"] == [True, False, True, True]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_inf_on_one_rank_backs_the_scale_off_identically(request, world):
+    results, world = group(request, world)
+    for v in all_ranks(ok(results, "inf_on_one_rank"), world):
+        assert v["scales"] == [1024.0, 512.0, 512.0, 512.0]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_inf_on_one_rank_leaves_parameters_identical_across_ranks(request, world):
+    results, world = group(request, world)
+    values = all_ranks(ok(results, "inf_on_one_rank"), world)
+    for v in values[1:]:
+        assert v["params"] == values[0]["params"]  # bitwise
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_overflow_origin_names_the_rank_whose_gradients_overflowed(request, world):
+    results, world = group(request, world)
+    expected = {r: int(r == world - 1) for r in range(world)}
+    for v in all_ranks(ok(results, "inf_on_one_rank"), world):
+        assert v["summary"]["rank_overflows"] == expected
+
+
+# ---------------------------------------------------------------------- accumulation
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_ddp_accumulation_matches_one_process_on_the_global_batch(two):
+    values = all_ranks(ok(two, "ddp_accumulation"), 2)
+    reference = S.single_process(2)
+    start = S.flat(S.make_model())
+    assert (reference - start).abs().max() > 1e-2  # training really moved the weights
+    for v in values:
+        assert torch.allclose(torch.tensor(v["params"]), reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_ddp_accumulation_all_reduces_once_per_window(two):
+    for v in all_ranks(ok(two, "ddp_accumulation"), 2):
+        assert v["allreduce_calls"] == 3  # 3 windows x 2 micro-batches, one bucket
+
+
+# ---------------------------------------------------------------------- FSDP2
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_fsdp2_with_fp16_autocast_trains_and_matches_ddp(two):
+    for v in all_ranks(ok(two, "fsdp2_vs_ddp"), 2):
+        assert v["kind"] == "fsdp2"
+        assert v["moved"] > 1e-2
+        assert v["max_diff"] <= 1e-5
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_fsdp2_overflow_in_one_ranks_shard_skips_on_every_rank(two):
+    for v in all_ranks(ok(two, "fsdp2_vs_ddp"), 2):
+        assert v["skipped"] == 1
+        assert v["scale"] == v["ddp_scale"] == 512.0
+        assert v["rank_overflows"] == {0: 0, 1: 1}
+
+
+# ---------------------------------------------------------------------- audit
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_scale_desync_on_one_rank_raises_desync_error_naming_it(request, world):
+    results, world = group(request, world)
+    victim = world - 1
+    for v in all_ranks(ok(results, "desync_raises"), world):
+        assert v["step"] == 3  # injected after window 2, audit every 3 windows
+        assert v["ranks"] == [victim]
+        assert v["differences"]["scale"][victim] == 64.0
+        assert v["differences"]["scale"][0] == 1024.0
+        assert f"rank {victim} = 64" in v["message"]
+        assert v["code"] == "AG130"
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_desync_repair_copies_rank0_scaler_state_and_parameters(two):
+    values = all_ranks(ok(two, "desync_repairs"), 2)
+    assert [v["scale"] for v in values] == [1024.0, 1024.0]
+    assert values[0]["params"] == values[1]["params"]
+    for v in values:
+        assert len(v["warnings"]) == 1 and "Repaired" in v["warnings"][0]
+
+
+# ---------------------------------------------------------------------- checkpoints
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("name", ["ddp_resume", "fsdp2_resume"])
+def test_checkpoint_resume_equals_the_uninterrupted_run(two, name):
+    for v in all_ranks(ok(two, name), 2):
+        assert v["equal"], "resumed parameters differ from the uninterrupted run"
+        assert v["extra"] == {"step": 3}
+        assert v["loaded_scale"] == 512.0 and v["skipped"] == 1
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("name", ["ddp_resume", "fsdp2_resume"])
+def test_checkpoint_resume_restores_each_ranks_own_rng(two, name):
+    values = all_ranks(ok(two, name), 2)
+    assert all(v["rng_restored"] for v in values)
+    assert values[0]["rng"] != values[1]["rng"]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_sharded_checkpoint_leaves_no_temporary_folder(two):
+    for v in all_ranks(ok(two, "fsdp2_resume"), 2):
+        assert not [f for f in v["files"] if f.endswith((".tmp", ".old"))]
+
+
+# ---------------------------------------------------------------------- comm hook
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_nonfinite_safe_hook_applies_the_healthy_ranks_mean(two):
+    reference = S.healthy_ranks_step(2)
+    for v in all_ranks(ok(two, "hook_drops_nan_rank"), 2):
+        assert v["applied"]
+        assert torch.allclose(torch.tensor(v["params"]), reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_nonfinite_safe_hook_records_the_dropped_rank(two):
+    for v in all_ranks(ok(two, "hook_drops_nan_rank"), 2):
+        assert v["hook"]["dropped_buckets"] == {0: 0, 1: 1}
+        assert "AG132" in v["codes"]
+
+
+# ---------------------------------------------------------------------- failures
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_a_rank_that_raises_does_not_leave_the_others_hanging(four):
+    per_rank = four["rank_raises"]
+    status, value = per_rank[3]
+    assert status == "error" and "simulated crash" in value
+    for rank in range(3):
+        status, v = per_rank[rank]
+        assert status == "ok", v
+        assert v["error"] == "PeerFailureError"
+        assert "found_inf consensus at step 2" in v["message"]
+        assert v["seconds"] < 20  # far below the 30 s collective timeout
+
+
+# ---------------------------------------------------------------------- demo
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_distributed_demo_under_fsdp2_skips_the_outlier_steps_on_every_rank(two):
+    for v in all_ranks(ok(two, "demo_fsdp2"), 2):
+        assert v["skipped"] == v["spike_steps"] == [16, 17, 18]
+        assert v["loss_after"] < v["loss_before"]
+        assert v["audits"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_launches_the_ddp_demo(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(S._free_port()), "-m", "ampguard", "demo", "--distributed",
+           "--steps", "30", "--no-progress", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ampguard demo: 30 steps in fp16 on 2 CPU ranks (ddp") == 1
+    assert "overflow origin:   buckets non-finite BEFORE the all-reduce: rank 0: 0, rank 1: 3" \
+        in proc.stdout
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert (tmp_path / "run" / "events.jsonl").is_file()
+
+
+# ---------------------------------------------------------------------- one process
+def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "100"])
+def test_bad_audit_every_is_a_value_error_naming_it(value):
+    with pytest.raises(ValueError, match="audit_every must be None or an integer >= 1"):
+        ag.Guard(*tiny(), audit_every=value)
+
+
+def test_bad_on_desync_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match=r"on_desync must be one of \('raise', 'warn', 'repair'\)"):
+        ag.Guard(*tiny(), on_desync="ignore")
+
+
+def test_bad_process_group_string_is_a_value_error():
+    with pytest.raises(ValueError, match="process_group must be None, 'local' or a ProcessGroup"):
+        ag.Guard(*tiny(), process_group="world")
+
+
+def test_single_process_guard_has_no_distributed_state():
+    guard = ag.Guard(*tiny())
+    assert guard.distributed is None
+    assert guard.audit() == {}
+
+
+def test_param_checksum_is_equal_for_equal_parameters():
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(param_checksum(list(a.parameters())), param_checksum(list(b.parameters())))
+
+
+def test_param_checksum_sees_a_one_bit_change():
+    model = torch.nn.Linear(8, 8)
+    before = param_checksum(list(model.parameters()))
+    with torch.no_grad():
+        w = model.weight.view(-1)
+        w[5] = torch.nextafter(w[5], torch.tensor(float("inf")))
+    assert not torch.equal(before, param_checksum(list(model.parameters())))
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {_RunsCode.marker}",))
+
+
+@pytest.mark.timeout(60)
+def test_sharded_checkpoint_with_code_in_its_metadata_is_refused_without_running_it(
+        world_of_one, tmp_path):
+    model = S.fsdp2(S.make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = ag.Guard(model, opt, precision="fp16", scaler=S.SCALE)
+    path = tmp_path / "ckpt"
+    ag.save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    _RunsCode.marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError, match="refused without executing anything"):
+        ag.load_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    assert not Path(_RunsCode.marker).exists()
+
+
+@pytest.mark.timeout(60)
+def test_sharded_checkpoint_without_its_ampguard_file_is_a_checkpoint_error(
+        world_of_one, tmp_path):
+    model = S.fsdp2(S.make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "ckpt"
+    ag.save_distributed_checkpoint(path, model=model, optimizer=opt)
+    (path / "ampguard.pt").unlink()
+    with pytest.raises(CheckpointError, match="ampguard.pt is missing"):
+        ag.load_distributed_checkpoint(path, model=model, optimizer=opt)
