@@ -113,7 +113,7 @@ def test_a_dynamic_range_wider_than_fp16_recommends_bf16(tmp_path):
 
 # ---------------------------------------------------------------------- hand-written logs
 def write_run(path: Path, scales: list[float], applied: list[bool] | None = None, *,
-              init: float = 65536.0, layers: list[list[float]] | None = None,
+              init: float = 65536.0, layers: list[list[float]] | None = None,  # grad norms
               events: tuple[tuple[int, dict], ...] = ()) -> Path:
     """A run log with these scales after each step (``scale_before`` follows)."""
     applied = applied or [True] * len(scales)
@@ -130,7 +130,7 @@ def write_run(path: Path, scales: list[float], applied: list[bool] | None = None
                "overflow": not ok, "collapse": False, "dropped": 0, "loss": 1.0,
                "precision": "fp16"}
         if layers is not None:
-            rec["layers"] = {"grad_norm": [1.0, 1.0], "zero_frac": layers[i]}
+            rec["layers"] = {"grad_norm": layers[i]}
         lines.append(json.dumps(rec))
         if i + 1 in inserts:
             lines.append(json.dumps(inserts[i + 1]))
@@ -177,13 +177,13 @@ def test_a_short_run_is_not_judged_for_skip_rate(tmp_path):
 
 
 def test_all_layers_zero_is_not_a_dead_layer(tmp_path):
-    write_run(tmp_path, [65536.0] * 30, layers=[[1.0, 1.0]] * 30)
+    write_run(tmp_path, [65536.0] * 30, layers=[[0.0, 0.0]] * 30)
     assert findings(tmp_path) == []
 
 
 def test_dead_layer_needs_dead_steps_in_a_row(tmp_path):
-    zero = [[1.0, 0.0]] * 19 + [[0.5, 0.0]] + [[1.0, 0.0]] * 19
-    write_run(tmp_path, [65536.0] * 39, layers=zero)
+    norms = [[0.0, 1.0]] * 19 + [[1e-9, 1.0]] + [[0.0, 1.0]] * 19
+    write_run(tmp_path, [65536.0] * 39, layers=norms)
     assert findings(tmp_path) == []
     assert codes(findings(tmp_path, dead_steps=19)) == {"AG104"}
 

@@ -29,10 +29,9 @@ class RowInfo(NamedTuple):
 
 
 def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *, carry: float,
-                  numel: np.ndarray, layer_stats: bool) -> tuple[list[dict[str, Any]], float]:
+                  n_layers: int, layer_stats: bool) -> tuple[list[dict[str, Any]], float]:
     """Records for ``infos``; ``carry`` is the scale before the first row. Returns the records
     and the scale after the last row (the next flush's carry)."""
-    n_layers = len(numel)
     out = []
     for info, row in zip(infos, rows, strict=True):
         before = carry if info.scaled else 1.0
@@ -48,11 +47,9 @@ def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *,
             rec["overflowed"] = [i for i, ok in enumerate(flags.applied_per_optimizer) if not ok]
         inv = 1.0 / before if info.grads_scaled else 1.0
         if info.layers and layer_stats:
-            stats = row[FIXED:].astype(np.float64).reshape(2, n_layers)
-            sq = stats[0] * inv * inv
+            sq = row[FIXED:].astype(np.float64) * inv * inv
             rec["grad_norm"] = num(np.sqrt(sq.sum()))
-            rec["layers"] = {"grad_norm": floats(np.sqrt(sq)),
-                             "zero_frac": floats(1.0 - stats[1] / numel)}
+            rec["layers"] = {"grad_norm": floats(np.sqrt(sq))}
         elif info.layers:
             rec["grad_norm"] = num(row[NORM] * inv)
         elif info.guard_norm:
@@ -70,6 +67,7 @@ def _range_record(row: np.ndarray, n_layers: int, scale: float) -> dict[str, Any
     s = _ranges.summarize(hist, amax, scale)
     lo, hi = s["window"]  # type: ignore[misc]
     return {
+        "zero_frac": floats(hist[:, 0] / np.maximum(hist.sum(axis=1), 1.0)),
         "amax": floats(s["amax"]), "headroom_bits": floats(s["headroom_bits"]),
         "underflow": floats(s["underflow"]), "safe_lo": floats(s["safe_lo"]),
         "safe_hi": floats(s["safe_hi"]), "window": [num(lo), num(hi)],

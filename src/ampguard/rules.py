@@ -288,11 +288,11 @@ def _ag103(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
 
 # ---------------------------------------------------------------------- layer rules
 def _ag104(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
-    ok = run.layer_applied & np.isfinite(run.zero_frac).all(axis=1)
-    if ok.sum() < cfg.dead_steps or run.zero_frac.shape[1] < 2:
+    ok = run.layer_applied & np.isfinite(run.layer_norm).all(axis=1)
+    if ok.sum() < cfg.dead_steps or run.layer_norm.shape[1] < 2:
         return []
-    zf, steps = run.zero_frac[ok], run.layer_steps[ok]
-    dead = zf >= 1.0
+    steps = run.layer_steps[ok]
+    dead = run.layer_norm[ok] == 0  # a zero norm: every element is exactly zero
     out = []
     for j, name in enumerate(run.layers):
         others_alive = (~np.delete(dead, j, axis=1)).any(axis=1)

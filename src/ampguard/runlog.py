@@ -182,7 +182,8 @@ class RunLog:
     """A run folder read back: metadata, per-step arrays, per-layer and range samples, events.
 
     Arrays are aligned per family: ``steps`` with ``scale``/``applied``/...; ``layer_steps`` with
-    ``layer_norm``/``zero_frac`` (shape steps x layers); ``range_steps`` with the range figures.
+    ``layer_norm`` (shape samples x layers); ``range_steps`` with ``zero_frac`` and the other
+    range figures.
     Missing values are NaN. Steps superseded by a resume (re-run after a checkpoint) are dropped.
     """
 
@@ -202,11 +203,11 @@ class RunLog:
     layer_steps: np.ndarray
     layer_applied: np.ndarray
     layer_norm: np.ndarray
-    zero_frac: np.ndarray
     range_steps: np.ndarray
     range_applied: np.ndarray
     range_scale: np.ndarray
     range_precision: list[str]
+    zero_frac: np.ndarray
     amax: np.ndarray
     headroom_bits: np.ndarray
     underflow: np.ndarray
@@ -306,11 +307,11 @@ def _assemble(run_dir: Path, meta: dict, recs: list[dict], events: list[dict], b
         layer_steps=np.array([int(r["step"]) for r in lrecs], dtype=np.int64),
         layer_applied=np.array([bool(r.get("applied", True)) for r in lrecs], dtype=bool),
         layer_norm=_matrix([r["layers"]["grad_norm"] for r in lrecs], width),
-        zero_frac=_matrix([r["layers"]["zero_frac"] for r in lrecs], width),
         range_steps=np.array([int(r["step"]) for r in rrecs], dtype=np.int64),
         range_applied=np.array([bool(r.get("applied", True)) for r in rrecs], dtype=bool),
         range_scale=_col(rrecs, "scale_before"),
         range_precision=[str(r.get("precision", "")) for r in rrecs],
+        zero_frac=_matrix([g["zero_frac"] for g in rng], width),
         amax=_matrix([g["amax"] for g in rng], width),
         headroom_bits=_matrix([g["headroom_bits"] for g in rng], width),
         underflow=_matrix([g["underflow"] for g in rng], width),

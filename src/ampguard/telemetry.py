@@ -3,9 +3,10 @@
 Every step the Guard's hooks write the loss scale, the packed step flags (applied, overflow per
 optimizer, collapse, dropped micro-batches) and the loss into a preallocated device ring buffer of
 ``flush_every`` rows; every ``layer_every`` steps the unscaled total and per-layer gradient norms
-and the fraction of exact zeros (multi-tensor ops: the cost does not grow with the number of
-parameter tensors); every ``range_every`` steps a per-layer exponent histogram of the unscaled
-gradients, from which the host derives fp16 headroom, underflow and the safe loss-scale window.
+(one multi-tensor norm: the cost does not grow with the number of parameter tensors); every
+``range_every`` steps a per-layer exponent histogram of the unscaled gradients, from which the
+host derives the fraction of exact zeros, fp16 headroom, underflow and the safe loss-scale
+window.
 The buffer is copied to the host in one transfer every ``flush_every`` steps (and on ``flush``,
 ``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync.
 
@@ -50,7 +51,7 @@ class _Views(NamedTuple):
     status: torch.Tensor
     loss: torch.Tensor
     norm: torch.Tensor
-    stats: torch.Tensor  # (2, layers): squared norms, nonzero counts
+    stats: torch.Tensor  # (layers,): squared gradient norms
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -63,8 +64,8 @@ class Telemetry:
     """Records what a :class:`ampguard.Guard` does into ``run_dir``, without per-step host syncs.
 
     Arguments: ``flush_every`` (rows in the device ring buffer; one device-to-host transfer per
-    flush), ``layer_stats`` (per-layer grad norms and zero fractions; False keeps only the total
-    norm), ``layer_every`` (gradient statistics every N steps; 1 = every step), ``range_every``
+    flush), ``layer_stats`` (per-layer grad norms; False keeps only the total norm),
+    ``layer_every`` (gradient statistics every N steps; 1 = every step), ``range_every``
     (fp16 range statistics every N steps; 0 = off), ``tensorboard`` (also write ``tb/`` with the
     ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
     resume point; False starts the log over), ``sinks`` (extra sinks such as
@@ -72,7 +73,7 @@ class Telemetry:
     ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
 
     Cost: no host sync between flushes; a flush is one device-to-host copy. Per step: about 4
-    tiny kernels; on statistics steps 2 multi-tensor norms plus 4 kernels; on range steps about
+    tiny kernels; on statistics steps 1 multi-tensor norm plus 3 kernels; on range steps about
     12 elementwise kernels over the flattened gradients (in chunks of 2**20 elements).
     """
 
@@ -122,11 +123,10 @@ class Telemetry:
         self._layout = layout
         self.layers = layout.names
         n_layers = len(layout.names)
-        self._numel = torch.tensor(layout.numel, dtype=torch.float64).numpy()
         self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
         self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every \
             else []
-        self._width = _FIXED + 2 * n_layers
+        self._width = _FIXED + n_layers
         self._rwidth = n_layers * (1 + _ranges.BINS)
         self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every \
             else 0
@@ -136,7 +136,7 @@ class Telemetry:
         self._rows = self._buf[:split].view(self.flush_every, self._width)
         self._ranges = self._buf[split:].view(self._rrows, self._rwidth)
         self._views = [_Views(r[_SCALE], r[_STATUS], r[_LOSS], r[_NORM],
-                              r[_FIXED:].view(2, n_layers)) for r in self._rows]
+                              r[_FIXED:]) for r in self._rows]
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         self._pending_rows: list[RowInfo] = []
@@ -253,9 +253,7 @@ class Telemetry:
         if not self.layer_stats:
             v.norm.copy_(torch.linalg.vector_norm(torch.stack(norms).float()))
             return
-        vals = torch.stack(norms + torch._foreach_norm(grads, 0)).float().view(2, -1)
-        vals[0].square_()
-        v.stats.index_add_(1, self._layer_idx, vals)
+        v.stats.index_add_(0, self._layer_idx, torch.stack(norms).float().square_())
 
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
         row = self._ranges[slot]
@@ -342,7 +340,7 @@ class Telemetry:
         pending, self._pending_rows = self._pending_rows, []
         self._row = self._rslot = 0
         records, self._scale_carry = build_records(
-            pending, rows, ranges, carry=self._scale_carry, numel=self._numel,
+            pending, rows, ranges, carry=self._scale_carry, n_layers=len(self.layers),
             layer_stats=self.layer_stats)
         self._log.append(records)
         rates = self._tally_up(records)
