@@ -271,6 +271,8 @@ class Guard:
         if self._telemetry is not None:
             self._telemetry._on_grads(False)
         grad_norm = self._clip(None)
+        if self._dist is not None:
+            grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
         for opt in self.optimizers:
             opt.step(**kwargs)
         flags = results.Decoded((True,) * len(self.optimizers), False, 0)
