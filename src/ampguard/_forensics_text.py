@@ -62,7 +62,8 @@ def explain(d: Any) -> str:
     s = d.stats
     low = d.precision
     at = f"{d.op} in {where(d.module)}" if d.op else where(d.module)
-    counts = f"{s.get('inf_count', 0)} inf and {s.get('nan_count', 0)} NaN values"
+    counts = ("non-finite values" if s.get("inf_count") is None else
+              f"{s.get('inf_count')} inf and {s.get('nan_count')} NaN values")
     if d.benign:
         text = (f"Benign: the backward pass overflows {low} at loss scale {_g(d.scale)} "
                 f"({at}), but the same batch is finite at scale 1 and in fp32. This is only the "

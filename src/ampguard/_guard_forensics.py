@@ -255,7 +255,8 @@ def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
     limit = _MAX.get(precision, math.inf)
     shadow = trace.shadow.get(e.index)
     info = {"dtype": str(e.out_dtype).replace("torch.", ""), "shape": list(e.shape),
-            "nan_count": int(row[3]), "inf_count": int(row[4]), "scale": scale,
+            "nan_count": int(row[3]) if row[3] >= 0 else None,
+            "inf_count": int(row[4]) if row[4] >= 0 else None, "scale": scale,
             "limit": limit, f"input_max_abs_{precision}": row[0], "max_abs_fp32": shadow,
             "source": "armed training step (fp32 rerun of this op only)"}
     if e.out_dtype not in LOW or (shadow is not None and not math.isfinite(shadow)):

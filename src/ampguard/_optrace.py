@@ -14,11 +14,12 @@ backward attribution name the tensor whose gradient it is:
   whose output the gradient flows into.
 
 With ``numerics=True`` each op also records, on the device, the max |x| of its floating inputs
-(NaN/inf propagate into it) and of its outputs, the largest finite |x| of its outputs and their
-NaN/inf counts; :meth:`OpTrace.stats` reads them all with one sync. Until the first op of a pass
-that turns finite low-precision inputs into NaN/inf, each fp16/bf16 op's numbers are read at once
-(one sync per op), and that op is recomputed from fp32 copies of its inputs: ``shadow[index]`` is
-the max |x| the op reaches in fp32 (the value that did not fit), or None if it cannot be rerun.
+and of its outputs (one ``aminmax`` per tensor; NaN/inf propagate into it); :meth:`OpTrace.stats`
+reads them all with one sync. Until the first op of a pass that turns finite inputs into NaN/inf,
+each op's two numbers are read at once (one sync per op; ``hunt="low"`` only for fp16/bf16
+outputs). That op also gets its NaN/inf counts and largest finite |x|, and, if its output is in
+low precision, is recomputed from fp32 copies of its inputs: ``shadow[index]`` is the max |x| it
+reaches in fp32 (the value that did not fit), or None if it cannot be rerun.
 
 Hooks and the mode are installed only inside ``with trace.session(phase):`` and removed on exit.
 """
@@ -28,16 +29,17 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "flatten_tensors", "op_name", "is_new", "LOW"]
 
-# Columns of OpTrace.stats(); -1 in a column means "no floating tensor there".
+# Columns of OpTrace.stats(); -1 means "no floating tensor there" or "not measured" (the last
+# three are measured only for the first op of a pass that made a non-finite value).
 STAT_FIELDS = ("in_amax", "out_amax", "out_finite_amax", "out_nan", "out_inf")
 
 LOW = (torch.float16, torch.bfloat16)
@@ -46,8 +48,7 @@ LOW = (torch.float16, torch.bfloat16)
 _UNINITIALISED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
 
 
-@dataclass(frozen=True)
-class OpEvent:
+class OpEvent(NamedTuple):
     """One aten op as it ran.
 
     ``module`` is the qualified module name (``""`` is the root) or ``None`` outside the model;
@@ -69,12 +70,17 @@ class OpEvent:
     row: int | None
 
 
+_NAMES: dict[Any, str] = {}
+
+
 def op_name(func: Any) -> str:
     """``aten.addmm.default`` -> ``"aten.addmm"`` (the overload packet's name)."""
-    packet = getattr(func, "overloadpacket", None)
-    if packet is not None:
-        return f"{packet._qualified_op_name.replace('::', '.')}"
-    return str(func)
+    name = _NAMES.get(func)
+    if name is None:
+        packet = getattr(func, "overloadpacket", None)
+        name = packet._qualified_op_name.replace("::", ".") if packet is not None else str(func)
+        _NAMES[func] = name
+    return name
 
 
 def flatten_tensors(value: Any) -> list[torch.Tensor]:
@@ -93,28 +99,41 @@ def flatten_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def is_new(row: list[float] | None, intentional: bool = False) -> bool:
-    """The op made a non-finite value its inputs did not have (a NaN out of infs counts)."""
-    if row is None or intentional or row[1] < 0:
+    """The op made a non-finite value its inputs did not have (a NaN out of infs counts).
+
+    Reads only the max |x| columns: NaN there means a NaN, inf means an inf and no NaN.
+    """
+    if row is None or intentional or row[1] == -1.0:
         return False
-    in_amax, _, _, nan, inf = row
-    return (nan > 0 and not math.isnan(in_amax)) or (inf > 0 and math.isfinite(in_amax))
+    in_amax, out_amax = row[0], row[1]
+    if math.isnan(out_amax):
+        return not math.isnan(in_amax)
+    return math.isinf(out_amax) and math.isfinite(in_amax)
 
 
 def _floating(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point() and t.numel() > 0]
 
 
-def _has_nonfinite_scalar(args: Any) -> bool:
-    stack = [args]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            return True
-        if isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return False
+def _scan_args(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool]:
+    """Non-empty floating tensors among an aten op's arguments (tensor lists included), and
+    whether a non-finite float scalar is one of them. Aten arguments nest one level at most."""
+    tensors: list[torch.Tensor] = []
+    nonfinite = False
+    for item in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(item, torch.Tensor):
+            if item.is_floating_point() and item.numel():
+                tensors.append(item)
+        elif isinstance(item, float):
+            nonfinite = nonfinite or not math.isfinite(item)
+        elif isinstance(item, (list, tuple)) and item and not isinstance(item[0], int):
+            for sub in item:
+                if isinstance(sub, torch.Tensor):
+                    if sub.is_floating_point() and sub.numel():
+                        tensors.append(sub)
+                elif isinstance(sub, float):
+                    nonfinite = nonfinite or not math.isfinite(sub)
+    return tensors, nonfinite
 
 
 class _Mode(TorchDispatchMode):
@@ -129,10 +148,10 @@ class _Mode(TorchDispatchMode):
         if getattr(func, "is_view", False):
             return func(*args, **kwargs)
         trace = self.trace
-        inputs = _floating(flatten_tensors((args, kwargs)))
-        in_amax = trace._amax(inputs) if trace.numerics else None
+        inputs, intentional = _scan_args(args, kwargs)
+        in_amax = trace._input_extremes(inputs) if trace.numerics else None
         out = func(*args, **kwargs)
-        trace._record(func, args, kwargs, inputs, in_amax, out)
+        trace._record(func, args, kwargs, inputs, in_amax, out, intentional)
         return out
 
 
@@ -147,11 +166,19 @@ class OpTrace:
     >>> trace.events[0].module, trace.events[0].op
     """
 
-    def __init__(self, model: torch.nn.Module, *, numerics: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, numerics: bool = False,
+                 hunt: str = "low") -> None:
+        if hunt not in ("low", "all"):
+            raise ValueError(f"hunt must be 'low' or 'all', got {hunt!r}")
         self.model = model
         self.numerics = numerics
+        self.hunt = hunt
+        self._detail: dict[int, list[float]] = {}
+        # id(tensor) -> (weakref, max |x|) of traced outputs: their consumers need no new pass
+        self._known: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.events: list[OpEvent] = []
         self._rows: list[torch.Tensor] = []
+        self._shapes: list[tuple[int, int]] = []  # per row: (input values, output values)
         self._names = {id(m): name for name, m in model.named_modules()}
         self._owners = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
         self._stack: list[str] = []
@@ -253,22 +280,26 @@ class OpTrace:
 
     # ------------------------------------------------------------------ recording
     def _record(self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor],
-                in_amax: torch.Tensor | None, out: Any) -> None:
-        outputs = _floating(flatten_tensors(out))
+                ins: list[torch.Tensor] | None, out: Any, nonfinite_scalar: bool) -> None:
+        outputs = _floating([out]) if isinstance(out, torch.Tensor) else \
+            _floating(flatten_tensors(out))
         name = op_name(func)
         row = None
         if self.numerics and (inputs or outputs):
             row = len(self._rows)
-            self._rows.append(self._row(in_amax, outputs, inputs))
+            self._rows.append(self._row(ins or [], outputs))
+            self._shapes.append((len(ins or []), 2 * len(outputs)))
         first_out = outputs[0] if outputs else None
         dtype = inputs[0].dtype if inputs else (first_out.dtype if first_out is not None else None)
-        intentional = name.startswith(_UNINITIALISED) or _has_nonfinite_scalar((args, kwargs))
-        if row is not None and first_out is not None and first_out.dtype in LOW \
-                and self._hunting[self.phase]:
-            values = self._rows[row].tolist()  # one sync per low-precision op until found
+        intentional = nonfinite_scalar or name.startswith(_UNINITIALISED)
+        if row is not None and first_out is not None and self._hunting[self.phase] and (
+                self.hunt == "all" or first_out.dtype in LOW):
+            values = self._amaxes(self._rows[row].tolist(), *self._shapes[row])  # one sync
             if is_new(values, intentional):
-                self.shadow[len(self.events)] = _shadow(func, args, kwargs, name, values[0])
                 self._hunting[self.phase] = False
+                self._detail[row] = _detail(outputs)
+                if first_out.dtype in LOW:
+                    self.shadow[len(self.events)] = _shadow(func, args, kwargs, name, values[0])
         self.events.append(OpEvent(
             index=len(self.events),
             phase=self.phase,
@@ -282,36 +313,73 @@ class OpTrace:
             row=row,
         ))
 
-    @staticmethod
-    def _amax(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        if not tensors:
-            return None
-        device = tensors[0].device
-        vals = [t.detach().abs().amax().float().to(device) for t in tensors]
-        return torch.stack(vals).amax() if len(vals) > 1 else vals[0]
+    # Numerics keep each tensor's (min, max) as device scalars from one aminmax; max |x| and
+    # NaN are worked out on the host when the numbers are read (fewest kernels per op).
+    def _input_extremes(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """(min, max) scalars of every input; outputs of traced ops are looked up, not measured."""
+        out: list[torch.Tensor] = []
+        for t in inputs:
+            known = self._known.get(id(t))
+            if known is not None and known[0]() is t:
+                out += known[1:]
+            else:
+                out += t.detach().aminmax()
+        return out
 
-    def _row(self, in_amax: torch.Tensor | None, outputs: list[torch.Tensor],
-             inputs: list[torch.Tensor]) -> torch.Tensor:
-        device = (outputs or inputs)[0].device
-        none = torch.full((), -1.0, device=device)
-        if not outputs:
-            return torch.stack([in_amax.to(device), none, none, none, none])
-        absd = [t.detach().abs() for t in outputs]
-        out_amax = torch.stack([a.amax().float() for a in absd]).amax()
-        finite = torch.stack([
-            torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
-            .amax().float() for a in absd
-        ]).amax()
-        nan = sum(torch.isnan(a).sum() for a in absd).float()
-        inf = sum(torch.isinf(a).sum() for a in absd).float()
-        first = in_amax.to(device) if in_amax is not None else none
-        return torch.stack([first, out_amax, finite, nan, inf])
+    def _row(self, ins: list[torch.Tensor], outputs: list[torch.Tensor]) -> torch.Tensor:
+        outs: list[torch.Tensor] = []
+        for t in outputs:
+            lo, hi = t.detach().aminmax()
+            self._known[id(t)] = (weakref.ref(t), lo, hi)
+            outs += (lo, hi)
+        parts = ins + outs
+        device = parts[0].device
+        return torch.stack([p if p.device == device else p.to(device) for p in parts]).float()
+
+    @staticmethod
+    def _amaxes(values: list[float], n_in: int, n_out: int) -> list[float]:
+        """[max |x| of the inputs, of the outputs] (-1 for none, NaN if any NaN)."""
+        return [_absmax(values[:n_in]), _absmax(values[n_in:n_in + n_out])]
 
     def stats(self) -> list[list[float]]:
         """Per-row numerics (columns :data:`STAT_FIELDS`). Cost: one host sync."""
         if not self._rows:
             return []
-        return torch.stack([r.to(self._rows[0].device) for r in self._rows]).cpu().tolist()
+        device = self._rows[0].device
+        flat = torch.cat([r if r.device == device else r.to(device) for r in self._rows]).tolist()
+        out, at = [], 0
+        for i, (n_in, n_out) in enumerate(self._shapes):
+            out.append(self._amaxes(flat[at:at + n_in + n_out], n_in, n_out)
+                       + self._detail.get(i, [-1.0, -1.0, -1.0]))
+            at += n_in + n_out
+        return out
+
+
+def _absmax(values: list[float]) -> float:
+    if not values:
+        return -1.0
+    best = 0.0
+    for v in values:
+        if v != v:  # NaN
+            return math.nan
+        best = max(best, abs(v))
+    return best
+
+
+def _detail(outputs: list[torch.Tensor]) -> list[float]:
+    """[largest finite |x|, NaN count, inf count] over ``outputs``. Cost: one host sync."""
+    finite, nan, inf = [], [], []
+    for t in outputs:
+        a = t.detach().abs().float()
+        ok = torch.isfinite(a)
+        finite.append(torch.where(ok, a, torch.zeros_like(a)).amax())
+        nan.append(torch.isnan(a).sum().float())
+        inf.append(torch.isinf(a).sum().float())
+    device = outputs[0].device
+    vals = torch.stack([torch.stack([v.to(device) for v in col]).amax() if i == 0 else
+                        torch.stack([v.to(device) for v in col]).sum()
+                        for i, col in enumerate((finite, nan, inf))])
+    return vals.tolist()
 
 
 def _shadow(func: Any, args: Any, kwargs: Any, name: str, in_amax: float) -> float | None:

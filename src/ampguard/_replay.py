@@ -88,7 +88,7 @@ def replay(model: torch.nn.Module, loss_fn: Callable[..., Any], batch: Any,
            policy: PrecisionPolicy, scale: float, *, numerics: bool = True) -> Run:
     """Forward ``loss_fn(model, batch)`` under ``policy``'s autocast, backward of ``loss * scale``
     (as GradScaler does), all traced. Cost: one host sync at the end (plus the loss check)."""
-    trace = OpTrace(model, numerics=numerics)
+    trace = OpTrace(model, numerics=numerics, hunt="all")
     names = {id(p): n for n, p in model.named_parameters()}
     order: list[str] = []
     hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(names[id(t)]))

@@ -207,7 +207,7 @@ def _first_new(run: Run) -> OpEvent | None:
         for e in run.events:
             if e.phase == phase and _is_new(run, e):
                 return e
-    return next((e for e, r in _rows(run) if r[3] + r[4] > 0), None)
+    return next((e for e, r in _rows(run) if not math.isfinite(r[1])), None)
 
 
 def _keys(run: Run) -> dict[tuple, int]:
@@ -230,14 +230,17 @@ def _counterpart(run: Run, e: OpEvent, other: Run) -> list[float] | None:
 
 def _event_stats(run: Run, e: OpEvent, other: Run | None, low_name: str) -> dict[str, Any]:
     row = run.row(e) or [-1.0] * 5
+    measured = row[3] >= 0  # counts exist for the first non-finite op of each pass
     stats: dict[str, Any] = {
         "dtype": str(e.out_dtype).replace("torch.", "") if e.out_dtype else None,
-        "shape": list(e.shape), "nan_count": int(row[3]), "inf_count": int(row[4]),
+        "shape": list(e.shape), "nan_count": int(row[3]) if measured else None,
+        "inf_count": int(row[4]) if measured else None,
         "scale": run.scale, "limit": _MAX.get(low_name),
     }
     key = "fp32" if run.precision == "fp32" else low_name
     numel = math.prod(e.shape)
-    stats[f"max_abs_{key}"] = None if numel and row[3] + row[4] >= numel else row[2]
+    all_bad = measured and numel and row[3] + row[4] >= numel
+    stats[f"max_abs_{key}"] = row[2] if measured and not all_bad else None
     stats[f"input_max_abs_{key}"] = row[0]
     if other is not None:
         twin = _counterpart(run, e, other)
