@@ -1,0 +1,107 @@
+"""GradScaler facts of a file: where scalers are built, what names hold them, whether one is used.
+
+Mixed into :class:`ampguard.lint._model.FileModel`, whose ``by_terminal``, ``call_name``,
+``binding``, ``scope_of`` and ``ancestors`` these read.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cached_property
+from typing import Any
+
+from ampguard.lint._names import GRAD_SCALERS, dotted, terminal
+
+__all__ = ["ScalerFacts"]
+
+
+class ScalerFacts:
+    """Cached GradScaler facts (a mixin of ``FileModel``)."""
+
+    by_terminal: dict[str, list[ast.Call]]
+    call_name: Any
+    binding: Any
+    scope_of: Any
+    ancestors: Any
+    calls_to: Any
+
+    @cached_property
+    def scaler_ctors(self) -> list[ast.Call]:
+        """Calls that construct a GradScaler (any spelling, resolved through imports)."""
+        out = [c for c in self.calls_to(GRAD_SCALERS)
+               if terminal(c.func) not in ("GradScaler", "ShardedGradScaler")]
+        for name in ("GradScaler", "ShardedGradScaler"):
+            for call in self.by_terminal.get(name, ()):
+                qual = self.call_name(call)
+                if qual is not None and (qual in GRAD_SCALERS or qual.endswith("." + name)):
+                    out.append(call)
+                elif qual is None and self._unbound(call.func):
+                    out.append(call)
+        return out
+
+    def _unbound(self, func: ast.AST) -> bool:
+        while isinstance(func, ast.Attribute):
+            func = func.value
+        return isinstance(func, ast.Name) and self.binding(func.id, self.scope_of(func)) is None
+
+    @cached_property
+    def scaler_keys(self) -> frozenset[str]:
+        """Texts (``scaler``, ``self.scaler``) that name a GradScaler in this file."""
+        keys: set[str] = set(self.ctor_targets)
+        keys.update(self._evidence_keys)
+        for name in ("step", "update", "scale", "get_scale", "unscale_"):
+            for call in self.by_terminal.get(name, ()):
+                key = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else None
+                if key is not None and _scaler_word(key):
+                    keys.add(key)
+        return frozenset(keys)
+
+    @cached_property
+    def ctor_targets(self) -> dict[str, ast.Call]:
+        out: dict[str, ast.Call] = {}
+        for call in self.scaler_ctors:
+            node: ast.AST = call
+            for anc in self.ancestors(call):
+                if isinstance(anc, (ast.IfExp, ast.BoolOp)):
+                    node = anc
+                    continue
+                if isinstance(anc, ast.Assign):
+                    for target in anc.targets:
+                        if (key := dotted(target)) is not None:
+                            out.setdefault(key, call)
+                elif isinstance(anc, (ast.AnnAssign, ast.NamedExpr)) and anc.value is node:
+                    if (key := dotted(anc.target)) is not None:
+                        out.setdefault(key, call)
+                break
+        return out
+
+    @cached_property
+    def _evidence_keys(self) -> frozenset[str]:
+        keys = set()
+        for call in self.by_terminal.get("unscale_", ()):
+            if isinstance(call.func, ast.Attribute) and (key := dotted(call.func.value)):
+                keys.add(key)
+        for call in self.by_terminal.get("backward", ()):
+            inner = call.func.value if isinstance(call.func, ast.Attribute) else None
+            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                    and inner.func.attr == "scale" and (key := dotted(inner.func.value)):
+                keys.add(key)
+        return frozenset(keys)
+
+    def ctor_of(self, key: str) -> ast.Call | None:
+        """The GradScaler construction assigned to ``key``, if any."""
+        return self.ctor_targets.get(key)
+
+    @cached_property
+    def uses_grad_scaler(self) -> bool:
+        """The file constructs a GradScaler that is not switched off, or uses one unmistakably."""
+        from ampguard.lint._context import scaler_state
+
+        if any(scaler_state(self, call) != "off" for call in self.scaler_ctors):
+            return True
+        return bool(self._evidence_keys)
+
+
+def _scaler_word(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1].lower()
+    return "scaler" in last and "sched" not in last
