@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ScalerTap", "TapListener", "is_grad_scaler", "scaler_stage"]
+__all__ = ["ScalerTap", "TapListener", "is_grad_scaler", "is_watched", "scaler_stage"]
 
 _METHODS = ("scale", "unscale_", "step", "update")
 _MARK = "__ampguard_tap__"
@@ -48,12 +48,17 @@ def scaler_stage(scaler: Any, optimizer: torch.optim.Optimizer) -> str:
     return "READY" if state is None else state["stage"].name
 
 
+def is_watched(scaler: Any) -> bool:
+    """True while an open :class:`ScalerTap` wraps ``scaler``."""
+    return any(getattr(scaler.__dict__.get(m), _MARK, False) for m in _METHODS)
+
+
 class ScalerTap:
     """Wraps one scaler instance's methods; reports to ``listener`` for the optimizers in
     ``watched`` (ids of unwrapped optimizers)."""
 
     def __init__(self, scaler: Any, listener: TapListener, watched: set[int]) -> None:
-        if any(getattr(scaler.__dict__.get(m), _MARK, False) for m in _METHODS):
+        if is_watched(scaler):
             raise ValueError("scaler is already watched by ampguard; close() the other handle "
                              "first")
         self.scaler = scaler

@@ -39,7 +39,7 @@ from ampguard.findings import Finding
 from ampguard.integrations import _findings
 from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
-from ampguard.integrations._tap import ScalerTap, is_grad_scaler
+from ampguard.integrations._tap import ScalerTap, is_grad_scaler, is_watched
 from ampguard.policy import device_of
 from ampguard.scaler import ScaleCollapseError
 
@@ -98,6 +98,9 @@ class Watch:
             raise ValueError("min_scale, max_scale and hysteresis need an enabled GradScaler "
                              "(fp16); this loop has none")
         self.scaler = scaler if enabled else None
+        if self.scaler is not None and is_watched(self.scaler):
+            raise ValueError("scaler is already watched by ampguard; close() the other handle "
+                             "first")
         # Integrations that see the loss and the final gradients in their own hooks turn these off.
         self._loss_from_scaler = loss_from_scaler and self.scaler is not None
         self._grads_from_hooks = grads_from_optimizer_hooks
@@ -247,11 +250,14 @@ class Watch:
             self._record_step(None)
 
     def _record_step(self, status: torch.Tensor | None) -> None:
-        flushes = self.telemetry.flushes
-        self.telemetry._on_step(status, None)
+        tel = self.telemetry
+        if tel._log_pending:  # no gradient sample opened the log yet: this is a new run
+            tel._start_log()
+        flushes = tel.flushes
+        tel._on_step(status, None)
         self._done += 1
         self._grads_seen = False
-        if self.telemetry.flushes != flushes:
+        if tel.flushes != flushes:
             self._check_collapse()
 
     # ------------------------------------------------------------------ framework reports

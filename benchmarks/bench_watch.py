@@ -1,0 +1,99 @@
+"""Attach-mode overhead: the same GradScaler loop bare and under ``ag.watch``, and host syncs.
+
+Run: ``python benchmarks/bench_watch.py [--rounds 15] [--steps 50] [--quick]``. Each loop trains
+its own copy of the same MLP in fp16 autocast on the CPU, in one process; rounds are interleaved
+(bare, watched, bare, ...) and each loop's median step time is divided by its bare twin's. Rows:
+plain (foreach) AdamW and fused AdamW, each with ``ag.watch`` and a default ``ag.Telemetry``
+(grad stats every 10 steps, range stats every 100, flush every 100). Host syncs per step are
+counted with a TorchDispatchMode on ``aten._local_scalar_dense`` (plus ``Tensor.tolist``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import SyncCounter, interleaved_medians  # noqa: E402
+
+import ampguard as ag  # noqa: E402
+
+
+def mlp(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
+
+
+def loop(width: int, depth: int, fused: bool, run_dir: Path | None,
+         x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One training step of the user's loop; under ag.watch when ``run_dir`` is given."""
+    model = mlp(width, depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    if run_dir is not None:
+        ag.watch(scaler, model, opt, telemetry=run_dir)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def syncs(step: Callable[[], None], steps: int) -> list[int]:
+    counts = []
+    for _ in range(steps):
+        with SyncCounter() as counter:
+            step()
+        counts.append(counter.count)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=50, help="steps per round (default 50)")
+    p.add_argument("--quick", action="store_true", help="3 rounds of 20 steps")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rounds, steps = (3, 20) if args.quick else (args.rounds, args.steps)
+    root = Path(tempfile.mkdtemp(prefix="ampguard-bench-watch-"))
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 8)
+    loops: dict[str, Callable[[], None]] = {}
+    for kind, fused in (("plain", False), ("fused", True)):
+        loops[f"bare {kind}"] = loop(args.width, args.depth, fused, None, x, y)
+        loops[f"watch {kind}"] = loop(args.width, args.depth, fused, root / kind, x, y)
+    for step in loops.values():  # warm-up: allocations, first fp16 kernels, first flush
+        for _ in range(steps):
+            step()
+    med = interleaved_medians(loops, rounds, steps)
+    print(f"MLP width {args.width} depth {args.depth} batch {args.batch}, fp16 autocast on CPU; "
+          f"{rounds} interleaved rounds x {steps} steps, median")
+    for kind in ("plain", "fused"):
+        bare, watched = med[f"bare {kind}"], med[f"watch {kind}"]
+        n = 200
+        b = syncs(loops[f"bare {kind}"], n)
+        w = syncs(loops[f"watch {kind}"], n)
+        extra = sum(wi - bi for wi, bi in zip(w, b, strict=True))
+        print(f"  {kind:5s} AdamW: bare {bare * 1e3:.2f} ms/step, watch {watched * 1e3:.2f} "
+              f"ms/step, ratio {watched / bare:.3f}x; host syncs/step bare {sum(b) / n:.2f}, "
+              f"watch {sum(w) / n:.2f} (extra syncs over {n} steps: {extra}, at flushes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
