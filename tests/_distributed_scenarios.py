@@ -239,6 +239,41 @@ def fsdp2_vs_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
             "rank_overflows": g.distributed.summary()["rank_overflows"]}
 
 
+def ddp_containment(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Micro-batch containment under DDP: the last rank's first micro-batch of window 2 is NaN."""
+    model = ddp(make_model())
+    guard, results = _containment(model, rank, world)
+    return {"results": results, "params": flat(model),
+            "rank_dropped": guard.distributed.summary()["rank_dropped_microbatches"]}
+
+
+def single_containment(world: int) -> torch.Tensor:
+    """Reference (run in the test process): the same windows on the global batch."""
+    model = make_model()
+    _containment(model, None, world)
+    return flat(model)
+
+
+def _containment(model: nn.Module, rank: int | None, world: int
+                 ) -> tuple[ag.Guard, list[tuple[bool, int]]]:
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, accumulation_steps=2, contain_nonfinite_microbatches=True)
+    results = []
+    for step in range(1, 4):
+        for micro in range(2):
+            x, y = batch(step, micro, ROWS * world)
+            if step == 2 and micro == 0:
+                x[(world - 1) * ROWS:] = float("nan")  # the last rank's rows
+            if rank is not None:
+                x, y = shard(x, rank), shard(y, rank)
+            with guard.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            guard.backward(loss)
+            result = guard.step()
+        results.append((result.applied, result.dropped_microbatches))
+    return guard, results
+
+
 def desync_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """The last rank's scale is changed at window 2; the audit runs every 3 windows."""
     model = ddp(make_model())
@@ -372,7 +407,7 @@ def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
-    f.__name__: f for f in (inf_on_one_rank, ddp_accumulation, fsdp2_vs_ddp, desync_raises,
-                            desync_repairs, ddp_resume, fsdp2_resume, hook_drops_nan_rank,
-                            rank_raises, demo_fsdp2)
+    f.__name__: f for f in (inf_on_one_rank, ddp_accumulation, ddp_containment, fsdp2_vs_ddp,
+                            desync_raises, desync_repairs, ddp_resume, fsdp2_resume,
+                            hook_drops_nan_rank, rank_raises, demo_fsdp2)
 }

@@ -24,8 +24,8 @@ import ampguard as ag
 from ampguard.checkpoint import CheckpointError
 from ampguard.distributed import param_checksum
 
-TWO = ["inf_on_one_rank", "ddp_accumulation", "fsdp2_vs_ddp", "desync_raises", "desync_repairs",
-       "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank", "demo_fsdp2"]
+TWO = ["inf_on_one_rank", "ddp_accumulation", "ddp_containment", "fsdp2_vs_ddp", "desync_raises",
+       "desync_repairs", "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank", "demo_fsdp2"]
 FOUR = ["inf_on_one_rank", "desync_raises", "rank_raises"]
 GROUP_TIMEOUT = 150
 
@@ -108,6 +108,22 @@ def test_ddp_accumulation_matches_one_process_on_the_global_batch(two):
 def test_ddp_accumulation_all_reduces_once_per_window(two):
     for v in all_ranks(ok(two, "ddp_accumulation"), 2):
         assert v["allreduce_calls"] == 3  # 3 windows x 2 micro-batches, one bucket
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_ddp_containment_drops_the_same_microbatch_on_every_rank(two):
+    values = all_ranks(ok(two, "ddp_containment"), 2)
+    for v in values:
+        assert [tuple(r) for r in v["results"]] == [(True, 0), (True, 1), (True, 0)]
+        assert v["rank_dropped"] == {0: 1, 1: 1}
+    assert values[0]["params"] == values[1]["params"]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_ddp_containment_matches_one_process_on_the_global_batch(two):
+    reference = S.single_containment(2)
+    for v in all_ranks(ok(two, "ddp_containment"), 2):
+        assert torch.allclose(torch.tensor(v["params"]), reference, rtol=0, atol=1e-4)
 
 
 # ---------------------------------------------------------------------- FSDP2

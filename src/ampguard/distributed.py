@@ -181,7 +181,7 @@ class _Pending:
         self.has_dropped, self.step = has_dropped, step
 
     def wait(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Agreed ``(found flags, total dropped micro-batches or None)``. Cost: no host sync."""
+        """Agreed ``(found flags, dropped micro-batches or None)``. Cost: no host sync."""
         try:
             self.work.wait()
         except RuntimeError as exc:
@@ -278,7 +278,9 @@ class DistributedState:
             return found, None
         per_rank = buf[:, n].long()
         self.rank_dropped.add_(per_rank)
-        return found, per_rank.sum()
+        # DDP syncs every micro-batch under containment, so all ranks drop the same ones: the
+        # window's count is the largest per-rank count (per-rank counts stay in rank_dropped)
+        return found, per_rank.max()
 
     def peer_failure(self, what: str, step: int, exc: BaseException) -> PeerFailureError:
         top = self.topology
