@@ -53,10 +53,9 @@ def num(value: Any) -> float | None:
 
 def floats(values: Any) -> list[float | None]:
     """A JSON-safe list of floats (7 significant digits, ``None`` for non-finite)."""
-    arr = np.asarray(values, dtype=np.float64).ravel()
-    finite = np.isfinite(arr)
-    text = np.char.mod("%.7g", np.where(finite, arr, 0.0))
-    return [float(t) if ok else None for t, ok in zip(text.tolist(), finite.tolist(), strict=True)]
+    isfinite = math.isfinite
+    return [float(f"{x:.7g}") if isfinite(x) else None
+            for x in np.asarray(values, dtype=np.float64).ravel().tolist()]
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:

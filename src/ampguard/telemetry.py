@@ -126,6 +126,7 @@ class Telemetry:
         self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
         self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every \
             else []
+        self._offsets = [ch.layer * _ranges.BINS for ch in self._chunks]  # histogram row starts
         self._width = _FIXED + n_layers
         self._rwidth = n_layers * (1 + _ranges.BINS)
         self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every \
@@ -189,7 +190,8 @@ class Telemetry:
     def _on_backward(self, loss: torch.Tensor) -> None:
         if self._closed:
             return
-        self._views[self._row].loss.add_(loss.detach().reshape(()))
+        loss = loss.detach()
+        self._views[self._row].loss.add_(loss.reshape(()) if loss.dim() else loss)
         self._micro += 1
 
     def _on_grads(self, grads_scaled: bool) -> None:
@@ -220,8 +222,9 @@ class Telemetry:
             return
         guard = self._guard
         v = self._views[self._row]
-        if guard._scaler is not None:
-            v.scale.copy_(guard._scaler.scale_tensor)
+        scaler = guard._scaler
+        if scaler is not None:
+            v.scale.copy_(scaler.scale_tensor)
         if status is not None:
             v.status.copy_(status)
         layers, slot, grads_scaled = self._this_step
@@ -229,8 +232,8 @@ class Telemetry:
         if use_guard_norm:
             v.norm.copy_(grad_norm)
         self._pending_rows.append(RowInfo(
-            guard._steps, max(self._micro, 1), guard._scaler is not None,
-            grads_scaled, layers, use_guard_norm, slot, guard.precision, len(guard.optimizers)))
+            guard._steps, self._micro or 1, scaler is not None, grads_scaled, layers,
+            use_guard_norm, slot, guard._policy.precision, len(guard.optimizers)))
         self._this_step = (False, -1, False)
         self._row += 1
         self._micro = 0
@@ -260,7 +263,7 @@ class Telemetry:
         amax, hist = row[:len(self.layers)], row[len(self.layers):]
         inv = self._guard._scaler.inv_scale() if grads_scaled else None
         bins = _ranges.BINS
-        for ch in self._chunks:
+        for ch, offsets in zip(self._chunks, self._offsets, strict=True):
             parts = [grads[i].reshape(-1)[a:b] for i, a, b in ch.items]
             peaks = torch.stack(torch._foreach_norm(parts, math.inf)).float()
             flat = torch.cat(parts).float()
@@ -273,7 +276,7 @@ class Telemetry:
             mant, expo = torch.frexp(flat)
             key = torch.where(mant == 0, 0, expo.sub_(_ranges.E_MIN).clamp_(1, bins - 1))
             key.masked_fill_(~torch.isfinite(flat), bins - 1)
-            key = key + torch.repeat_interleave(ch.layer * bins, ch.lengths, output_size=ch.total)
+            key = key + torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total)
             hist.index_add_(0, key, self._one.expand(ch.total))
 
     # ------------------------------------------------------------------ resume and events

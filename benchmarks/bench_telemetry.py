@@ -1,0 +1,207 @@
+"""Telemetry overhead: step-time ratio vs a bare ``torch.amp.GradScaler`` loop, and host syncs.
+
+Run: ``python benchmarks/bench_telemetry.py [--rounds 15] [--quick]``. Every loop trains its own
+copy of the same model in fp16 autocast on the CPU, in one process; rounds are interleaved
+(bare, guard, telemetry variants, bare, ...) and the median step time of each is divided by the
+bare loop's. Rows:
+
+* ``guard``: the Guard without telemetry (for reference);
+* ``(a) telemetry default``: ``Telemetry(run_dir)`` (grad stats every 10 steps, range stats every
+  100, flush every 100);
+* ``(b) per-layer stats every step``: ``layer_every=1``;
+* ``(c) range stats every 50 steps``: ``range_every=50`` (amortised over the round);
+* a sweep over models with 50, 500 and 2000 parameter tensors (default and ``layer_every=1``).
+
+Host syncs are counted per step with a TorchDispatchMode on ``aten._local_scalar_dense`` (plus
+``Tensor.tolist``) for the bare loop and the telemetry loop; telemetry's own device-to-host copy
+happens only on flush steps (on CPU it is a memcpy that needs no sync, so it is counted apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import SyncCounter, interleaved_medians  # noqa: E402
+
+import ampguard as ag  # noqa: E402
+
+
+def mlp(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
+
+
+def many_tensors(tensors: int) -> torch.nn.Module:
+    """``tensors / 2`` small Linear layers (weight + bias each) in a residual chain."""
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(tensors // 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = x + 0.01 * layer(x)
+            return x[:, :8]
+
+    return Chain()
+
+
+def bare_step(model, opt, scaler, x, y) -> Callable[[], None]:
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def guard_step(model, guard, x, y) -> Callable[[], None]:
+    def step() -> None:
+        with guard.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        guard.step()
+    return step
+
+
+def loops(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
+          variants: dict[str, dict | None], root: Path) -> dict[str, Callable[[], None]]:
+    """The bare loop plus one Guard loop per variant (None: no telemetry)."""
+    model = make_model()
+    out = {"bare": bare_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                             torch.amp.GradScaler("cpu"), x, y)}
+    for name, kwargs in variants.items():
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tel = None if kwargs is None else ag.Telemetry(root / name.replace(" ", "_"), **kwargs)
+        out[name] = guard_step(model, ag.Guard(model, opt, precision="fp16", telemetry=tel), x, y)
+    return out
+
+
+def ratios(run: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[str, float]:
+    for step in run.values():  # warm-up: allocations, first fp16 kernels, first flush
+        for _ in range(steps):
+            step()
+    medians = interleaved_medians(run, rounds, steps)
+    return {name: t / medians["bare"] for name, t in medians.items()} | \
+        {"bare_ms": medians["bare"] * 1e3}
+
+
+class HookClock:
+    """Wall time spent inside a Telemetry's hooks and flushes (instance-level wrappers)."""
+
+    def __init__(self, tel: ag.Telemetry) -> None:
+        self.seconds = 0.0
+        for name in ("_on_backward", "_on_grads", "_on_step", "flush"):
+            setattr(tel, name, self._wrap(getattr(tel, name)))
+
+    def _wrap(self, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def hook_share(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
+               kwargs: dict, root: Path, steps: int) -> float:
+    """Telemetry's own time per step (hooks + flushes, ``steps`` steps) in milliseconds."""
+    model = make_model()
+    tel = ag.Telemetry(root, **kwargs)
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
+                     telemetry=tel)
+    clock = HookClock(tel)
+    step = guard_step(model, guard, x, y)
+    for _ in range(steps):
+        step()
+    return clock.seconds / steps * 1e3
+
+
+def syncs_per_step(step: Callable[[], None], steps: int) -> list[int]:
+    counts = []
+    for _ in range(steps):
+        with SyncCounter() as c:
+            step()
+        counts.append(c.count)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=100, help="steps per round (default 100)")
+    p.add_argument("--quick", action="store_true", help="3 rounds, smaller sweep")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rounds = 3 if args.quick else args.rounds
+    root = Path(tempfile.mkdtemp(prefix="ampguard-bench-telemetry-"))
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 8)
+
+    variants = {"guard": None, "(a) telemetry default": {},
+                "(b) per-layer stats every step": {"layer_every": 1},
+                "(c) range stats every 50 steps": {"range_every": 50}}
+    make = lambda: mlp(args.width, args.depth)  # noqa: E731
+    r = ratios(loops(make, x, y, variants, root), rounds, args.steps)
+    print(f"MLP width {args.width} depth {args.depth} batch {args.batch}: bare step "
+          f"{r['bare_ms']:.2f} ms; {rounds} interleaved rounds x {args.steps} steps, median")
+    print(f"  {'loop':34s} {'ratio vs bare':>14s} {'telemetry ms/step':>18s} {'share':>7s}")
+    for name, kwargs in variants.items():
+        own = "" if kwargs is None else hook_share(make, x, y, kwargs, root / f"clock{len(name)}",
+                                                   200)
+        share = "" if kwargs is None else f"{own / r['bare_ms']:.1%}"
+        own = "" if kwargs is None else f"{own:.3f}"
+        print(f"  {name:34s} {r[name]:13.3f}x {own:>18s} {share:>7s}")
+
+    print("parameter-tensor sweep (tiny residual chain of Linear(16, 16), batch 32):")
+    xs, ys = torch.randn(32, 16), torch.randn(32, 8)
+    sweep = {"default": {}, "layer_every=1": {"layer_every": 1}}
+    for n in (50, 500) if args.quick else (50, 500, 2000):
+        chain = lambda n=n: many_tensors(n)  # noqa: E731
+        steps = {50: 20, 500: 4, 2000: 2}[n]
+        s = ratios(loops(chain, xs, ys, sweep, root / f"n{n}"), max(3, rounds // 3), steps)
+        own = {k: hook_share(chain, xs, ys, kw, root / f"n{n}{k}", 2 * steps)
+               for k, kw in sweep.items()}
+        print(f"  {n:5d} tensors: bare {s['bare_ms']:7.1f} ms/step | ratio default "
+              f"{s['default']:.3f}x, layer_every=1 {s['layer_every=1']:.3f}x | telemetry's own "
+              f"time: default {own['default'] / s['bare_ms']:.1%}, layer_every=1 "
+              f"{own['layer_every=1'] / s['bare_ms']:.1%} of the bare step")
+
+    model = mlp(args.width, args.depth)
+    bare = bare_step(model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu"),
+                     x, y)
+    model = mlp(args.width, args.depth)
+    tel = ag.Telemetry(root / "syncs", range_every=50)
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision="fp16",
+                     telemetry=tel)
+    tstep = guard_step(model, guard, x, y)
+    n = 200
+    b, t = syncs_per_step(bare, n), syncs_per_step(tstep, n)
+    extra = [i + 1 for i in range(n) if t[i] != b[i]]
+    print(f"host syncs per step over {n} steps: bare {sum(b) / n:.2f}, Guard+telemetry "
+          f"{sum(t) / n:.2f}; steps where they differ: {extra or 'none'}; telemetry flushes "
+          f"(one device-to-host copy each): {tel.flushes} (steps 100, 200)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
