@@ -38,3 +38,4 @@ def handed_to_helper(path, add_amp_state):
     ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     add_amp_state(ckpt)
     torch.save(ckpt, path)
+

@@ -21,12 +21,17 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
     model = ctx.model
     if not model.uses_grad_scaler:
         return
+    saves = []
     for call in model.calls_to(_SAVE):
-        entries = _entries(ctx, keyword(call, "obj", 0), call)
+        obj = keyword(call, "obj", 0)
+        entries = _entries(ctx, obj, call)
         if entries is None:
-            continue
-        kinds = {_kind(ctx, key, value) for key, value in entries}
-        if {"model", "optimizer"} <= kinds and not kinds & {"scaler", "unknown"}:
+            entries = [(None, obj)] if obj is not None else []
+        saves.append((call, entries, {_kind(ctx, key, value) for key, value in entries}))
+    if any("scaler" in kinds for _, _, kinds in saves):
+        return  # the scaler's state is saved (maybe in a file of its own): the run can resume it
+    for call, entries, kinds in saves:
+        if {"model", "optimizer"} <= kinds and "unknown" not in kinds:
             yield ctx.finding(
                 AG205, call, "checkpoint saves the model and optimizer but not the GradScaler: "
                 "a resumed run restarts the loss scale at its initial value (more skipped "
