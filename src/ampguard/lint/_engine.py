@@ -152,6 +152,16 @@ def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str]
     or a path relative to the folder given). Symlinked folders are not followed.
     """
     patterns = (*DEFAULT_EXCLUDES, *exclude)
+    seen: set[str] = set()
+    for path in _walk(paths, patterns, tuple(exclude)):
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            yield path
+
+
+def _walk(paths: Iterable[str | os.PathLike], patterns: tuple[str, ...],
+          exclude: tuple[str, ...]) -> Iterator[str]:
     for raw in paths:
         path = os.fspath(raw)
         if os.path.isfile(path):
@@ -165,5 +175,5 @@ def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str]
                 d, os.path.normpath(os.path.join(rel_root, d)), patterns))
             for name in sorted(files):
                 rel = os.path.normpath(os.path.join(rel_root, name))
-                if name.endswith(".py") and not _excluded(name, rel, tuple(exclude)):
+                if name.endswith(".py") and not _excluded(name, rel, exclude):
                     yield os.path.normpath(os.path.join(root, name))

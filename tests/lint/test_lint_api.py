@@ -141,6 +141,12 @@ def test_a_file_named_explicitly_is_linted_even_without_py_suffix(tmp_path: Path
     assert [f.code for f in lint_paths([script])] == ["AG206"]
 
 
+def test_a_file_reached_twice_is_linted_once(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    once = lint_paths([tmp_path / "pkg"])
+    assert lint_paths([tmp_path / "pkg", tmp_path / "pkg" / "train.py"]) == once
+
+
 def test_missing_path_raises_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no such file"):
         lint_paths([tmp_path / "nope.py"])
