@@ -327,3 +327,11 @@ def test_non_scalar_loss_is_a_value_error_and_leaves_no_hooks():
     with pytest.raises(ValueError, match="single-element"):
         ag.locate(model, lambda m, b: m(b[0]), make_batch())
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_nonfinite_target_consumed_only_by_the_loss_names_no_module():
+    x, y = make_batch()
+    y[0, 0] = float("nan")
+    d = ag.locate(MLP(), mse, (x, y))
+    assert (d.kind, d.module, d.op) == ("input_nonfinite", None, "aten.mse_loss")
+    assert d.stats["inputs"][0]["path"] == "batch[1]"

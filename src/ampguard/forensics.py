@@ -318,8 +318,8 @@ def _flushed_only_here(low: Run, e: OpEvent, ref: Run) -> bool:
 
 
 def _input_nonfinite(low: Run, bad: list[dict[str, Any]], scale: float) -> Diagnosis:
-    first = next((e for e, r in _rows(low) if e.phase == "forward" and e.module is not None
-                  and not math.isfinite(r[0])), None)
+    bad_in = [e for e, r in _rows(low) if e.phase == "forward" and not math.isfinite(r[0])]
+    first = next((e for e in bad_in if e.module is not None), bad_in[0] if bad_in else None)
     stats = {"inputs": bad, "nan_count": sum(b["nan"] for b in bad),
              "inf_count": sum(b["inf"] for b in bad)}
     if first is None:
