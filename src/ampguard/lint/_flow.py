@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ampguard.lint._context import is_scheduler_like
+from ampguard.lint._context import is_scheduler_like, scaler_state
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import CLIPS, dotted
 
@@ -100,7 +100,10 @@ class Events:
         if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Attribute) \
                 and recv.func.attr == "scale":
             key = dotted(recv.func.value)
-            return key if key in self.scalers else None
+            if key not in self.scalers:
+                return None
+            ctor = self.model.ctor_of(key)  # GradScaler(enabled=False).scale(x) is just x
+            return None if ctor is not None and scaler_state(self.model, ctor) == "off" else key
         return None
 
     def _helper(self, call: ast.Call) -> ast.AST | None:
