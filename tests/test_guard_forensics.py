@@ -189,3 +189,13 @@ def test_telemetry_run_folder_gets_forensics_coverage_and_findings(tmp_path):
 def test_bad_arguments_name_the_argument(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
         make(Healthy(), **kwargs)
+
+
+def test_step_with_batch_but_no_loss_fn_is_a_value_error():
+    model = Healthy()
+    guard = make(model, forensics=True)
+    with guard.autocast():
+        loss = loss_fn(model, (torch.randn(4, W), torch.randn(4, W)))
+    guard.backward(loss)
+    with pytest.raises(ValueError, match="loss_fn"):
+        guard.step(batch=(torch.randn(4, W), torch.randn(4, W)))

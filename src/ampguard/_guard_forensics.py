@@ -78,6 +78,12 @@ class GuardForensics:
         self._losses: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ Guard hooks
+    def check_replay(self, batch: Any, loss_fn: Any) -> None:
+        """``Guard.step(batch=, loss_fn=)``: both or neither, and a callable loss_fn."""
+        if (batch is None) != (loss_fn is None) or (loss_fn is not None and not callable(loss_fn)):
+            raise ValueError("Guard.step(batch=..., loss_fn=...) replays an overflowing batch "
+                             "with ampguard.locate: pass both, loss_fn(model, batch) -> loss")
+
     def session(self, phase: str) -> contextlib.AbstractContextManager:
         """Trace this pass when the window is armed or is the coverage step; else a no-op."""
         if phase == "forward" and self._trace is None and self._wanted():

@@ -228,6 +228,8 @@ class Guard:
         Cost: see the class docstring (torch's own syncs, no more); an armed forensics window
         or a replay adds its own (see ``ampguard._guard_forensics``).
         """
+        if self._forensics is not None:
+            self._forensics.check_replay(batch, loss_fn)
         if self._micro == 0:
             raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
         if self._micro < self.accumulation_steps:
