@@ -256,6 +256,12 @@ def test_a_scaler_can_be_watched_once(tmp_path):
         ag.watch(scaler, model, opt, telemetry=tmp_path / "b")
 
 
+def test_a_second_run_in_the_same_folder_starts_a_new_log(tmp_path):
+    _run("plain", run_dir=tmp_path, steps=4)[3].close()
+    _run("plain", run_dir=tmp_path, steps=3)[3].close()
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
+
+
 def test_report_written(tmp_path):
     _, _, _, handle = _run("plain", run_dir=tmp_path, steps=6)
     path = handle.report()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -164,6 +165,7 @@ class Watch:
         if self._closed:
             return [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)]
         found = self.telemetry.findings()
+        self._check_collapse(in_step=False)
         return self._merge(found)
 
     def report(self) -> Path:
@@ -190,6 +192,7 @@ class Watch:
             self._on_close.pop()()
         try:
             self.telemetry.close()
+            self._check_collapse(in_step=False)
             rules_found = [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)] \
                 if self._findings_path.exists() else []
             self._merge(rules_found)
@@ -258,14 +261,16 @@ class Watch:
         self._done += 1
         self._grads_seen = False
         if tel.flushes != flushes:
-            self._check_collapse()
+            self._check_collapse(in_step=True)
 
     # ------------------------------------------------------------------ framework reports
     def _note_framework_skip(self, skipped: bool) -> None:
         """A framework's own skipped-step flag for the step just recorded (host bool)."""
         self._framework_flags[self._done] = bool(skipped)
 
-    def _check_collapse(self) -> None:
+    def _check_collapse(self, in_step: bool) -> None:
+        """Act on collapses found by the last flush: raise (only from inside a step, where the
+        policy asks for it) or warn once per episode."""
         if self.policy.min_scale is None:
             return
         total = self.telemetry.skip_counts()["collapse"]
@@ -277,7 +282,7 @@ class Watch:
                f"{self.policy.min_scale:g} ({total} collapsed steps so far, last flush at step "
                f"{self._done}). Try bf16, keeping the overflowing module in fp32 "
                "(ampguard.locate names it), or a lower learning rate.")
-        if self.policy.on_collapse == "raise":
+        if self.policy.on_collapse == "raise" and in_step:
             raise ScaleCollapseError(msg)
         if not self._collapsing:
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
@@ -338,7 +343,11 @@ class _ScalerInfo:
 
 
 class _RunView:
-    """The attributes :class:`ampguard.Telemetry` reads from a Guard, for a loop it does not run."""
+    """The attributes :class:`ampguard.Telemetry` reads from a Guard, for a loop it does not run.
+
+    Keep in step with what ``telemetry.py`` and ``_layers.run_meta`` read from ``guard``
+    (tests/test_watch.py and tests/test_integrations.py run Telemetry through this view).
+    """
 
     def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                  scaler: Any, precision: str, policy: AttachPolicy,
@@ -348,6 +357,7 @@ class _RunView:
         self._params = params_of(optimizers)
         self._device = device_of(self._params)
         self.precision = self._requested_precision = precision
+        self._policy = SimpleNamespace(precision=precision)
         self._scaler = _ScaleView(scaler) if scaler is not None else None
         self.scaler_config = _ScalerInfo(scaler, policy, framework)
         self._steps = 0
