@@ -6,10 +6,10 @@
   :data:`ARM_STEPS` windows after an overflow that is not the scaler's start-up descent (the
   first overflow before any applied step). An armed window that overflows is diagnosed from its
   own trace: the first op that made a non-finite value, its module and pass, and that op rerun
-  from fp32 copies of its inputs, which tells a real fp16 overflow (still beyond 65504 at loss
-  scale 1) from the scaler probing its level (benign: no finding). When ``guard.step(batch=...,
-  loss_fn=...)`` hands over the batch, an overflowing step is replayed with :func:`locate`
-  instead (fp16 vs fp32, three runs). Unarmed windows cost nothing.
+  from fp32 copies of its inputs, which tells a real fp16 overflow (still beyond 65504 at the
+  scaler's ``min_scale``) from the scaler probing its level (benign: no finding). When
+  ``guard.step(batch=..., loss_fn=...)`` hands over the batch, an overflowing step is replayed
+  with :func:`locate` instead (fp16 vs fp32, three runs). Unarmed windows cost nothing.
 - ``auto_fallback=True`` (implies ``forensics``) keeps a module diagnosed ``fp16_overflow`` in
   fp32 from the next step on and records the change (AG306); the next module that overflows on
   that fp32 value is diagnosed and kept in fp32 as well.
@@ -124,8 +124,9 @@ class GuardForensics:
                 self._handle(result.step, locate(self.guard.model, loss_fn, batch,
                                                  self.guard.precision, scale), "replay")
         elif armed:
-            self._handle(result.step, diagnose_trace(trace, losses, scale, self.guard.precision),
-                         "trace")
+            floor = self.guard.scaler_config.min_scale
+            self._handle(result.step, diagnose_trace(trace, losses, scale, self.guard.precision,
+                                                     floor), "trace")
 
     # ------------------------------------------------------------------ internals
     def _wanted(self) -> bool:
@@ -242,12 +243,13 @@ def _fallback_finding(change: dict[str, Any]) -> Finding:
 
 # ---------------------------------------------------------------------- live diagnosis
 def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
-                   precision: str) -> Diagnosis:
+                   precision: str, floor: float = 1.0) -> Diagnosis:
     """Diagnose an overflowing window from its own numerics trace (no fp32 replay).
 
     The first op that made a non-finite value names module, pass and op; its fp32 rerun (the
     trace's shadow) gives the kind: still non-finite in fp32 -> model_nonfinite; a backward
-    value that fits fp16 at loss scale 1 -> benign probe; beyond fp16 -> fp16_overflow.
+    value that fits fp16 at the scaler's floor ``floor`` (min_scale) -> benign probe; beyond
+    fp16 -> fp16_overflow.
     Cost: one host sync.
     """
     stats = trace.stats()
@@ -267,7 +269,7 @@ def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
             "source": "armed training step (fp32 rerun of this op only)"}
     if e.out_dtype not in LOW or (shadow is not None and not math.isfinite(shadow)):
         kind = "model_nonfinite"
-    elif e.phase == "backward" and shadow is not None and shadow / scale <= limit:
+    elif e.phase == "backward" and shadow is not None and shadow / scale * floor <= limit:
         return Diagnosis("none", e.phase, e.module, e.op, info, precision, scale, benign=True)
     elif shadow is not None and shadow <= limit:
         kind = "fp16_underflow"  # fits the range in fp32: a value flushed to zero made it
