@@ -102,6 +102,8 @@ class Diagnosis:
                    stats=_json_restore(data.get("stats", {})))
 
     def __str__(self) -> str:
+        if self.module is None and self.op is None:
+            return f"{self.code} {self.kind}"
         where = f"{self.module!r}" if self.module is not None else "outside the model"
         return f"{self.code} {self.kind} ({self.phase or '-'}) at {where} {self.op or ''}".rstrip()
 
