@@ -387,19 +387,26 @@ class Guard:
             return
         pending, self._pending = self._pending, []
         values = torch.stack([status for _, status in pending]).tolist()
+        collapsed = []
         for (result, _), value in zip(pending, values, strict=True):
             result._decoded = results.decode(int(value), len(self.optimizers))
-        for result, _ in pending:
-            self._settle(result.step, result._decoded)
+            self._record(result.step, result._decoded)  # count every step before any raise
+            if result._decoded.collapse:
+                collapsed.append(result.step)
+        if collapsed:
+            self._on_collapse(collapsed[0])
 
     def _settle(self, step: int, flags: results.Decoded) -> None:
+        self._record(step, flags)
+        if flags.collapse:
+            self._on_collapse(step)
+
+    def _record(self, step: int, flags: results.Decoded) -> None:
         if self._forensics is not None:
             self._forensics.on_settled(step, flags.overflow, flags.applied)
         self._counts.record(flags)
         if flags.applied:
             self._collapsing = False
-        if flags.collapse:
-            self._on_collapse(step)
 
     def _on_collapse(self, step: int) -> None:
         policy = self.scaler_config.on_collapse
