@@ -53,7 +53,8 @@ def _telemetry(run_dir) -> Telemetry:
 
 
 # ---------------------------------------------------------------------- HF Trainer
-def _hf_run(tmp_path, *, precision="fp16", optim="adamw_torch", give_scaler=True, bad=BAD):
+def _hf_run(tmp_path, *, precision="fp16", optim="adamw_torch", give_scaler=True, bad=BAD,
+            default_folder=False):
     transformers = pytest.importorskip("transformers")
     from ampguard.integrations.transformers import AmpGuardCallback
 
@@ -69,7 +70,8 @@ def _hf_run(tmp_path, *, precision="fp16", optim="adamw_torch", give_scaler=True
         use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
         logging_steps=100, save_strategy="no", disable_tqdm=True, optim=optim,
         learning_rate=1e-3)
-    callback = AmpGuardCallback(_telemetry(tmp_path / "run"))
+    callback = AmpGuardCallback() if default_folder else AmpGuardCallback(
+        _telemetry(tmp_path / "run"))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    callbacks=[callback])
     if precision == "fp16" and give_scaler:
@@ -117,10 +119,12 @@ def test_hf_trainer_bf16_records_every_step_without_scaler(tmp_path):
 
 
 def test_hf_trainer_fp16_on_cpu_is_fp32_and_says_so(tmp_path):
-    _, callback = _hf_run(tmp_path, give_scaler=False, bad=())
+    _, callback = _hf_run(tmp_path, give_scaler=False, bad=(), default_folder=True)
+    run = tmp_path / "out" / "ampguard"  # the default: <output_dir>/ampguard
+    assert callback.run_dir == run
     assert "AG122" in _codes(callback.findings())
-    assert _records(tmp_path / "run")[0]["precision"] == "fp32"
-    saved = json.loads((tmp_path / "run" / "findings.json").read_text())
+    assert _records(run)[0]["precision"] == "fp32"
+    saved = json.loads((run / "findings.json").read_text())
     assert "AG122" in {f["code"] for f in saved}
 
 
@@ -196,10 +200,10 @@ def test_lightning_scaler_config_through_the_plugin(tmp_path):
 
     cfg = ag.ScalerConfig(init_scale=2.0**10, growth_interval=1000, hysteresis=2,
                           min_scale=1.0, on_collapse="warn")
-    callback = AmpGuardCallback(_telemetry(tmp_path / "run"), **guard_options(cfg))
+    callback = AmpGuardCallback(**guard_options(cfg))  # default folder: <root_dir>/ampguard
     _lightning_run(tmp_path, bad=(3,), callback=callback, scaler=grad_scaler(cfg, "cpu"))
-    recs = _records(tmp_path / "run")
-    assert _skipped(tmp_path / "run") == [3]
+    recs = _records(tmp_path / "ampguard")
+    assert _skipped(tmp_path / "ampguard") == [3]
     assert {r["scale"] for r in recs} == {1024.0}  # one lone spike: absorbed by hysteresis
     found = {f.code: f for f in callback.findings()}
     assert found["AG121"].evidence["absorbed"] == 1
