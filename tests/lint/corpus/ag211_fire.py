@@ -13,7 +13,12 @@ class Net(nn.Module):
 model = Net().cuda().half()  # expect: AG211
 net = Net()
 net.to("cuda", dtype=torch.float16)  # expect: AG211
-scaler = torch.amp.GradScaler("cuda")
+
+
+def fit(loader):
+    scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        scaler.scale(model(x).sum()).backward()
 
 
 def train(loader):
@@ -22,3 +27,4 @@ def train(loader):
     grad_scaler = torch.amp.GradScaler("cuda")
     for x in loader:
         grad_scaler.scale(student_model(x).sum()).backward()
+

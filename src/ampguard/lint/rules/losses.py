@@ -27,6 +27,8 @@ def _squash(ctx: Context, node: ast.AST, depth: int = 0) -> str | None:
     if qual in SOFTMAXES:
         return "softmax"
     func = node.func
+    if isinstance(func, ast.Call) and ctx.model.call_name(func) == "torch.nn.Softmax":
+        return "softmax"  # nn.Softmax(dim=1)(x)
     if isinstance(func, ast.Attribute) and func.attr == "softmax" and qual is None:
         return "softmax"  # tensor method: x.softmax(-1)
     return None

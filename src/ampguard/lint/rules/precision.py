@@ -127,7 +127,8 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
             if is_eval_function(func) or (func is not None and _NOT_TRAINING & set(
                     func.name.lower().split("_"))):
                 continue
-            same = [u for u in users if model.function_of(u) is func]
+            # a module-level cast halves the model for the whole script
+            same = users if func is None else [u for u in users if model.function_of(u) is func]
             if not same or all(model.exclusive(call, u) for u in same):
                 continue
             what = dotted(call.func.value) or "the model"
