@@ -15,6 +15,7 @@ import torch
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.data import DemoData, make_data
 from ampguard.guard import Guard
+from ampguard.report import report
 from ampguard.scaler import ScalerConfig
 
 __all__ = ["run_demo", "DemoResult", "build_model"]
@@ -63,7 +64,8 @@ def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/d
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     guard = Guard(model, optimizer, precision=precision, clip_grad_norm=1.0,
-                  scaler=ScalerConfig(growth_interval=50), schedulers=[schedule])
+                  scaler=ScalerConfig(growth_interval=50), schedulers=[schedule],
+                  telemetry=run_dir, forensics=True)
     loss_before = _eval_loss(model, data)
     scale_start = guard.scale
     started = time.perf_counter()
@@ -71,15 +73,27 @@ def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/d
     seconds = time.perf_counter() - started
     checkpoint = save_checkpoint(run_dir / "checkpoint.pt", model=model, optimizer=optimizer,
                                  guard=guard, scheduler=schedule, extra={"seed": seed})
+    diagnostics = guard.diagnostics()
+    findings = guard.findings()
+    guard.close()
     result = DemoResult(
         steps=steps, precision=guard.precision, skipped=skipped, spike_steps=data.spike_steps,
         scale_start=scale_start, scale_end=guard.scale, scale_min=min(scales, default=1.0),
         loss_before=loss_before, loss_after=_eval_loss(model, data), seconds=seconds,
-        run_dir=run_dir, checkpoint=checkpoint, diagnostics=guard.diagnostics(),
+        run_dir=run_dir, checkpoint=checkpoint, diagnostics=diagnostics,
+        extra_lines=[f"  finding:           {f.code} {f.title}" + (f" (step {f.step})"
+                                                                    if f.step else "")
+                     for f in findings],
     )
+    result.report = report(run_dir)
     if not quiet:
         print(summary(result))
     return result
+
+
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
 def _train(guard: Guard, model: torch.nn.Module, data: DemoData,
@@ -90,11 +104,12 @@ def _train(guard: Guard, model: torch.nn.Module, data: DemoData,
     scales: list[float] = []
     bar = tqdm(data.batches(), total=data.steps, disable=not progress, desc="fp16 training",
                unit="step", leave=False)
-    for step, (x, y) in enumerate(bar, start=1):
+    for step, batch in enumerate(bar, start=1):
         with guard.autocast():
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss = _loss(model, batch)
         guard.backward(loss)
-        if not guard.step().applied:  # one host sync per step, as torch's GradScaler has
+        # batch + loss_fn let forensics replay an overflowing step in fp16 and fp32 (only then)
+        if not guard.step(batch=batch, loss_fn=_loss).applied:  # the sync torch's scaler has too
             skipped.append(step)
             scales.append(guard.scale)
     return skipped, scales
@@ -114,7 +129,7 @@ def summary(r: DemoResult) -> str:
     ]
     for first, last in _runs(r.skipped):
         span = f"step {first}" if first == last else f"steps {first}-{last}"
-        cause = ("outlier batch overflowed fp16 in the forward pass"
+        cause = ("outlier batch (inputs x4096): non-finite gradients in fp16"
                  if first in r.spike_steps else "gradients overflowed at the current loss scale")
         lines.append(f"    {span}: {cause}; step skipped, scale backed off")
     lines.append(f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
