@@ -45,6 +45,7 @@ ON_DESYNC = ("raise", "warn", "repair")
 AUDIT_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "applied_steps",
                 "skipped_steps", "precision", "param_checksum")
 _PRECISIONS = ("fp32", "bf16", "fp16")
+_FOLD_EVERY = 64  # windows between folds of the per-rank rows into the counters
 
 
 class DesyncError(RuntimeError):
@@ -208,8 +209,9 @@ class DistributedState:
         self._fsdp = fsdp_modules(model) if topology.kind == "fsdp2" else []
         self._sync_flag: bool | None = None
         world = topology.world_size
-        self.rank_overflows = torch.zeros(world, dtype=torch.int64, device=device)
-        self.rank_dropped = torch.zeros(world, dtype=torch.int64, device=device)
+        self._overflows = torch.zeros(world, dtype=torch.int64, device=device)
+        self._dropped = torch.zeros(world, dtype=torch.int64, device=device)
+        self._rows: list[torch.Tensor] = []  # windows not yet folded into the counters
         self.last_rows: torch.Tensor | None = None
         self.audits = 0
 
@@ -258,10 +260,9 @@ class DistributedState:
         n = len(found)
         top = self.topology
         buf = torch.zeros(top.world_size, n + 1, dtype=torch.float32, device=self.device)
-        row = torch.stack([f.to(self.device, torch.float32) for f in found])
+        torch.stack(found, out=buf[top.rank, :n])
         if dropped is not None:
-            row = torch.cat([row, dropped.to(self.device, torch.float32).reshape(1)])
-        buf[top.rank, : row.numel()] = row
+            buf[top.rank, n].copy_(dropped)
         try:
             work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=top.group, async_op=True)
         except RuntimeError as exc:
@@ -270,17 +271,36 @@ class DistributedState:
 
     def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        flags = buf[:, :n]
-        self.rank_overflows.add_(flags.amax(dim=1) > 0)
         self.last_rows = buf
-        found = list(flags.amax(dim=0).unbind())
-        if not has_dropped:
-            return found, None
-        per_rank = buf[:, n].long()
-        self.rank_dropped.add_(per_rank)
-        # DDP syncs every micro-batch under containment, so all ranks drop the same ones: the
-        # window's count is the largest per-rank count (per-rank counts stay in rank_dropped)
-        return found, per_rank.max()
+        self._rows.append(buf)
+        if len(self._rows) >= _FOLD_EVERY:
+            self._fold()
+        # column maxima: overflow anywhere -> every rank skips. With containment, DDP syncs
+        # every micro-batch, so all ranks drop the same ones: the window's count is the largest
+        # per-rank count (per-rank counts stay in rank_dropped)
+        agreed = buf.amax(dim=0)
+        return list(agreed[:n].unbind()), (agreed[n].long() if has_dropped else None)
+
+    def _fold(self) -> None:
+        """Add the windows seen since the last fold to the per-rank counters (device ops)."""
+        if not self._rows:
+            return
+        rows = torch.stack(self._rows)  # (windows, world, n + 1)
+        self._rows.clear()
+        self._overflows.add_((rows[..., :-1].amax(dim=-1) > 0).sum(dim=0))
+        self._dropped.add_(rows[..., -1].sum(dim=0).long())
+
+    @property
+    def rank_overflows(self) -> torch.Tensor:
+        """Per rank: windows in which its own gradients were non-finite (device int64)."""
+        self._fold()
+        return self._overflows
+
+    @property
+    def rank_dropped(self) -> torch.Tensor:
+        """Per rank: micro-batches it dropped under containment (device int64)."""
+        self._fold()
+        return self._dropped
 
     def peer_failure(self, what: str, step: int, exc: BaseException) -> PeerFailureError:
         top = self.topology
