@@ -2,8 +2,10 @@
 
 Run: ``python benchmarks/bench_telemetry.py [--rounds 15] [--quick]``. Every loop trains its own
 copy of the same model in fp16 autocast on the CPU, in one process; rounds are interleaved
-(bare, guard, telemetry variants, bare, ...) and the median step time of each is divided by the
-bare loop's. Rows:
+(bare, guard, telemetry variants, bare, ...), each loop's step time in a round is divided by the
+bare loop's in the same round, and the median over rounds is printed. Step time is this
+process's CPU time (single-threaded), so other processes on a shared machine do not inflate it.
+Telemetry's own time (inside its hooks and flushes) is measured separately. Rows:
 
 * ``guard``: the Guard without telemetry (for reference);
 * ``(a) telemetry default``: ``Telemetry(run_dir)`` (grad stats every 10 steps, range stats every
@@ -20,6 +22,7 @@ happens only on flush steps (on CPU it is a memcpy that needs no sync, so it is 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import SyncCounter, interleaved_medians  # noqa: E402
+from _common import SyncCounter  # noqa: E402
 
 import ampguard as ag  # noqa: E402
 
@@ -94,16 +97,28 @@ def loops(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.T
 
 
 def ratios(run: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[str, float]:
+    """Per round, each loop's CPU time per step over the bare loop's in the same round; the
+    median over rounds. CPU time of this (single-threaded) process, so other processes on a
+    shared machine do not count; on an idle machine it equals the wall time."""
     for step in run.values():  # warm-up: allocations, first fp16 kernels, first flush
         for _ in range(steps):
             step()
-    medians = interleaved_medians(run, rounds, steps)
-    return {name: t / medians["bare"] for name, t in medians.items()} | \
-        {"bare_ms": medians["bare"] * 1e3}
+    per: dict[str, list[float]] = {name: [] for name in run}
+    for _ in range(rounds):
+        took = {}
+        for name, step in run.items():
+            t0 = time.process_time()
+            for _ in range(steps):
+                step()
+            took[name] = (time.process_time() - t0) / steps
+        for name in run:
+            per[name].append(took[name] / took["bare"])
+        per.setdefault("bare_ms", []).append(took["bare"] * 1e3)
+    return {name: statistics.median(v) for name, v in per.items()}
 
 
 class HookClock:
-    """Wall time spent inside a Telemetry's hooks and flushes (instance-level wrappers)."""
+    """CPU time spent inside a Telemetry's hooks and flushes (instance-level wrappers)."""
 
     def __init__(self, tel: ag.Telemetry) -> None:
         self.seconds = 0.0
@@ -112,17 +127,17 @@ class HookClock:
 
     def _wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                self.seconds += time.process_time() - t0
         return timed
 
 
 def hook_share(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
                kwargs: dict, root: Path, steps: int) -> float:
-    """Telemetry's own time per step (hooks + flushes, ``steps`` steps) in milliseconds."""
+    """Telemetry's own CPU time per step (hooks + flushes, ``steps`` steps) in milliseconds."""
     model = make_model()
     tel = ag.Telemetry(root, **kwargs)
     guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
@@ -163,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     make = lambda: mlp(args.width, args.depth)  # noqa: E731
     r = ratios(loops(make, x, y, variants, root), rounds, args.steps)
     print(f"MLP width {args.width} depth {args.depth} batch {args.batch}: bare step "
-          f"{r['bare_ms']:.2f} ms; {rounds} interleaved rounds x {args.steps} steps, median")
+          f"{r['bare_ms']:.2f} ms CPU; {rounds} interleaved rounds x {args.steps} steps, median")
     print(f"  {'loop':34s} {'ratio vs bare':>14s} {'telemetry ms/step':>18s} {'share':>7s}")
     for name, kwargs in variants.items():
         own = "" if kwargs is None else hook_share(make, x, y, kwargs, root / f"clock{len(name)}",
-                                                   200)
+                                                   300)
         share = "" if kwargs is None else f"{own / r['bare_ms']:.1%}"
         own = "" if kwargs is None else f"{own:.3f}"
         print(f"  {name:34s} {r[name]:13.3f}x {own:>18s} {share:>7s}")

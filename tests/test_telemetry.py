@@ -467,3 +467,16 @@ def test_layer_stats_off_keeps_the_total_norm_only(tmp_path):
     lines = [json.loads(s) for s in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [("grad_norm" in r, "layers" in r, "range" in r) for r in lines] == \
         [(False, False, False), (True, False, False)] * 2
+
+
+def test_bf16_runs_are_recorded_without_a_scaler(tmp_path):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    tel = ag.Telemetry(tmp_path, layer_every=1, range_every=2)
+    with ag.Guard(model, opt, precision="bf16", telemetry=tel) as guard:
+        train(guard, model, 4, amp=1e-4)  # tiny gradients: fp16 would underflow, bf16 does not
+        assert guard.findings() == []  # the fp16 range rules judge fp16 steps only
+    run = runlog.load_run(tmp_path)
+    assert run.precision == ["bf16"] * 4 and run.scale.tolist() == [1.0] * 4
+    assert run.applied.all() and run.range_steps.tolist() == [2, 4]
+    assert (run.underflow > 0.5).all()  # what fp16 at scale 1 would do to them

@@ -14,10 +14,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Layout", "Chunk", "build_layout", "plan_chunks", "run_meta"]
+__all__ = ["Layout", "Chunk", "build_layout", "plan_chunks", "run_meta", "local"]
 
 _ROOT = "(root)"
 _OUTSIDE = "(not in model)"
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 @dataclass
@@ -58,7 +64,7 @@ def build_layout(model: torch.nn.Module, params: list[torch.Tensor]) -> Layout:
     seen: set[int] = set()
     by_layer: dict[str, list[torch.Tensor]] = {}
     for p in params:
-        if id(p) in seen or p.numel() == 0:
+        if id(p) in seen or local(p).numel() == 0:
             continue
         seen.add(id(p))
         by_layer.setdefault(owner.get(id(p), _OUTSIDE), []).append(p)
@@ -70,13 +76,14 @@ def build_layout(model: torch.nn.Module, params: list[torch.Tensor]) -> Layout:
         layer_of.extend([i] * len(by_layer[name]))
     return Layout(
         names=names, params=flat, layer_of=layer_of,
-        numel=[sum(p.numel() for p in by_layer[n]) for n in names],
+        numel=[sum(local(p).numel() for p in by_layer[n]) for n in names],
         tensors=[len(by_layer[n]) for n in names],
     )
 
 
 def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list[Chunk]:
-    """Split the layer-ordered parameters into chunks of at most ``max_elements`` elements."""
+    """Split the layer-ordered parameters (their local shards) into chunks of at most
+    ``max_elements`` elements."""
     chunks: list[Chunk] = []
     items: list[tuple[int, int, int]] = []
     size = 0
@@ -91,7 +98,7 @@ def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list
         items, size = [], 0
 
     for i, p in enumerate(layout.params):
-        n = p.numel()
+        n = local(p).numel()
         for start in range(0, n, max_elements):
             end = min(n, start + max_elements)
             if size + end - start > max_elements:

@@ -123,6 +123,7 @@ class Telemetry:
         self._layout = layout
         self.layers = layout.names
         n_layers = len(layout.names)
+        self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
         self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every \
             else []
@@ -241,6 +242,9 @@ class Telemetry:
             self.flush()
 
     def _grads(self) -> list[torch.Tensor]:
+        if self._sharded:  # FSDP2: statistics of this rank's gradient shards
+            return [self._zero.expand(_layers.local(p).shape) if p.grad is None
+                    else _layers.local(p.grad) for p in self._layout.params]
         out = []
         for p in self._layout.params:
             g = p.grad
