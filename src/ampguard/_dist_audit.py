@@ -7,6 +7,7 @@ pattern, the trackers, the step counters, the precision code and the parameter c
 from __future__ import annotations
 
 import struct
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -14,15 +15,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard.distributed import (
-    AUDIT_FIELDS,
-    param_checksum,
-    precision_code,
-    precision_name,
-    scale_from_bits,
-)
+from ampguard.distributed import _DESYNC_FIX, DesyncError, param_checksum
 
-__all__ = ["local_row", "compare_rows", "repair"]
+__all__ = ["AUDIT_FIELDS", "run_audit", "local_row", "compare_rows", "repair"]
+
+AUDIT_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "applied_steps",
+                "skipped_steps", "precision", "param_checksum")
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
+    """One audit for :meth:`DistributedState.audit`: gather the rows, compare, act."""
+    top = state.topology
+    table = torch.zeros(top.world_size, len(AUDIT_FIELDS), dtype=torch.int64,
+                        device=state.device)
+    table[top.rank] = local_row(guard, state, state.device)
+    try:
+        dist.all_reduce(table, group=top.group)
+    except RuntimeError as exc:
+        raise state.peer_failure("the cross-rank audit", guard.steps, exc) from exc
+    rows = table.tolist()
+    state.audits += 1
+    diffs, odd = compare_rows(rows, top.ranks)
+    if not diffs:
+        return diffs
+    message = _desync_message(guard.steps, reason, state.audit_every, diffs, odd)
+    unrepairable = state.on_desync == "repair" and "precision" in diffs
+    if state.on_desync == "raise" or unrepairable:
+        raise DesyncError(message, step=guard.steps, differences=diffs, ranks=odd)
+    if state.on_desync == "repair":
+        repair(guard, state, rows[0], "param_checksum" in diffs)
+        message += " Repaired: rank 0's scaler state and counters were copied to every rank"
+        message += (" and its parameters broadcast (optimizer state was not)."
+                    if "param_checksum" in diffs else ".")
+    warnings.warn(message, RuntimeWarning, stacklevel=5)
+    return diffs
 
 
 def local_row(guard: Any, state: Any, device: torch.device) -> torch.Tensor:
@@ -95,3 +122,35 @@ def repair(guard: Any, state: Any, reference: Sequence[int], params_differ: bool
         with torch.no_grad():
             for p in state.replicated_params():
                 dist.broadcast(p.data, src=top.ranks[0], group=top.group)
+
+
+def _desync_message(step: int, reason: str, every: int | None,
+                    diffs: dict[str, dict[int, Any]], odd: list[int]) -> str:
+    when = f"every {every} steps" if every else "audit"
+    parts = []
+    for field_name, values in diffs.items():
+        groups: dict[Any, list[int]] = {}
+        for r, v in values.items():
+            groups.setdefault(v, []).append(r)
+        parts.append(f"{field_name}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} = {_fmt(v)}"
+            for v, rs in groups.items()))
+    return (f"ranks out of sync at step {step} ({reason} audit, {when}): rank(s) "
+            f"{', '.join(map(str, odd))} differ. " + " | ".join(parts) + ". Fix: " + _DESYNC_FIX)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def scale_from_bits(bits: int) -> float:
+    """The fp32 value whose bit pattern is ``bits`` (audit rows store the scale exactly)."""
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def precision_name(code: int) -> str:
+    return _PRECISIONS[code] if 0 <= code < len(_PRECISIONS) else f"unknown({code})"
+
+
+def precision_code(name: str) -> int:
+    return _PRECISIONS.index(name)

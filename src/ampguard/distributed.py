@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,14 +35,11 @@ from ampguard.distributed_hooks import hook_state
 from ampguard.findings import Finding
 
 __all__ = [
-    "ON_DESYNC", "AUDIT_FIELDS", "DesyncError", "PeerFailureError", "Topology", "detect",
+    "ON_DESYNC", "DesyncError", "PeerFailureError", "Topology", "detect",
     "DistributedState", "attach", "param_checksum", "rank_telemetry",
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
-AUDIT_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "applied_steps",
-                "skipped_steps", "precision", "param_checksum")
-_PRECISIONS = ("fp32", "bf16", "fp16")
 _FOLD_EVERY = 64  # windows between folds of the per-rank rows into the counters
 
 
@@ -142,6 +137,12 @@ def detect(model: torch.nn.Module, process_group: Any = None) -> Topology | None
     return Topology(kind, group, dist.get_rank(group), len(ranks), ranks)
 
 
+def _has_dtensors(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _mesh_group(model: torch.nn.Module) -> Any:
     from torch.distributed.tensor import DTensor
 
@@ -207,6 +208,7 @@ class DistributedState:
         self.on_desync = on_desync
         self.device = device
         self._fsdp = fsdp_modules(model) if topology.kind == "fsdp2" else []
+        self._dtensors = _has_dtensors(model)
         self._sync_flag: bool | None = None
         world = topology.world_size
         self._overflows = torch.zeros(world, dtype=torch.int64, device=device)
@@ -233,19 +235,21 @@ class DistributedState:
             self._sync_flag = sync
         return contextlib.nullcontext()
 
-    @staticmethod
-    def local_grads(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """DTensor gradients -> their local shards, so the overflow check is rank-local.
 
         (DTensor's own check would all-reduce once per call; the consensus does it once.)
         """
+        if not self._dtensors:
+            return grads
         from torch.distributed.tensor import DTensor
 
         return [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
 
-    @staticmethod
-    def plain_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    def plain_tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A DTensor (FSDP2's replicated grad norm) as a plain tensor. Cost: no host sync."""
+        if not self._dtensors:
+            return t
         from torch.distributed.tensor import DTensor
 
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -322,32 +326,9 @@ class DistributedState:
         Returns the differences (field -> {global rank: value}; empty when in sync).
         Cost: one host sync and one all-reduce of ``world * 8`` int64.
         """
-        from ampguard._dist_audit import compare_rows, local_row, repair
+        from ampguard._dist_audit import run_audit
 
-        top = self.topology
-        table = torch.zeros(top.world_size, len(AUDIT_FIELDS), dtype=torch.int64,
-                            device=self.device)
-        table[top.rank] = local_row(guard, self, self.device)
-        try:
-            dist.all_reduce(table, group=top.group)
-        except RuntimeError as exc:
-            raise self.peer_failure("the cross-rank audit", guard.steps, exc) from exc
-        rows = table.tolist()
-        self.audits += 1
-        diffs, odd = compare_rows(rows, top.ranks)
-        if not diffs:
-            return diffs
-        message = _desync_message(guard.steps, reason, self.audit_every, diffs, odd)
-        unrepairable = self.on_desync == "repair" and "precision" in diffs
-        if self.on_desync == "raise" or unrepairable:
-            raise DesyncError(message, step=guard.steps, differences=diffs, ranks=odd)
-        if self.on_desync == "repair":
-            repair(guard, self, rows[0], "param_checksum" in diffs)
-            message += " Repaired: rank 0's scaler state and counters were copied to every rank"
-            message += (" and its parameters broadcast (optimizer state was not)."
-                        if "param_checksum" in diffs else ".")
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-        return diffs
+        return run_audit(self, guard, reason)
 
     def replicated_params(self) -> list[torch.Tensor]:
         """Parameters that must be identical on every rank (empty under FSDP2)."""
@@ -449,35 +430,3 @@ def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:
     if isinstance(telemetry, (str, os.PathLike)) and "{rank}" in os.fspath(telemetry):
         return os.fspath(telemetry).replace("{rank}", str(state.topology.global_rank))
     return telemetry if state.is_writer else None
-
-
-def _desync_message(step: int, reason: str, every: int | None,
-                    diffs: dict[str, dict[int, Any]], odd: list[int]) -> str:
-    when = f"every {every} steps" if every else "audit"
-    parts = []
-    for field_name, values in diffs.items():
-        groups: dict[Any, list[int]] = {}
-        for r, v in values.items():
-            groups.setdefault(v, []).append(r)
-        parts.append(f"{field_name}: " + "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} = {_fmt(v)}"
-            for v, rs in groups.items()))
-    return (f"ranks out of sync at step {step} ({reason} audit, {when}): rank(s) "
-            f"{', '.join(map(str, odd))} differ. " + " | ".join(parts) + ". Fix: " + _DESYNC_FIX)
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def scale_from_bits(bits: int) -> float:
-    """The fp32 value whose bit pattern is ``bits`` (audit rows store the scale exactly)."""
-    return struct.unpack("<f", struct.pack("<i", bits))[0]
-
-
-def precision_name(code: int) -> str:
-    return _PRECISIONS[code] if 0 <= code < len(_PRECISIONS) else f"unknown({code})"
-
-
-def precision_code(name: str) -> int:
-    return _PRECISIONS.index(name)
