@@ -122,16 +122,21 @@ class HookClock:
 
     def __init__(self, tel: ag.Telemetry) -> None:
         self.seconds = 0.0
+        self._depth = 0
         for name in ("_on_backward", "_on_grads", "_on_step", "flush"):
             setattr(tel, name, self._wrap(getattr(tel, name)))
 
     def _wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
+            if self._depth:  # a flush inside _on_step: already on the clock
+                return fn(*args, **kwargs)
+            self._depth += 1
             t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.process_time() - t0
+                self._depth -= 1
         return timed
 
 
