@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from ampguard import _ranges, results
 from ampguard.runlog import floats, num
 
-__all__ = ["RowInfo", "build_records", "SCALE", "STATUS", "LOSS", "NORM", "FIXED"]
+__all__ = ["RowInfo", "RunTally", "build_records", "SCALE", "STATUS", "LOSS", "NORM", "FIXED"]
 
 SCALE, STATUS, LOSS, NORM, FIXED = 0, 1, 2, 3, 4  # columns of a step row
 
@@ -72,3 +73,39 @@ def _range_record(row: np.ndarray, n_layers: int, scale: float) -> dict[str, Any
         "underflow": floats(s["underflow"]), "safe_lo": floats(s["safe_lo"]),
         "safe_hi": floats(s["safe_hi"]), "window": [num(lo), num(hi)],
     }
+
+
+class RunTally:
+    """Running host-side totals over flushed records (the cheap accessors of Telemetry)."""
+
+    def __init__(self, accumulation_steps: int, recent: int = 256) -> None:
+        self.accumulation_steps = accumulation_steps
+        self.recent: deque[tuple[int, float]] = deque(maxlen=recent)
+        self.skips = {"overflow": 0, "dropped_microbatches": 0, "collapse": 0}
+        self.totals = {"steps": 0, "scale_changes": 0, "consecutive_skips": 0,
+                       "microbatches_dropped": 0, "last_step": 0}
+
+    def add(self, records: list[dict[str, Any]]) -> list[float]:
+        """Count ``records``; returns the running skip rate after each."""
+        t, rates = self.totals, []
+        for rec in records:
+            t["steps"] += 1
+            t["last_step"] = rec["step"]
+            t["microbatches_dropped"] += rec["dropped"]
+            t["scale_changes"] += rec["scale"] != rec["scale_before"]
+            self.recent.append((rec["step"], rec["scale"]))
+            if rec["applied"]:
+                t["consecutive_skips"] = 0
+            else:
+                t["consecutive_skips"] += 1
+                cause = "collapse" if rec["collapse"] else "dropped_microbatches" \
+                    if rec["dropped"] >= self.accumulation_steps else "overflow"
+                self.skips[cause] += 1
+            rates.append(sum(self.skips.values()) / t["steps"])
+        return rates
+
+    def recent_scales(self, k: int) -> list[tuple[int, float]]:
+        return list(self.recent)[-k:] if k > 0 else []
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.totals, "skips": dict(self.skips), "recent_scales": self.recent_scales(32)}

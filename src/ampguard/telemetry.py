@@ -25,7 +25,6 @@ import math
 import os
 import time
 import warnings
-from collections import deque
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,13 +36,12 @@ from ampguard._records import LOSS as _LOSS
 from ampguard._records import NORM as _NORM
 from ampguard._records import SCALE as _SCALE
 from ampguard._records import STATUS as _STATUS
-from ampguard._records import RowInfo, build_records
+from ampguard._records import RowInfo, RunTally, build_records
 from ampguard.findings import Finding
 
 __all__ = ["Telemetry", "attach"]
 
 _CHUNK = 1 << 20  # range stats flatten at most this many gradient elements at once
-_RECENT = 256
 
 
 class _Views(NamedTuple):
@@ -145,10 +143,7 @@ class Telemetry:
         self._row = self._rslot = self._micro = 0
         self._this_step: tuple[bool, int, bool] = (False, -1, False)
         self._scale_carry = float(guard.scaler_config.init_scale) if guard._scaler else 1.0
-        self._recent: deque[tuple[int, float]] = deque(maxlen=_RECENT)
-        self._skips = {"overflow": 0, "dropped_microbatches": 0, "collapse": 0}
-        self._tally = {"steps": 0, "scale_changes": 0, "consecutive_skips": 0,
-                       "microbatches_dropped": 0, "last_step": 0}
+        self._tally = RunTally(guard.accumulation_steps)
         self._open_folder(guard)
 
     def _open_folder(self, guard: Any) -> None:
@@ -201,6 +196,8 @@ class Telemetry:
             return
         if self._log_pending:  # the first step came without a resume: a new run
             self._start_log()
+        if self._this_step[0]:  # the last window raised between its hooks: drop its stats
+            self._views[self._row].stats.zero_()
         step = self._guard._steps
         layers = step % self.layer_every == 0
         ranged = bool(self.range_every) and step % self.range_every == 0
@@ -350,46 +347,27 @@ class Telemetry:
             pending, rows, ranges, carry=self._scale_carry, n_layers=len(self.layers),
             layer_stats=self.layer_stats)
         self._log.append(records)
-        rates = self._tally_up(records)
+        rates = self._tally.add(records)
         if self._sink is not None:
             self._sink.write(records, rates)
         for sink in self.sinks:  # extra sinks
             sink.write(records, rates)
         self.flushes += 1
 
-    def _tally_up(self, records: list[dict[str, Any]]) -> list[float]:
-        t, rates = self._tally, []
-        accumulation = self._guard.accumulation_steps
-        for rec in records:
-            t["steps"] += 1
-            t["last_step"] = rec["step"]
-            t["microbatches_dropped"] += rec["dropped"]
-            t["scale_changes"] += rec["scale"] != rec["scale_before"]
-            self._recent.append((rec["step"], rec["scale"]))
-            if rec["applied"]:
-                t["consecutive_skips"] = 0
-            else:
-                t["consecutive_skips"] += 1
-                cause = "collapse" if rec["collapse"] else \
-                    "dropped_microbatches" if rec["dropped"] >= accumulation else "overflow"
-                self._skips[cause] += 1
-            rates.append(sum(self._skips.values()) / t["steps"])
-        return rates
-
     # ------------------------------------------------------------------ cheap accessors
     def recent_scales(self, k: int = 32) -> list[tuple[int, float]]:
         """The last ``k`` (step, scale after the step) pairs up to the last flush. No sync."""
-        return list(self._recent)[-k:] if k > 0 else []
+        return self._tally.recent_scales(k)
 
     def skip_counts(self) -> dict[str, int]:
         """Skipped steps by cause (``overflow``, ``dropped_microbatches``, ``collapse``) up to the
         last flush. No sync."""
-        return dict(self._skips)
+        return dict(self._tally.skips)
 
     def summary(self) -> dict[str, Any]:
         """Running totals up to the last flush (steps, scale changes, consecutive skips now,
         micro-batches dropped, skips by cause, last scales). No sync."""
-        return {**self._tally, "skips": self.skip_counts(), "recent_scales": self.recent_scales()}
+        return self._tally.summary()
 
     # ------------------------------------------------------------------ findings and close
     def findings(self) -> list[Finding]:

@@ -1,0 +1,85 @@
+"""Shared pieces of the AG1xx rules: titles, thresholds, the finding builder."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ampguard.findings import Finding
+
+__all__ = ["TITLES", "RuleConfig", "make_finding", "fp16_mask"]
+
+TITLES = {
+    "AG101": "loss scale collapse",
+    "AG102": "loss scale oscillation",
+    "AG103": "high skipped-step rate",
+    "AG104": "dead layer",
+    "AG105": "fp16 saturation",
+    "AG106": "gradient underflow",
+    "AG107": "loss scale gap after resume",
+    "AG108": "bf16 recommended",
+}
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    """Thresholds of the AG1xx rules (see the module docstring for what each controls)."""
+
+    warmup_clean_steps: int = 10
+    warmup_max_steps: int = 100
+    collapse_floor_factor: float = 8.0
+    collapse_halvings: int = 6
+    collapse_window: int = 200
+    osc_min_cycles: int = 4
+    osc_min_rate: float = 0.01
+    skip_rate: float = 0.05
+    skip_window: int = 100
+    skip_min_steps: int = 20
+    dead_steps: int = 20
+    saturation_factor: float = 16.0
+    underflow_frac: float = 0.05
+    resume_gap_bits: int = 4
+    bf16_min_samples: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_clean_steps", "warmup_max_steps", "collapse_halvings",
+                     "collapse_window", "osc_min_cycles", "skip_window", "skip_min_steps",
+                     "dead_steps", "resume_gap_bits", "bf16_min_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RuleConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("collapse_floor_factor", "saturation_factor"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"RuleConfig.{name} must be a number >= 1, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("osc_min_rate", "skip_rate", "underflow_frac"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"RuleConfig.{name} must be in [0, 1), got "
+                                 f"{getattr(self, name)!r}")
+
+
+def make_finding(code: str, severity: str, message: str, step: int | None,
+                 evidence: dict[str, Any], fix: str) -> Finding:
+    """A :class:`Finding` with the code's title and JSON-plain evidence (NaN/inf -> None)."""
+    return Finding(code, severity, TITLES[code], message, step=step,
+                   evidence=_plain(evidence), fix=fix)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def fp16_mask(precisions: list[str]) -> np.ndarray:
+    """True where the step ran in fp16 (the rules about fp16's range judge only those)."""
+    return np.array([p == "fp16" for p in precisions], dtype=bool)
