@@ -54,11 +54,13 @@ def scale_plot(run: RunLog) -> bytes | None:
         ax.scatter(run.steps[skipped], run.scale_before[skipped], marker="x", color="#e63946",
                    s=22, zorder=3, label=f"skipped step ({int(skipped.sum())})")
     lo, hi = run.window[:, 0], run.window[:, 1]
-    if len(run.range_steps):
-        finite = np.isfinite(lo) & np.isfinite(hi) & (lo <= hi)
-        if finite.any():
-            ax.fill_between(run.range_steps[finite], lo[finite], hi[finite], step="mid",
-                            color="#2a9d8f", alpha=0.18, label="safe fp16 scale window")
+    finite = np.isfinite(lo) & np.isfinite(hi) & (lo <= hi) & run.range_applied
+    if finite.sum() >= 8:
+        ax.fill_between(run.range_steps[finite], lo[finite], hi[finite], step="mid",
+                        color="#2a9d8f", alpha=0.18, label="safe fp16 scale window")
+    elif finite.any():  # few samples: one bar each
+        ax.vlines(run.range_steps[finite], lo[finite], hi[finite], color="#2a9d8f", alpha=0.45,
+                  lw=5, label="safe fp16 scale window")
     positive = run.scale[np.isfinite(run.scale) & (run.scale > 0)]
     if len(positive):
         ax.set_ylim(positive.min() / 16, positive.max() * 16)
