@@ -291,9 +291,18 @@ def desync_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 def desync_repairs(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _desync_policy(rank, world, "repair")
+
+
+def desync_warns(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _desync_policy(rank, world, "warn")
+
+
+def _desync_policy(rank: int, world: int, policy: str) -> dict[str, Any]:
+    """Rank 1's scale and first weight change after window 1; the audit runs every 2 windows."""
     model = ddp(make_model())
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, audit_every=2, on_desync="repair")
+                     scaler=SCALE, audit_every=2, on_desync=policy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, 4):
@@ -408,6 +417,6 @@ def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
     f.__name__: f for f in (inf_on_one_rank, ddp_accumulation, ddp_containment, fsdp2_vs_ddp,
-                            desync_raises, desync_repairs, ddp_resume, fsdp2_resume,
+                            desync_raises, desync_repairs, desync_warns, ddp_resume, fsdp2_resume,
                             hook_drops_nan_rank, rank_raises, demo_fsdp2)
 }

@@ -25,7 +25,8 @@ from ampguard.checkpoint import CheckpointError
 from ampguard.distributed import param_checksum
 
 TWO = ["inf_on_one_rank", "ddp_accumulation", "ddp_containment", "fsdp2_vs_ddp", "desync_raises",
-       "desync_repairs", "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank", "demo_fsdp2"]
+       "desync_repairs", "desync_warns", "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank",
+       "demo_fsdp2"]
 FOUR = ["inf_on_one_rank", "desync_raises", "rank_raises"]
 GROUP_TIMEOUT = 150
 
@@ -167,6 +168,15 @@ def test_desync_repair_copies_rank0_scaler_state_and_parameters(two):
         assert len(v["warnings"]) == 1 and "Repaired" in v["warnings"][0]
 
 
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_desync_warn_only_warns_and_changes_nothing(two):
+    values = all_ranks(ok(two, "desync_warns"), 2)
+    assert [v["scale"] for v in values] == [1024.0, 64.0]
+    for v in values:
+        assert len(v["warnings"]) == 1 and "rank(s) 1 differ" in v["warnings"][0]
+        assert "Repaired" not in v["warnings"][0]
+
+
 # ---------------------------------------------------------------------- checkpoints
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("name", ["ddp_resume", "fsdp2_resume"])
@@ -271,6 +281,40 @@ def test_single_process_guard_has_no_distributed_state():
     guard = ag.Guard(*tiny())
     assert guard.distributed is None
     assert guard.audit() == {}
+
+
+def test_rank_zero_keeps_telemetry_and_other_ranks_drop_it():
+    from ampguard.distributed import DistributedState, Topology, rank_telemetry
+
+    def state(rank: int) -> DistributedState:
+        top = Topology("ddp", None, rank, 2, (0, 1))
+        return DistributedState(torch.nn.Linear(2, 2), top, torch.device("cpu"), 100, "raise")
+
+    assert rank_telemetry(state(0), "runs/x") == "runs/x"
+    assert rank_telemetry(state(1), "runs/x") is None
+
+
+def test_a_rank_placeholder_in_the_run_folder_gives_every_rank_its_own_log():
+    from ampguard.distributed import DistributedState, Topology, rank_telemetry
+
+    top = Topology("ddp", None, 1, 2, (0, 1))
+    st = DistributedState(torch.nn.Linear(2, 2), top, torch.device("cpu"), 100, "raise")
+    assert rank_telemetry(st, "runs/x/rank{rank}") == "runs/x/rank1"
+
+
+def test_distributed_demo_outside_torchrun_says_how_to_launch_it(monkeypatch):
+    from ampguard.demo.distributed import run_distributed_demo
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2 -m ampguard demo"):
+        run_distributed_demo("ddp", steps=2)
+
+
+def test_distributed_demo_rejects_an_unknown_kind():
+    from ampguard.demo.distributed import run_distributed_demo
+
+    with pytest.raises(ValueError, match=r"kind must be one of \('ddp', 'fsdp2'\)"):
+        run_distributed_demo("deepspeed", steps=2)
 
 
 def test_param_checksum_is_equal_for_equal_parameters():
