@@ -19,6 +19,7 @@ import _distributed_scenarios as S
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._python_dispatch
 
 import ampguard as ag
 from ampguard.checkpoint import CheckpointError
@@ -372,3 +373,31 @@ def test_sharded_checkpoint_without_its_ampguard_file_is_a_checkpoint_error(
     (path / "ampguard.pt").unlink()
     with pytest.raises(CheckpointError, match="ampguard.pt is missing"):
         ag.load_distributed_checkpoint(path, model=model, optimizer=opt)
+
+
+class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts host reads of device values (``.item()``, ``bool(t)``, ``int(t)``...)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fused", [False, True])
+def test_consensus_adds_no_host_sync(world_of_one, fused):
+    def syncs(process_group: str | None) -> int:
+        model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        guard = ag.Guard(model, opt, precision="fp16", scaler=S.SCALE, audit_every=None,
+                         process_group=process_group)
+        assert (guard.distributed is None) == (process_group == "local")
+        with _ScalarReads() as reads:
+            for step in range(1, 4):
+                S.window(guard, model, step, 0, 1)
+        return reads.count
+
+    assert syncs(None) == syncs("local")
