@@ -364,6 +364,15 @@ def test_sharded_checkpoint_with_code_in_its_metadata_is_refused_without_running
 
 
 @pytest.mark.timeout(60)
+def test_fsdp2_guard_turns_telemetry_off_with_a_warning(world_of_one, tmp_path):
+    model = S.fsdp2(S.make_model())
+    with pytest.warns(RuntimeWarning, match="not supported with FSDP2"):
+        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                         telemetry=tmp_path / "run")
+    assert guard._telemetry is None and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
 def test_sharded_checkpoint_without_its_ampguard_file_is_a_checkpoint_error(
         world_of_one, tmp_path):
     model = S.fsdp2(S.make_model())
