@@ -37,7 +37,7 @@ from ampguard.findings import Finding
 
 __all__ = [
     "ON_DESYNC", "DesyncError", "PeerFailureError", "Topology", "detect",
-    "DistributedState", "attach", "param_checksum", "rank_telemetry",
+    "DistributedState", "attach", "param_checksum", "rank_telemetry", "fsdp_modules",
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
@@ -317,7 +317,10 @@ class DistributedState:
 
     # ------------------------------------------------------------------ audit
     def maybe_audit(self, guard: Any) -> None:
-        """Run :meth:`audit` when ``guard.steps`` is a multiple of ``audit_every``."""
+        """Run :meth:`audit` when ``guard.steps`` is a multiple of ``audit_every``.
+
+        Cost: nothing on other steps; an audit's host sync and all-reduce when it runs.
+        """
         if self.audit_every and guard.steps % self.audit_every == 0:
             self.audit(guard)
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ampguard.findings import Finding
 
-__all__ = ["NonfiniteSafeState", "nonfinite_safe_allreduce_hook", "register_nonfinite_safe_hook"]
+__all__ = ["NonfiniteSafeState", "nonfinite_safe_allreduce_hook", "register_nonfinite_safe_hook",
+           "hook_state"]
 
 
 class NonfiniteSafeState:
