@@ -12,7 +12,8 @@ Telemetry's own time (inside its hooks and flushes) is measured separately. Rows
   100, flush every 100);
 * ``(b) per-layer stats every step``: ``layer_every=1``;
 * ``(c) range stats every 50 steps``: ``range_every=50`` (amortised over the round);
-* a sweep over models with 50, 500 and 2000 parameter tensors (default and ``layer_every=1``).
+* a sweep over models with 50, 500 and 2000 parameter tensors, with every telemetry cost inside
+  10 steps (``layer_every=1, range_every=10, flush_every=10``).
 
 Host syncs are counted per step with a TorchDispatchMode on ``aten._local_scalar_dense`` (plus
 ``Tensor.tolist``) for the bare loop and the telemetry loop; telemetry's own device-to-host copy
@@ -192,19 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         own = "" if kwargs is None else f"{own:.3f}"
         print(f"  {name:34s} {r[name]:13.3f}x {own:>18s} {share:>7s}")
 
-    print("parameter-tensor sweep (tiny residual chain of Linear(16, 16), batch 32):")
+    # Sweep: every telemetry cost within 10 steps (stats every step, range stats and a flush
+    # every 10), so 10-step rounds measure all of it even where a step takes a second.
+    full = {"layer_every": 1, "range_every": 10, "flush_every": 10}
+    print(f"parameter-tensor sweep (residual chain of Linear(16, 16), batch 32; telemetry {full}):")
     xs, ys = torch.randn(32, 16), torch.randn(32, 8)
-    sweep = {"default": {}, "layer_every=1": {"layer_every": 1}}
     for n in (50, 500) if args.quick else (50, 500, 2000):
         chain = lambda n=n: many_tensors(n)  # noqa: E731
-        steps = {50: 20, 500: 4, 2000: 2}[n]
-        s = ratios(loops(chain, xs, ys, sweep, root / f"n{n}"), max(3, rounds // 3), steps)
-        own = {k: hook_share(chain, xs, ys, kw, root / f"n{n}{k}", 2 * steps)
-               for k, kw in sweep.items()}
-        print(f"  {n:5d} tensors: bare {s['bare_ms']:7.1f} ms/step | ratio default "
-              f"{s['default']:.3f}x, layer_every=1 {s['layer_every=1']:.3f}x | telemetry's own "
-              f"time: default {own['default'] / s['bare_ms']:.1%}, layer_every=1 "
-              f"{own['layer_every=1'] / s['bare_ms']:.1%} of the bare step")
+        s = ratios(loops(chain, xs, ys, {"guard": None, "telemetry": full}, root / f"n{n}"),
+                   {50: 9, 500: 5, 2000: 3}[n] if not args.quick else 3, 10)
+        own = hook_share(chain, xs, ys, full, root / f"n{n}clock", 20)
+        print(f"  {n:5d} tensors: bare {s['bare_ms']:7.1f} ms/step | guard {s['guard']:.3f}x, "
+              f"guard+telemetry {s['telemetry']:.3f}x bare | telemetry's own time "
+              f"{own / s['bare_ms']:.1%} of the bare step")
 
     model = mlp(args.width, args.depth)
     bare = bare_step(model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu"),
