@@ -364,12 +364,15 @@ def test_sharded_checkpoint_with_code_in_its_metadata_is_refused_without_running
 
 
 @pytest.mark.timeout(60)
-def test_fsdp2_guard_turns_telemetry_off_with_a_warning(world_of_one, tmp_path):
+def test_fsdp2_guard_records_a_run_log_of_its_shards(world_of_one, tmp_path):
     model = S.fsdp2(S.make_model())
-    with pytest.warns(RuntimeWarning, match="not supported with FSDP2"):
-        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                         telemetry=tmp_path / "run")
-    assert guard._telemetry is None and not (tmp_path / "run").exists()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=S.SCALE, telemetry=tmp_path / "run")
+    for step in range(1, 4):
+        S.window(guard, model, step, 0, 1)
+    guard.close()
+    lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+    assert len(lines) >= 3
 
 
 @pytest.mark.timeout(60)

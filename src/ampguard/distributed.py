@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -427,16 +426,11 @@ def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:
     """The ``telemetry=`` argument this rank keeps: rank 0 writes the run log, others nothing.
 
     A run-folder path containing ``{rank}`` is formatted per rank and kept on every rank (each
-    rank writes its own log: "unless asked"). Under FSDP2 telemetry is dropped with a warning.
+    rank writes its own log: "unless asked"). Under FSDP2 the per-layer statistics are those of
+    the recording rank's gradient shards (telemetry runs no collective).
     """
     if state is None or telemetry is None:
         return telemetry
-    if state._dtensors:
-        # Telemetry's per-layer statistics run DTensor ops (collectives) on the ranks that
-        # record; on rank 0 alone they would hang the job.
-        warnings.warn("telemetry= is not supported with FSDP2 (DTensor parameters) yet; this "
-                      "Guard records no run log", RuntimeWarning, stacklevel=3)
-        return None
     if isinstance(telemetry, (str, os.PathLike)) and "{rank}" in os.fspath(telemetry):
         return os.fspath(telemetry).replace("{rank}", str(state.topology.global_rank))
     return telemetry if state.is_writer else None

@@ -75,7 +75,7 @@ def _run(kind: str, steps: int, seed: int, run_dir: Path, precision: str, progre
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     guard = Guard(model, optimizer, precision=precision, clip_grad_norm=1.0,
                   scaler=ScalerConfig(growth_interval=50), schedulers=[schedule],
-                  telemetry=run_dir if kind == "ddp" else None, audit_every=50)
+                  telemetry=run_dir, audit_every=50)
     loss_before = _eval_loss(model, data)
     started = time.perf_counter()
     skipped = _train(guard, model, data, rank, world, progress and rank == 0)
@@ -161,7 +161,6 @@ def _summary(r: dict[str, Any]) -> str:
         f"  loss scale:        ends at {r['scale_end']:g}",
     ]
     lines += [f"  finding:           {f}" for f in r["findings"]]
-    log = "(run log by rank 0)" if r["kind"] == "ddp" else "(no run log: telemetry is DDP-only)"
-    lines += [f"  run folder:        {r['run_dir']} {log}",
+    lines += [f"  run folder:        {r['run_dir']} (run log by rank 0)",
               f"  checkpoint:        {r['checkpoint']}"]
     return "\n".join(lines)
