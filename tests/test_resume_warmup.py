@@ -51,12 +51,11 @@ def test_scale_reset_on_resume_ramps_lr_from_factor_to_one(tmp_path):
     guard, seen = _resume_plain(tmp_path / "plain.pt", ag.ResumeWarmup(steps=4, lr_factor=0.25))
     assert guard.resume["warmup"] is True
     factors = [0.25, 0.4375, 0.625, 0.8125, 1.0, 1.0]
-    assert seen == pytest.approx([b * f for b, f in zip(base, factors)], rel=1e-12)
+    assert seen == pytest.approx([b * f for b, f in zip(base, factors, strict=True)], rel=1e-12)
     assert seen[4:] == base[4:]  # bitwise back to the scheduler's values
 
 
 def test_lrs_return_bitwise_to_the_scheduler_after_the_ramp():
-    _, opt_ref, sched_ref, _ = _setup()
     model, opt, sched, guard = _setup(ag.ResumeWarmup(steps=3, lr_factor=0.1))
     guard._mark_resume(scale_reset=True)
     ref_model, ref_opt, ref_sched, ref_guard = _setup()
@@ -85,7 +84,7 @@ def test_small_gap_changes_nothing_bitwise():
     assert guard.resume["warmup"] is False
     _train(model, opt, guard, 6)
     _train(ref_model, ref_opt, ref_guard, 6)
-    for a, b in zip(model.parameters(), ref_model.parameters()):
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -140,8 +140,7 @@ class GuardForensics:
         guard = self.guard
         if guard._scaler is None:
             return 1.0
-        hist = guard._hist  # scale after each window; the previous entry is the one used now
-        return float(hist[(guard.steps - 1) % hist.numel()])
+        return guard._history.used_at(guard.steps)
 
     def _handle(self, step: int, diag: Diagnosis, via: str) -> None:
         if diag.ok:

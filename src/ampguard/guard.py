@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ampguard import _guard_forensics, results
+from ampguard._guard_args import as_optimizers, check_model, check_window, scheduler_callback
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
@@ -36,7 +37,8 @@ from ampguard.policy import (
     supports_bf16,
 )
 from ampguard.results import StepResult
-from ampguard.resume import ResumeWarmup, WarmupRamp, scale_gap_bits
+from ampguard.resume import ResumeTracker, ResumeWarmup
+from ampguard.scale_history import ScaleHistory
 from ampguard.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
 from ampguard.telemetry import Telemetry
 from ampguard.telemetry import attach as _attach_telemetry
@@ -44,7 +46,6 @@ from ampguard.telemetry import attach as _attach_telemetry
 __all__ = ["Guard", "StepResult"]
 
 _STATE_VERSION = 1
-_HISTORY = 32  # scale-history ring buffer length (for collapse messages)
 _DRAIN_EVERY = 100  # fused optimizers: settle pending step flags at least this often
 
 
@@ -84,23 +85,17 @@ class Guard:
         auto_fallback: bool = False,
         coverage_step: int | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.optimizers = as_optimizers(optimizer)
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        check_model(model, params)
         self.model = model
-        self.optimizers = _as_optimizers(optimizer)
-        _check_window(accumulation_steps, clip_grad_norm)
+        check_window(accumulation_steps, clip_grad_norm)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
             raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
         self.accumulation_steps = accumulation_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.scaler_config = scaler or ScalerConfig()
         self.contain_nonfinite_microbatches = bool(contain_nonfinite_microbatches)
-        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
-        if next(iter(model.parameters()), None) is None:
-            raise ValueError("model has no parameters: ampguard needs at least one trainable "
-                             "tensor (pass the module that owns the optimizer's parameters)")
-        if not params:
-            raise ValueError("optimizer has no parameters to train (its param_groups are empty)")
         self._device = device_of(params)
         self._requested_precision = precision
         self._policy = resolve_precision(precision, self._device)
@@ -109,24 +104,18 @@ class Guard:
         self._scaler = self._make_scaler()
         self._callbacks: list[Callable[[StepResult], Any]] = []
         for sched in schedulers:
-            self.on_applied(_scheduler_callback(sched))
+            self.on_applied(scheduler_callback(sched))
         self._micro = 0
         self._steps = 0
         self._counts = results.Counters()
         self._pending: list[tuple[StepResult, torch.Tensor]] = []
         self._fallback: dict[str, Any] | None = None
         self._collapsing = False
-        self._hist = torch.full((_HISTORY,), self.scaler_config.init_scale if self._scaler else 1.0,
-                                dtype=torch.float32, device=self._device)
-        self._hist_steps: list[int] = []
+        self._history = ScaleHistory(self.scaler_config.init_scale if self._scaler else 1.0,
+                                     self._device)
         self._contain: MicrobatchBuffer | None = None
-        self._resume: dict[str, Any] | None = None
-        if resume_warmup is not None and not isinstance(resume_warmup, ResumeWarmup):
-            raise TypeError("resume_warmup must be an ampguard.ResumeWarmup or None, got "
-                            f"{type(resume_warmup).__name__}")
+        self._resume = ResumeTracker(resume_warmup)
         self.resume_warmup = resume_warmup
-        self._ramp: WarmupRamp | None = None
-        self._scale_changes = torch.zeros((), dtype=torch.int64, device=self._device)
         # distributed (ampguard.distributed): None unless a process group is in play
         self._dist = _attach_distributed(
             model, self._device, audit_every=audit_every, on_desync=on_desync,
@@ -164,8 +153,9 @@ class Guard:
 
     @property
     def resume(self) -> dict[str, Any] | None:
-        """Set after a resume: ``{"step", "scale_reset", "saved_scale"}``; else None."""
-        return self._resume
+        """Set after a resume: ``{"step", "scale_reset", "saved_scale", "gap_bits", "warmup"}``
+        (plus ``"previous_scale"`` once known); else None."""
+        return self._resume.info
 
     @property
     def steps(self) -> int:
@@ -236,12 +226,11 @@ class Guard:
             return StepResult.in_window(self._steps)
         self._micro = 0
         self._steps += 1
-        if self._ramp is not None:
-            self._ramp.apply(self.optimizers, self._steps)
+        self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
             result = self._step_scaled(kwargs) if self._scaler else self._step_unscaled(kwargs)
         finally:
-            self._end_ramp_step()
+            self._resume.after_step(self._steps)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         if len(self._pending) >= _DRAIN_EVERY:
@@ -364,16 +353,7 @@ class Guard:
 
     def _remember_scale(self) -> None:
         assert self._scaler is not None
-        scale = self._scaler.scale_tensor
-        self._scale_changes.add_(self._hist[(self._steps - 1) % _HISTORY] != scale)
-        self._hist[self._steps % _HISTORY].copy_(scale)
-
-    def _end_ramp_step(self) -> None:
-        if self._ramp is None:
-            return
-        self._ramp.restore()
-        if self._ramp.done(self._steps):
-            self._ramp = None
+        self._history.record(self._steps, self._scaler.scale_tensor)
 
     def _contain_microbatch(self) -> None:
         if self._contain is None:
@@ -420,8 +400,7 @@ class Guard:
         self._fall_back(step)
 
     def _collapse_message(self, step: int) -> str:
-        tail = self._scale_history()
-        hist = ", ".join(f"{s}: {v:g}" for s, v in tail[-8:])
+        hist = ", ".join(f"{s}: {v:g}" for s, v in self._history.tail(self._steps, 8))
         return (
             f"loss scale collapsed at step {step}: gradients overflow even at min_scale="
             f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of {self._steps} steps "
@@ -429,11 +408,6 @@ class Guard:
             "fp32); keep the overflowing module in fp32 (ampguard.locate names it); a lower "
             "learning rate; or ScalerConfig(on_collapse='fallback') to switch automatically."
         )
-
-    def _scale_history(self) -> list[tuple[int, float]]:
-        steps = range(max(1, self._steps - _HISTORY + 1), self._steps + 1)
-        values = self._hist.tolist()
-        return [(s, values[s % _HISTORY]) for s in steps]
 
     def _fall_back(self, step: int) -> None:
         target = "bf16" if supports_bf16(self._device.type) else "fp32"
@@ -466,7 +440,7 @@ class Guard:
         """
         self._drain()
         c = self._counts
-        history = self._scale_history()[-last:] if self._scaler is not None else []
+        history = self._history.tail(self._steps, last) if self._scaler is not None else []
         return {
             "step": self._steps,
             "precision": self._policy.precision,
@@ -474,13 +448,13 @@ class Guard:
             "skipped_steps": c.skipped,
             "skipped_by_cause": {"overflow": c.skipped_overflow, "collapse": c.skipped_collapse},
             "applied_steps": c.applied,
-            "scale_changes": int(self._scale_changes.item()),
+            "scale_changes": self._history.changes(),
             "last_scales": [{"step": s, "scale": v} for s, v in history],
             "consecutive_skips": c.consecutive_skips,
             "microbatches_dropped": c.dropped_microbatches,
             "fallbacks": self._fallbacks(),
-            "resume": dict(self._resume) if self._resume else None,
-            "resume_warmup_active": self._ramp is not None,
+            "resume": dict(self._resume.info) if self._resume.info else None,
+            "resume_warmup_active": self._resume.ramp is not None,
         }
 
     def _fallbacks(self) -> list[dict[str, Any]]:
@@ -547,7 +521,7 @@ class Guard:
                 raise ValueError("Guard state has no scaler state but this Guard uses fp16")
             self._scaler.load_state_dict(state["scaler"])
         saved = state["scaler"]["scale"] if state["scaler"] is not None else None
-        self._hist.fill_(saved if saved is not None else 1.0)
+        self._history.reset(saved if saved is not None else 1.0)
         if self._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
             self._forensics.load(state.get("forensics"))
         self._mark_resume(scale_reset=False, saved_scale=saved)
@@ -565,10 +539,7 @@ class Guard:
         # state) and returns the scale the run had before the interruption
         previous = None if self._telemetry is None else \
             self._telemetry._on_resume(scale_reset, saved_scale)
-        self._resume = {"step": self._steps, "scale_reset": scale_reset,
-                        "saved_scale": saved_scale, "gap_bits": None, "warmup": False}
-        if scale_reset:
-            self._maybe_start_ramp()
+        self._resume.mark(self._steps, scale_reset=scale_reset, saved_scale=saved_scale)
         if previous is not None:
             self.check_resume(previous)
 
@@ -579,22 +550,8 @@ class Guard:
         in powers of two; starts the ``resume_warmup`` ramp when the gap is large.
         Cost: one host sync.
         """
-        if self._resume is None:
-            self._mark_resume(scale_reset=False)
-        assert self._resume is not None
-        gap = scale_gap_bits(previous_scale, self.scale if self._scaler else None)
-        self._resume["previous_scale"] = float(previous_scale)
-        self._resume["gap_bits"] = gap
-        self._maybe_start_ramp()
-        return gap
-
-    def _maybe_start_ramp(self) -> None:
-        cfg, info = self.resume_warmup, self._resume
-        if cfg is None or info is None or info["warmup"]:
-            return
-        if cfg.triggered(info["scale_reset"], info["gap_bits"]):
-            self._ramp = WarmupRamp(cfg, self._steps)
-            info["warmup"] = True
+        current = self.scale if self._scaler is not None else None
+        return self._resume.check(self._steps, previous_scale, current)
 
     # ------------------------------------------------------------------ telemetry
     @property
@@ -672,34 +629,6 @@ class Guard:
 
 
 # ---------------------------------------------------------------------- helpers
-def _as_optimizers(
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-) -> list[torch.optim.Optimizer]:
-    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    if not opts:
-        raise ValueError("optimizer must be an optimizer or a non-empty list of optimizers")
-    for opt in opts:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or a list of them, got "
-                f"{type(opt).__name__}"
-            )
-    if len({id(o) for o in opts}) != len(opts):
-        raise ValueError("optimizer lists the same optimizer twice")
-    return opts
-
-
-def _check_window(accumulation_steps: Any, clip_grad_norm: Any) -> None:
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-            or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
-    if clip_grad_norm is not None and (
-        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-        or not clip_grad_norm > 0
-    ):
-        raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip_grad_norm!r}")
-
-
 def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
@@ -710,9 +639,3 @@ def _is_fused(opt: torch.optim.Optimizer) -> bool:
 
 def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
-def _scheduler_callback(sched: Any) -> Callable[[StepResult], Any]:
-    if not callable(getattr(sched, "step", None)):
-        raise TypeError(f"schedulers must have a .step() method, got {type(sched).__name__}")
-    return lambda _result: sched.step()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ResumeWarmup", "WarmupRamp", "scale_gap_bits"]
+__all__ = ["ResumeWarmup", "ResumeTracker", "WarmupRamp", "scale_gap_bits"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +85,51 @@ class WarmupRamp:
         for group, lr in self._saved:
             group["lr"] = lr
         self._saved = []
+
+
+class ResumeTracker:
+    """What the Guard knows about the last resume, and the warm-up ramp it may have started."""
+
+    def __init__(self, config: ResumeWarmup | None) -> None:
+        if config is not None and not isinstance(config, ResumeWarmup):
+            raise TypeError("resume_warmup must be an ampguard.ResumeWarmup or None, got "
+                            f"{type(config).__name__}")
+        self.config = config
+        self.info: dict[str, Any] | None = None
+        self.ramp: WarmupRamp | None = None
+
+    def mark(self, step: int, *, scale_reset: bool, saved_scale: float | None) -> None:
+        """Record a resume at window ``step``; a reset scale starts the ramp at once."""
+        self.info = {"step": step, "scale_reset": scale_reset, "saved_scale": saved_scale,
+                     "gap_bits": None, "warmup": False}
+        self._maybe_start(step)
+
+    def check(self, step: int, previous_scale: float, current_scale: float | None) -> float | None:
+        """Record the gap to the pre-interruption scale; start the ramp when it is large."""
+        if self.info is None:
+            self.mark(step, scale_reset=False, saved_scale=None)
+        assert self.info is not None
+        gap = scale_gap_bits(previous_scale, current_scale)
+        self.info["previous_scale"] = float(previous_scale)
+        self.info["gap_bits"] = gap
+        self._maybe_start(step)
+        return gap
+
+    def before_step(self, optimizers: Sequence[torch.optim.Optimizer], step: int) -> None:
+        if self.ramp is not None:
+            self.ramp.apply(optimizers, step)
+
+    def after_step(self, step: int) -> None:
+        if self.ramp is None:
+            return
+        self.ramp.restore()
+        if self.ramp.done(step):
+            self.ramp = None
+
+    def _maybe_start(self, step: int) -> None:
+        cfg, info = self.config, self.info
+        if cfg is None or info is None or info["warmup"]:
+            return
+        if cfg.triggered(info["scale_reset"], info["gap_bits"]):
+            self.ramp = WarmupRamp(cfg, step)
+            info["warmup"] = True

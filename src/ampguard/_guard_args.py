@@ -1,0 +1,55 @@
+"""Argument checks for :class:`ampguard.Guard`: clear errors at construction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["as_optimizers", "check_window", "check_model", "scheduler_callback"]
+
+
+def as_optimizers(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+) -> list[torch.optim.Optimizer]:
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not opts:
+        raise ValueError("optimizer must be an optimizer or a non-empty list of optimizers")
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a list of them, got "
+                f"{type(opt).__name__}"
+            )
+    if len({id(o) for o in opts}) != len(opts):
+        raise ValueError("optimizer lists the same optimizer twice")
+    return opts
+
+
+def check_window(accumulation_steps: Any, clip_grad_norm: Any) -> None:
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
+            or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+        or not clip_grad_norm > 0
+    ):
+        raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip_grad_norm!r}")
+
+
+def scheduler_callback(sched: Any) -> Callable[[Any], Any]:
+    if not callable(getattr(sched, "step", None)):
+        raise TypeError(f"schedulers must have a .step() method, got {type(sched).__name__}")
+    return lambda _result: sched.step()
+
+
+def check_model(model: Any, params: list[torch.Tensor]) -> None:
+    """``model`` must be a module with parameters; the optimizers must hold some."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if next(iter(model.parameters()), None) is None:
+        raise ValueError("model has no parameters: ampguard needs at least one trainable "
+                         "tensor (pass the module that owns the optimizer's parameters)")
+    if not params:
+        raise ValueError("optimizer has no parameters to train (its param_groups are empty)")
