@@ -65,7 +65,8 @@ def bench(width: int, depth: int, batch: int, rounds: int, steps: int, fused: bo
     return {
         "bare_ms": med["bare"] * 1e3, "guard_ms": med["guard"] * 1e3,
         "ratio": med["guard"] / med["bare"],
-        "bare_syncs": count_syncs(loops["bare"], 20), "guard_syncs": count_syncs(loops["guard"], 20),
+        "bare_syncs": count_syncs(loops["bare"], 20),
+        "guard_syncs": count_syncs(loops["guard"], 20),
     }
 
 

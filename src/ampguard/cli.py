@@ -21,7 +21,8 @@ _Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callabl
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--out", default="ampguard-runs/demo", help="run folder (default ampguard-runs/demo)")
+    p.add_argument("--out", default="ampguard-runs/demo",
+                   help="run folder (default ampguard-runs/demo)")
     p.add_argument(
         "--precision", default="fp16", choices=("auto", "fp16", "bf16", "fp32"),
         help="precision (default fp16, the one with a loss scaler)",

@@ -1,7 +1,8 @@
 """``ampguard demo``: train a small model in fp16 on CPU through a Guard and report what happened.
 
 The built-in data carry a short burst of outlier batches that overflow fp16; the Guard skips those
-steps, backs the loss scale off and grows it back, and the LR schedule only advances on applied steps.
+steps, backs the loss scale off and grows it back, and the LR schedule only advances on applied
+steps. Forensics replays an overflowing step in fp16 and fp32 and names the module.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def build_model(data: DemoData, seed: int) -> torch.nn.Module:
 
 def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo",
              precision: str = "fp16", progress: bool = True, quiet: bool = False) -> DemoResult:
-    """Train, checkpoint, report; print a summary ending with the report path. Returns the result."""
+    """Train, checkpoint, report; print a summary ending with the report path; return it."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     run_dir = Path(out)
