@@ -26,7 +26,7 @@ def test_demo_checkpoint_resumes(tmp_path):
     data = make_data(steps=30)
     model = build_model(data, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = ag.Guard(model, opt, precision="fp16")
+    guard = ag.Guard(model, opt, precision="fp16", scaler=ag.ScalerConfig(growth_interval=50))
     extra = ag.load_checkpoint(result.checkpoint, model=model, optimizer=opt, guard=guard)
     assert extra == {"seed": 0}
     assert guard.steps == 30
