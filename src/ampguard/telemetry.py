@@ -273,10 +273,10 @@ class Telemetry:
                 flat.mul_(inv)
             amax.scatter_reduce_(0, ch.layer, peaks, "amax")
             # |g| = m * 2**e with m in [0.5, 1): floor(log2|g|) = e - 1 exactly. Bin 0: exact
-            # zero; bin k: floor(log2|g|) == E_MIN + k - 1 (clamped); non-finite: the top bin.
+            # zero; bin k: floor(log2|g|) == E_MIN + k - 1 (clamped). Non-finite values (an
+            # overflowing step, whose sample the rules and the report skip) land anywhere.
             mant, expo = torch.frexp(flat)
             key = torch.where(mant == 0, 0, expo.sub_(_ranges.E_MIN).clamp_(1, bins - 1))
-            key.masked_fill_(~torch.isfinite(flat), bins - 1)
             key = key + torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total)
             hist.index_add_(0, key, self._one.expand(ch.total))
 
