@@ -298,7 +298,7 @@ class Guard:
         if agree is not None:
             found, dropped = agree.wait()
             grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
-        signal = torch.stack(found).sum()
+        signal = found[0] if len(found) == 1 else torch.stack(found).sum()
         if dropped is not None:
             signal = signal + dropped.float()  # a dropped micro-batch says the scale is too high
         status = results.pack(found, dropped)

@@ -32,20 +32,28 @@ class Decoded(NamedTuple):
 
 
 def pack(found: list[torch.Tensor], dropped: torch.Tensor | None) -> torch.Tensor:
-    """Bit i = optimizer i overflowed; bit n = collapse (added later); bits > n = dropped count."""
+    """Pack a window's flags into one fp32 device scalar (exact integers below 2**24).
+
+    Bit i = optimizer i overflowed; bit n = collapse (see :func:`add_collapse`); the bits above
+    hold the dropped micro-batch count. Float arithmetic keeps it to one small op per flag.
+    """
     n = len(found)
-    bits = [(f > 0).long() << i for i, f in enumerate(found)]
-    status = torch.stack(bits).sum()
+    status = found[0].clamp(max=1.0)
+    for i in range(1, n):
+        status = status.add(found[i].clamp(max=1.0), alpha=2**i)
     if dropped is not None:
-        status = status + (dropped.long() << (n + 1))
+        status = status.add(dropped, alpha=2 ** (n + 1))
     return status
 
 
 def add_collapse(status: torch.Tensor, collapse: torch.Tensor, n: int) -> torch.Tensor:
-    return status + (collapse.long() << n)
+    """Set bit ``n`` where the 0-dim bool ``collapse`` is true."""
+    return status.add(collapse, alpha=2**n)
 
 
-def decode(value: int, n: int) -> Decoded:
+def decode(value: float, n: int) -> Decoded:
+    """Host view of :func:`pack` output read back as a number."""
+    value = int(value)
     applied = tuple(not (value >> i) & 1 for i in range(n))
     return Decoded(applied, bool((value >> n) & 1), value >> (n + 1))
 

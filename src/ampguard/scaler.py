@@ -170,11 +170,16 @@ class LossScaler:
         cfg = self.config
         if not cfg.dynamic:
             return torch.zeros((), dtype=torch.bool, device=self.device)
-        found = found_inf.to(self.device) > 0
-        backoff = self._spend_budget(found) if cfg.hysteresis > 1 else found
+        found_inf = found_inf.to(self.device)
+        found = found_inf > 0
+        if cfg.hysteresis > 1:
+            backoff = self._spend_budget(found)
+            backoff_signal = backoff.float()
+        else:  # the kernel backs off on any nonzero value: no conversion needed
+            backoff, backoff_signal = found, found_inf
         collapse = backoff & (self._scale <= cfg.min_scale)
         torch._amp_update_scale_(
-            self._scale, self._growth_tracker, backoff.float(),
+            self._scale, self._growth_tracker, backoff_signal,
             cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval,
         )
         self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
