@@ -16,6 +16,7 @@ from _telemetry_runs import mlp, resumed, run, train
 
 import ampguard as ag
 from ampguard import cli
+from ampguard.reporting import summary
 
 CHROMIUM = shutil.which("chromium")
 _FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -92,7 +93,7 @@ def test_report_writes_findings_json(underflow_page):
 
 # ---------------------------------------------------------------------- terminal and CLI
 def test_summary_prints_findings_before_the_numbers(reset_run):
-    text = ag.report.summary(reset_run)
+    text = summary(reset_run)
     lines = text.splitlines()
     assert lines[1] == "findings (1):" and lines[2].startswith("  AG107 [warning]")
     assert any(line.startswith("      fix: Lower the learning rate") for line in lines)
@@ -105,7 +106,7 @@ def test_summary_of_a_healthy_run(tmp_path):
     with ag.Guard(model, torch.optim.AdamW(model.parameters()), precision="fp16",
                   telemetry=tmp_path) as guard:
         train(guard, model, 5)
-    assert "findings: none" in ag.report.summary(tmp_path)
+    assert "findings: none" in summary(tmp_path)
 
 
 def test_cli_report_prints_the_summary_and_writes_the_page(underflow_page, capsys):
@@ -155,3 +156,10 @@ def test_report_renders_in_headless_chromium_without_console_errors(reset_page, 
     dom = chromium(tmp_path, probe.as_uri(), "--dump-dom")
     assert "<title>decoded 4</title>" in dom.stdout
     assert "loss scale gap after resume" in dom.stdout
+
+
+def test_importing_the_reporting_module_keeps_ag_report_callable(tmp_path):
+    import ampguard.reporting  # noqa: F401  (a submodule import must not shadow ag.report)
+
+    assert callable(ag.report)
+    assert ag.report is ampguard.reporting.report

@@ -30,8 +30,8 @@ _EXPORTS: dict[str, str] = {
     "load_distributed_checkpoint": "ampguard.checkpoint_dist",
     "locate": "ampguard.forensics",
     "Diagnosis": "ampguard.forensics",
-    "coverage": "ampguard._census",
-    "Coverage": "ampguard._census",
+    "coverage": "ampguard.autocast_coverage",
+    "Coverage": "ampguard.autocast_coverage",
     "Experiment": "ampguard.experiments",
     "Comparison": "ampguard.experiments",
     "compare": "ampguard.experiments",
@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "lint_paths": "ampguard.lint",
     "Telemetry": "ampguard.telemetry",
     "RuleConfig": "ampguard.rules",
-    "report": "ampguard.report",
+    "report": "ampguard.reporting",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,4 +1,4 @@
-"""``ampguard report RUN_DIR``: arguments and dispatch (the work is in ampguard.report)."""
+"""``ampguard report RUN_DIR``: arguments and dispatch (the work is in ampguard.reporting)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def report_args(p: argparse.ArgumentParser) -> None:
 
 
 def report_run(args: argparse.Namespace) -> int:
-    from ampguard.report import _analyse, report, summary_text  # matplotlib: only for the HTML
+    from ampguard.reporting import _analyse, report, summary_text  # matplotlib: only for the HTML
 
     try:
         run, found, _causes, facts = _analyse(args.run_dir, None)

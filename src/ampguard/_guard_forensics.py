@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ampguard._census import Coverage, coverage_from_events
 from ampguard._optrace import LOW, OpEvent, OpTrace, is_new
+from ampguard.autocast_coverage import Coverage, coverage_from_events
 from ampguard.findings import Finding
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.fp32_islands import Fp32Islands, keep_fp32

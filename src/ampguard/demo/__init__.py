@@ -16,7 +16,7 @@ import torch
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.data import DemoData, make_data
 from ampguard.guard import Guard
-from ampguard.report import report
+from ampguard.reporting import report
 from ampguard.scaler import ScalerConfig
 
 __all__ = ["run_demo", "DemoResult", "build_model"]

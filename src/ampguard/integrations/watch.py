@@ -170,7 +170,7 @@ class Watch:
 
     def report(self) -> Path:
         """Write ``report.html`` into the run folder and return its path. Cost: as findings()."""
-        from ampguard.report import report as write_report
+        from ampguard.reporting import report as write_report
 
         if not self._closed:
             self.findings()

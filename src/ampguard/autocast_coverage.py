@@ -1,8 +1,7 @@
 """Autocast coverage: what really ran in fp16/bf16 and what escaped, per module, for one step.
 
-Public as ``ampguard.coverage`` / ``ampguard.Coverage`` (and the ``ampguard.coverage`` module).
-The code lives here, under a private name, so that importing it never puts a module object where
-``ampguard.coverage`` (the function) is expected.
+Public as ``ampguard.coverage`` / ``ampguard.Coverage``. The module is named differently from the
+function so that importing it never puts a module object where ``ampguard.coverage`` is expected.
 
 :func:`coverage` traces one forward and backward of a batch (every aten op, with the module
 that ran it, see :mod:`ampguard._optrace`) and counts, per module (its own ops and its

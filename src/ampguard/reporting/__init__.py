@@ -1,21 +1,20 @@
-"""``ampguard.report``: the offline HTML report and the terminal summary of a run folder.
+"""``ampguard.reporting``: the offline HTML report and the terminal summary of a run folder.
 
 >>> path = ampguard.report("runs/exp1")      # writes runs/exp1/report.html and findings.json
->>> print(ampguard.report.summary("runs/exp1"))
+>>> print(ampguard.reporting.summary("runs/exp1"))
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import types
 from pathlib import Path
 from typing import TextIO
 
 from ampguard import rules, runlog
 from ampguard.findings import Finding
-from ampguard.report.html import render
-from ampguard.report.summary import run_facts, summary_text
+from ampguard.reporting.html import render
+from ampguard.reporting.summary import run_facts, summary_text
 
 __all__ = ["report", "summary", "print_summary"]
 
@@ -40,9 +39,9 @@ def report(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise ImportError("ampguard.report needs matplotlib: pip install 'ampguard[report]'"
+        raise ImportError("ampguard.reporting needs matplotlib: pip install 'ampguard[report]'"
                           ) from exc
-    from ampguard.report.plots import FIGURES
+    from ampguard.reporting.plots import FIGURES
 
     run, found, causes, facts = _analyse(run_dir, config)
     _save_findings(run, found)
@@ -65,19 +64,3 @@ def print_summary(run_dir: str | os.PathLike, file: TextIO | None = None, *,
                   config: rules.RuleConfig | None = None) -> None:
     """Print :func:`summary` to ``file`` (stdout by default)."""
     print(summary(run_dir, config=config), file=file or sys.stdout)
-
-
-report.summary = summary  # type: ignore[attr-defined]
-report.print_summary = print_summary  # type: ignore[attr-defined]
-
-
-class _CallableModule(types.ModuleType):
-    """``import ampguard.report`` binds this module where ``ampguard.report`` (the function) is
-    expected; calling the module calls :func:`report`, so both spellings work."""
-
-    def __call__(self, run_dir: str | os.PathLike, *,
-                 config: rules.RuleConfig | None = None) -> Path:
-        return report(run_dir, config=config)
-
-
-sys.modules[__name__].__class__ = _CallableModule
