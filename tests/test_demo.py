@@ -1,5 +1,7 @@
 """`ampguard demo` end to end (short setting)."""
 
+import json
+
 import torch
 
 import ampguard as ag
@@ -19,6 +21,10 @@ def test_demo_skips_the_outlier_burst_and_learns(tmp_path):
     assert result.report is not None and result.report.is_file()
     for name in ("events.jsonl", "meta.json", "findings.json"):
         assert (tmp_path / "run" / name).is_file()
+    # the forensics diagnosis survives ag.report re-deriving findings.json from the run log
+    codes = [f["code"] for f in json.loads((tmp_path / "run" / "findings.json").read_text())]
+    assert "AG301" in codes
+    assert "AG301" in result.report.read_text()
 
 
 def test_demo_checkpoint_resumes(tmp_path):

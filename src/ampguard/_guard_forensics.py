@@ -39,7 +39,6 @@ __all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace"]
 ARM_STEPS = 3
 FORENSICS_FILE = "forensics.json"
 COVERAGE_FILE = "coverage.json"
-_OWN_CODES = ("AG30", "AG310", "AG311")
 
 
 def attach(guard: Any, *, keep_fp32: Any = None, forensics: Any = False,
@@ -210,24 +209,6 @@ class GuardForensics:
         runlog.write_json_atomic(telemetry.run_dir / FORENSICS_FILE, self.to_dict())
         if self.coverage is not None:
             runlog.write_json_atomic(telemetry.run_dir / COVERAGE_FILE, self.coverage.to_dict())
-
-    def merge_findings_file(self, findings: list[Finding] | None = None) -> list[Finding]:
-        """Add the AG3xx findings to ``findings.json`` next to ``findings`` (default: what the
-        file holds now, as telemetry wrote it); returns the merged list."""
-        from ampguard import runlog
-
-        telemetry = self.guard.telemetry
-        mine = self.findings()
-        if telemetry is None:
-            return list(findings or []) + mine
-        path = telemetry.run_dir / runlog.FINDINGS
-        if findings is None:
-            findings = [Finding.from_dict(d) for d in runlog.read_json(path)] \
-                if path.exists() else []
-        theirs = [f for f in findings if not f.code.startswith(_OWN_CODES)]
-        if mine:
-            runlog.write_json_atomic(path, [f.to_dict() for f in theirs + mine])
-        return theirs + mine
 
 
 def _fallback_finding(change: dict[str, Any]) -> Finding:

@@ -572,21 +572,28 @@ class Guard:
         Also writes ``findings.json`` to the run folder. Cost: one host sync (the telemetry
         flush) and a read of the run log.
         """
+        side = self._side_findings()
         if self._telemetry is None:
-            if self._forensics is not None:
-                return self._forensics.findings()
-            raise RuntimeError("Guard.findings() needs telemetry: create the Guard with "
-                               "telemetry=RUN_DIR (or an ampguard.Telemetry)")
-        found = self._telemetry.findings()
-        return self._forensics.merge_findings_file(found) if self._forensics else found
+            if self._forensics is None and self._dist is None:
+                raise RuntimeError("Guard.findings() needs telemetry: create the Guard with "
+                                   "telemetry=RUN_DIR (or an ampguard.Telemetry)")
+            return side
+        self._telemetry.record_findings(side)
+        return self._telemetry.findings()
+
+    def _side_findings(self) -> list[Finding]:
+        """Findings made during the run (forensics AG3xx, distributed AG13x), not by the rules."""
+        out = self._forensics.findings() if self._forensics is not None else []
+        if self._dist is not None:
+            out += self._dist.findings(self._steps)
+        return out
 
     def close(self) -> None:
         """Flush telemetry, write ``findings.json`` and close the run log (no-op without
         telemetry; idempotent). Cost: one host sync."""
         if self._telemetry is not None:
+            self._telemetry.record_findings(self._side_findings())
             self._telemetry.close()
-            if self._forensics is not None:  # add the AG3xx findings to findings.json
-                self._forensics.merge_findings_file()
 
     def __enter__(self) -> Guard:
         return self

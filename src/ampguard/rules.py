@@ -57,7 +57,7 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
     found: list[Finding] = []
     for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108):
         found.extend(rule(run, cfg, warm))
-    # --- findings recorded during the run (attach mode, ampguard.integrations: AG120-AG122) ---
+    # --- findings recorded during the run (forensics, distributed, attach mode) ---
     recorded = {(e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
                 for e in run.events if e.get("kind") == "finding" and "finding" in e}
     found.extend(recorded.values())  # the last event per code and title wins

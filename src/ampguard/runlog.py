@@ -29,6 +29,8 @@ __all__ = [
     "REPORT",
     "TB_DIR",
     "EventLog",
+    "FINDING_EVENT",
+    "append_findings",
     "RunLog",
     "load_run",
     "write_json_atomic",
@@ -43,6 +45,7 @@ META = "meta.json"
 FINDINGS = "findings.json"
 REPORT = "report.html"
 TB_DIR = "tb"
+FINDING_EVENT = "finding"  # events.jsonl line kind: {"kind": "finding", "step", "finding": {...}}
 
 
 def num(value: Any) -> float | None:
@@ -319,3 +322,21 @@ def _assemble(run_dir: Path, meta: dict, recs: list[dict], events: list[dict], b
         window=_matrix([g["window"] for g in rng], 2),
         events=events, bad_lines=bad,
     )
+
+
+def append_findings(run_dir: str | os.PathLike, found: list[Any]) -> None:
+    """Append findings to the run's event log as ``finding`` events (whole lines, atomic).
+
+    For findings made during the run rather than by the rules over the log (forensics,
+    distributed, attach mode): ``rules.evaluate`` reads them back (the last event per code and
+    title wins), so ``findings.json``, ``ag.report`` and ``ampguard report`` all show them.
+    """
+    path = Path(run_dir) / EVENTS
+    if not found or not path.exists():
+        return
+    log = EventLog(path, fresh=False)
+    try:
+        log.append([{"kind": FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
+                    for f in found])
+    finally:
+        log.close()

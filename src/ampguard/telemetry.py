@@ -96,6 +96,7 @@ class Telemetry:
             require_tensorboard()
         self._guard: Any = None
         self._closed = False
+        self._recorded: set[str] = set()  # findings already in the run log
         self.flushes = 0
         # --- extra sinks (ampguard.integrations.sinks): start/write/close protocol ---
         self.sinks = tuple(sinks)
@@ -384,6 +385,18 @@ class Telemetry:
         found = rules.evaluate(runlog.load_run(self.run_dir))
         runlog.write_json_atomic(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
         return found
+
+    def record_findings(self, found: list[Finding]) -> None:
+        """Record findings made during the run (not by the rules) in the run log, so that
+        ``findings.json`` and the report include them. Cost: one sync (the flush)."""
+        fresh = [f for f in found if repr(f.to_dict()) not in self._recorded]
+        if not fresh or self._closed:
+            return
+        self.flush()
+        if self._log is not None:
+            self._log.append([{"kind": runlog.FINDING_EVENT, "step": f.step,
+                               "finding": f.to_dict()} for f in fresh])
+            self._recorded.update(repr(f.to_dict()) for f in fresh)
 
     def close(self) -> None:
         """Flush, write ``findings.json`` and close the sinks. Idempotent. Cost: one sync."""

@@ -11,15 +11,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ampguard import runlog
 from ampguard.findings import Finding
 
-__all__ = ["attach_findings", "fp16_inactive", "persist", "FINDING_EVENT"]
-
-FINDING_EVENT = "finding"  # events.jsonl line kind: {"kind": "finding", "step", "finding": {...}}
+__all__ = ["attach_findings", "fp16_inactive"]
 
 _MAX_STEPS = 20  # steps listed in evidence
 
@@ -32,22 +29,6 @@ def attach_findings(watch: Any) -> list[Finding]:
     if watch.policy.active:
         out.extend(_interventions(watch))
     return out
-
-
-def persist(run_dir: Path, found: list[Finding]) -> None:
-    """Append ``found`` to the run's event log as ``finding`` events (whole lines, atomic).
-
-    The rules read them back with the run log (the last event per code and title wins), so the
-    report and ``ampguard report`` show attach-mode findings too.
-    """
-    if not found or not (run_dir / runlog.EVENTS).exists():
-        return
-    log = runlog.EventLog(run_dir / runlog.EVENTS, fresh=False)
-    try:
-        log.append([{"kind": FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
-                    for f in found])
-    finally:
-        log.close()
 
 
 def _skip_flag_mismatch(watch: Any) -> list[Finding]:

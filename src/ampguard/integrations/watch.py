@@ -296,7 +296,7 @@ class Watch:
     def _merge(self, rules_found: list[Finding]) -> list[Finding]:
         own = _findings.attach_findings(self)
         fresh = [f for f in own if f.to_dict() not in self._persisted]
-        _findings.persist(self.run_dir, fresh)  # so that ag.report / `ampguard report` show them
+        runlog.append_findings(self.run_dir, fresh)  # so ag.report / `ampguard report` show them
         self._persisted.extend(f.to_dict() for f in fresh)
         codes = {f.code for f in own}
         merged = [f for f in rules_found if f.code not in codes] + own
