@@ -58,3 +58,19 @@ def test_fallback_is_listed():
     assert d["precision"] == "bf16"
     assert d["fallbacks"] == [{"step": 2, "from": "fp16", "to": "bf16"}]
     assert d["skipped_by_cause"] == {"overflow": 1, "collapse": 1}
+
+
+def test_close_records_diagnostics_for_the_report_header(tmp_path):
+    import json
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ag.Guard(model, opt, precision="fp16", telemetry=tmp_path,
+                  scaler=ag.ScalerConfig(init_scale=1024.0)) as guard:
+        _run(model, guard, 6, bad={5, 6})
+        expected = guard.diagnostics()
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["diagnostics"]["consecutive_skips"] == expected["consecutive_skips"] == 2
+    html = ag.report(tmp_path).read_text()
+    assert "consecutive skips at end<b>2</b>" in html

@@ -8,6 +8,7 @@ Tolerances: DDP vs one process on the same global batch differ only by fp16/fp32
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -91,8 +92,10 @@ def test_inf_on_one_rank_leaves_parameters_identical_across_ranks(request, world
 def test_overflow_origin_names_the_rank_whose_gradients_overflowed(request, world):
     results, world = group(request, world)
     expected = {r: int(r == world - 1) for r in range(world)}
+    first = {r: (2 if r == world - 1 else None) for r in range(world)}  # injected at window 2
     for v in all_ranks(ok(results, "inf_on_one_rank"), world):
         assert v["summary"]["rank_overflows"] == expected
+        assert v["summary"]["rank_first_overflow_step"] == first
 
 
 # ---------------------------------------------------------------------- accumulation
@@ -254,6 +257,9 @@ def test_torchrun_launches_the_ddp_demo(tmp_path):
         in proc.stdout
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
     assert (tmp_path / "run" / "events.jsonl").is_file()
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["distributed"]["world_size"] == 2  # rank 0 records the per-rank counters
+    assert set(meta["distributed"]["rank_overflows"]) == {"0", "1"}
 
 
 # ---------------------------------------------------------------------- one process

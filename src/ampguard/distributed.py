@@ -188,7 +188,7 @@ class _Pending:
             self.work.wait()
         except RuntimeError as exc:
             raise self.state.peer_failure("the found_inf consensus", self.step, exc) from exc
-        return self.state._settle(self.buf, self.n, self.has_dropped)
+        return self.state._settle(self.buf, self.n, self.has_dropped, self.step)
 
 
 class DistributedState:
@@ -196,7 +196,8 @@ class DistributedState:
 
     Counters live on the device: ``rank_overflows`` (windows in which each rank's own gradients
     were non-finite), ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last
-    window's per-rank rows: the overflow origin). Read them with :meth:`summary` (one sync) or
+    window's per-rank rows: the overflow origin), the first window each rank overflowed in.
+    Read them with :meth:`summary` (one sync) or
     record :meth:`telemetry_fields` (device tensors, no sync).
     """
 
@@ -214,6 +215,9 @@ class DistributedState:
         self._overflows = torch.zeros(world, dtype=torch.int64, device=device)
         self._dropped = torch.zeros(world, dtype=torch.int64, device=device)
         self._rows: list[torch.Tensor] = []  # windows not yet folded into the counters
+        self._row_steps: list[int] = []
+        self._first_overflow = torch.full((world,), torch.iinfo(torch.int64).max,
+                                          dtype=torch.int64, device=device)
         self.last_rows: torch.Tensor | None = None
         self.audits = 0
 
@@ -273,10 +277,11 @@ class DistributedState:
             raise self.peer_failure("the found_inf consensus", step, exc) from exc
         return _Pending(self, buf, work, n, dropped is not None, step)
 
-    def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool
+    def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         self.last_rows = buf
         self._rows.append(buf)
+        self._row_steps.append(step)
         if len(self._rows) >= _FOLD_EVERY:
             self._fold()
         # column maxima: overflow anywhere -> every rank skips. With containment, DDP syncs
@@ -290,8 +295,14 @@ class DistributedState:
         if not self._rows:
             return
         rows = torch.stack(self._rows)  # (windows, world, n + 1)
+        steps = torch.tensor(self._row_steps, dtype=torch.int64, device=rows.device)
         self._rows.clear()
-        self._overflows.add_((rows[..., :-1].amax(dim=-1) > 0).sum(dim=0))
+        self._row_steps.clear()
+        over = rows[..., :-1].amax(dim=-1) > 0  # (windows, world)
+        self._overflows.add_(over.sum(dim=0))
+        never = torch.iinfo(torch.int64).max
+        first = torch.where(over, steps[:, None], never).amin(dim=0)
+        torch.minimum(self._first_overflow, first, out=self._first_overflow)
         self._dropped.add_(rows[..., -1].sum(dim=0).long())
 
     @property
@@ -366,13 +377,18 @@ class DistributedState:
     def summary(self) -> dict[str, Any]:
         """Rank-aware counters as plain values. Cost: one host sync."""
         top = self.topology
-        over, dropped = torch.stack([self.rank_overflows, self.rank_dropped]).tolist()
+        over, dropped, first = torch.stack(
+            [self.rank_overflows, self.rank_dropped, self._first_overflow]).tolist()
+        never = torch.iinfo(torch.int64).max
         hook = hook_state(self.model)
         return {
             "kind": top.kind, "rank": top.global_rank, "world_size": top.world_size,
             "ranks": list(top.ranks), "audits": self.audits,
             "rank_overflows": dict(zip(top.ranks, over, strict=True)),
             "rank_dropped_microbatches": dict(zip(top.ranks, dropped, strict=True)),
+            # overflow origin: the first window in which each rank's own gradients overflowed
+            "rank_first_overflow_step": {r: (None if f == never else f)
+                                         for r, f in zip(top.ranks, first, strict=True)},
             "hook": hook.summary() if hook is not None else None,
         }
 

@@ -386,6 +386,15 @@ class Telemetry:
         runlog.write_json_atomic(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
         return found
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def annotate(self, key: str, value: Any) -> None:
+        """Add a JSON-ready ``value`` under ``key`` to ``meta.json`` (written at close)."""
+        self._meta[key] = value
+
     def record_findings(self, found: list[Finding]) -> None:
         """Record findings made during the run (not by the rules) in the run log, so that
         ``findings.json`` and the report include them. Cost: one sync (the flush)."""

@@ -56,8 +56,19 @@ def _facts(facts: dict[str, Any]) -> str:
              ("precision", facts["precision"]), ("scale now", _g(facts["scale_last"])),
              ("lowest scale", _g(facts["scale_min"])), ("scale changes", facts["scale_changes"]),
              ("micro-batches dropped", facts["dropped"])]
+    diag = facts.get("diagnostics") or {}
+    if diag:  # Guard.diagnostics() at close: what the run log alone does not say
+        items.append(("consecutive skips at end", diag.get("consecutive_skips", "-")))
+        items.append(("fallbacks", "; ".join(_fallback_text(f) for f in diag.get("fallbacks", []))
+                      or "none"))
     return '<div class="facts">' + "".join(
         f'<div class="fact">{_e(k)}<b>{_e(v)}</b></div>' for k, v in items) + "</div>"
+
+
+def _fallback_text(change: dict[str, Any]) -> str:
+    if "module" in change:
+        return f"{change['module'] or '(root)'} kept in fp32 at step {change.get('step')}"
+    return f"{change.get('from')} -> {change.get('to')} at step {change.get('step')}"
 
 
 def _g(value: float | None) -> str:
@@ -91,6 +102,8 @@ def _meta(run: RunLog) -> str:
         ("started", m.get("start_time")), ("ended", m.get("end_time", "-")),
         ("layers", len(run.layers)), ("resumes", m.get("resumes") or "none"),
     ]
+    if m.get("distributed"):
+        rows.append(("distributed", m["distributed"]))
     body = "".join(
         f"<tr><th>{_e(k)}</th><td>{_e(json.dumps(v, default=str) if isinstance(v, (dict, list)) else v)}</td></tr>"  # noqa: E501
         for k, v in rows)

@@ -31,6 +31,7 @@ def run_facts(run: RunLog, causes: dict[str, list[int]]) -> dict[str, Any]:
         "scale_changes": int((run.scale != run.scale_before).sum()),
         "precision": run.precision[-1] if n else run.meta.get("precision"),
         "dropped": int(run.dropped.sum()),
+        "diagnostics": run.meta.get("diagnostics"),  # Guard.diagnostics() at close, if any
     }
 
 
