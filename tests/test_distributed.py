@@ -20,11 +20,11 @@ import _distributed_scenarios as S
 import pytest
 import torch
 import torch.distributed as dist
-import torch.utils._python_dispatch
 
 import ampguard as ag
 from ampguard.checkpoint import CheckpointError
 from ampguard.distributed import param_checksum
+from ampguard.testing import SyncCounter
 
 TWO = ["inf_on_one_rank", "ddp_accumulation", "ddp_containment", "fsdp2_vs_ddp", "desync_raises",
        "desync_repairs", "desync_warns", "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank",
@@ -393,17 +393,6 @@ def test_sharded_checkpoint_without_its_ampguard_file_is_a_checkpoint_error(
         ag.load_distributed_checkpoint(path, model=model, optimizer=opt)
 
 
-class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts host reads of device values (``.item()``, ``bool(t)``, ``int(t)``...)."""
-
-    count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fused", [False, True])
 def test_consensus_adds_no_host_sync(world_of_one, fused):
@@ -413,7 +402,7 @@ def test_consensus_adds_no_host_sync(world_of_one, fused):
         guard = ag.Guard(model, opt, precision="fp16", scaler=S.SCALE, audit_every=None,
                          process_group=process_group)
         assert (guard.distributed is None) == (process_group == "local")
-        with _ScalarReads() as reads:
+        with SyncCounter() as reads:
             for step in range(1, 4):
                 S.window(guard, model, step, 0, 1)
         return reads.count

@@ -20,10 +20,10 @@ import pytest
 import torch
 from _telemetry_runs import DeadBranch, data, mlp, resumed, train
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard as ag
 from ampguard import _ranges, runlog
+from ampguard.testing import SyncCounter
 
 
 def make_guard(run_dir: Path | None, model: nn.Module | None = None, *, fused: bool = False,
@@ -198,19 +198,6 @@ def test_parameters_are_bitwise_identical_with_and_without_telemetry(tmp_path, f
         finals.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*finals, strict=True):
         assert torch.equal(a, b)
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts host syncs (``aten._local_scalar_dense``: .item(), bool(t), ...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])

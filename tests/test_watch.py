@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard as ag
 from ampguard.telemetry import Telemetry
+from ampguard.testing import SyncCounter
 
 STEPS = 20
 OVERFLOW_AT = (3, 4, 11)  # 0-based iterations whose gradients get an inf
@@ -192,17 +192,6 @@ def test_two_optimizers_only_the_overflowing_one_is_named(tmp_path):
 
 
 # ---------------------------------------------------------------------- no extra host syncs
-class _SyncCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind", ["plain", "fused"])
 def test_no_host_sync_added_between_flushes(tmp_path, kind):
     counts = {}
@@ -214,7 +203,7 @@ def test_no_host_sync_added_between_flushes(tmp_path, kind):
         if watched:
             handle = ag.watch(scaler, model, opt, telemetry=Telemetry(
                 tmp_path, flush_every=100, layer_every=1, range_every=2))
-        with _SyncCounter() as counter:
+        with SyncCounter() as counter:
             for _ in range(4):
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = model(torch.randn(4, 8)).float().pow(2).mean()

@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "Telemetry": "ampguard.telemetry",
     "RuleConfig": "ampguard.rules",
     "report": "ampguard.reporting",
+    "SyncCounter": "ampguard.testing",
 }
 
 __all__ = ["__version__", *_EXPORTS]
