@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,34 +32,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import count_syncs  # noqa: E402
+from _common import (  # noqa: E402
+    bare_step,
+    count_syncs,
+    guard_step,
+    interleaved_rounds,
+    medians,
+    mlp,
+)
 
 import ampguard as ag  # noqa: E402
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*layers, torch.nn.Linear(width, 8)))
-
-
-def _bare_step(model, opt, scaler, x, y):
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-
-
-def _guard_step(model, guard, x, y):
-    with guard.autocast():
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-    guard.backward(loss)
-    guard.step()
+    return torch.nn.parallel.DistributedDataParallel(mlp(width, depth))
 
 
 def _loops(args: argparse.Namespace) -> dict:
@@ -68,7 +54,7 @@ def _loops(args: argparse.Namespace) -> dict:
     bare = _model(args.width, args.depth)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu")
-    loops["ddp + GradScaler"] = lambda: _bare_step(bare, bare_opt, scaler, x, y)
+    loops["ddp + GradScaler"] = partial(bare_step, bare, bare_opt, scaler, x, y)
     settings = {"guard, not distributed": {"process_group": "local"},
                 "guard, audit every 100": {"audit_every": 100},
                 "guard, audit every step": {"audit_every": 1}}
@@ -76,7 +62,7 @@ def _loops(args: argparse.Namespace) -> dict:
         model = _model(args.width, args.depth)
         guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                          precision="fp16", **kwargs)
-        loops[name] = (lambda m, g: lambda: _guard_step(m, g, x, y))(model, guard)
+        loops[name] = partial(guard_step, model, guard, x, y)
     return loops
 
 
@@ -86,35 +72,17 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                             world_size=world, timeout=timedelta(seconds=120))
     try:
         loops = _loops(args)
-        for step in loops.values():  # warm-up (the same calls on every rank: collectives)
-            for _ in range(10):
-                step()
-        med, cpu = _interleaved(loops, args.rounds, args.steps)
+        # Warm-up and rounds make the same calls on every rank (collectives). CPU time leaves
+        # out the time a rank waits in a collective for the other rank, which on a shared,
+        # oversubscribed CPU is mostly the other processes' doing.
+        per_round = interleaved_rounds(loops, args.rounds, args.steps, warmup=10)
+        med, cpu = medians(per_round, "wall"), medians(per_round, "cpu")
         syncs = {name: count_syncs(step, 100) for name, step in loops.items()}
         lone = _lone_allreduce_us(world)
         if rank == 0:
             _print(med, cpu, syncs, lone, world, args)
     finally:
         dist.destroy_process_group()
-
-
-def _interleaved(loops: dict, rounds: int, steps: int) -> tuple[dict, dict]:
-    """Median wall and CPU (this process) seconds per step, loops timed round-robin.
-
-    CPU time leaves out the time a rank waits in a collective for the other rank, which on a
-    shared, oversubscribed CPU is mostly the other processes' doing.
-    """
-    wall: dict[str, list[float]] = {name: [] for name in loops}
-    cpu: dict[str, list[float]] = {name: [] for name in loops}
-    for _ in range(rounds):
-        for name, step in loops.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                step()
-            wall[name].append((time.perf_counter() - w0) / steps)
-            cpu[name].append((time.process_time() - c0) / steps)
-    return ({k: statistics.median(v) for k, v in wall.items()},
-            {k: statistics.median(v) for k, v in cpu.items()})
 
 
 def _lone_allreduce_us(world: int, n: int = 500) -> float:

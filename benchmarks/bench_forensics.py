@@ -17,24 +17,21 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import count_syncs, interleaved_medians  # noqa: E402
+from _common import bare_step, count_syncs, guard_step, interleaved_medians, mlp  # noqa: E402
 
 import ampguard as ag  # noqa: E402
 from ampguard._guard_forensics import ARM_STEPS  # noqa: E402
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width)]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
+    return mlp(width, depth, torch.nn.GELU, layer_norm=True)
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -50,16 +47,7 @@ def _bare(width: int, depth: int, batch, hf: bool = False):
         from transformers.debug_utils import DebugUnderflowOverflow
 
         DebugUnderflowOverflow(model)  # its hooks cannot be removed: a model of its own
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = _loss(model, batch)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return partial(bare_step, model, opt, scaler, *batch)
 
 
 def _guarded(width: int, depth: int, batch, armed: bool):
@@ -70,10 +58,7 @@ def _guarded(width: int, depth: int, batch, armed: bool):
     def step() -> None:
         if armed:
             guard._forensics._armed = ARM_STEPS  # stay armed: every op traced
-        with guard.autocast():
-            loss = _loss(model, batch)
-        guard.backward(loss)
-        guard.step()
+        guard_step(model, guard, *batch)
 
     return step
 
@@ -113,10 +98,7 @@ def main() -> None:
     }
     if _has_transformers():
         loops["transformers DebugUnderflowOverflow"] = _bare(args.width, args.depth, batch, True)
-    for step in loops.values():  # warm-up
-        for _ in range(3):
-            step()
-    med = interleaved_medians(loops, args.rounds, args.steps)
+    med = interleaved_medians(loops, args.rounds, args.steps, warmup=3)
     base = med["bare torch step"]
     model = _model(args.width, args.depth)
     calls = {

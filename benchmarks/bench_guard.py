@@ -9,59 +9,30 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import count_syncs, interleaved_medians  # noqa: E402
+from _common import bare_step, count_syncs, guard_step, interleaved_medians, mlp  # noqa: E402
 
 import ampguard as ag  # noqa: E402
-
-
-def _model(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
-
-
-def _bare_step(model, opt, scaler, x, y, clip):
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-    scaler.scale(loss).backward()
-    if clip:
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-
-
-def _guard_step(model, guard, x, y):
-    with guard.autocast():
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-    guard.backward(loss)
-    guard.step()
 
 
 def bench(width: int, depth: int, batch: int, rounds: int, steps: int, fused: bool,
           clip: bool) -> dict[str, float]:
     x, y = torch.randn(batch, width), torch.randn(batch, 8)
-    m1, m2 = _model(width, depth), _model(width, depth)
+    m1, m2 = mlp(width, depth), mlp(width, depth)
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-4, fused=fused)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4, fused=fused)
     scaler = torch.amp.GradScaler("cpu")
     guard = ag.Guard(m2, o2, precision="fp16", clip_grad_norm=1.0 if clip else None)
     loops = {
-        "bare": lambda: _bare_step(m1, o1, scaler, x, y, clip),
-        "guard": lambda: _guard_step(m2, guard, x, y),
+        "bare": partial(bare_step, m1, o1, scaler, x, y, clip),
+        "guard": partial(guard_step, m2, guard, x, y),
     }
-    for step in loops.values():  # warm-up
-        for _ in range(5):
-            step()
-    med = interleaved_medians(loops, rounds, steps)
+    med = interleaved_medians(loops, rounds, steps, warmup=5)
     return {
         "bare_ms": med["bare"] * 1e3, "guard_ms": med["guard"] * 1e3,
         "ratio": med["guard"] / med["bare"],

@@ -28,22 +28,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import SyncCounter  # noqa: E402
+from _common import (  # noqa: E402
+    bare_step,
+    guard_step,
+    interleaved_rounds,
+    mlp,
+    syncs_per_step,
+)
 
 import ampguard as ag  # noqa: E402
-
-
-def mlp(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
 
 
 def many_tensors(tensors: int) -> torch.nn.Module:
@@ -63,37 +62,18 @@ def many_tensors(tensors: int) -> torch.nn.Module:
     return Chain()
 
 
-def bare_step(model, opt, scaler, x, y) -> Callable[[], None]:
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-def guard_step(model, guard, x, y) -> Callable[[], None]:
-    def step() -> None:
-        with guard.autocast():
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        guard.backward(loss)
-        guard.step()
-    return step
-
-
 def loops(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
           variants: dict[str, dict | None], root: Path) -> dict[str, Callable[[], None]]:
     """The bare loop plus one Guard loop per variant (None: no telemetry)."""
     model = make_model()
-    out = {"bare": bare_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                             torch.amp.GradScaler("cpu"), x, y)}
+    out = {"bare": partial(bare_step, model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                           torch.amp.GradScaler("cpu"), x, y)}
     for name, kwargs in variants.items():
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tel = None if kwargs is None else ag.Telemetry(root / name.replace(" ", "_"), **kwargs)
-        out[name] = guard_step(model, ag.Guard(model, opt, precision="fp16", telemetry=tel), x, y)
+        out[name] = partial(guard_step, model,
+                            ag.Guard(model, opt, precision="fp16", telemetry=tel), x, y)
     return out
 
 
@@ -101,21 +81,11 @@ def ratios(run: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[
     """Per round, each loop's CPU time per step over the bare loop's in the same round; the
     median over rounds. CPU time of this (single-threaded) process, so other processes on a
     shared machine do not count; on an idle machine it equals the wall time."""
-    for step in run.values():  # warm-up: allocations, first fp16 kernels, first flush
-        for _ in range(steps):
-            step()
-    per: dict[str, list[float]] = {name: [] for name in run}
-    for _ in range(rounds):
-        took = {}
-        for name, step in run.items():
-            t0 = time.process_time()
-            for _ in range(steps):
-                step()
-            took[name] = (time.process_time() - t0) / steps
-        for name in run:
-            per[name].append(took[name] / took["bare"])
-        per.setdefault("bare_ms", []).append(took["bare"] * 1e3)
-    return {name: statistics.median(v) for name, v in per.items()}
+    per_round = interleaved_rounds(run, rounds, steps, warmup=steps)  # warm-up: first flush too
+    out = {name: statistics.median(r[name].cpu / r["bare"].cpu for r in per_round)
+           for name in run}
+    out["bare_ms"] = statistics.median(r["bare"].cpu * 1e3 for r in per_round)
+    return out
 
 
 class HookClock:
@@ -149,19 +119,9 @@ def hook_share(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: to
     guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
                      telemetry=tel)
     clock = HookClock(tel)
-    step = guard_step(model, guard, x, y)
     for _ in range(steps):
-        step()
+        guard_step(model, guard, x, y)
     return clock.seconds / steps * 1e3
-
-
-def syncs_per_step(step: Callable[[], None], steps: int) -> list[int]:
-    counts = []
-    for _ in range(steps):
-        with SyncCounter() as c:
-            step()
-        counts.append(c.count)
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"guard": None, "(a) telemetry default": {},
                 "(b) per-layer stats every step": {"layer_every": 1},
                 "(c) range stats every 50 steps": {"range_every": 50}}
-    make = lambda: mlp(args.width, args.depth)  # noqa: E731
+    make = lambda: mlp(args.width, args.depth, torch.nn.GELU)  # noqa: E731
     r = ratios(loops(make, x, y, variants, root), rounds, args.steps)
     print(f"MLP width {args.width} depth {args.depth} batch {args.batch}: bare step "
           f"{r['bare_ms']:.2f} ms CPU; {rounds} interleaved rounds x {args.steps} steps, median")
@@ -207,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
               f"guard+telemetry {s['telemetry']:.3f}x bare | telemetry's own time "
               f"{own / s['bare_ms']:.1%} of the bare step")
 
-    model = mlp(args.width, args.depth)
-    bare = bare_step(model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu"),
-                     x, y)
-    model = mlp(args.width, args.depth)
+    model = mlp(args.width, args.depth, torch.nn.GELU)
+    bare = partial(bare_step, model, torch.optim.AdamW(model.parameters()),
+                   torch.amp.GradScaler("cpu"), x, y)
+    model = mlp(args.width, args.depth, torch.nn.GELU)
     tel = ag.Telemetry(root / "syncs", range_every=50)
     guard = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision="fp16",
                      telemetry=tel)
-    tstep = guard_step(model, guard, x, y)
+    tstep = partial(guard_step, model, guard, x, y)
     n = 200
     b, t = syncs_per_step(bare, n), syncs_per_step(tstep, n)
     extra = [i + 1 for i in range(n) if t[i] != b[i]]

@@ -14,50 +14,26 @@ import argparse
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import SyncCounter, interleaved_medians  # noqa: E402
+from _common import bare_step, interleaved_medians, mlp, syncs_per_step  # noqa: E402
 
 import ampguard as ag  # noqa: E402
-
-
-def mlp(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
 
 
 def loop(width: int, depth: int, fused: bool, run_dir: Path | None,
          x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     """One training step of the user's loop; under ag.watch when ``run_dir`` is given."""
-    model = mlp(width, depth)
+    model = mlp(width, depth, torch.nn.GELU)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     scaler = torch.amp.GradScaler("cpu")
     if run_dir is not None:
         ag.watch(scaler, model, opt, telemetry=run_dir)
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-def syncs(step: Callable[[], None], steps: int) -> list[int]:
-    counts = []
-    for _ in range(steps):
-        with SyncCounter() as counter:
-            step()
-        counts.append(counter.count)
-    return counts
+    return partial(bare_step, model, opt, scaler, x, y)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,17 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     for kind, fused in (("plain", False), ("fused", True)):
         loops[f"bare {kind}"] = loop(args.width, args.depth, fused, None, x, y)
         loops[f"watch {kind}"] = loop(args.width, args.depth, fused, root / kind, x, y)
-    for step in loops.values():  # warm-up: allocations, first fp16 kernels, first flush
-        for _ in range(steps):
-            step()
-    med = interleaved_medians(loops, rounds, steps)
+    med = interleaved_medians(loops, rounds, steps, warmup=steps)  # warm-up: first flush too
     print(f"MLP width {args.width} depth {args.depth} batch {args.batch}, fp16 autocast on CPU; "
           f"{rounds} interleaved rounds x {steps} steps, median")
     for kind in ("plain", "fused"):
         bare, watched = med[f"bare {kind}"], med[f"watch {kind}"]
         n = 200
-        b = syncs(loops[f"bare {kind}"], n)
-        w = syncs(loops[f"watch {kind}"], n)
+        b = syncs_per_step(loops[f"bare {kind}"], n)
+        w = syncs_per_step(loops[f"watch {kind}"], n)
         extra = sum(wi - bi for wi, bi in zip(w, b, strict=True))
         print(f"  {kind:5s} AdamW: bare {bare * 1e3:.2f} ms/step, watch {watched * 1e3:.2f} "
               f"ms/step, ratio {watched / bare:.3f}x; host syncs/step bare {sum(b) / n:.2f}, "
