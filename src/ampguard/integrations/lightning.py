@@ -21,15 +21,12 @@ scaler from a :class:`ampguard.ScalerConfig` and hand the same config to the cal
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampguard.findings import Finding
+from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
-from ampguard.integrations._finish import close_and_report
-from ampguard.integrations._policy import AttachPolicy
 from ampguard.integrations.watch import Watch
 
 require("lightning", "ampguard.integrations.lightning")
@@ -42,7 +39,7 @@ _PRECISIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16",
                "bf16-true": "bf16", "32-true": "fp32", "64-true": "fp32"}
 
 
-class AmpGuardCallback(Callback):
+class AmpGuardCallback(WatchingCallback, Callback):
     """Attach ampguard to a ``lightning.pytorch.Trainer`` fit.
 
     ``telemetry``: a run folder or an :class:`ampguard.Telemetry`; default
@@ -50,29 +47,6 @@ class AmpGuardCallback(Callback):
     (needs matplotlib). Guard options as in :func:`ampguard.watch` (16-mixed only). After the
     fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
     """
-
-    def __init__(self, telemetry: Any = None, *, report: bool = True,
-                 min_scale: float | None = None, max_scale: float | None = None,
-                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
-                 on_collapse: str = "warn") -> None:
-        if not isinstance(report, bool):
-            raise TypeError(f"report must be True or False, got {report!r}")
-        self.telemetry = telemetry
-        self.report = report
-        self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
-                                   on_collapse)
-        self.watch: Watch | None = None
-        self._findings: list[Finding] = []
-
-    @property
-    def run_dir(self) -> Path | None:
-        return self.watch.run_dir if self.watch is not None else None
-
-    def findings(self) -> list[Finding]:
-        """Findings of the last fit (during the fit: so far; costs a flush)."""
-        if self.watch is not None and not self.watch._closed:
-            return self.watch.findings()
-        return list(self._findings)
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -107,10 +81,6 @@ class AmpGuardCallback(Callback):
         self.watch = Watch(scaler, pl_module, list(trainer.optimizers), telemetry,
                            precision=lightning_precision(plugin, scaler), policy=self.policy,
                            framework="lightning", grads_from_optimizer_hooks=False)
-
-    def _close(self) -> None:
-        if self.watch is not None and not self.watch._closed:
-            self._findings = close_and_report(self.watch, self.report)
 
 
 def lightning_precision(plugin: Any, scaler: Any) -> str:

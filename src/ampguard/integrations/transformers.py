@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ampguard.findings import Finding
+from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
-from ampguard.integrations._finish import close_and_report
-from ampguard.integrations._policy import AttachPolicy
 from ampguard.integrations.watch import Watch
 
 require("transformers", "ampguard.integrations.transformers")
@@ -35,7 +33,7 @@ from ampguard.integrations.accelerate import observe_skip_flags  # noqa: E402
 __all__ = ["AmpGuardCallback"]
 
 
-class AmpGuardCallback(TrainerCallback):
+class AmpGuardCallback(WatchingCallback, TrainerCallback):
     """Attach ampguard to a ``transformers.Trainer`` run.
 
     ``telemetry``: a run folder or an :class:`ampguard.Telemetry`; default
@@ -45,29 +43,7 @@ class AmpGuardCallback(TrainerCallback):
     After training, ``findings()`` returns the run's findings and ``run_dir`` its folder.
     """
 
-    def __init__(self, telemetry: Any = None, *, report: bool = True,
-                 min_scale: float | None = None, max_scale: float | None = None,
-                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
-                 on_collapse: str = "warn") -> None:
-        if not isinstance(report, bool):
-            raise TypeError(f"report must be True or False, got {report!r}")
-        self.telemetry = telemetry
-        self.report = report
-        self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
-                                   on_collapse)
-        self.watch: Watch | None = None
-        self._findings: list[Finding] = []
-        self._loss_hook: Any = None
-
-    @property
-    def run_dir(self) -> Path | None:
-        return self.watch.run_dir if self.watch is not None else None
-
-    def findings(self) -> list[Finding]:
-        """Findings of the last run (during training: so far; costs a flush)."""
-        if self.watch is not None and not self.watch._closed:
-            return self.watch.findings()
-        return list(self._findings)
+    _loss_hook: Any = None  # the forward hook taking the loss when there is no scaler
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -99,12 +75,10 @@ class AmpGuardCallback(TrainerCallback):
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.watch.record_loss(loss)
 
-    def _close(self) -> None:
+    def _detach(self) -> None:
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
-        if self.watch is not None and not self.watch._closed:
-            self._findings = close_and_report(self.watch, self.report)
 
 
 def _trainer_precision(args: Any, scaler: Any) -> tuple[str, Finding | None]:

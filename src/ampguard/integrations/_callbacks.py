@@ -1,0 +1,57 @@
+"""What the framework callbacks (HF Trainer, Lightning) share: options, the watch, its findings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ampguard.findings import Finding
+from ampguard.integrations._finish import close_and_report
+from ampguard.integrations._policy import AttachPolicy
+from ampguard.integrations.watch import Watch
+
+__all__ = ["WatchingCallback"]
+
+
+class WatchingCallback:
+    """Base of a framework's ``AmpGuardCallback``: holds the options and the :class:`Watch` of
+    the current run, and the findings of the last one once it is closed.
+
+    The framework class attaches ``self.watch`` when training starts and calls ``_close()`` when
+    it ends; ``_detach()`` is where it removes hooks of its own before the watch closes.
+    """
+
+    def __init__(self, telemetry: Any = None, *, report: bool = True,
+                 min_scale: float | None = None, max_scale: float | None = None,
+                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
+                 on_collapse: str = "warn") -> None:
+        if not isinstance(report, bool):
+            raise TypeError(f"report must be True or False, got {report!r}")
+        self.telemetry = telemetry
+        self.report = report
+        self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
+                                   on_collapse)
+        self.watch: Watch | None = None
+        self._findings: list[Finding] = []
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run folder of the current or last run (None before the first)."""
+        return self.watch.run_dir if self.watch is not None else None
+
+    def findings(self) -> list[Finding]:
+        """Findings of the last run (while it runs: so far).
+
+        Cost: while the run is open, one flush of the run log (a host sync).
+        """
+        if self.watch is not None and not self.watch._closed:
+            return self.watch.findings()
+        return list(self._findings)
+
+    def _detach(self) -> None:
+        """Remove the framework class's own hooks (none here)."""
+
+    def _close(self) -> None:
+        self._detach()
+        if self.watch is not None and not self.watch._closed:
+            self._findings = close_and_report(self.watch, self.report)
