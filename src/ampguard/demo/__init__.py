@@ -8,6 +8,7 @@ steps. Forensics replays an overflowing step in fp16 and fp32 and names the modu
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,13 +45,13 @@ class DemoResult:
 
 
 def build_model(data: DemoData, seed: int) -> torch.nn.Module:
-    """The student: a 3-layer GELU MLP, seeded."""
+    """The student: a 3-layer GELU MLP with named layers (findings name them), seeded."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(data.in_dim, 64), torch.nn.GELU(),
-        torch.nn.Linear(64, 64), torch.nn.GELU(),
-        torch.nn.Linear(64, data.out_dim),
-    )
+    return torch.nn.Sequential(OrderedDict(
+        encoder=torch.nn.Linear(data.in_dim, 64), act1=torch.nn.GELU(),
+        hidden=torch.nn.Linear(64, 64), act2=torch.nn.GELU(),
+        head=torch.nn.Linear(64, data.out_dim),
+    ))
 
 
 def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo",
