@@ -287,12 +287,7 @@ class FileModel(ScalerFacts):
 
         Conditional expressions and ``a or b`` are opened up into their branches.
         """
-        if isinstance(expr, ast.Name):
-            found = self.binding(expr.id, self.scope_of(expr))
-            raw = found[1] if found is not None and found[0] == "values" else None
-        else:
-            key = dotted(expr)
-            raw = self.attr_bindings.get(key) if key is not None else None
+        raw = self._assigned(expr)
         if not raw:
             return [], False
         out: list[ast.AST] = []
@@ -310,14 +305,17 @@ class FileModel(ScalerFacts):
                 out.append(value)
         return out, complete
 
-    def single_value(self, expr: ast.AST) -> ast.AST | None:
-        """The one value a name was ever assigned (no branches), else ``None``."""
+    def _assigned(self, expr: ast.AST) -> list[ast.AST | None] | None:
+        """The raw list of values bound to a name or ``self.x`` attribute (None if unknown)."""
         if isinstance(expr, ast.Name):
             found = self.binding(expr.id, self.scope_of(expr))
-            raw = found[1] if found is not None and found[0] == "values" else None
-        else:
-            key = dotted(expr)
-            raw = self.attr_bindings.get(key) if key is not None else None
+            return found[1] if found is not None and found[0] == "values" else None
+        key = dotted(expr)
+        return self.attr_bindings.get(key) if key is not None else None
+
+    def single_value(self, expr: ast.AST) -> ast.AST | None:
+        """The one value a name was ever assigned (no branches), else ``None``."""
+        raw = self._assigned(expr)
         if raw and len(raw) == 1 and raw[0] is not None:
             return raw[0]
         return None
