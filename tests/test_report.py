@@ -163,3 +163,31 @@ def test_importing_the_reporting_module_keeps_ag_report_callable(tmp_path):
 
     assert callable(ag.report)
     assert ag.report is ampguard.reporting.report
+
+
+class _Escapes(torch.nn.Module):
+    """A block whose linear runs outside autocast: the census must name it (AG310)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.escaper = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.inner(x)
+        with torch.autocast("cpu", enabled=False):
+            return self.escaper(x.float())
+
+
+def test_report_shows_the_autocast_coverage_of_the_chosen_step(tmp_path):
+    model = _Escapes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ag.Guard(model, opt, precision="fp16", telemetry=tmp_path, coverage_step=2) as guard:
+        for _ in range(3):
+            with guard.autocast():
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            guard.backward(loss)
+            guard.step()
+    page = ag.report(tmp_path).read_text()
+    assert "Autocast coverage (step 2, fp16)" in page
+    assert "escaped autocast (AG310): escaper" in page

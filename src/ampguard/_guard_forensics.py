@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ampguard import runlog
 from ampguard._optrace import LOW, OpEvent, OpTrace, is_new
 from ampguard.autocast_coverage import Coverage, coverage_from_events
 from ampguard.findings import Finding
@@ -38,7 +39,7 @@ __all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace"]
 
 ARM_STEPS = 3
 FORENSICS_FILE = "forensics.json"
-COVERAGE_FILE = "coverage.json"
+COVERAGE_FILE = runlog.COVERAGE
 
 
 def attach(guard: Any, *, keep_fp32: Any = None, forensics: Any = False,

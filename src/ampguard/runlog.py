@@ -26,6 +26,7 @@ __all__ = [
     "EVENTS",
     "META",
     "FINDINGS",
+    "COVERAGE",
     "REPORT",
     "TB_DIR",
     "EventLog",
@@ -43,6 +44,7 @@ __all__ = [
 EVENTS = "events.jsonl"
 META = "meta.json"
 FINDINGS = "findings.json"
+COVERAGE = "coverage.json"  # Guard(coverage_step=N): the autocast census of that step
 REPORT = "report.html"
 TB_DIR = "tb"
 FINDING_EVENT = "finding"  # events.jsonl line kind: {"kind": "finding", "step", "finding": {...}}

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from ampguard.findings import Finding
-from ampguard.runlog import RunLog
+from ampguard.runlog import COVERAGE, RunLog, read_json
 
 __all__ = ["render"]
 
@@ -71,6 +71,33 @@ def _fallback_text(change: dict[str, Any]) -> str:
     return f"{change.get('from')} -> {change.get('to')} at step {change.get('step')}"
 
 
+def _coverage(run: RunLog, limit: int = 40) -> str:
+    """The autocast census of ``Guard(coverage_step=N)`` (``coverage.json``), if recorded."""
+    path = run.run_dir / COVERAGE
+    if not path.exists():
+        return ""
+    cov = read_json(path)
+    rows = []
+    for name, m in list(cov.get("modules", {}).items())[:limit]:
+        cells = (name or "(root)", _counts(m.get("heavy_forward")),
+                 _counts(m.get("heavy_backward")), _counts(m.get("forward")),
+                 _counts(m.get("backward")))
+        rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
+    escaped = ", ".join(str(e.get("module") or "(root)") for e in cov.get("escaped") or [])
+    fragile = ", ".join(sorted({f"{f.get('module') or '(root)'}: {f.get('op')}"
+                                for f in cov.get("fragile") or []}))
+    flagged = [f"escaped autocast (AG310): {_e(escaped or 'none')}",
+               f"fragile ops in low precision (AG311): {_e(fragile or 'none')}"]
+    return (f"<h2>Autocast coverage (step {_e(cov.get('step'))}, {_e(cov.get('precision'))})</h2>"
+            f"<p>{' &middot; '.join(flagged)}</p><table><tr><th>module</th>"
+            "<th>matmul-family ops, forward</th><th>matmul-family ops, backward</th>"
+            "<th>all ops, forward</th><th>all ops, backward</th></tr>" + "".join(rows) + "</table>")
+
+
+def _counts(counts: dict[str, int] | None) -> str:
+    return " ".join(f"{k}: {v}" for k, v in sorted((counts or {}).items())) or "-"
+
+
 def _g(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
@@ -116,7 +143,7 @@ def render(run: RunLog, findings: list[Finding], facts: dict[str, Any],
     if findings:
         found = "".join(_finding(f) for f in findings)
     else:
-        found = '<p class="ok">No AG1xx rule fired: nothing to fix.</p>'
+        found = '<p class="ok">No findings: nothing to fix.</p>'
     figs = []
     for title, png in figures:
         if png is None:
@@ -134,5 +161,6 @@ def render(run: RunLog, findings: list[Finding], facts: dict[str, Any],
         f" &middot; {len(findings)} finding(s)</p>{_facts(facts)}"
         f"<h2>Findings</h2>{found}{''.join(figs)}"
         f"<h2>Skipped steps by cause</h2>{_causes(causes, facts['steps'])}"
+        f"{_coverage(run)}"
         f"<h2>Run metadata</h2>{_meta(run)}</main></body></html>"
     )
