@@ -46,3 +46,12 @@ def test_cli_demo_prints_summary_ending_with_outputs(tmp_path, capsys):
     assert "outlier batch" in out
     assert "AG301" in out  # forensics replayed the overflowing step and named the module
     assert out.rstrip().splitlines()[-1].strip().startswith(("report:", "checkpoint:"))
+
+
+def test_cli_demo_rejects_a_bad_step_count_as_a_usage_error(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", "0"])
+    assert exit_info.value.code == 2
+    assert "--steps: must be an integer >= 1" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) ->
             if f.fix:
                 lines.append(_wrap(f"fix: {f.fix}", "      "))
     else:
-        lines.append("findings: none (no AG1xx rule fired)")
+        lines.append("findings: none")
     if facts["steps"]:
         causes = ", ".join(f"{k} {v}" for k, v in facts["causes"].items()) or "none"
         lines.append(f"steps {facts['first_step']}-{facts['last_step']}: {facts['skipped']} "
