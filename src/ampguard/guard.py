@@ -61,7 +61,8 @@ class Guard:
     step in Python (one in all, where torch has one per optimizer), none for fused optimizers
     (``_step_supports_amp_scaling``), whose step flags are read lazily; reading
     ``StepResult.applied`` there, or registering schedulers/callbacks, syncs once per window.
-    bf16 and fp32 steps never sync.
+    bf16 and fp32 steps never sync, except with ``contain_nonfinite_microbatches`` (one per
+    window: a window whose micro-batches were all dropped must skip).
     """
 
     def __init__(
@@ -257,18 +258,25 @@ class Guard:
 
     # ------------------------------------------------------------------ step internals
     def _step_unscaled(self, kwargs: dict[str, Any]) -> StepResult:
+        status = None
+        n = len(self.optimizers)
         if self._contain is not None:
-            self._contain.install(self._params)  # no scaler: nothing is non-finite-checked
+            # No scaler, but containment dropped the non-finite micro-batches: a window that
+            # dropped them all has zero gradients and must skip (one sync, containment only).
+            dropped, all_dropped = self._contain.install(self._params)
+            status = results.pack([all_dropped] * n, dropped)
         if self._telemetry is not None:
             self._telemetry._on_grads(False)
         grad_norm = self._clip(None)
         if self._dist is not None:
             grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
-        for opt in self.optimizers:
-            opt.step(**kwargs)
-        flags = results.Decoded((True,) * len(self.optimizers), False, 0)
+        flags = results.Decoded((True,) * n, False, 0) if status is None else \
+            results.decode(int(status.item()), n)
+        if flags.applied:
+            for opt in self.optimizers:
+                opt.step(**kwargs)
         if self._telemetry is not None:
-            self._telemetry._on_step(None, grad_norm)
+            self._telemetry._on_step(status, grad_norm)
         self._counts.record(flags)
         return StepResult(self._steps, True, grad_norm, flags)
 

@@ -1,0 +1,62 @@
+"""Review of the core training step: containment without a scaler, exceptions inside the step,
+and their interplay with the other features. Real torch on CPU, tiny models."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampguard as ag
+
+NAN = float("nan")
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch(i: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + i)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+    if bad:
+        x[0, 0] = NAN  # every gradient of this micro-batch becomes NaN
+    return x, y
+
+
+def micro(guard: ag.Guard, model: nn.Module, i: int, bad: bool = False) -> ag.StepResult:
+    x, y = batch(i, bad)
+    with guard.autocast():
+        loss = F.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    return guard.step()
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------------- containment, no scaler
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_containment_without_scaler_skips_a_window_whose_microbatches_all_dropped(precision):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = ag.Guard(model, opt, precision=precision, accumulation_steps=2,
+                     contain_nonfinite_microbatches=True)
+    for i in range(2):  # one good window: momentum buffers exist, a zero-grad step would move
+        micro(guard, model, i)
+    before = params_of(model)
+    result = [micro(guard, model, i, bad=True) for i in range(2, 4)][-1]
+    assert (result.applied, result.overflow, result.dropped_microbatches) == (False, True, 2)
+    for a, b in zip(params_of(model), before, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_containment_without_scaler_counts_dropped_microbatches(precision):
+    model = make_model()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
+                     accumulation_steps=2, contain_nonfinite_microbatches=True)
+    result = [micro(guard, model, i, bad=i == 0) for i in range(2)][-1]
+    assert (result.applied, result.dropped_microbatches) == (True, 1)
+    assert guard.diagnostics()["microbatches_dropped"] == 1
