@@ -60,3 +60,44 @@ def test_containment_without_scaler_counts_dropped_microbatches(precision):
     result = [micro(guard, model, i, bad=i == 0) for i in range(2)][-1]
     assert (result.applied, result.dropped_microbatches) == (True, 1)
     assert guard.diagnostics()["microbatches_dropped"] == 1
+
+
+# ---------------------------------------------------------------------- exceptions in the step
+class FlakySGD(torch.optim.SGD):
+    """A real SGD whose next ``step`` raises once when ``fail`` is set (e.g. a transient OOM)."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("transient failure inside optimizer.step")
+        return super().step(closure)
+
+
+def failed_window(precision: str) -> tuple[ag.Guard, nn.Module]:
+    model = make_model()
+    opt = FlakySGD(model.parameters(), lr=1.0)
+    guard = ag.Guard(model, opt, precision=precision)
+    opt.fail = True
+    with pytest.raises(RuntimeError, match="transient failure"):
+        micro(guard, model, 0)
+    return guard, model
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_an_exception_inside_optimizer_step_leaves_no_gradients_behind(precision):
+    _, model = failed_window(precision)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_window_after_a_failed_step_updates_with_its_own_gradients_only():
+    guard, model = failed_window("fp32")
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    x, y = batch(1)
+    F.mse_loss(ref(x), y).backward()
+    before = params_of(model)
+    assert micro(guard, model, 1).applied
+    for b, a, r in zip(before, params_of(model), ref.parameters(), strict=True):
+        torch.testing.assert_close(b - a, r.grad)  # SGD lr=1: delta = this window's gradient

@@ -232,8 +232,10 @@ class Guard:
             result = self._step_scaled(kwargs) if self._scaler else self._step_unscaled(kwargs)
         finally:
             self._resume.after_step(self._steps)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+            # also on an exception: the window's grads are already unscaled/clipped in place and
+            # must not leak into the next window
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
         if len(self._pending) >= _DRAIN_EVERY:
             self._drain()
         if self._dist is not None:
