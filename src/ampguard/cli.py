@@ -73,9 +73,13 @@ _SUBCOMMANDS: list[_Subcommand] = [
 ]
 
 
+_DESCRIPTION = ("robust, observable and debuggable mixed-precision (AMP) training for PyTorch: "
+                "run the demo, summarise a run, lint scripts, compare and inspect models")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ampguard`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="ampguard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ampguard", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, add_args, run in _SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)

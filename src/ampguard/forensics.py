@@ -84,9 +84,15 @@ class Diagnosis:
         return explain(self)
 
     def to_finding(self, step: int | None = None) -> Finding:
-        """This diagnosis as a :class:`~ampguard.findings.Finding`."""
-        return Finding(self.code, _SEVERITY[self.code], title_for(self), self.explain(),
-                       step=step, evidence=self.to_dict(), fix=fix_for(self))
+        """This diagnosis as a :class:`~ampguard.findings.Finding`.
+
+        The message is :meth:`explain` without its closing "Fix: ...", which is the ``fix``
+        field (reports print both, so it would otherwise appear twice).
+        """
+        fix = fix_for(self)
+        message = self.explain().removesuffix(f" Fix: {fix}")
+        return Finding(self.code, _SEVERITY[self.code], title_for(self), message,
+                       step=step, evidence=self.to_dict(), fix=fix)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; :meth:`from_dict` inverts it."""

@@ -1,0 +1,31 @@
+"""Review of the user-facing surface: what README.md and the CLI help promise."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampguard as ag
+from ampguard.cli import build_parser
+
+
+def _hot_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)  # its outputs pass fp16's 65504
+    return model
+
+
+def test_forensics_finding_states_its_fix_once():
+    batch = (torch.randn(8, 16) * 10, torch.randint(0, 4, (8,)))
+    diag = ag.locate(_hot_model(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), batch)
+    finding = diag.to_finding(step=3)
+    assert (finding.code, finding.fix != "") == ("AG301", True)
+    assert finding.fix not in finding.message and "'2'" in finding.message
+
+
+def test_cli_help_describes_the_tool_not_the_module():
+    description = build_parser().description
+    assert "mixed-precision" in description and "dispatch" not in description
