@@ -101,3 +101,22 @@ def test_the_window_after_a_failed_step_updates_with_its_own_gradients_only():
     assert micro(guard, model, 1).applied
     for b, a, r in zip(before, params_of(model), ref.parameters(), strict=True):
         torch.testing.assert_close(b - a, r.grad)  # SGD lr=1: delta = this window's gradient
+
+
+# ------------------------------------------------------------ clipping, several optimizers
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipping_still_binds_the_optimizer_that_steps_when_another_overflowed(fused):
+    model = make_model()
+    opts = [torch.optim.SGD(model[0].parameters(), lr=1.0, fused=fused),
+            torch.optim.SGD(model[2].parameters(), lr=1.0, fused=fused)]
+    guard = ag.Guard(model, opts, precision="fp16", clip_grad_norm=1e-3)
+    before = params_of(model[0])
+    x, y = batch(0)
+    with guard.autocast():
+        loss = F.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    model[2].weight.grad.view(-1)[0] = float("inf")
+    assert guard.step().optimizers_applied == (True, False)
+    delta = torch.cat([(b - a).flatten() for b, a in zip(before, model[0].parameters(),
+                                                            strict=True)])
+    assert 0 < torch.linalg.vector_norm(delta).item() <= 1e-3 * (1 + 1e-3)  # SGD lr=1

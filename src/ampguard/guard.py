@@ -356,10 +356,22 @@ class Guard:
         total = torch.nn.utils.get_total_norm(grads)
         safe = total
         if found is not None and len(found) > 1:
-            # One optimizer's overflow must not turn the others' gradients into NaN.
-            safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+            # One optimizer's overflow must neither turn the others' gradients into NaN nor
+            # leave them unclipped: they are clipped with the norm of the finite optimizers.
+            safe = torch.where(torch.isfinite(total), total, self._finite_norm())
         torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, safe)
         return total
+
+    def _finite_norm(self) -> torch.Tensor:
+        """Total grad norm over the optimizers whose own grads are finite. Cost: no sync."""
+        sq = None
+        for opt in self.optimizers:
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in _params_of(opt) if p.grad is not None])
+            norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+            sq = norm * norm if sq is None else sq + norm * norm
+        assert sq is not None
+        return sq.sqrt()
 
     def _remember_scale(self) -> None:
         assert self._scaler is not None
