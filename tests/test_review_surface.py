@@ -29,3 +29,21 @@ def test_forensics_finding_states_its_fix_once():
 def test_cli_help_describes_the_tool_not_the_module():
     description = build_parser().description
     assert "mixed-precision" in description and "dispatch" not in description
+
+
+class _Island(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.inner(x.float())
+
+
+def test_escaped_module_message_counts_what_it_says():
+    model = nn.Sequential(nn.Linear(16, 16), _Island(), nn.Linear(16, 2))
+    cov = ag.coverage(model, lambda m, b: m(b).float().sum(), torch.randn(4, 16))
+    (finding,) = [f for f in cov.findings() if f.code == "AG310"]
+    count = finding.evidence["heavy_fp32"]
+    assert f"all {count} of its forward and backward matmul-family ops" in finding.message

@@ -257,6 +257,10 @@ _REASONS = {
 }
 
 
+# what ``heavy_fp32`` counts: a forward escape counts its backward ops too (see _escaped)
+_COUNTED = {"forward": "forward and backward", "backward": "backward"}
+
+
 def _escaped_finding(e: dict[str, Any], step: int | None) -> Finding:
     fix = ("Decorate the Function's forward with @torch.amp.custom_fwd(device_type=...) and its "
            "backward with @torch.amp.custom_bwd(device_type=...)."
@@ -265,8 +269,8 @@ def _escaped_finding(e: dict[str, Any], step: int | None) -> Finding:
            "in low precision; if fp32 is intended, declare it with keep_fp32=[...].")
     return Finding(
         "AG310", "warning", f"module escaped autocast: {_where(e['module'])}",
-        f"{_where(e['module'])} ran all {e['heavy_fp32']} of its matmul-family ops in fp32 "
-        f"({e['phase']}): it {_REASONS[e['reason']]}.",
+        f"{_where(e['module'])} ran all {e['heavy_fp32']} of its {_COUNTED[e['phase']]} "
+        f"matmul-family ops in fp32: it {_REASONS[e['reason']]}.",
         step=step, evidence=dict(e), fix=fix,
     )
 
