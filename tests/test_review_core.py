@@ -120,3 +120,27 @@ def test_clipping_still_binds_the_optimizer_that_steps_when_another_overflowed(f
     delta = torch.cat([(b - a).flatten() for b, a in zip(before, model[0].parameters(),
                                                             strict=True)])
     assert 0 < torch.linalg.vector_norm(delta).item() <= 1e-3 * (1 + 1e-3)  # SGD lr=1
+
+
+# ---------------------------------------------------------------------- state round trip
+def test_state_round_trip_keeps_the_scale_history_and_its_change_count():
+    model = make_model()
+    cfg = ag.ScalerConfig(growth_interval=2)
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.05), precision="fp16",
+                     scaler=cfg)
+    for i in range(7):  # growth at 2, 4, 6 and a backoff at 5: the scale changes often
+        x, y = batch(i)
+        with guard.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        if i == 4:
+            model[2].weight.grad.view(-1)[0] = float("inf")
+        guard.step()
+    fresh_model = make_model()
+    fresh = ag.Guard(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.05),
+                     precision="fp16", scaler=cfg)
+    fresh.load_state_dict(guard.state_dict())
+    before, after = guard.diagnostics(), fresh.diagnostics()
+    assert before["scale_changes"] >= 3
+    assert (after["scale_changes"], after["last_scales"]) == \
+        (before["scale_changes"], before["last_scales"])

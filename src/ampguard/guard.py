@@ -510,6 +510,7 @@ class Guard:
             "steps": self._steps,
             "accumulation_steps": self.accumulation_steps,
             "counters": self._counts.to_dict(),
+            "scale_history": self._history.state_dict(),
             "forensics": self._forensics.state() if self._forensics is not None else None,
         }
 
@@ -544,6 +545,8 @@ class Guard:
             self._scaler.load_state_dict(state["scaler"])
         saved = state["scaler"]["scale"] if state["scaler"] is not None else None
         self._history.reset(saved if saved is not None else 1.0)
+        if state.get("scale_history") is not None:  # absent in states saved before it was kept
+            self._history.load_state_dict(state["scale_history"])
         if self._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
             self._forensics.load(state.get("forensics"))
         self._mark_resume(scale_reset=False, saved_scale=saved)

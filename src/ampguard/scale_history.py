@@ -5,6 +5,8 @@ Recording is two small device ops per window (no host sync); reading syncs once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["ScaleHistory"]
@@ -26,6 +28,19 @@ class ScaleHistory:
     def reset(self, value: float) -> None:
         """Forget the history; every slot holds ``value`` (after a resume)."""
         self._values.fill_(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kept scales and the change count as plain numbers. Cost: one host sync."""
+        values = torch.cat([self._values.double(), self._changes.double().reshape(1)]).tolist()
+        return {"values": values[:-1], "changes": int(values[-1])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (same ring size). Cost: no host sync."""
+        values = [float(v) for v in state["values"]]
+        if len(values) != self.size:
+            raise ValueError(f"scale history holds {len(values)} values, expected {self.size}")
+        self._values.copy_(torch.tensor(values, dtype=torch.float32))
+        self._changes.fill_(int(state["changes"]))
 
     def used_at(self, step: int) -> float:
         """The scale window ``step`` ran with (the one after ``step - 1``). Cost: one sync."""
