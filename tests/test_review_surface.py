@@ -47,3 +47,9 @@ def test_escaped_module_message_counts_what_it_says():
     (finding,) = [f for f in cov.findings() if f.code == "AG310"]
     count = finding.evidence["heavy_fp32"]
     assert f"all {count} of its forward and backward matmul-family ops" in finding.message
+
+
+def test_lint_names_a_non_utf8_file_without_declaration_as_such():
+    (finding,) = ag.lint_source(b'x = 1\ny = "\xff"\n', "latin.py")
+    assert (finding.code, finding.line) == ("AG200", 2)
+    assert "not valid utf-8" in finding.message

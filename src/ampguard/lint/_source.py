@@ -77,8 +77,10 @@ def _decode(data: bytes, strict: bool) -> str:
 def _encoding_problem(data: bytes, path: str) -> Finding | None:
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    except SyntaxError as err:
-        return syntax_finding(path, f"cannot read the encoding declaration: {err}")
+    except SyntaxError as err:  # also raised for non-UTF-8 bytes without a declaration
+        if _is_utf8(data):
+            return syntax_finding(path, f"cannot read the encoding declaration: {err}")
+        encoding = "utf-8"  # the decode below names the first bad byte and its line
     try:
         data.decode(encoding)
     except (UnicodeDecodeError, LookupError) as err:
@@ -86,6 +88,14 @@ def _encoding_problem(data: bytes, path: str) -> Finding | None:
         line = data.count(b"\n", 0, start) + 1
         return syntax_finding(path, f"file is not valid {encoding}: {err}", line)
     return None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def noqa_codes(line: str) -> frozenset[str] | None | bool:
