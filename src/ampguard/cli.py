@@ -7,6 +7,7 @@ without importing torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -89,9 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ampguard`` console script; returns the exit code."""
+    """Entry point of the ``ampguard`` console script; returns the exit code.
+
+    Output piped into a reader that stops early (``ampguard lint src | head``) ends the command
+    quietly with status 1 instead of a ``BrokenPipeError`` traceback.
+    """
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
+        return 1
+    return code
 
 
 if __name__ == "__main__":
