@@ -144,3 +144,19 @@ def test_state_round_trip_keeps_the_scale_history_and_its_change_count():
     assert before["scale_changes"] >= 3
     assert (after["scale_changes"], after["last_scales"]) == \
         (before["scale_changes"], before["last_scales"])
+
+
+def test_adopting_a_torch_grad_scaler_state_starts_the_scale_history_at_its_scale(tmp_path):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scaler": scaler.state_dict()}, tmp_path / "plain.pt")
+    guard = ag.Guard(model, opt, precision="fp16")
+    with pytest.warns(RuntimeWarning, match="adopted the torch GradScaler state"):
+        ag.load_checkpoint(tmp_path / "plain.pt", model=model, optimizer=opt, guard=guard)
+    assert micro(guard, model, 0).applied
+    diag = guard.diagnostics()
+    assert diag["scale"] == 1024.0
+    assert diag["scale_changes"] == 0  # the scale never changed after the resume
+    assert {s["scale"] for s in diag["last_scales"]} == {1024.0}

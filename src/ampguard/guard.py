@@ -557,6 +557,7 @@ class Guard:
         self._scaler.load_state_dict(
             {"scale": state["scale"], "growth_tracker": state.get("_growth_tracker", 0)}
         )
+        self._history.reset(float(state["scale"]))  # not init_scale: no spurious scale change
         self._mark_resume(scale_reset=False, saved_scale=float(state["scale"]))
 
     def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
