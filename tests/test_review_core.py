@@ -160,3 +160,11 @@ def test_adopting_a_torch_grad_scaler_state_starts_the_scale_history_at_its_scal
     assert diag["scale"] == 1024.0
     assert diag["scale_changes"] == 0  # the scale never changed after the resume
     assert {s["scale"] for s in diag["last_scales"]} == {1024.0}
+
+
+def test_an_in_window_result_has_one_flag_per_optimizer():
+    model = make_model()
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
+            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    guard = ag.Guard(model, opts, precision="fp16", accumulation_steps=2)
+    assert micro(guard, model, 0).optimizers_applied == (False, False)

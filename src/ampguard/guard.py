@@ -224,7 +224,7 @@ class Guard:
         if self._micro == 0:
             raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
         if self._micro < self.accumulation_steps:
-            return StepResult.in_window(self._steps)
+            return StepResult.in_window(self._steps, len(self.optimizers))
         self._micro = 0
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp

@@ -82,8 +82,8 @@ class StepResult:
         self._owner = owner
 
     @classmethod
-    def in_window(cls, step: int) -> StepResult:
-        return cls(step, False, None, Decoded((False,), False, 0))
+    def in_window(cls, step: int, n_optimizers: int = 1) -> StepResult:
+        return cls(step, False, None, Decoded((False,) * n_optimizers, False, 0))
 
     def _flags(self) -> Decoded:
         if self._decoded is None:
