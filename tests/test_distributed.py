@@ -408,3 +408,15 @@ def test_consensus_adds_no_host_sync(world_of_one, fused):
         return reads.count
 
     assert syncs(None) == syncs("local")
+
+
+def test_desync_finding_states_the_fix_once():
+    from ampguard.distributed import _DESYNC_FIX, DesyncError
+
+    err = DesyncError(f"audit at step 3: rank 1 differs. scale: 0=1.0, 1=2.0. Fix: {_DESYNC_FIX}",
+                      step=3, differences={"scale": {0: 1.0, 1: 2.0}}, ranks=[1])
+    finding = err.finding
+    assert finding.code == "AG130"
+    assert "Fix:" not in finding.message
+    assert finding.fix == _DESYNC_FIX
+    assert str(err).endswith(_DESYNC_FIX)  # the exception itself still says what to do

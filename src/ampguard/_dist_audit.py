@@ -1,6 +1,6 @@
 """Rows of the cross-rank audit: build this rank's row, compare all rows, repair from rank 0.
 
-A row is :data:`ampguard.distributed.AUDIT_FIELDS` as int64: the scale as its exact fp32 bit
+A row is :data:`AUDIT_FIELDS` as int64: the scale as its exact fp32 bit
 pattern, the trackers, the step counters, the precision code and the parameter checksum.
 """
 

@@ -61,7 +61,8 @@ class DesyncError(RuntimeError):
     @property
     def finding(self) -> Finding:
         return Finding(
-            code="AG130", severity="error", title="ranks out of sync", message=str(self),
+            code="AG130", severity="error", title="ranks out of sync",
+            message=str(self).split(" Fix: ")[0],  # the exception text ends with the fix
             step=self.step, evidence={"ranks": self.ranks, "differences": {
                 f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()}},
             fix=_DESYNC_FIX,
