@@ -168,3 +168,26 @@ def test_an_in_window_result_has_one_flag_per_optimizer():
             torch.optim.SGD(model[2].parameters(), lr=0.1)]
     guard = ag.Guard(model, opts, precision="fp16", accumulation_steps=2)
     assert micro(guard, model, 0).optimizers_applied == (False, False)
+
+
+@pytest.mark.parametrize("contain", [False, True])
+def test_loading_state_mid_window_drops_the_half_window_gradients(contain):
+    def make(seed_model):
+        model = make_model()
+        model.load_state_dict(seed_model.state_dict())
+        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                         accumulation_steps=2, contain_nonfinite_microbatches=contain)
+        return guard, model
+
+    base = make_model()
+    saved = make(base)[0].state_dict()
+    guard, model = make(base)
+    micro(guard, model, 7)  # half a window, then a rollback to the saved state
+    guard.load_state_dict(saved)
+    ref_guard, ref_model = make(base)
+    ref_guard.load_state_dict(saved)
+    for i in range(2):
+        micro(guard, model, i)
+        micro(ref_guard, ref_model, i)
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)

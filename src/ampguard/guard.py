@@ -534,6 +534,10 @@ class Guard:
         self._steps = int(state["steps"])
         self._counts = results.Counters.from_dict(state["counters"])
         self._fallback = dict(state["fallback"]) if state["fallback"] else None
+        if self._micro:  # a half-finished window: its gradients must not join the next one
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            self._contain = None  # containment buffer: rebuilt on the next backward
         self._micro = 0
         self._pending.clear()
         if state["precision"] != self._policy.precision:
