@@ -191,3 +191,14 @@ def test_loading_state_mid_window_drops_the_half_window_gradients(contain):
         micro(ref_guard, ref_model, i)
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_pending_fused_result_stays_readable_after_load_state_dict():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = ag.Guard(model, opt, precision="fp16")
+    saved = guard.state_dict()
+    result = micro(guard, model, 0)  # flags still on the device
+    guard.load_state_dict(saved)  # a rollback
+    assert (result.applied, result.overflow) == (True, False)
+    assert guard.diagnostics()["applied_steps"] == 0  # the loaded counters, not the dropped step

@@ -383,8 +383,9 @@ class Guard:
         self._contain.absorb(self._params)
 
     # ------------------------------------------------------------------ flags and collapse
-    def _drain(self) -> None:
-        """Decode pending fused-step flags. Cost: one host sync for all of them."""
+    def _drain(self, act: bool = True) -> None:
+        """Decode pending fused-step flags; unless ``act`` is False (a load replaces what they
+        would count), also count them and act on a collapse. Cost: one host sync for all."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -392,6 +393,8 @@ class Guard:
         collapsed = []
         for (result, _), value in zip(pending, values, strict=True):
             result._decoded = results.decode(int(value), len(self.optimizers))
+            if not act:
+                continue
             self._record(result.step, result._decoded)  # count every step before any raise
             if result._decoded.collapse:
                 collapsed.append(result.step)
@@ -539,7 +542,7 @@ class Guard:
                 opt.zero_grad(set_to_none=True)
             self._contain = None  # containment buffer: rebuilt on the next backward
         self._micro = 0
-        self._pending.clear()
+        self._drain(act=False)  # results still pending stay readable
         if state["precision"] != self._policy.precision:
             self._policy = resolve_precision(state["precision"], self._device)
             self._scaler = self._make_scaler()
