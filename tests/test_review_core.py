@@ -202,3 +202,57 @@ def test_a_pending_fused_result_stays_readable_after_load_state_dict():
     guard.load_state_dict(saved)  # a rollback
     assert (result.applied, result.overflow) == (True, False)
     assert guard.diagnostics()["applied_steps"] == 0  # the loaded counters, not the dropped step
+
+
+# -------------------------------------------------------------- telemetry of aborted windows
+class FlakyFusedAdamW(torch.optim.AdamW):
+    """A real fused AdamW whose next ``step`` raises once when ``fail`` is set."""
+
+    fail = False
+
+    def step(self, closure=None):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("transient failure inside optimizer.step")
+        return super().step(closure)
+
+
+def recorded_losses(run_dir) -> list[float]:
+    from ampguard import runlog
+
+    return [float(v) for v in runlog.load_run(run_dir).loss]
+
+
+def test_telemetry_loss_of_the_window_after_a_failed_step_is_its_own(tmp_path):
+    model = make_model()
+    opt = FlakyFusedAdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = ag.Guard(model, opt, precision="fp16", telemetry=ag.Telemetry(tmp_path))
+    opt.fail = True
+    with pytest.raises(RuntimeError, match="transient failure"):
+        micro(guard, model, 0)
+    x, y = batch(1)
+    with guard.autocast():
+        loss = F.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    guard.step()
+    guard.close()
+    assert recorded_losses(tmp_path)[-1] == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_telemetry_loss_after_a_mid_window_load_is_the_new_windows_own(tmp_path):
+    model = make_model()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     accumulation_steps=2, telemetry=ag.Telemetry(tmp_path))
+    saved = guard.state_dict()
+    micro(guard, model, 0)  # half a window, then a rollback
+    guard.load_state_dict(saved)
+    losses = []
+    for i in (1, 2):
+        x, y = batch(i)
+        with guard.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        losses.append(loss.item())
+        guard.backward(loss)
+        guard.step()
+    guard.close()
+    assert recorded_losses(tmp_path)[-1] == pytest.approx(sum(losses) / 2, rel=1e-6)

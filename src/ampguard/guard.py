@@ -230,6 +230,10 @@ class Guard:
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
             result = self._step_scaled(kwargs) if self._scaler else self._step_unscaled(kwargs)
+        except BaseException:
+            if self._telemetry is not None:  # the failed window's loss must not join the next
+                self._telemetry._on_abort()
+            raise
         finally:
             self._resume.after_step(self._steps)
             # also on an exception: the window's grads are already unscaled/clipped in place and
@@ -541,6 +545,8 @@ class Guard:
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
             self._contain = None  # containment buffer: rebuilt on the next backward
+            if self._telemetry is not None:
+                self._telemetry._on_abort()
         self._micro = 0
         self._drain(act=False)  # results still pending stay readable
         if state["precision"] != self._policy.precision:

@@ -239,6 +239,17 @@ class Telemetry:
         if self._row == self.flush_every:
             self.flush()
 
+    def _on_abort(self) -> None:
+        """The window in progress ended without a step (an exception inside ``Guard.step``, or a
+        load mid-window): forget its loss and gradient statistics. Cost: no host sync."""
+        if self._closed or self._guard is None:
+            return
+        v = self._views[self._row]
+        v.loss.zero_()
+        v.stats.zero_()
+        self._micro = 0
+        self._this_step = (False, -1, False)
+
     def _grads(self) -> list[torch.Tensor]:
         if self._sharded:  # FSDP2: statistics of this rank's gradient shards
             return [self._zero.expand(_layers.local(p).shape) if p.grad is None
