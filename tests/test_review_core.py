@@ -256,3 +256,31 @@ def test_telemetry_loss_after_a_mid_window_load_is_the_new_windows_own(tmp_path)
         guard.step()
     guard.close()
     assert recorded_losses(tmp_path)[-1] == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+# ---------------------------------------------------------------------- fallback mid-window
+def test_a_fallback_acted_on_mid_window_unscales_the_windows_gradients():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, fused=True)
+    guard = ag.Guard(model, opt, precision="fp16", scaler=ag.ScalerConfig(
+        init_scale=128.0, min_scale=128.0, on_collapse="fallback"))
+    x, y = batch(0)
+    with guard.autocast():
+        loss = F.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    model[2].weight.grad.view(-1)[0] = float("inf")
+    guard.step()  # collapse at min_scale; a fused step's flags are read lazily
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    x, y = batch(1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.mse_loss(ref(x).float(), y).backward()
+    before = params_of(model)
+    with guard.autocast():
+        loss = F.mse_loss(model(x).float(), y)
+    guard.backward(loss)  # scaled by 128
+    with pytest.warns(RuntimeWarning, match="switched precision"):
+        assert guard.scale == 1.0  # reading the scale mid-window acts on the collapse
+    assert guard.step().applied
+    for b, a, r in zip(before, params_of(model), ref.parameters(), strict=True):
+        torch.testing.assert_close(b - a, r.grad, rtol=1e-2, atol=1e-5)  # SGD lr=1

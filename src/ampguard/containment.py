@@ -68,6 +68,10 @@ class MicrobatchBuffer:
         self._fresh = True
         return self._dropped.clone(), (self._good == 0).float()
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The accumulation buffers (the window's good micro-batches so far)."""
+        return list(self._acc.values())
+
     def _buffer(self, p: torch.Tensor) -> torch.Tensor:
         buf = self._acc.get(id(p))
         if buf is None:

@@ -442,6 +442,13 @@ class Guard:
         target = "bf16" if supports_bf16(self._device.type) else "fp32"
         old = self._policy.precision
         self._policy = resolve_precision(target, self._device)
+        if self._micro and self._scaler is not None:
+            # acted on mid-window (a lazy fused flag read): the window's gradients so far carry
+            # the old loss scale, the rest of the window will not
+            grads = collect_grads(self._params)
+            if self._contain is not None:
+                grads += self._contain.buffers()
+            self._scaler.unscale_(grads)
         self._scaler = None
         self._pending.clear()
         self._fallback = {"step": step, "from": old, "to": target}
