@@ -284,3 +284,20 @@ def test_a_fallback_acted_on_mid_window_unscales_the_windows_gradients():
     assert guard.step().applied
     for b, a, r in zip(before, params_of(model), ref.parameters(), strict=True):
         torch.testing.assert_close(b - a, r.grad, rtol=1e-2, atol=1e-5)  # SGD lr=1
+
+
+def test_close_still_closes_telemetry_when_a_pending_collapse_raises(tmp_path):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = ag.Guard(model, opt, precision="fp16", telemetry=ag.Telemetry(tmp_path),
+                     scaler=ag.ScalerConfig(init_scale=1.0))  # on_collapse="raise"
+    x, y = batch(0)
+    with guard.autocast():
+        loss = F.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    model[2].weight.grad.view(-1)[0] = float("inf")
+    guard.step()  # collapse at min_scale, flags pending on the device
+    with pytest.raises(ag.ScaleCollapseError):
+        guard.close()
+    assert guard.telemetry.closed
+    assert (tmp_path / "findings.json").exists()

@@ -638,11 +638,13 @@ class Guard:
         """Flush telemetry, write ``findings.json`` and close the run log (no-op without
         telemetry; idempotent). Cost: one host sync."""
         if self._telemetry is not None and not self._telemetry.closed:
-            self._telemetry.record_findings(self._side_findings())
-            self._telemetry.annotate("diagnostics", self.diagnostics())  # the report's header
-            if self._dist is not None:
-                self._telemetry.annotate("distributed", self._dist.summary())
-            self._telemetry.close()
+            try:  # a collapse surfacing here (pending fused flags) still closes the run log
+                self._telemetry.record_findings(self._side_findings())
+                self._telemetry.annotate("diagnostics", self.diagnostics())  # report header
+                if self._dist is not None:
+                    self._telemetry.annotate("distributed", self._dist.summary())
+            finally:
+                self._telemetry.close()
 
     def __enter__(self) -> Guard:
         return self
