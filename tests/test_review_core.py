@@ -301,3 +301,27 @@ def test_close_still_closes_telemetry_when_a_pending_collapse_raises(tmp_path):
         guard.close()
     assert guard.telemetry.closed
     assert (tmp_path / "findings.json").exists()
+
+
+def test_collapse_warn_with_a_fused_optimizer_warns_for_each_episode():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = ag.Guard(model, opt, precision="fp16",
+                     scaler=ag.ScalerConfig(init_scale=1.0, on_collapse="warn"))
+
+    def window(i: int, overflow: bool) -> None:
+        x, y = batch(i)
+        with guard.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        if overflow:
+            model[2].weight.grad.view(-1)[0] = float("inf")
+        guard.step()
+
+    with pytest.warns(RuntimeWarning, match="collapsed at step 1"):
+        window(1, True)  # episode 1: collapse ...
+        window(2, False)  # ... ended by an applied step, both settled by one read
+        assert guard.skipped_steps == 1
+    with pytest.warns(RuntimeWarning, match="collapsed at step 3"):
+        window(3, True)  # episode 2
+        assert guard.skipped_steps == 2

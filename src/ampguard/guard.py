@@ -400,7 +400,9 @@ class Guard:
             if not act:
                 continue
             self._record(result.step, result._decoded)  # count every step before any raise
-            if result._decoded.collapse:
+            if result._decoded.collapse and self.scaler_config.on_collapse == "warn":
+                self._on_collapse(result.step)  # in order: an applied step ends an episode
+            elif result._decoded.collapse:
                 collapsed.append(result.step)
         if collapsed:
             self._on_collapse(collapsed[0])
