@@ -192,7 +192,10 @@ def _load_guard(guard: Any, data: dict[str, Any], target: Path) -> None:
         guard.load_state_dict(state)
         return
     scaler_state = data.get("scaler")
-    if isinstance(scaler_state, dict) and "scale" in scaler_state and guard.uses_scaler:
+    if not guard.uses_scaler:  # bf16 / fp32: no loss scale to restore
+        guard._restart_scale()
+        return
+    if isinstance(scaler_state, dict) and "scale" in scaler_state:
         guard._adopt_torch_scaler_state(scaler_state)
         warnings.warn(f"{target}: no ampguard Guard state; adopted the torch GradScaler state "
                       f"(scale {scaler_state['scale']:g})", RuntimeWarning, stacklevel=3)
@@ -204,7 +207,7 @@ def _load_guard(guard: Any, data: dict[str, Any], target: Path) -> None:
         "lower learning rate for a few hundred steps.",
         RuntimeWarning, stacklevel=3,
     )
-    guard._mark_resume(scale_reset=True)
+    guard._restart_scale()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -313,21 +313,23 @@ class Guard:
             found, dropped = agree.wait()
             grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
         signal = found[0] if len(found) == 1 else torch.stack(found).sum()
+        skipped = None
         if dropped is not None:
+            skipped = signal > 0  # a window that still updates is no collapse
             signal = signal + dropped.float()  # a dropped micro-batch says the scale is too high
         status = results.pack(found, dropped)
         if all(fused):
             # No host sync (as torch): the kernels skip themselves on found_inf.
             for opt, f in zip(self.optimizers, found, strict=True):
                 self._fused_step(opt, f, unscale_now, kwargs)
-            status = results.add_collapse(status, scaler.update(signal), len(found))
+            status = results.add_collapse(status, scaler.update(signal, skipped), len(found))
             self._remember_scale()
             if self._telemetry is not None:
                 self._telemetry._on_step(status, grad_norm)
             result = StepResult(self._steps, True, grad_norm, None, owner=self)
             self._pending.append((result, status))
             return result
-        status = results.add_collapse(status, scaler.update(signal), len(found))
+        status = results.add_collapse(status, scaler.update(signal, skipped), len(found))
         self._remember_scale()
         if self._telemetry is not None:
             self._telemetry._on_step(status, grad_norm)
@@ -527,6 +529,7 @@ class Guard:
             "accumulation_steps": self.accumulation_steps,
             "counters": self._counts.to_dict(),
             "scale_history": self._history.state_dict(),
+            "resume": self._resume.state_dict(),
             "forensics": self._forensics.state() if self._forensics is not None else None,
         }
 
@@ -572,6 +575,14 @@ class Guard:
         if self._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
             self._forensics.load(state.get("forensics"))
         self._mark_resume(scale_reset=False, saved_scale=saved)
+        self._resume.load_state_dict(state.get("resume"))  # a warm-up ramp still running
+
+    def _restart_scale(self) -> None:
+        """A checkpoint without scaler state: the scale starts again from ``init_scale``."""
+        if self._scaler is not None:
+            self._scaler = self._make_scaler()
+            self._history.reset(self.scaler_config.init_scale)
+        self._mark_resume(scale_reset=self._scaler is not None)
 
     def _adopt_torch_scaler_state(self, state: dict[str, Any]) -> None:
         """Take over a ``torch.amp.GradScaler.state_dict()`` (scale and growth tracker)."""

@@ -115,6 +115,19 @@ class ResumeTracker:
         self._maybe_start(step)
         return gap
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where a running ramp started (the resume record itself belongs to this process)."""
+        return {"ramp_start": self.ramp.start_step if self.ramp is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue a ramp that was running when the state was saved (unless one just started)."""
+        if not state or state.get("ramp_start") is None or self.config is None \
+                or self.ramp is not None:
+            return
+        self.ramp = WarmupRamp(self.config, int(state["ramp_start"]))
+        if self.info is not None:
+            self.info["warmup"] = True
+
     def before_step(self, optimizers: Sequence[torch.optim.Optimizer], step: int) -> None:
         if self.ramp is not None:
             self.ramp.apply(optimizers, step)

@@ -161,11 +161,14 @@ class LossScaler:
         """Non-finite flag of ``grads`` without changing them. Cost: no host sync."""
         return self.unscale_(grads, torch.ones((), dtype=torch.float32, device=self.device))
 
-    def update(self, found_inf: torch.Tensor) -> torch.Tensor:
+    def update(self, found_inf: torch.Tensor, skipped: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Advance the state machine by one optimizer step; return the 0-dim bool collapse flag.
 
-        ``found_inf`` is a 0-dim float tensor, nonzero when any gradient was non-finite.
-        Cost: no host sync.
+        ``found_inf`` is a 0-dim float tensor, nonzero when the scale should back off (any
+        non-finite gradient). ``skipped`` (0-dim bool), when given, says whether the step was
+        skipped: a back-off at the floor is a collapse only then (a dropped micro-batch backs the
+        scale off while the rest of the window still updates). Cost: no host sync.
         """
         cfg = self.config
         if not cfg.dynamic:
@@ -178,6 +181,8 @@ class LossScaler:
         else:  # the kernel backs off on any nonzero value: no conversion needed
             backoff, backoff_signal = found, found_inf
         collapse = backoff & (self._scale <= cfg.min_scale)
+        if skipped is not None:
+            collapse = collapse & skipped
         torch._amp_update_scale_(
             self._scale, self._growth_tracker, backoff_signal,
             cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval,
