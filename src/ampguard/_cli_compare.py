@@ -9,23 +9,15 @@ import argparse
 import json
 import sys
 
+from ampguard._cli_types import positive_int
+
 __all__ = ["compare_args", "compare_run", "inspect_args", "inspect_run"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning an "
                    "ampguard.Experiment")
-    p.add_argument("--steps", type=_positive_int, default=300,
+    p.add_argument("--steps", type=positive_int, default=300,
                    help="training steps per variant (default 300)")
     p.add_argument("--out", default=None,
                    help="folder for comparison.html and comparison.json (default: none)")

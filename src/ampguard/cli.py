@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ampguard import _cli_compare, _cli_lint, _cli_report
+from ampguard._cli_types import positive_int
 
 __all__ = ["main", "build_parser"]
 
@@ -19,18 +20,8 @@ __all__ = ["main", "build_parser"]
 _Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=_positive_int, default=300,
+    p.add_argument("--steps", type=positive_int, default=300,
                    help="training steps (default 300)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--out", default="ampguard-runs/demo",

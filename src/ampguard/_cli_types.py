@@ -1,0 +1,18 @@
+"""Argument types shared by the CLI subcommands (argparse reports their errors as usage errors)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1, else ``argparse.ArgumentTypeError`` (exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
