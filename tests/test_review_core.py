@@ -63,8 +63,9 @@ def test_containment_without_scaler_counts_dropped_microbatches(precision):
 
 
 # ---------------------------------------------------------------------- exceptions in the step
-class FlakySGD(torch.optim.SGD):
-    """A real SGD whose next ``step`` raises once when ``fail`` is set (e.g. a transient OOM)."""
+class FailsOnce:
+    """Mixin for a real optimizer whose next ``step`` raises once when ``fail`` is set (e.g. a
+    transient OOM)."""
 
     fail = False
 
@@ -73,6 +74,10 @@ class FlakySGD(torch.optim.SGD):
             self.fail = False
             raise RuntimeError("transient failure inside optimizer.step")
         return super().step(closure)
+
+
+class FlakySGD(FailsOnce, torch.optim.SGD):
+    """SGD that fails once on demand."""
 
 
 def failed_window(precision: str) -> tuple[ag.Guard, nn.Module]:
@@ -205,16 +210,8 @@ def test_a_pending_fused_result_stays_readable_after_load_state_dict():
 
 
 # -------------------------------------------------------------- telemetry of aborted windows
-class FlakyFusedAdamW(torch.optim.AdamW):
-    """A real fused AdamW whose next ``step`` raises once when ``fail`` is set."""
-
-    fail = False
-
-    def step(self, closure=None):
-        if self.fail:
-            self.fail = False
-            raise RuntimeError("transient failure inside optimizer.step")
-        return super().step(closure)
+class FlakyFusedAdamW(FailsOnce, torch.optim.AdamW):
+    """AdamW (built fused by the tests) that fails once on demand."""
 
 
 def recorded_losses(run_dir) -> list[float]:
