@@ -1,21 +1,27 @@
-"""Safe checkpoints: atomic save, ``weights_only`` load, resume checks.
+"""Safe checkpoints: atomic save, verified ``weights_only`` load, all-or-nothing resume.
 
 A checkpoint is written to a temporary file in the target folder, fsynced and atomically renamed
 over the target, so a crash at any moment leaves either the old or the new checkpoint, never a torn
-one. Loading always uses ``torch.load(weights_only=True)``: no code from the file ever runs.
+one (``ampguard._ckpt_files``). Loading checks the CRC-32 of every zip member, then always uses
+``torch.load(weights_only=True)``: no code from the file ever runs. The payload is then checked
+against the live objects (``ampguard._ckpt_validate``, ``ampguard._guard_state``) and copied only
+when everything fits, so a failed load leaves model, optimizer, scheduler, Guard and RNG as they
+were. Every failure is a :class:`CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ampguard import _ckpt_validate as _v
+from ampguard import _guard_state
+from ampguard._ckpt_files import CheckpointError, atomic_write, is_zip, verify_zip
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "atomic_write"]
 
@@ -24,10 +30,6 @@ _VERSION = 1
 # exact types: a str/int subclass (e.g. torch's TorchVersion) would be refused by weights_only
 _SCALARS = (str, int, float, bool, type(None))
 _OBJECTS = (torch.Tensor, torch.dtype, torch.device, torch.Size)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the path and the reason."""
 
 
 def save_checkpoint(
@@ -61,7 +63,7 @@ def save_checkpoint(
         "rng": _rng_state() if rng else None,
     }
     target = Path(path)
-    atomic_write(target, lambda f: torch.save(payload, f))
+    atomic_write(target, lambda f: _save_with_crc(payload, f))
     return target
 
 
@@ -76,62 +78,90 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote (or a plain torch loop's dict); return ``extra``.
 
-    Always ``weights_only=True``. A truncated, corrupt, foreign or malicious file raises
-    :class:`CheckpointError` naming the path and the reason. A checkpoint without Guard state
-    (e.g. from a plain torch loop) loads with a warning that the loss scale restarts at
-    ``init_scale``; a torch ``GradScaler`` state under ``"scaler"`` is adopted instead.
+    All or nothing: the file's integrity (the CRC-32 of every zip member) and then every field
+    (model keys, shapes and dtypes, optimizer groups and state, scheduler, Guard state, RNG
+    state) are checked before anything is copied, so any failure raises :class:`CheckpointError`
+    naming the path and the reason and leaves every given object as it was. Always
+    ``weights_only=True``. A checkpoint without Guard state (e.g. from a plain torch loop) loads
+    with a warning that the loss scale restarts at ``init_scale``; a torch ``GradScaler`` state
+    under ``"scaler"`` is adopted instead. Cost: the CRC-32 pass over the file (README), plus
+    one host sync per Guard state.
     """
-    target = Path(path)
-    data = _read(target)
-    data = _normalise(data, target)
+    return _load(Path(path), model=model, optimizer=optimizer, guard=guard,
+                 scheduler=scheduler, rng=rng)
+
+
+def _load(target: Path, *, model: torch.nn.Module, optimizer: Any, guard: Any, scheduler: Any,
+          rng: bool, check_extra: Any = None) -> dict[str, Any]:
+    """:func:`load_checkpoint`; ``check_extra(extra)`` joins the checks (distributed RNG)."""
+    data = _normalise(_read(target), target)
+    foreign = bool(data.get("foreign"))
+    module = _unwrap(model)
+    # ---- check everything; nothing is changed until all of it passed
+    _v.check_model(module, data.get("model"), target)
+    pairs = _v.check_optimizers(optimizer, data.get("optimizer"), target)
+    sched_state = data.get("scheduler") if scheduler is not None else None
+    if sched_state is not None:
+        _v.check_scheduler(scheduler, sched_state, target)
+    guard_plan = _check_guard(guard, data, target)
+    rng_state = _check_rng(data.get("rng"), target, foreign) if rng else None
+    extra = _v.check_extra(data.get("extra"), target)
+    if check_extra is not None:
+        check_extra(extra)
+    # ---- commit
     try:
-        _unwrap(model).load_state_dict(data["model"])
-        _load_optimizers(optimizer, data.get("optimizer"), target)
-        if scheduler is not None and data.get("scheduler") is not None:
-            scheduler.load_state_dict(data["scheduler"])
-        if guard is not None:
-            _load_guard(guard, data, target)
-    except CheckpointError:
-        raise
-    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{target}: does not fit the given objects: {exc}") from exc
-    if rng and data.get("rng") is not None:
-        _set_rng_state(data["rng"])
-    return data.get("extra") or {}
+        for opt, sd in pairs:
+            opt.load_state_dict(sd)
+        module.load_state_dict(data["model"])
+        if sched_state is not None:
+            scheduler.load_state_dict(sched_state)
+    except Exception as exc:  # a custom load hook refused what the checks accepted
+        raise CheckpointError(f"{target}: loading failed after the checks passed (a custom "
+                              f"load_state_dict hook?); the objects may be partly loaded: "
+                              f"{exc}") from exc
+    if guard is not None:
+        _commit_guard(guard, guard_plan, target)
+    if rng_state is not None:
+        _set_rng_state(rng_state)
+    return extra
 
 
-def atomic_write(target: Path, write: Any) -> None:
-    """Call ``write(fileobj)`` on a temp file beside ``target``, fsync, then rename over it.
+def _save_with_crc(payload: dict[str, Any], f: Any) -> None:
+    """``torch.save`` with its per-member CRC-32s on: :func:`verify_zip` checks them at load."""
+    from torch.serialization import get_crc32_options, set_crc32_options
 
-    A crash at any moment leaves the previous ``target`` intact. Raises :class:`CheckpointError`.
-    """
-    target = Path(target)
-    folder = target.parent if str(target.parent) else Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
+    was_on = get_crc32_options()
+    if not was_on:
+        set_crc32_options(True)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _fsync_dir(folder)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, Exception):
-            raise CheckpointError(f"{target}: could not be written: {exc}") from exc
-        raise
+        torch.save(payload, f)
+    finally:
+        if not was_on:
+            set_crc32_options(False)
 
 
 # ---------------------------------------------------------------------- reading
 def _read(target: Path) -> Any:
-    if not target.is_file():
+    if target.is_dir():
+        raise CheckpointError(f"{target}: is a folder, not a checkpoint file")
+    if not target.exists():
         raise CheckpointError(f"{target}: no such checkpoint file")
     try:
-        return torch.load(target, map_location="cpu", weights_only=True)
+        zipped = is_zip(target)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: could not be read: {exc}") from exc
+    if zipped:
+        verify_zip(target)
+    try:
+        data = torch.load(target, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise CheckpointError(f"{target}: could not be read: {exc}") from exc
     except Exception as exc:  # torch raises many types for bad files; all mean "unreadable"
         raise CheckpointError(f"{target}: unreadable checkpoint: {_reason(exc)}") from exc
+    if not zipped:
+        warnings.warn(f"{target}: torch's legacy (pre-1.6, non-zip) format carries no "
+                      "checksums; loaded without an integrity check", RuntimeWarning, stacklevel=4)
+    return data
 
 
 def _reason(exc: Exception) -> str:
@@ -172,42 +202,57 @@ def _normalise(data: Any, target: Path) -> dict[str, Any]:
                           f"{sorted(map(str, data))[:8]}); expected a 'model' state dict")
 
 
-def _load_optimizers(optimizer: Any, states: Any, target: Path) -> None:
-    if optimizer is None:
-        return
-    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    if states is None:
-        raise CheckpointError(f"{target}: has no optimizer state to load")
-    states = states if isinstance(states, list) else [states]
-    if len(states) != len(opts):
-        raise CheckpointError(f"{target}: holds {len(states)} optimizer state(s), "
-                              f"{len(opts)} optimizer(s) given")
-    for opt, sd in zip(opts, states, strict=True):
-        opt.load_state_dict(sd)
-
-
-def _load_guard(guard: Any, data: dict[str, Any], target: Path) -> None:
+def _check_guard(guard: Any, data: dict[str, Any], target: Path) -> tuple[str, Any]:
+    """What loading into ``guard`` will do: ``(kind, checked value)``; changes nothing."""
+    if guard is None:
+        return ("none", None)
     state = data.get("guard")
     if state is not None:
-        guard.load_state_dict(state)
-        return
-    scaler_state = data.get("scaler")
+        try:
+            return ("state", _guard_state.check(guard, state))
+        except ValueError as exc:
+            raise CheckpointError(f"{target}: its Guard state does not fit this Guard: {exc}; "
+                                  "nothing was loaded") from exc
     if not guard.uses_scaler:  # bf16 / fp32: no loss scale to restore
-        guard._restart_scale()
-        return
-    if isinstance(scaler_state, dict) and "scale" in scaler_state:
-        guard._adopt_torch_scaler_state(scaler_state)
-        warnings.warn(f"{target}: no ampguard Guard state; adopted the torch GradScaler state "
-                      f"(scale {scaler_state['scale']:g})", RuntimeWarning, stacklevel=3)
-        return
-    warnings.warn(
-        f"{target}: checkpoint has no loss-scaler state (saved by a plain loop without "
-        "scaler.state_dict()); the loss scale restarts at init_scale="
-        f"{guard.scaler_config.init_scale:g} and will probe its level again (AG107). Consider a "
-        "lower learning rate for a few hundred steps.",
-        RuntimeWarning, stacklevel=3,
-    )
-    guard._restart_scale()
+        return ("restart", None)
+    scaler_state = _v.check_torch_scaler(data.get("scaler"), target)
+    return ("adopt", scaler_state) if scaler_state is not None else ("restart warn", None)
+
+
+def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
+    kind, value = plan
+    try:
+        if kind == "state":
+            _guard_state.apply(guard, value)
+        elif kind == "restart":
+            guard._restart_scale()
+        elif kind == "adopt":
+            guard._adopt_torch_scaler_state(value)
+            warnings.warn(f"{target}: no ampguard Guard state; adopted the torch GradScaler "
+                          f"state (scale {value['scale']:g})", RuntimeWarning, stacklevel=4)
+        elif kind == "restart warn":
+            warnings.warn(
+                f"{target}: checkpoint has no loss-scaler state (saved by a plain loop without "
+                "scaler.state_dict()); the loss scale restarts at init_scale="
+                f"{guard.scaler_config.init_scale:g} and will probe its level again (AG107). "
+                "Consider a lower learning rate for a few hundred steps.",
+                RuntimeWarning, stacklevel=4)
+            guard._restart_scale()
+    except OSError as exc:  # the Guard's run log (telemetry) could not be continued
+        raise CheckpointError(f"{target}: loaded, but the Guard's run log could not record the "
+                              f"resume: {exc}") from exc
+
+
+def _check_rng(state: Any, target: Path, foreign: bool) -> dict[str, Any] | None:
+    try:
+        return _v.check_rng(state, target)
+    except CheckpointError:
+        if not foreign:
+            raise
+    # a plain loop's own 'rng' field, in its own format: not ours to interpret
+    warnings.warn(f"{target}: its 'rng' field is not in ampguard's format; the random number "
+                  "generators were not restored", RuntimeWarning, stacklevel=4)
+    return None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -254,13 +299,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.set_rng_state(state["cpu"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync_dir(folder: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ampguard import _guard_forensics, results
+from ampguard import _guard_forensics, _guard_state, results
 from ampguard._guard_args import as_optimizers, check_model, check_window, scheduler_callback
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
@@ -45,7 +45,7 @@ from ampguard.telemetry import attach as _attach_telemetry
 
 __all__ = ["Guard", "StepResult"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = _guard_state.STATE_VERSION
 _DRAIN_EVERY = 100  # fused optimizers: settle pending step flags at least this often
 
 
@@ -534,48 +534,14 @@ class Guard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; raises ``ValueError`` on a malformed state."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"not an ampguard Guard state (expected a dict with version={_STATE_VERSION})"
-            )
-        try:
-            self._load(state)
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed Guard state: missing or bad field {exc}") from exc
+        """Restore :meth:`state_dict` output; raises ``ValueError`` on a malformed state.
 
-    def _load(self, state: dict[str, Any]) -> None:
-        saved_cfg = state["scaler_config"]
-        diff = {k: v for k, v in saved_cfg.items() if getattr(self.scaler_config, k, v) != v}
-        if diff:
-            warnings.warn(f"Guard state was saved with a different ScalerConfig {diff}; keeping "
-                          "the config given to this Guard", RuntimeWarning, stacklevel=3)
-        self._steps = int(state["steps"])
-        self._counts = results.Counters.from_dict(state["counters"])
-        self._fallback = dict(state["fallback"]) if state["fallback"] else None
-        if self._micro:  # a half-finished window: its gradients must not join the next one
-            for opt in self.optimizers:
-                opt.zero_grad(set_to_none=True)
-            self._contain = None  # containment buffer: rebuilt on the next backward
-            if self._telemetry is not None:
-                self._telemetry._on_abort()
-        self._micro = 0
-        self._drain(act=False)  # results still pending stay readable
-        if state["precision"] != self._policy.precision:
-            self._policy = resolve_precision(state["precision"], self._device)
-            self._scaler = self._make_scaler()
-        if self._scaler is not None:
-            if state["scaler"] is None:
-                raise ValueError("Guard state has no scaler state but this Guard uses fp16")
-            self._scaler.load_state_dict(state["scaler"])
-        saved = state["scaler"]["scale"] if state["scaler"] is not None else None
-        self._history.reset(saved if saved is not None else 1.0)
-        if state.get("scale_history") is not None:  # absent in states saved before it was kept
-            self._history.load_state_dict(state["scale_history"])
-        if self._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
-            self._forensics.load(state.get("forensics"))
-        self._mark_resume(scale_reset=False, saved_scale=saved)
-        self._resume.load_state_dict(state.get("resume"))  # a warm-up ramp still running
+        All or nothing: the whole state is checked before anything is set, so a load that
+        raises leaves this Guard exactly as it was. The precision given to this Guard's
+        constructor wins over the saved one, except that a recorded automatic fallback from
+        that same precision is resumed; both cases warn (see ``ampguard._guard_state``).
+        """
+        _guard_state.apply(self, _guard_state.check(self, state))
 
     def _restart_scale(self) -> None:
         """A checkpoint without scaler state: the scale starts again from ``init_scale``."""

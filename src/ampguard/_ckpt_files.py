@@ -1,0 +1,233 @@
+"""Checkpoint files on disk: the atomic write, stale temporaries, file mode, and integrity.
+
+- :func:`atomic_write` writes a temporary file beside the target (created with mode ``0o666``,
+  so the umask applies exactly as for ``torch.save``; an existing target's mode is kept), fsyncs
+  it and renames it over the target. Before it writes, it removes the temporaries that earlier
+  *killed* saves of the same target left behind (only names of its own pattern, see
+  :func:`stale_temporaries`).
+- :func:`verify_zip` checks the CRC-32 of every member of a ``torch.save`` zip file (torch's own
+  reader does not), so a flipped bit in any byte torch will read is a :class:`CheckpointError`
+  naming the file and the member. It covers checkpoints written by every ampguard version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import stat
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["CheckpointError", "atomic_write", "stale_temporaries", "verify_zip", "temp_name"]
+
+# a temporary of another host may belong to a live writer there; after this long without a write
+# it cannot (a save writes continuously), so it is stale
+_FOREIGN_STALE_S = 3600.0
+_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path and the reason."""
+
+
+# ---------------------------------------------------------------------- writing
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+
+
+def temp_name(target: Path) -> str:
+    """``.<name>.<host>-<pid>-<hex8>.tmp``: who wrote it, so a later save can tell it is stale."""
+    return f".{target.name}.{_host()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def _temp_pattern(target: Path) -> re.Pattern[str]:
+    # the optional group absent: ampguard 0.1's tempfile.mkstemp names (8 chars of [a-z0-9_])
+    return re.compile(rf"\.{re.escape(target.name)}\."
+                      r"(?:(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}|[a-z0-9_]{8})\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # another thread of this process may be saving right now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def stale_temporaries(target: Path) -> list[Path]:
+    """Temporaries of earlier saves of ``target`` whose writer is gone.
+
+    Only names matching this module's own pattern for ``target``:
+    ``.<name>.<host>-<pid>-<hex8>.tmp`` (stale when ``<host>`` is this host and process ``<pid>``
+    no longer exists, or when another host's file was not written for an hour) and ampguard
+    0.1's ``.<name>.<8 chars>.tmp`` (always stale: 0.1 wrote no owner). Never anything else.
+    """
+    folder = target.parent
+    pattern, host, now = _temp_pattern(target), _host(), time.time()
+    stale = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        path = folder / name
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if m["pid"] is None:
+            stale.append(path)
+        elif m["host"] == host:
+            if not _alive(int(m["pid"])):
+                stale.append(path)
+        elif now - st.st_mtime > _FOREIGN_STALE_S:
+            stale.append(path)
+    return stale
+
+
+def atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(fileobj)`` on a temp file beside ``target``, fsync, then rename over it.
+
+    A crash at any moment leaves the previous ``target`` intact; stale temporaries of earlier
+    killed saves of ``target`` are removed first. The new file's mode follows the umask (like
+    ``torch.save``), or stays that of the file it replaces. Any failure, including an OS error
+    (the cause is chained), is a :class:`CheckpointError` naming ``target``.
+    """
+    target = Path(target)
+    folder = target.parent if str(target.parent) else Path(".")
+    tmp: Path | None = None
+    try:
+        _make_folder(folder, target)
+        for old in stale_temporaries(target):
+            with contextlib.suppress(OSError):
+                old.unlink()
+        tmp, fd = _create_temp(folder, target)
+        with os.fdopen(fd, "wb") as f:
+            _keep_mode(target, f.fileno())
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+        _fsync_dir(folder)
+    except BaseException as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(exc, CheckpointError):
+            raise
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"{target}: could not be written: {_describe(exc)}") from exc
+        raise
+
+
+def _make_folder(folder: Path, target: Path) -> None:
+    if target.is_dir():
+        raise CheckpointError(f"{target}: could not be written: it is a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:  # the folder, or one above it, is a file
+        raise CheckpointError(f"{target}: could not be written: {exc.filename or folder} "
+                              "exists and is not a folder") from exc
+
+
+def _create_temp(folder: Path, target: Path) -> tuple[Path, int]:
+    # os.open with 0o666: the kernel applies the umask, as for torch.save's open(path, "wb")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = folder / temp_name(target)
+        try:
+            return tmp, os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+    raise CheckpointError(f"{target}: could not be written: no free temporary name")
+
+
+def _keep_mode(target: Path, fd: int) -> None:
+    """Overwriting keeps the old file's mode, as ``torch.save`` (open + truncate) does."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, mode)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror} [errno {exc.errno}]{where}"
+    return str(exc) or type(exc).__name__
+
+
+def _fsync_dir(folder: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- integrity
+def is_zip(path: Path) -> bool:
+    """Whether ``path`` starts like a zip file (``torch.save``'s format since torch 1.6)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def verify_zip(path: Path) -> int:
+    """Check the CRC-32 of every member of the zip file ``path``; return the bytes checked.
+
+    Raises :class:`CheckpointError` naming ``path`` and the damaged member. Cost: one read of
+    the file (from the page cache, usually) and a CRC-32 over it.
+    """
+    checked = 0
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                checked += _check_member(zf, info, path)
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"{path}: could not be read: {_describe(exc)}") from exc
+    except Exception as exc:  # BadZipFile, EOFError, struct/zlib errors: the zip structure
+        raise CheckpointError(f"{path}: damaged checkpoint: its zip structure is broken "
+                              f"({_first_line(exc)})") from exc
+    return checked
+
+
+def _check_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> int:
+    try:
+        with zf.open(info) as member:  # ZipExtFile checks the CRC-32 when it reaches the end
+            n = 0
+            while chunk := member.read(_CHUNK):
+                n += len(chunk)
+    except OSError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path}: damaged checkpoint: member {info.filename!r} fails its "
+                              f"integrity check ({_first_line(exc)}); the file was changed "
+                              "after it was written (disk, copy or transfer error)") from exc
+    return n
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:160]
