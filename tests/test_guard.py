@@ -484,7 +484,8 @@ def test_collapse_fallback_round_trips_through_state_dict():
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
     _, fresh = collapsing_guard("fallback")
-    fresh.load_state_dict(state)
+    with pytest.warns(RuntimeWarning, match=r"automatic fallback fp16 -> bf16 .* resumes in bf16"):
+        fresh.load_state_dict(state)
     assert (fresh.precision, fresh.uses_scaler) == ("bf16", False)
     assert fresh.fallback == guard.fallback
     assert fresh.state_dict() == guard.state_dict()

@@ -208,7 +208,7 @@ def verify_zip(path: Path) -> int:
     except OSError as exc:
         raise CheckpointError(f"{path}: could not be read: {_describe(exc)}") from exc
     except Exception as exc:  # BadZipFile, EOFError, struct/zlib errors: the zip structure
-        raise CheckpointError(f"{path}: damaged checkpoint: its zip structure is broken "
+        raise CheckpointError(f"{path}: corrupt or truncated file: its zip structure is broken "
                               f"({_first_line(exc)})") from exc
     return checked
 
@@ -222,9 +222,9 @@ def _check_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> int
     except OSError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"{path}: damaged checkpoint: member {info.filename!r} fails its "
-                              f"integrity check ({_first_line(exc)}); the file was changed "
-                              "after it was written (disk, copy or transfer error)") from exc
+        raise CheckpointError(f"{path}: corrupt file: member {info.filename!r} fails its CRC-32 "
+                              f"integrity check ({_first_line(exc)}); the file changed after "
+                              "it was written (disk, copy or transfer error)") from exc
     return n
 
 

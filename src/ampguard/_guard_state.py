@@ -97,7 +97,8 @@ def check(guard: Any, state: Any) -> Plan:
         policy=policy,
         scaler=scaler if keep_scale else None,
         restart_scale=uses_scaler and not keep_scale,
-        history=_check_history(guard, state.get("scale_history")) if keep_scale else None,
+        history=_check_history(guard, state.get("scale_history"))
+        if policy.precision == saved else None,
         forensics=_check_forensics(guard, state.get("forensics")),
         resume=_check_resume(state.get("resume")),
         config_diff={k: v for k, v in config.items()
