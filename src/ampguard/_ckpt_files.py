@@ -19,6 +19,7 @@ import secrets
 import socket
 import stat
 import time
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +112,7 @@ def atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:
     target = Path(target)
     folder = target.parent if str(target.parent) else Path(".")
     tmp: Path | None = None
+    out: _Recording | None = None
     try:
         _make_folder(folder, target)
         for old in stale_temporaries(target):
@@ -119,7 +121,8 @@ def atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:
         tmp, fd = _create_temp(folder, target)
         with os.fdopen(fd, "wb") as f:
             _keep_mode(target, f.fileno())
-            write(f)
+            out = _Recording(f)
+            write(out)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -129,11 +132,32 @@ def atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        if isinstance(exc, CheckpointError):
+        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
             raise
-        if isinstance(exc, Exception):
-            raise CheckpointError(f"{target}: could not be written: {_describe(exc)}") from exc
-        raise
+        # torch.save may wrap the OS error of a failed write in its own RuntimeError
+        cause = out.error if out is not None and out.error is not None else exc
+        raise CheckpointError(f"{target}: could not be written: {_describe(cause)}") from cause
+
+
+class _Recording:
+    """The temp file as ``torch.save`` sees it; keeps the OS error of a failed write."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
 
 
 def _make_folder(folder: Path, target: Path) -> None:
@@ -141,9 +165,11 @@ def _make_folder(folder: Path, target: Path) -> None:
         raise CheckpointError(f"{target}: could not be written: it is a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError as exc:  # the folder, or one above it, is a file
-        raise CheckpointError(f"{target}: could not be written: {exc.filename or folder} "
-                              "exists and is not a folder") from exc
+    except (FileExistsError, NotADirectoryError) as exc:  # the folder, or one above it, is a file
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                       folder)
+        raise CheckpointError(f"{target}: could not be written: {blocker} exists and is not a "
+                              "folder") from exc
 
 
 def _create_temp(folder: Path, target: Path) -> tuple[Path, int]:
@@ -195,13 +221,17 @@ def is_zip(path: Path) -> bool:
 def verify_zip(path: Path) -> int:
     """Check the CRC-32 of every member of the zip file ``path``; return the bytes checked.
 
-    Raises :class:`CheckpointError` naming ``path`` and the damaged member. Cost: one read of
-    the file (from the page cache, usually) and a CRC-32 over it.
+    Raises :class:`CheckpointError` naming ``path`` and the damaged member. Members written
+    without a CRC-32 (``torch.serialization.set_crc32_options(False)``) load with a warning.
+    Cost: one read of the file (from the page cache, usually) and a CRC-32 over it.
     """
-    checked = 0
+    checked, unverified = 0, []
     try:
         with zipfile.ZipFile(path) as zf:
             for info in zf.infolist():
+                if info.CRC == 0 and info.file_size > 0:  # written with CRC-32s switched off
+                    unverified.append(info.filename)
+                    continue
                 checked += _check_member(zf, info, path)
     except CheckpointError:
         raise
@@ -210,6 +240,10 @@ def verify_zip(path: Path) -> int:
     except Exception as exc:  # BadZipFile, EOFError, struct/zlib errors: the zip structure
         raise CheckpointError(f"{path}: corrupt or truncated file: its zip structure is broken "
                               f"({_first_line(exc)})") from exc
+    if unverified:
+        warnings.warn(f"{path}: {len(unverified)} member(s) carry no CRC-32 (the file was written "
+                      "with torch.serialization.set_crc32_options(False)) and load unverified: "
+                      f"{', '.join(unverified[:3])}", RuntimeWarning, stacklevel=4)
     return checked
 
 
