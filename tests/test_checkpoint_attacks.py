@@ -340,12 +340,14 @@ def test_the_constructors_precision_wins_with_a_warning(tmp_path, saved_in, live
     assert guard.steps == 4
 
 
+COLLAPSING = ag.ScalerConfig(init_scale=2.0, min_scale=1.0, on_collapse="fallback")
+
+
 def collapsed_run(tmp_path) -> Path:
     """An fp16 run whose loss scale collapsed and fell back to bf16, saved."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = ag.Guard(model, opt, precision="fp16", scaler=ag.ScalerConfig(
-        init_scale=2.0, min_scale=1.0, on_collapse="fallback"))
+    guard = ag.Guard(model, opt, precision="fp16", scaler=COLLAPSING)
     with pytest.warns(RuntimeWarning, match="switched precision fp16 -> bf16"):
         for i in range(4):
             with guard.autocast():
@@ -361,7 +363,7 @@ def test_a_recorded_fallback_from_the_same_precision_is_resumed_with_a_warning(t
     path = collapsed_run(tmp_path)
     model = make_model(seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = ag.Guard(model, opt, precision="fp16")
+    guard = ag.Guard(model, opt, precision="fp16", scaler=COLLAPSING)
     with pytest.warns(RuntimeWarning, match=r"automatic fallback fp16 -> bf16 at step \d+ .*"
                                             r"precision='fp16'.*resumes in bf16"):
         ag.load_checkpoint(path, model=model, optimizer=opt, guard=guard)
@@ -373,7 +375,7 @@ def test_a_recorded_fallback_from_another_precision_is_not_resumed(tmp_path):
     path = collapsed_run(tmp_path)
     model = make_model(seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = ag.Guard(model, opt, precision="fp32")
+    guard = ag.Guard(model, opt, precision="fp32", scaler=COLLAPSING)
     with pytest.warns(RuntimeWarning, match=r"saved in bf16, .*precision='fp32'.*continues in "
                                             "fp32"):
         ag.load_checkpoint(path, model=model, optimizer=opt, guard=guard)
