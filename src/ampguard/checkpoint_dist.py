@@ -30,7 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard.checkpoint import CheckpointError, atomic_write, load_checkpoint, save_checkpoint
+from ampguard import _ckpt_dist_checks as _dc
+from ampguard import _ckpt_validate as _v
+from ampguard import _guard_state
+from ampguard._ckpt_files import CheckpointError, atomic_write, verify_zip
+from ampguard.checkpoint import _load, _save_with_crc, save_checkpoint
 from ampguard.distributed import fsdp_modules
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint"]
@@ -70,15 +74,21 @@ def load_distributed_checkpoint(
 ) -> dict[str, Any]:
     """Load on every rank (a collective); return ``extra``. Restores this rank's RNG state.
 
-    Cost: reading the checkpoint, then the audit's host sync.
+    Checked before anything is copied: the files' integrity (CRC-32s), every key, shape and
+    dtype against the live model and optimizer, the scheduler, Guard and RNG states; a failure
+    raises :class:`CheckpointError` on every rank and leaves the objects as they were (except
+    that an OS error in the middle of DCP's in-place read can leave shards partly read).
+    Cost: reading the checkpoint, one CRC-32 pass over it shared among the ranks, then the
+    audit's host sync.
     """
     group = _group(guard)
     target = Path(path)
     if fsdp_modules(model):
         extra, info = _load_sharded(_resolve(target), model, _opts(optimizer), guard, scheduler)
     else:
-        extra = dict(load_checkpoint(target, model=model, optimizer=optimizer, guard=guard,
-                                     scheduler=scheduler, rng=False))
+        extra = dict(_load(target, model=model, optimizer=optimizer, guard=guard,
+                           scheduler=scheduler, rng=False,
+                           check_extra=lambda e: _dc.check_rng_info(e.get(_KEY), group, target)))
         info = extra.pop(_KEY, None)
     _restore_rng(info, group, target)
     _audit(guard, "resume")
@@ -104,8 +114,13 @@ def _save_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.O
         dcp.save(tensors, checkpoint_id=str(tmp))
     except Exception as exc:
         raise CheckpointError(f"{target}: sharded write failed: {exc}") from exc
-    _on_rank0(group, lambda: (atomic_write(tmp / _META, lambda f: torch.save(meta, f)),
-                              _swap_in(tmp, target)))
+
+    def finish() -> None:
+        meta["files"] = _dc.digests(tmp)  # every rank's shards are written: dcp.save synced
+        atomic_write(tmp / _META, lambda f: _save_with_crc(meta, f))
+        _swap_in(tmp, target)
+
+    _on_rank0(group, finish)
 
 
 def _load_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.Optimizer],
@@ -113,25 +128,44 @@ def _load_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.O
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    _check_metadata(target)
-    meta = _read_meta(target)
+    group = _group(guard)
+    local: CheckpointError | None = None
+    try:
+        metadata, meta = _check_metadata(target), _read_meta(target)
+    except CheckpointError as exc:  # raised on every rank by verify_files: none is left waiting
+        local, meta = exc, {}
+    _dc.verify_files(target, meta.get("files"), group, local)
     msd, osd = _state(model, opts)
-    tensors, _ = _split(msd, osd)
+    tensors, plain = _split(msd, osd)
+    # ---- check everything before DCP reads into the live tensors
+    _dc.check_sharded(target, metadata, meta, tensors, plain, bool(opts))
+    sched_state = meta.get("scheduler") if scheduler is not None else None
+    if sched_state is not None:
+        _v.check_scheduler(scheduler, sched_state, target)
+    plan = None
+    if guard is not None and meta.get("guard") is not None:
+        try:
+            plan = _guard_state.check(guard, meta["guard"])
+        except ValueError as exc:
+            raise CheckpointError(f"{target}: its Guard state does not fit this Guard: {exc}; "
+                                  "nothing was loaded") from exc
+    extra = _v.check_extra(meta.get("extra"), target)
+    _dc.check_rng_info(meta.get(_KEY), group, target)
+    # ---- commit
     try:
         dcp.load(tensors, checkpoint_id=str(target))
         msd = {**meta["plain"]["model"], **tensors["model"]}
         osd = {**meta["plain"]["optim"], **tensors["optim"]}
         set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd or {},
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
-        if scheduler is not None and meta.get("scheduler") is not None:
-            scheduler.load_state_dict(meta["scheduler"])
-        if guard is not None and meta.get("guard") is not None:
-            guard.load_state_dict(meta["guard"])
-    except CheckpointError:
-        raise
+        if sched_state is not None:
+            scheduler.load_state_dict(sched_state)
     except Exception as exc:
-        raise CheckpointError(f"{target}: does not fit the given objects: {exc}") from exc
-    return dict(meta.get("extra") or {}), meta.get(_KEY)
+        raise CheckpointError(f"{target}: loading failed after the checks passed; the objects "
+                              f"may be partly loaded: {exc}") from exc
+    if plan is not None:
+        _guard_state.apply(guard, plan)
+    return dict(extra), meta.get(_KEY)
 
 
 def _state(model: torch.nn.Module, opts: list[torch.optim.Optimizer]
@@ -196,6 +230,7 @@ def _read_meta(target: Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{target}: not a complete ampguard sharded checkpoint "
                               f"({_META} is missing)")
+    verify_zip(file)
     try:
         meta = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -225,11 +260,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
 
 
-def _check_metadata(target: Path) -> None:
+def _check_metadata(target: Path) -> Any:
     file = target / ".metadata"
     try:
         with open(file, "rb") as f:
-            _MetadataUnpickler(f).load()
+            return _MetadataUnpickler(f).load()
     except FileNotFoundError as exc:
         raise CheckpointError(f"{target}: not a sharded checkpoint (.metadata is missing)") from exc
     except Exception as exc:
@@ -260,15 +295,21 @@ def _audit(guard: Any, reason: str) -> None:
 def _on_rank0(group: Any, action: Any) -> None:
     """Run ``action`` on the group's first rank; every rank raises if it failed there."""
     status: list[Any] = [None]
+    error: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
             action()
         except Exception as exc:
-            status[0] = f"{type(exc).__name__}: {exc}"
+            error = exc
+            status[0] = str(exc) if isinstance(exc, CheckpointError) \
+                else f"{type(exc).__name__}: {exc}"
     src = dist.get_process_group_ranks(group)[0]
     dist.broadcast_object_list(status, src=src, group=group)
     if status[0] is not None:
-        raise CheckpointError(f"checkpoint write failed on rank {src}: {status[0]}")
+        # rank 0 chains its own error (the OS error, when there is one) as the cause
+        cause = error.__cause__ if isinstance(error, CheckpointError) and error.__cause__ \
+            else error
+        raise CheckpointError(f"checkpoint write failed on rank {src}: {status[0]}") from cause
 
 
 def _rng_state() -> dict[str, Any]:
