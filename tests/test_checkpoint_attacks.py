@@ -503,6 +503,17 @@ def test_a_read_error_is_a_checkpoint_error_with_the_os_error_as_cause():
     assert_unchanged(before, *live)
 
 
+@pytest.mark.timeout(30)
+def test_a_pipe_is_neither_read_nor_replaced(tmp_path):
+    pipe = tmp_path / "c.pt"
+    os.mkfifo(pipe)  # opening it to read would block forever
+    with pytest.raises(ag.CheckpointError, match="not a regular file"):
+        ag.load_checkpoint(pipe, model=make_model())
+    with pytest.raises(ag.CheckpointError, match="not a regular file"):
+        ag.save_checkpoint(pipe, model=make_model())  # a rename would replace it
+    assert pipe.is_fifo() and list(tmp_path.iterdir()) == [pipe]
+
+
 def test_loading_a_folder_is_a_checkpoint_error(tmp_path):
     with pytest.raises(ag.CheckpointError, match="is a folder, not a checkpoint file"):
         ag.load_checkpoint(tmp_path, model=make_model())

@@ -164,6 +164,14 @@ def _make_folder(folder: Path, target: Path) -> None:
     if target.is_dir():
         raise CheckpointError(f"{target}: could not be written: it is a folder")
     try:
+        mode = target.lstat().st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        # renaming over a device or a pipe would replace it (think /dev/null as root)
+        raise CheckpointError(f"{target}: could not be written: it exists and is not a regular "
+                              "file (a device, pipe or socket); it was left as it is")
+    try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:  # the folder, or one above it, is a file
         blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
@@ -190,8 +198,9 @@ def _keep_mode(target: Path, fd: int) -> None:
         mode = stat.S_IMODE(os.stat(target).st_mode)
     except OSError:
         return
-    with contextlib.suppress(OSError):
-        os.fchmod(fd, mode)
+    if hasattr(os, "fchmod"):  # POSIX
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, mode)
 
 
 def _describe(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ were. Every failure is a :class:`CheckpointError` naming the file.
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,8 +145,14 @@ def _save_with_crc(payload: dict[str, Any], f: Any) -> None:
 def _read(target: Path) -> Any:
     if target.is_dir():
         raise CheckpointError(f"{target}: is a folder, not a checkpoint file")
-    if not target.exists():
-        raise CheckpointError(f"{target}: no such checkpoint file")
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{target}: no such checkpoint file") from None
+    except OSError as exc:
+        raise CheckpointError(f"{target}: could not be read: {exc}") from exc
+    if not stat.S_ISREG(mode):  # a pipe or a device would block or never end
+        raise CheckpointError(f"{target}: not a regular file (a device, pipe or socket)")
     try:
         zipped = is_zip(target)
     except OSError as exc:
