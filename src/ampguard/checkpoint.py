@@ -46,24 +46,30 @@ def save_checkpoint(
     """Atomically write model, optimizer(s), Guard, scheduler, RNG state and ``extra`` to ``path``.
 
     ``extra`` must hold plain values (tensors, numbers, strings, lists/dicts of them) so the file
-    loads with ``weights_only=True``. Cost: one host sync (the Guard's state), plus the copy of
-    device tensors that ``torch.save`` makes.
+    loads with ``weights_only=True`` (``TypeError`` at the call otherwise). Any failure to write,
+    the OS error included (chained as the cause), is a :class:`CheckpointError` naming ``path``;
+    the previous file stays. Cost: one host sync (the Guard's state), plus the copy of device
+    tensors that ``torch.save`` makes, an fsync, and a listing of the folder (stale temporaries).
     """
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
     _check_plain(extra, "extra")
-    payload: dict[str, Any] = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "torch_version": str(torch.__version__),
-        "model": _unwrap(model).state_dict(),
-        "optimizer": _optimizer_states(optimizer),
-        "guard": guard.state_dict() if guard is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "extra": extra,
-        "rng": _rng_state() if rng else None,
-    }
     target = Path(path)
+    try:
+        payload: dict[str, Any] = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "torch_version": str(torch.__version__),
+            "model": _unwrap(model).state_dict(),
+            "optimizer": _optimizer_states(optimizer),
+            "guard": guard.state_dict() if guard is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra": extra,
+            "rng": _rng_state() if rng else None,
+        }
+    except OSError as exc:  # the Guard's state flushes its run log first
+        raise CheckpointError(f"{target}: could not be written: collecting the state failed: "
+                              f"{exc}") from exc
     atomic_write(target, lambda f: _save_with_crc(payload, f))
     return target
 
