@@ -139,3 +139,25 @@ def test_a_sharded_save_under_a_file_is_a_checkpoint_error_with_the_os_error(wor
                                        optimizer=opt, guard=guard)
     assert isinstance(info.value.__cause__, OSError)
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("damage", "match"), [
+    (lambda path, meta: next(path.glob("*.distcp")).unlink(), r"__0_0.distcp is missing"),
+    (lambda path, meta: meta["files"].update({"../../etc/passwd": [1, 2]}),
+     r"lists '../../etc/passwd', which is not a file of this checkpoint"),
+    (lambda path, meta: meta["files"].update({"__0_0.distcp": "fine"}), r"not \[size, crc32\]"),
+])
+def test_a_damaged_shard_list_is_refused_and_changes_nothing(world_of_one, tmp_path, damage,
+                                                             match):
+    model, opt, guard = live(S.fsdp2)
+    path = tmp_path / "ckpt"
+    ag.save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    meta = torch.load(path / "ampguard.pt", weights_only=True)
+    damage(path, meta)
+    torch.save(meta, path / "ampguard.pt")
+    other = live(S.fsdp2, seed=1)
+    before = snapshot(*other)
+    with pytest.raises(ag.CheckpointError, match=match):
+        ag.load_distributed_checkpoint(path, model=other[0], optimizer=other[1], guard=other[2])
+    assert_unchanged(before, *other)

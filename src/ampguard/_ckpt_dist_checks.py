@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,9 @@ def verify_files(target: Path, files: Any, group: Any,
     problem: str | None = str(local) if local is not None else None
     if isinstance(files, dict) and problem is None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        for i, (name, digest) in enumerate(sorted(files.items())):
+        for i, (name, digest) in enumerate(sorted(files.items(), key=lambda kv: str(kv[0]))):
             if i % world == rank and problem is None:
-                problem = _file_problem(target / str(name), digest)
+                problem = _file_problem(target, name, digest)
                 if problem is not None:
                     problem = f"{target}: {problem}; nothing was loaded"
     problems: list[Any] = [None] * dist.get_world_size(group)
@@ -108,16 +109,27 @@ def verify_files(target: Path, files: Any, group: Any,
         raise CheckpointError(first)
 
 
-def _file_problem(path: Path, digest: Any) -> str | None:
+def _file_problem(folder: Path, name: Any, digest: Any) -> str | None:
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
+            or "\\" in name:
+        return f"{_META} lists {name!r}, which is not a file of this checkpoint"
+    if not (isinstance(digest, list) and len(digest) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in digest)):
+        return f"{_META} records {digest!r} for {name}, not [size, crc32]"
+    path = folder / name
     try:
-        size = path.stat().st_size
-        if not isinstance(digest, list) or len(digest) != 2 or size != digest[0]:
-            return f"corrupt file: {path.name} has {size} bytes, {digest[0]!r} were written"
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode):  # a pipe would block the read
+            return f"{name} is not a regular file"
+        if st.st_size != digest[0]:
+            return f"corrupt file: {name} has {st.st_size} bytes, {digest[0]} were written"
         if _crc32(path) != digest[1]:
-            return (f"corrupt file: {path.name} fails its CRC-32 integrity check; it changed "
+            return (f"corrupt file: {name} fails its CRC-32 integrity check; it changed "
                     "after it was written (disk, copy or transfer error)")
+    except FileNotFoundError:
+        return f"{name} is missing"
     except OSError as exc:
-        return f"could not read {path.name}: {exc}"
+        return f"could not read {name}: {exc}"
     return None
 
 
