@@ -37,6 +37,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path and the reason."""
 
 
+CheckpointError.__module__ = "ampguard.checkpoint"  # its public home (re-exported there)
+
+
 # ---------------------------------------------------------------------- writing
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
