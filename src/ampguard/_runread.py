@@ -94,29 +94,41 @@ class _Reader:
                              ("precision",))
         self.events: list[dict[str, Any]] = []
         self._texts: dict[str, str] = {}
+        self._bind()
+
+    def _bind(self) -> None:
+        """Bound ``append`` methods of the main columns (re-bound after a resume rebuilds them)."""
+        c = self.main.cols
+        self._append = tuple(c[k].append for k in (
+            "scale_before", "scale", "loss", "grad_norm", "applied", "overflow", "collapse",
+            "dropped", "precision"))
 
     def add_step(self, rec: dict[str, Any]) -> None:
         get = rec.get
         step, applied = rec["step"], get("applied", True)
         precision = get("precision", "")
         precision = self._texts.setdefault(precision, precision)  # one str object per value
-        m = self.main
-        m.start(step)
-        c = m.cols
-        c["scale_before"].append(_f(get("scale_before")))
-        c["scale"].append(_f(get("scale")))
-        c["loss"].append(_f(get("loss")))
-        c["grad_norm"].append(_f(get("grad_norm")))
-        c["applied"].append(applied)
-        c["overflow"].append(get("overflow", False))
-        c["collapse"].append(get("collapse", False))
-        c["dropped"].append(get("dropped", 0))
-        c["precision"].append(precision)
+        self.main.start(step)
+        (a_before, a_scale, a_loss, a_norm, a_applied, a_over, a_coll, a_drop,
+         a_prec) = self._append
+        v = get("scale_before")
+        a_before(_NAN if v is None else v)
+        v = get("scale")
+        a_scale(_NAN if v is None else v)
+        v = get("loss")
+        a_loss(_NAN if v is None else v)
+        v = get("grad_norm")
+        a_norm(_NAN if v is None else v)
+        a_applied(applied)
+        a_over(get("overflow", False))
+        a_coll(get("collapse", False))
+        a_drop(get("dropped", 0))
+        a_prec(precision)
         layers = get("layers")
         if layers is not None:
             self.layer.start(step)
             self.layer.cols["applied"].append(applied)
-            self.layer.cols["norm"].extend([_f(v) for v in layers["grad_norm"]])
+            self.layer.cols["norm"].extend([_NAN if v is None else v for v in layers["grad_norm"]])
         rng = get("range")
         if rng is not None:
             r = self.range
@@ -125,13 +137,14 @@ class _Reader:
             r.cols["scale"].append(_f(get("scale_before")))
             r.cols["precision"].append(precision)
             for key in (*RANGE_FIELDS, "window"):
-                r.cols[key].extend([_f(v) for v in rng[key]])
+                r.cols[key].extend([_NAN if v is None else v for v in rng[key]])
 
     def add_event(self, rec: dict[str, Any]) -> None:
         if rec.get("kind") == "resume":
             at = rec["step"]
             for family in (self.main, self.layer, self.range):
                 family.drop_after(at)
+            self._bind()
         self.events.append(rec)
 
 

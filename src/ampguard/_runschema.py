@@ -49,6 +49,7 @@ __all__ = [
 MAX_WARNINGS = 10
 NONFINITE = ("nan", "inf", "-inf")
 _MAX_LINE = 64 * 2**20  # a longer line is not a record ampguard wrote
+_decode = json.JSONDecoder().decode
 
 
 class RunFolderError(ValueError):
@@ -187,7 +188,7 @@ def parse_line(line: bytes) -> dict[str, Any] | str:
     if len(line) > _MAX_LINE:
         return f"longer than {_MAX_LINE >> 20} MiB"
     try:
-        rec = json.loads(line)
+        rec = _decode(line.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         return f"not JSON ({str(exc).splitlines()[0][:80]})"
     except RecursionError:
@@ -223,7 +224,7 @@ def check_record(rec: dict[str, Any], width: int) -> str | None:
     """
     kind = rec.get("kind", "step")
     if kind == "step":
-        bad = _fields(rec, STEP_FIELDS)
+        bad = _step_values(rec) if _step_types_ok(rec) else _fields(rec, STEP_FIELDS)
         if bad is None and "layers" in rec:
             bad = _per_layer(rec["layers"], ("grad_norm",), width, "layers.")
         if bad is None and "range" in rec:
@@ -238,6 +239,44 @@ def check_record(rec: dict[str, Any], width: int) -> str | None:
     if bad is None and kind == "finding":
         bad = _finding(rec["finding"], "finding.")
     return bad
+
+
+# Fast path for step records: the verdict on a record's (keys, value types) signature is cached,
+# so a million records of the one shape ampguard writes cost one dict lookup each for the types,
+# then the few value checks below.
+_NONE = type(None)
+_STEP_TYPES: dict[str, tuple[type, ...]] = {
+    "step": (int,), "scale_before": (float, _NONE), "scale": (float, _NONE),
+    "loss": (float, _NONE), "grad_norm": (float, _NONE), "applied": (bool,),
+    "overflow": (bool,), "collapse": (bool,), "dropped": (int,), "precision": (str,),
+    "loss_nonfinite": (str,), "overflowed": (list,), "layers": (dict,), "range": (dict,),
+    "kind": (str,),
+}
+_SIGNATURES: dict[tuple[tuple[str, ...], tuple[type, ...]], bool] = {}
+
+
+def _step_types_ok(rec: dict[str, Any]) -> bool:
+    sig = (tuple(rec), tuple(map(type, rec.values())))
+    ok = _SIGNATURES.get(sig)
+    if ok is None:
+        ok = "step" in rec and all(t in _STEP_TYPES.get(k, (t,)) for k, t in zip(*sig,
+                                                                                   strict=True))
+        if len(_SIGNATURES) < 4096:  # a hostile file must not grow the cache without bound
+            _SIGNATURES[sig] = ok
+    return ok
+
+
+def _step_values(rec: dict[str, Any]) -> str | None:
+    """The value checks :func:`_fields` would make, for a record whose types are right."""
+    if not -_BIG <= rec["step"] <= _BIG:
+        return _fields(rec, STEP_FIELDS)
+    if not 0 <= rec.get("dropped", 0) <= _BIG:
+        return _fields(rec, STEP_FIELDS)
+    if "loss_nonfinite" in rec and rec["loss_nonfinite"] not in NONFINITE:
+        return _fields(rec, STEP_FIELDS)
+    if "overflowed" in rec and not _ints(rec["overflowed"]):
+        return _fields(rec, STEP_FIELDS)
+    return None
 
 
 def _per_layer(group: dict[str, Any], keys: tuple[str, ...], width: int, prefix: str
