@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from ampguard._cli_types import positive_int
+from ampguard._cli_types import fail, positive_int, seed, usable_out
 
 __all__ = ["compare_args", "compare_run", "inspect_args", "inspect_run"]
 
@@ -24,30 +24,44 @@ def compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=None,
                    help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
                         "fp16_noscaler (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed before each variant (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed before each variant (default 0)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def _fail(command: str, exc: Exception) -> int:
-    print(f"ampguard {command}: error: {exc}", file=sys.stderr)
-    return 2
+def _user_code(command: str, err: Exception) -> int:
+    """The user's own code raised: their traceback, marked as theirs; exit status 1."""
+    from ampguard._loader import user_traceback
+
+    print(f"ampguard {command}: error: {err} (in your code, not in ampguard; its traceback "
+          "follows)", file=sys.stderr)
+    print(user_traceback(err), file=sys.stderr, end="")  # type: ignore[arg-type]
+    return 1
 
 
 def compare_run(args: argparse.Namespace) -> int:
-    from ampguard._loader import load_factory
+    from ampguard._loader import UserCodeError, load_factory, marked
     from ampguard.experiments import compare
 
     variants = None if args.variants is None else [
         v.strip() for v in args.variants.split(",") if v.strip()]
     try:
-        factory = load_factory(args.factory)
+        if args.out is not None:
+            usable_out(args.out)  # before minutes of training, not after
+        factory = marked(load_factory(args.factory), args.factory)
         cmp = compare(factory, steps=args.steps, variants=variants,
                       progress=not args.no_progress, seed=args.seed)
+    except UserCodeError as err:
+        return _user_code("compare", err)
     except (ValueError, TypeError) as exc:
-        return _fail("compare", exc)
+        return fail("compare", exc)
     print(cmp.summary())
     if args.out is not None:
-        print(f"\nreport: {cmp.save(args.out)}")
+        try:
+            path = cmp.save(args.out)
+        except OSError as exc:
+            return fail("compare", f"cannot write the comparison into {args.out!r}: "
+                        f"{exc.strerror or exc}")
+        print(f"\nreport: {path}")
     return 0
 
 
@@ -55,22 +69,24 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning a model, "
                    "or an ampguard.Experiment (then its first batch is probed)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument("--seed", type=int, default=0, help="seed before calling the factory "
+    p.add_argument("--seed", type=seed, default=0, help="seed before calling the factory "
                    "(default 0)")
 
 
 def inspect_run(args: argparse.Namespace) -> int:
     """Exit code 1 when any finding is an error, else 0."""
-    from ampguard._loader import load_factory
+    from ampguard._loader import UserCodeError, load_factory, marked
     from ampguard.advisor import inspect_model
     from ampguard.experiments import seed_all
 
     try:
-        factory = load_factory(args.factory)
+        factory = marked(load_factory(args.factory), args.factory)
         seed_all(args.seed)
         findings = inspect_model(factory())
+    except UserCodeError as err:
+        return _user_code("inspect", err)
     except (ValueError, TypeError) as exc:
-        return _fail("inspect", exc)
+        return fail("inspect", exc)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:

@@ -49,6 +49,7 @@ __all__ = [
     "num",
     "last_step_record",
     "RunFolderError",
+    "read_meta",
 ]
 
 EVENTS = "events.jsonl"
@@ -78,11 +79,15 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     data = json.dumps(obj, indent=1, allow_nan=False, default=str)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written left behind
+        raise
 
 
 def read_json(path: str | os.PathLike) -> Any:
