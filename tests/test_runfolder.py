@@ -208,3 +208,24 @@ def test_report_of_a_hostile_log_writes_the_page(tmp_path):
     assert "layer &#x27;a$b^$&#x27; got all-zero gradients" in page  # AG104 names it verbatim
     found = json.loads((folder / "findings.json").read_text())
     assert [f["code"] for f in found] == ["AG104"] and found[0]["evidence"]["layer"] == "a$b^$"
+
+
+def test_meta_numbers_the_rules_need_are_numbers(tmp_path):
+    bad = {**meta(), "scaler": {"min_scale": None, "init_scale": "x", "dynamic": True},
+           "layers": {"names": ["enc", "a$b^$", "head"], "numel": [1]}}
+    folder = write(tmp_path / "run", [{**step(i), "layers": {"grad_norm": [0.5, 0.0, 0.5]}}
+                                      for i in range(1, 31)], meta_obj=bad)
+    run, messages = load(folder)
+    assert {"min_scale", "init_scale"}.isdisjoint(run.meta["scaler"])
+    assert "numel" not in run.meta["layers"] and len(messages) == 3
+    assert [f.code for f in rules.evaluate(run)] == ["AG104"]
+
+
+@pytest.mark.parametrize("coverage", ['{"modules": {"a": {"forward": [1]}}}', "[]", "{",
+                                      '{"modules": [1]}', '{"escaped": "x"}'])
+def test_a_hand_edited_coverage_json_does_not_break_the_report(tmp_path, coverage):
+    folder = write(tmp_path / "run", steps(12))
+    (folder / "coverage.json").write_text(coverage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert ag.report(folder).exists()

@@ -72,6 +72,10 @@ def _num(v: Any) -> bool:
     return v is None or type(v) is float or (type(v) is int and -_BIG <= v <= _BIG)
 
 
+def _number(v: Any) -> bool:
+    return type(v) is float or (type(v) is int and -_BIG <= v <= _BIG)
+
+
 def _bool(v: Any) -> bool:
     return type(v) is bool
 
@@ -111,7 +115,7 @@ def _list(v: Any) -> bool:
 _Check = Callable[[Any], bool]
 _WHAT: dict[_Check, str] = {
     _int: "an integer", _count: "an integer >= 0", _num: "a number or null",
-    _bool: "true or false", _str: "a string", _opt_str: "a string or null",
+    _number: "a number", _bool: "true or false", _str: "a string", _opt_str: "a string or null",
     _opt_int: "an integer or null", _nums: "a list of numbers or nulls",
     _ints: "a list of integers", _nonfinite: 'one of "nan", "inf", "-inf"',
     _dict: "a JSON object", _list: "a list",
@@ -147,7 +151,7 @@ META_FIELDS: dict[str, _Check] = {
     "layers": _dict, "layers.names": lambda v: type(v) is list and all(type(x) is str for x in v),
     "layers.numel": lambda v: type(v) is list and all(_opt_int(x) for x in v),
     "precision": _str, "requested_precision": _opt_str,
-    "scaler": _dict, "scaler.init_scale": _num, "scaler.min_scale": _num,
+    "scaler": _dict, "scaler.init_scale": _number, "scaler.min_scale": _number,
     "scaler.growth_interval": _int, "scaler.dynamic": _bool,
     "guard": _dict, "guard.accumulation_steps": lambda v: type(v) is int and v >= 1,
     "telemetry": _dict, "resumes": _list, "diagnostics": _dict,
@@ -378,6 +382,11 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         if type(holder) is dict and key in holder and not check(holder[key]):
             note.warn(f"field {dotted!r}", f"must be {_what(check)}, got {_short(holder[key])}")
             del holder[key]
+    layers = meta.get("layers")
+    if type(layers) is dict and "numel" in layers \
+            and len(layers["numel"]) != len(layers.get("names") or []):
+        note.warn("field 'layers.numel'", "has another length than 'layers.names'")
+        del layers["numel"]
     resumes = meta.get("resumes")
     if resumes is not None:
         meta["resumes"] = [r for r in resumes if type(r) is dict and

@@ -27,6 +27,7 @@ from ampguard._runschema import (
     RunFolderError,
     check_record,
     parse_line,
+    read_findings,
     read_json_file,
     read_meta,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "last_step_record",
     "RunFolderError",
     "read_meta",
+    "read_findings",
 ]
 
 EVENTS = "events.jsonl"
