@@ -286,7 +286,7 @@ def _step_values(rec: dict[str, Any]) -> str | None:
 def _per_layer(group: dict[str, Any], keys: tuple[str, ...], width: int, prefix: str
                ) -> str | None:
     for key in keys:
-        values = group.get(key)
+        values: Any = group.get(key)
         if not _nums(values):
             return f"field {prefix}{key!r} must be a list of numbers or nulls, got " \
                    f"{_short(values)}"
@@ -298,7 +298,7 @@ def _per_layer(group: dict[str, Any], keys: tuple[str, ...], width: int, prefix:
 def _range(group: dict[str, Any], width: int) -> str | None:
     bad = _per_layer(group, RANGE_FIELDS, width, "range.")
     if bad is None:
-        window = group.get("window")
+        window: Any = group.get("window")
         if not (_nums(window) and len(window) == 2):
             bad = f"field 'range.window' must be [lo, hi] (numbers or nulls), got " \
                   f"{_short(window)}"
