@@ -229,3 +229,20 @@ def test_a_hand_edited_coverage_json_does_not_break_the_report(tmp_path, coverag
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         assert ag.report(folder).exists()
+
+
+def test_deeply_nested_evidence_or_meta_fields_are_dropped_not_recursed(tmp_path):
+    deep: object = 1
+    for _ in range(500):
+        deep = [deep]
+    found = {"kind": "finding", "step": 2, "finding": {
+        "code": "AG301", "severity": "warning", "title": "t", "message": "m",
+        "evidence": {"x": deep}}}
+    folder = write(tmp_path / "run", steps(12) + [found],
+                   meta_obj={**meta(), "distributed": {"x": deep}})
+    run, messages = load(folder)
+    assert "distributed" not in run.meta and len(messages) == 2
+    assert any("'evidence' is nested more than 64 deep" in m for m in messages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert ag.report(folder).exists()

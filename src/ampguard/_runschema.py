@@ -305,8 +305,27 @@ def _range(group: dict[str, Any], width: int) -> str | None:
     return bad
 
 
+_MAX_DEPTH = 64  # JSON nested deeper is not something ampguard writes; rendering it would recurse
+
+
+def _too_deep(value: Any, limit: int = _MAX_DEPTH) -> bool:
+    """Whether ``value`` nests lists/objects more than ``limit`` deep (iterative: no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if type(item) is dict:
+            item = list(item.values())
+        if type(item) is list:
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in item if type(v) in (list, dict))
+    return False
+
+
 def _finding(data: dict[str, Any], prefix: str) -> str | None:
     bad = _fields(data, _FINDING_FIELDS, prefix)
+    if bad is None and _too_deep(data.get("evidence")):
+        bad = f"field {prefix}'evidence' is nested more than {_MAX_DEPTH} deep"
     if bad is None and data["severity"] not in SEVERITIES:
         bad = f"field {prefix}'severity' must be one of {', '.join(SEVERITIES)}, got " \
               f"{_short(data['severity'])}"
@@ -376,6 +395,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise RunFolderError(f"{path} must hold a JSON object (the run's metadata), got a JSON "
                              f"{type(meta).__name__}")
     note = LineWarnings(path)
+    for key in [k for k, v in meta.items() if _too_deep(v)]:
+        note.warn(f"field {key!r}", f"is nested more than {_MAX_DEPTH} deep")
+        del meta[key]
     for dotted, check in META_FIELDS.items():
         *parents, key = dotted.split(".")
         holder = meta.get(parents[0]) if parents else meta
