@@ -23,6 +23,23 @@ def model():
     return torch.nn.Linear(4, 4)
 
 NOT_CALLABLE = 3
+
+
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise ValueError("raised by the user's forward")
+
+
+def broken_experiment():
+    import ampguard as ag
+    model = Broken()
+    batches = [(torch.randn(2, 4), torch.randn(2, 4))]
+    return ag.Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), batches,
+                         lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
 '''
 
 
@@ -127,6 +144,8 @@ def test_demo_over_a_broken_meta_json_starts_a_new_log(place, capsys):
     (["compare", "usercode:boom", "--steps", "2", "--no-progress"],
      'usercode.py", line 5, in boom'),
     (["inspect", "import_fails.py:f"], 'import_fails.py", line 1, in <module>'),
+    (["compare", "usercode:broken_experiment", "--steps", "2", "--no-progress"],
+     'usercode.py", line 19, in forward'),
 ])
 def test_the_users_own_exception_is_shown_as_theirs(place, argv, where, capsys):
     code, err = run_cli(argv, capsys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from ampguard._cli_types import fail, positive_int, seed, usable_out
 
@@ -39,21 +40,20 @@ def _user_code(command: str, err: Exception) -> int:
 
 
 def compare_run(args: argparse.Namespace) -> int:
-    from ampguard._loader import UserCodeError, load_factory, marked
+    from ampguard._loader import load_factory, marked
     from ampguard.experiments import compare
 
     variants = None if args.variants is None else [
         v.strip() for v in args.variants.split(",") if v.strip()]
+    raw = None
     try:
         if args.out is not None:
             usable_out(args.out)  # before minutes of training, not after
-        factory = marked(load_factory(args.factory), args.factory)
-        cmp = compare(factory, steps=args.steps, variants=variants,
+        raw = load_factory(args.factory)
+        cmp = compare(marked(raw, args.factory), steps=args.steps, variants=variants,
                       progress=not args.no_progress, seed=args.seed)
-    except UserCodeError as err:
-        return _user_code("compare", err)
-    except (ValueError, TypeError) as exc:
-        return fail("compare", exc)
+    except Exception as exc:  # noqa: BLE001 - sorted below: yours, a usage error, or a bug
+        return _failure("compare", args.factory, raw, exc)
     print(cmp.summary())
     if args.out is not None:
         try:
@@ -63,6 +63,21 @@ def compare_run(args: argparse.Namespace) -> int:
                         f"{exc.strerror or exc}")
         print(f"\nreport: {path}")
     return 0
+
+
+def _failure(command: str, ref: str, raw: Any, exc: Exception) -> int:
+    """Exit status for ``exc``: the user's code raised (1, their traceback), a usage error
+    (2, one line); anything else is ampguard's own bug and is raised with its traceback."""
+    from ampguard._loader import UserCodeError, raised_in_module_of
+
+    if isinstance(exc, UserCodeError):
+        return _user_code(command, exc)
+    if raw is not None and raised_in_module_of(exc, raw):
+        return _user_code(command, UserCodeError(
+            f"your experiment ({ref}) raised {type(exc).__name__}: {exc}", exc))
+    if isinstance(exc, (ValueError, TypeError)):
+        return fail(command, exc)
+    raise exc
 
 
 def inspect_args(p: argparse.ArgumentParser) -> None:
@@ -75,18 +90,17 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
 
 def inspect_run(args: argparse.Namespace) -> int:
     """Exit code 1 when any finding is an error, else 0."""
-    from ampguard._loader import UserCodeError, load_factory, marked
+    from ampguard._loader import load_factory, marked
     from ampguard.advisor import inspect_model
     from ampguard.experiments import seed_all
 
+    raw = None
     try:
-        factory = marked(load_factory(args.factory), args.factory)
+        raw = load_factory(args.factory)
         seed_all(args.seed)
-        findings = inspect_model(factory())
-    except UserCodeError as err:
-        return _user_code("inspect", err)
-    except (ValueError, TypeError) as exc:
-        return fail("inspect", exc)
+        findings = inspect_model(marked(raw, args.factory)())
+    except Exception as exc:  # noqa: BLE001 - sorted by _failure
+        return _failure("inspect", args.factory, raw, exc)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["load_factory", "marked", "UserCodeError", "user_traceback"]
+__all__ = ["load_factory", "marked", "UserCodeError", "user_traceback", "raised_in_module_of"]
 
 _FORM = "expected 'pkg.module:factory' or 'path/to/file.py:factory'"
 
@@ -40,6 +40,18 @@ def marked(factory: Callable[[], Any], ref: str) -> Callable[[], Any]:
             raise UserCodeError(f"the factory {ref!r} raised {type(exc).__name__}: {exc}",
                                 exc) from exc
     return call
+
+
+def raised_in_module_of(exc: BaseException, factory: Callable[[], Any]) -> bool:
+    """Whether ``exc`` passed through the file that defines ``factory`` (the user's model or
+    loss raised while ampguard ran it)."""
+    module = sys.modules.get(getattr(factory, "__module__", "") or "")
+    source = getattr(module, "__file__", None)
+    if not source:
+        return False
+    source = os.path.abspath(source)
+    return any(os.path.abspath(f.filename) == source
+               for f in traceback.extract_tb(exc.__traceback__))
 
 
 def user_traceback(err: UserCodeError) -> str:
