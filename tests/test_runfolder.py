@@ -14,7 +14,8 @@ from _runfolders import meta, step, steps, write
 
 import ampguard as ag
 from ampguard import cli, rules, runlog
-from ampguard._runschema import MAX_WARNINGS, RunFolderError, read_findings
+from ampguard._runfiles import read_findings
+from ampguard._runschema import MAX_WARNINGS, RunFolderError
 from ampguard.reporting import summary
 
 

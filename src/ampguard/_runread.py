@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ampguard._runschema import RANGE_FIELDS, LineWarnings, check_record, iter_lines, parse_line
+from ampguard._runfiles import iter_lines
+from ampguard._runschema import RANGE_FIELDS, LineWarnings, check_record, parse_line
 
 __all__ = ["read_columns"]
 

@@ -26,7 +26,8 @@ fallback  ``step`` int (required); ``from``, ``to``: str
 finding   ``step`` int or null; ``finding``: a :class:`ampguard.Finding` as a dict (required)
 ========  ==================================================================================
 
-This module imports no torch.
+Reading the files themselves (regular files only, errors naming them) is
+:mod:`ampguard._runfiles`. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -34,16 +35,15 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from ampguard.findings import SEVERITIES
 
 __all__ = [
     "RunFolderError", "MAX_WARNINGS", "LineWarnings", "STEP_FIELDS", "EVENT_FIELDS",
-    "RANGE_FIELDS", "META_FIELDS", "NONFINITE", "check_record", "iter_lines", "parse_line",
-    "read_meta", "read_findings", "read_json_file", "read_coverage",
+    "RANGE_FIELDS", "META_FIELDS", "NONFINITE", "check_record", "check_meta", "check_finding",
+    "coverage_ok", "parse_line",
 ]
 
 MAX_WARNINGS = 10
@@ -334,67 +334,9 @@ def _finding(data: dict[str, Any], prefix: str) -> str | None:
     return bad
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
-    """``(line number, line, complete)`` for every non-blank line of ``path``, streamed.
-
-    ``complete`` is False for a last line without its newline (a writer killed mid-append).
-    Raises :class:`RunFolderError` when the file cannot be opened as a regular file.
-    """
-    fh = _open_regular(path)
-    with fh:
-        for number, line in enumerate(fh, start=1):
-            complete = line.endswith(b"\n")
-            if line.strip():
-                yield number, line, complete
-
-
-def _open_regular(path: Path) -> Any:
-    try:
-        fh = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed by the caller
-    except IsADirectoryError:
-        raise RunFolderError(f"{path} is a folder, not a file") from None
-    except OSError as exc:
-        raise RunFolderError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if not _is_regular(fh):
-        fh.close()
-        raise RunFolderError(f"{path} is not a regular file")
-    return fh
-
-
-def _is_regular(fh: Any) -> bool:
-    import stat
-
-    return stat.S_ISREG(os.fstat(fh.fileno()).st_mode)
-
-
-# ---------------------------------------------------------------------- JSON files
-def read_json_file(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; :class:`RunFolderError` naming it when it cannot be used."""
-    path = Path(path)
-    if path.is_dir():
-        raise RunFolderError(f"{path} is a folder, not a JSON file")
-    try:
-        with open(path, "rb") as fh:
-            if not _is_regular(fh):
-                raise RunFolderError(f"{path} is not a regular file")
-            return json.loads(fh.read())
-    except RunFolderError:
-        raise
-    except OSError as exc:
-        raise RunFolderError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RunFolderError(f"{path} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise RunFolderError(f"{path} is not usable JSON: nested too deeply") from None
-
-
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """``meta.json`` checked against :data:`META_FIELDS`: a wrong field is dropped, warned."""
-    meta = read_json_file(path)
-    if type(meta) is not dict:
-        raise RunFolderError(f"{path} must hold a JSON object (the run's metadata), got a JSON "
-                             f"{type(meta).__name__}")
-    note = LineWarnings(path)
+def check_meta(meta: dict[str, Any], note: LineWarnings) -> None:
+    """Drop (with a warning) every ``meta.json`` field that does not follow :data:`META_FIELDS`
+    or nests too deeply; keep the resumes that follow the ``resume`` record's schema."""
     for key in [k for k, v in meta.items() if _too_deep(v)]:
         note.warn(f"field {key!r}", f"is nested more than {_MAX_DEPTH} deep")
         del meta[key]
@@ -413,37 +355,16 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if resumes is not None:
         meta["resumes"] = [r for r in resumes if type(r) is dict and
                            _fields(r, EVENT_FIELDS["resume"]) is None]
-    note.close()
-    return meta
 
 
-def read_findings(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """``findings.json``: a list of finding dicts; :class:`RunFolderError` naming the file and
-    the entry when it is not."""
-    data = read_json_file(path)
-    if type(data) is not list:
-        raise RunFolderError(f"{path} must hold a JSON list of findings, got a JSON "
-                             f"{type(data).__name__}")
-    for i, item in enumerate(data):
-        bad = _finding(item, "") if type(item) is dict else "not a JSON object"
-        if bad is not None:
-            raise RunFolderError(f"{path}: entry {i}: {bad}")
-    return data
+def check_finding(item: Any) -> str | None:
+    """``None`` when ``item`` is a finding as :meth:`ampguard.Finding.to_dict` writes it."""
+    return _finding(item, "") if type(item) is dict else "not a JSON object"
 
 
-def read_coverage(path: str | os.PathLike) -> dict[str, Any] | None:
-    """``coverage.json`` for the report, or ``None`` (with a warning) when it is unusable."""
-    try:
-        cov = read_json_file(path)
-    except RunFolderError as exc:
-        warnings.warn(f"{exc}; the coverage section is left out", RuntimeWarning, stacklevel=3)
-        return None
-    ok = type(cov) is dict and type(cov.get("modules", {})) is dict \
-        and all(type(m) is dict for m in cov.get("modules", {}).values()) \
+def coverage_ok(cov: Any) -> bool:
+    """Whether ``cov`` has the shape of the autocast census ``coverage.json`` holds."""
+    modules = cov.get("modules", {}) if type(cov) is dict else None
+    return type(modules) is dict and all(type(m) is dict for m in modules.values()) \
         and all(type(cov.get(k) or []) is list and all(type(e) is dict for e in cov.get(k) or [])
                 for k in ("escaped", "fragile"))
-    if not ok:
-        warnings.warn(f"{path}: not an autocast census written by ampguard; the coverage "
-                      "section is left out", RuntimeWarning, stacklevel=3)
-        return None
-    return cov

@@ -22,15 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from ampguard._runfiles import read_findings, read_json_file, read_meta
 from ampguard._runread import read_columns
-from ampguard._runschema import (
-    RunFolderError,
-    check_record,
-    parse_line,
-    read_findings,
-    read_json_file,
-    read_meta,
-)
+from ampguard._runschema import RunFolderError, check_record, parse_line
 
 __all__ = [
     "EVENTS",

@@ -7,7 +7,7 @@ import html
 import json
 from typing import Any
 
-from ampguard._runschema import read_coverage
+from ampguard._runfiles import read_coverage
 from ampguard.findings import Finding
 from ampguard.runlog import COVERAGE, RunLog
 
