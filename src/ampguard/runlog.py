@@ -7,7 +7,10 @@ as ``{"kind": "resume", ...}``), ``meta.json`` (model summary, configs, versions
 Writes never leave a half-written file behind: JSON files are replaced atomically (temporary file,
 fsync, rename) and the event log is only ever appended whole lines at a time. A process killed in
 the middle of an append can leave a torn last line; :func:`load_run` skips it with a warning and a
-writer that continues the log cuts it off first. This module imports no torch.
+writer that continues the log cuts it off first. What every file may hold (record kinds, fields,
+types) is :mod:`ampguard._runschema`; every reader goes through it, so a malformed line is a
+warning naming file, line and field, and an unusable ``meta.json`` is a :class:`RunFolderError`
+naming the file. This module imports no torch.
 """
 
 from __future__ import annotations
