@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from ampguard._cli_types import positive_int
+from ampguard._cli_types import fail, positive_int, seed, usable_out
 
 __all__ = ["compare_args", "compare_run", "inspect_args", "inspect_run"]
 
@@ -24,53 +25,82 @@ def compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=None,
                    help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
                         "fp16_noscaler (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed before each variant (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed before each variant (default 0)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def _fail(command: str, exc: Exception) -> int:
-    print(f"ampguard {command}: error: {exc}", file=sys.stderr)
-    return 2
+def _user_code(command: str, err: Exception) -> int:
+    """The user's own code raised: their traceback, marked as theirs; exit status 1."""
+    from ampguard._loader import user_traceback
+
+    print(f"ampguard {command}: error: {err} (in your code, not in ampguard; its traceback "
+          "follows)", file=sys.stderr)
+    print(user_traceback(err), file=sys.stderr, end="")  # type: ignore[arg-type]
+    return 1
 
 
 def compare_run(args: argparse.Namespace) -> int:
-    from ampguard._loader import load_factory
+    from ampguard._loader import load_factory, marked
     from ampguard.experiments import compare
 
     variants = None if args.variants is None else [
         v.strip() for v in args.variants.split(",") if v.strip()]
+    raw = None
     try:
-        factory = load_factory(args.factory)
-        cmp = compare(factory, steps=args.steps, variants=variants,
+        if args.out is not None:
+            usable_out(args.out)  # before minutes of training, not after
+        raw = load_factory(args.factory)
+        cmp = compare(marked(raw, args.factory), steps=args.steps, variants=variants,
                       progress=not args.no_progress, seed=args.seed)
-    except (ValueError, TypeError) as exc:
-        return _fail("compare", exc)
+    except Exception as exc:  # noqa: BLE001 - sorted below: yours, a usage error, or a bug
+        return _failure("compare", args.factory, raw, exc)
     print(cmp.summary())
     if args.out is not None:
-        print(f"\nreport: {cmp.save(args.out)}")
+        try:
+            path = cmp.save(args.out)
+        except OSError as exc:
+            return fail("compare", f"cannot write the comparison into {args.out!r}: "
+                        f"{exc.strerror or exc}")
+        print(f"\nreport: {path}")
     return 0
+
+
+def _failure(command: str, ref: str, raw: Any, exc: Exception) -> int:
+    """Exit status for ``exc``: the user's code raised (1, their traceback), a usage error
+    (2, one line); anything else is ampguard's own bug and is raised with its traceback."""
+    from ampguard._loader import UserCodeError, raised_in_module_of
+
+    if isinstance(exc, UserCodeError):
+        return _user_code(command, exc)
+    if raw is not None and raised_in_module_of(exc, raw):
+        return _user_code(command, UserCodeError(
+            f"your experiment ({ref}) raised {type(exc).__name__}: {exc}", exc))
+    if isinstance(exc, (ValueError, TypeError)):
+        return fail(command, exc)
+    raise exc
 
 
 def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning a model, "
                    "or an ampguard.Experiment (then its first batch is probed)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument("--seed", type=int, default=0, help="seed before calling the factory "
+    p.add_argument("--seed", type=seed, default=0, help="seed before calling the factory "
                    "(default 0)")
 
 
 def inspect_run(args: argparse.Namespace) -> int:
     """Exit code 1 when any finding is an error, else 0."""
-    from ampguard._loader import load_factory
+    from ampguard._loader import load_factory, marked
     from ampguard.advisor import inspect_model
     from ampguard.experiments import seed_all
 
+    raw = None
     try:
-        factory = load_factory(args.factory)
+        raw = load_factory(args.factory)
         seed_all(args.seed)
-        findings = inspect_model(factory())
-    except (ValueError, TypeError) as exc:
-        return _fail("inspect", exc)
+        findings = inspect_model(marked(raw, args.factory)())
+    except Exception as exc:  # noqa: BLE001 - sorted by _failure
+        return _failure("inspect", args.factory, raw, exc)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from ampguard._cli_types import fail
 
 __all__ = ["report_args", "report_run"]
 
@@ -19,14 +20,18 @@ def report_args(p: argparse.ArgumentParser) -> None:
 
 
 def report_run(args: argparse.Namespace) -> int:
-    from ampguard.reporting import _analyse, report, summary_text  # matplotlib: only for the HTML
+    from ampguard.reporting import _analyse, _need_matplotlib, _write, summary_text
 
     try:
-        run, found, _causes, facts = _analyse(args.run_dir, None)
+        if not args.no_html:
+            _need_matplotlib()  # before the analysis: fail fast, and in one line
+        run, found, causes, facts = _analyse(args.run_dir, None)  # read the log once
         print(summary_text(run, found, facts))
         if not args.no_html:
-            print(f"report: {report(args.run_dir)}")
-    except ValueError as exc:
-        print(f"ampguard report: {exc}", file=sys.stderr)
-        return 2
+            print(f"report: {_write(run, found, causes, facts)}")
+    except (ValueError, ImportError) as exc:
+        return fail("report", exc)
+    except OSError as exc:  # e.g. a read-only run folder: report.html cannot be written
+        return fail("report", f"cannot write into {args.run_dir}: {exc.strerror or exc}"
+                    + (f" ({exc.filename})" if exc.filename else ""))
     return 1 if any(f.severity in _LEVELS[args.fail_on] for f in found) else 0

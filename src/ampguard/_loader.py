@@ -1,7 +1,9 @@
 """Load a ``pkg.module:factory`` (or ``path/to/file.py:factory``) reference for the CLI.
 
 Every failure is a ``ValueError``/``TypeError`` whose message names the reference and says what
-to do, so the CLI can print it as a one-line error.
+to do, so the CLI can print it as a one-line error. An exception raised by the user's own code
+(their module while it is imported, their factory when called through :func:`marked`) is a
+:class:`UserCodeError` carrying that exception, so the CLI can show the user's traceback as theirs.
 """
 
 from __future__ import annotations
@@ -10,14 +12,57 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["load_factory"]
+__all__ = ["load_factory", "marked", "UserCodeError", "user_traceback", "raised_in_module_of"]
 
 _FORM = "expected 'pkg.module:factory' or 'path/to/file.py:factory'"
+
+
+class UserCodeError(ValueError):
+    """The user's own code raised; ``original`` is their exception (with its traceback)."""
+
+    def __init__(self, message: str, original: BaseException) -> None:
+        super().__init__(message)
+        self.original = original
+
+
+def marked(factory: Callable[[], Any], ref: str) -> Callable[[], Any]:
+    """``factory`` whose exceptions become :class:`UserCodeError` (shown as the user's own)."""
+    def call() -> Any:
+        try:
+            return factory()
+        except Exception as exc:  # noqa: BLE001 - whatever the user's code raises is theirs
+            raise UserCodeError(f"the factory {ref!r} raised {type(exc).__name__}: {exc}",
+                                exc) from exc
+    return call
+
+
+def raised_in_module_of(exc: BaseException, factory: Callable[[], Any]) -> bool:
+    """Whether ``exc`` passed through the file that defines ``factory`` (the user's model or
+    loss raised while ampguard ran it)."""
+    module = sys.modules.get(getattr(factory, "__module__", "") or "")
+    source = getattr(module, "__file__", None)
+    if not source:
+        return False
+    source = os.path.abspath(source)
+    return any(os.path.abspath(f.filename) == source
+               for f in traceback.extract_tb(exc.__traceback__))
+
+
+def user_traceback(err: UserCodeError) -> str:
+    """The traceback of the user's exception without ampguard's and importlib's frames."""
+    exc = err.original
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((here, "<frozen importlib"))]
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames),
+             *traceback.format_exception_only(type(exc), exc)]
+    return "".join(lines)
 
 
 def load_factory(ref: str) -> Callable[[], Any]:
@@ -48,6 +93,8 @@ def load_factory(ref: str) -> Callable[[], Any]:
 def _import(module_ref: str) -> ModuleType:
     if module_ref.endswith(".py") or os.sep in module_ref or "/" in module_ref:
         return _import_file(Path(module_ref))
+    if module_ref.startswith(".") or ".." in module_ref:
+        raise ValueError(f"invalid module {module_ref!r} in the factory reference: {_FORM}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -59,8 +106,9 @@ def _import(module_ref: str) -> ModuleType:
                 "add it to PYTHONPATH, or pass a file path (path/to/file.py:factory)"
             ) from exc
         raise ValueError(f"importing {module_ref!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise ValueError(f"importing {module_ref!r} raised {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the module's own code raised
+        raise UserCodeError(f"importing {module_ref!r} raised {type(exc).__name__}: {exc}",
+                            exc) from exc
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -77,7 +125,8 @@ def _import_file(path: Path) -> ModuleType:
         sys.path.insert(0, parent)  # so the file can import its neighbours, as a script would
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the file's own code raised
         del sys.modules[name]
-        raise ValueError(f"importing {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
+        raise UserCodeError(f"importing {str(path)!r} raised {type(exc).__name__}: {exc}",
+                            exc) from exc
     return module

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ampguard import _cli_compare, _cli_lint, _cli_report
-from ampguard._cli_types import positive_int
+from ampguard._cli_types import Parser, fail, positive_int, seed, usable_out
 
 __all__ = ["main", "build_parser"]
 
@@ -23,7 +23,7 @@ _Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callabl
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=300,
                    help="training steps (default 300)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
     p.add_argument("--out", default="ampguard-runs/demo",
                    help="run folder (default ampguard-runs/demo)")
     p.add_argument(
@@ -39,16 +39,33 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_run(args: argparse.Namespace) -> int:
-    if args.distributed:
-        from ampguard.demo.distributed import run_distributed_demo
+    from ampguard.runlog import RunFolderError
 
-        run_distributed_demo(args.distributed, steps=args.steps, seed=args.seed, out=args.out,
-                             precision=args.precision, progress=not args.no_progress)
-        return 0
-    from ampguard.demo import run_demo
+    try:
+        usable_out(args.out)
+    except ValueError as exc:
+        return fail("demo", exc)
+    try:
+        if args.distributed:
+            return _demo_distributed(args)
+        from ampguard.demo import run_demo
 
-    run_demo(steps=args.steps, seed=args.seed, out=args.out, precision=args.precision,
-             progress=not args.no_progress)
+        run_demo(steps=args.steps, seed=args.seed, out=args.out, precision=args.precision,
+                 progress=not args.no_progress)
+    except (RunFolderError, OSError) as exc:  # the run folder given with --out
+        return fail("demo", exc)
+    return 0
+
+
+def _demo_distributed(args: argparse.Namespace) -> int:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return fail("demo", "--distributed runs one process per rank; launch it with torchrun, "
+                    "e.g.: torchrun --nproc-per-node 2 -m ampguard demo --distributed "
+                    f"{args.distributed}")
+    from ampguard.demo.distributed import run_distributed_demo
+
+    run_distributed_demo(args.distributed, steps=args.steps, seed=args.seed, out=args.out,
+                         precision=args.precision, progress=not args.no_progress)
     return 0
 
 
@@ -71,7 +88,7 @@ _DESCRIPTION = ("robust, observable and debuggable mixed-precision (AMP) trainin
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ampguard`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="ampguard", description=_DESCRIPTION)
+    parser = Parser(prog="ampguard", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, add_args, run in _SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)

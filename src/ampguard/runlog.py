@@ -7,7 +7,10 @@ as ``{"kind": "resume", ...}``), ``meta.json`` (model summary, configs, versions
 Writes never leave a half-written file behind: JSON files are replaced atomically (temporary file,
 fsync, rename) and the event log is only ever appended whole lines at a time. A process killed in
 the middle of an append can leave a torn last line; :func:`load_run` skips it with a warning and a
-writer that continues the log cuts it off first. This module imports no torch.
+writer that continues the log cuts it off first. What every file may hold (record kinds, fields,
+types) is :mod:`ampguard._runschema`; every reader goes through it, so a malformed line is a
+warning naming file, line and field, and an unusable ``meta.json`` is a :class:`RunFolderError`
+naming the file. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ampguard._runfiles import read_findings, read_json_file, read_meta
+from ampguard._runread import read_columns
+from ampguard._runschema import RunFolderError, check_record, parse_line
 
 __all__ = [
     "EVENTS",
@@ -39,6 +46,9 @@ __all__ = [
     "floats",
     "num",
     "last_step_record",
+    "RunFolderError",
+    "read_meta",
+    "read_findings",
 ]
 
 EVENTS = "events.jsonl"
@@ -68,20 +78,21 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     data = json.dumps(obj, indent=1, allow_nan=False, default=str)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written left behind
+        raise
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; ``ValueError`` naming the file when it is not valid JSON."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    """Parse a JSON file; :class:`RunFolderError` (a ``ValueError``) naming the file when it is
+    not valid JSON, is a folder or cannot be read."""
+    return read_json_file(path)
 
 
 class EventLog:
@@ -165,20 +176,28 @@ def last_step_record(path: str | os.PathLike, at_most: int | None = None) -> dic
             lines = fh.read(size - start).split(b"\n")
             for line in reversed(lines[1:] if start > 0 else lines):  # lines[0] may be partial
                 rec = _parse(line)
-                if rec is not None and rec.get("kind", "step") == "step" and "step" in rec \
-                        and (at_most is None or int(rec["step"]) <= at_most):
+                if rec is not None and rec.get("kind", "step") == "step" \
+                        and check_record(rec, _width(rec)) is None \
+                        and (at_most is None or rec["step"] <= at_most):
                     return rec
             if start == 0:
                 return None
             block *= 4
 
 
+def _width(rec: dict[str, Any]) -> int:
+    """The layer count a step record claims (the schema then checks every list has it)."""
+    for group, key in (("layers", "grad_norm"), ("range", "amax")):
+        holder = rec.get(group)
+        values = holder.get(key) if isinstance(holder, dict) else None
+        if isinstance(values, list):
+            return len(values)
+    return 0
+
+
 def _parse(line: bytes) -> dict[str, Any] | None:
-    try:
-        rec = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return rec if isinstance(rec, dict) else None
+    rec = parse_line(line)
+    return None if isinstance(rec, str) else rec
 
 
 @dataclass
@@ -234,96 +253,22 @@ class RunLog:
 
 
 def load_run(run_dir: str | os.PathLike) -> RunLog:
-    """Read a run folder written by :class:`ampguard.Telemetry`.
+    """Read a run folder written by :class:`ampguard.Telemetry` (streamed, one pass).
 
-    Raises ``ValueError`` when ``run_dir`` has no ``meta.json``/``events.jsonl``. A torn or
-    unreadable line is skipped with a ``RuntimeWarning`` (a crash mid-append tears only the last).
+    Raises :class:`RunFolderError` (a ``ValueError``) naming the file when ``run_dir`` has no
+    ``meta.json``/``events.jsonl`` or one of them cannot be used. A line of the log that does not
+    follow the schema (:mod:`ampguard._runschema`; a torn last line after a crash, a field of
+    the wrong type) is skipped with a ``RuntimeWarning`` naming the line and the field.
     """
     run_dir = Path(run_dir)
     meta_path, events_path = run_dir / META, run_dir / EVENTS
     if not meta_path.exists() or not events_path.exists():
-        raise ValueError(f"run_dir {str(run_dir)!r} is not an ampguard run folder (needs {META} "
-                         f"and {EVENTS}, written by ampguard.Telemetry)")
-    meta = read_json(meta_path)
-    records, events, bad = _read_events(events_path)
-    return _assemble(run_dir, meta, records, events, bad)
-
-
-def _read_events(path: Path) -> tuple[list[dict], list[dict], int]:
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    torn_tail = not raw.endswith(b"\n") and lines[-1] != b""
-    steps: list[dict] = []
-    events: list[dict] = []
-    bad = 0
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        rec = _parse(line)
-        if rec is None or (rec.get("kind", "step") == "step" and "step" not in rec):
-            bad += 1
-            last = i == len(lines) - 1 and torn_tail
-            what = "a torn last line (the writer was killed mid-append)" if last else \
-                f"unreadable line {i + 1}"
-            warnings.warn(f"{path}: skipping {what}", RuntimeWarning, stacklevel=3)
-            continue
-        kind = rec.get("kind", "step")
-        if kind == "step":
-            steps.append(rec)
-            continue
-        if kind == "resume":
-            at = int(rec.get("step", 0))
-            steps = [r for r in steps if int(r["step"]) <= at]  # re-run after the checkpoint
-        events.append(rec)
-    return steps, events, bad
-
-
-def _col(records: list[dict], key: str, default: Any = math.nan) -> np.ndarray:
-    return np.array([_nan(r.get(key, default)) for r in records], dtype=np.float64)
-
-
-def _nan(v: Any) -> float:
-    return math.nan if v is None else float(v)
-
-
-def _matrix(rows: list[Any], width: int) -> np.ndarray:
-    if not rows:
-        return np.zeros((0, width))
-    return np.array([[_nan(v) for v in row] for row in rows], dtype=np.float64).reshape(-1, width)
-
-
-def _assemble(run_dir: Path, meta: dict, recs: list[dict], events: list[dict], bad: int) -> RunLog:
-    layers = [str(n) for n in meta.get("layers", {}).get("names", [])]
-    width = len(layers)
-    lrecs = [r for r in recs if "layers" in r]
-    rrecs = [r for r in recs if "range" in r]
-    rng = [r["range"] for r in rrecs]
-    return RunLog(
-        run_dir=run_dir, meta=meta, layers=layers,
-        steps=np.array([int(r["step"]) for r in recs], dtype=np.int64),
-        scale_before=_col(recs, "scale_before"), scale=_col(recs, "scale"),
-        applied=np.array([bool(r.get("applied", True)) for r in recs], dtype=bool),
-        overflow=np.array([bool(r.get("overflow", False)) for r in recs], dtype=bool),
-        collapse=np.array([bool(r.get("collapse", False)) for r in recs], dtype=bool),
-        dropped=np.array([int(r.get("dropped", 0)) for r in recs], dtype=np.int64),
-        loss=_col(recs, "loss"), grad_norm=_col(recs, "grad_norm"),
-        precision=[str(r.get("precision", "")) for r in recs],
-        layer_steps=np.array([int(r["step"]) for r in lrecs], dtype=np.int64),
-        layer_applied=np.array([bool(r.get("applied", True)) for r in lrecs], dtype=bool),
-        layer_norm=_matrix([r["layers"]["grad_norm"] for r in lrecs], width),
-        range_steps=np.array([int(r["step"]) for r in rrecs], dtype=np.int64),
-        range_applied=np.array([bool(r.get("applied", True)) for r in rrecs], dtype=bool),
-        range_scale=_col(rrecs, "scale_before"),
-        range_precision=[str(r.get("precision", "")) for r in rrecs],
-        zero_frac=_matrix([g["zero_frac"] for g in rng], width),
-        amax=_matrix([g["amax"] for g in rng], width),
-        headroom_bits=_matrix([g["headroom_bits"] for g in rng], width),
-        underflow=_matrix([g["underflow"] for g in rng], width),
-        safe_lo=_matrix([g["safe_lo"] for g in rng], width),
-        safe_hi=_matrix([g["safe_hi"] for g in rng], width),
-        window=_matrix([g["window"] for g in rng], 2),
-        events=events, bad_lines=bad,
-    )
+        raise RunFolderError(f"run_dir {str(run_dir)!r} is not an ampguard run folder (needs "
+                             f"{META} and {EVENTS}, written by ampguard.Telemetry)")
+    meta = read_meta(meta_path)
+    layers = list((meta.get("layers") or {}).get("names") or [])
+    cols = read_columns(events_path, len(layers))
+    return RunLog(run_dir=run_dir, meta=meta, layers=layers, **cols)
 
 
 def append_findings(run_dir: str | os.PathLike, found: list[Any]) -> None:

@@ -154,11 +154,12 @@ class Telemetry:
         # An existing log is continued only if the Guard resumes from a checkpoint before its
         # first step (see _on_resume); a run that just starts in the folder starts a new log.
         self._log_pending = self.resume and self._events.exists() and self._meta_path.exists()
-        if self._log_pending and \
-                runlog.read_json(self._meta_path).get("layers", {}).get("names") != self.layers:
-            warnings.warn(f"{self.run_dir}: the existing run log was written for a model with "
-                          "other layers; starting a new log", RuntimeWarning, stacklevel=4)
-            self._log_pending = False
+        if self._log_pending:
+            why = _cannot_continue(self._meta_path, self.layers)
+            if why:
+                warnings.warn(f"{self.run_dir}: {why}; starting a new log", RuntimeWarning,
+                              stacklevel=4)
+                self._log_pending = False
         if not self._log_pending:
             self._start_log()
         self._sink = None
@@ -306,7 +307,7 @@ class Telemetry:
         guard = self._guard
         if self._log_pending:
             self._log_pending = False
-            self._meta = runlog.read_json(self._meta_path)
+            self._meta = runlog.read_meta(self._meta_path)
             self._log = runlog.EventLog(self._events, fresh=False)
             if guard._steps == 0:
                 last = runlog.last_step_record(self._events)
@@ -448,3 +449,14 @@ def attach(telemetry: Any, guard: Any) -> Telemetry | None:
                         f"{type(telemetry).__name__}")
     telemetry._attach(guard)
     return telemetry
+
+
+def _cannot_continue(meta_path: Path, layers: list[str]) -> str | None:
+    """Why the run log in the folder cannot be continued by this model, or None."""
+    try:
+        meta = runlog.read_meta(meta_path)
+    except runlog.RunFolderError as exc:
+        return f"the existing run log cannot be continued ({exc})"
+    if (meta.get("layers") or {}).get("names") != layers:
+        return "the existing run log was written for a model with other layers"
+    return None

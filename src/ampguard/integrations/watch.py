@@ -163,7 +163,7 @@ class Watch:
         Cost: one host sync (flush) and a read of the run log.
         """
         if self._closed:
-            return [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)]
+            return [Finding.from_dict(d) for d in runlog.read_findings(self._findings_path)]
         found = self.telemetry.findings()
         self._check_collapse(in_step=False)
         return self._merge(found)
@@ -193,8 +193,9 @@ class Watch:
         try:
             self.telemetry.close()
             self._check_collapse(in_step=False)
-            rules_found = [Finding.from_dict(d) for d in runlog.read_json(self._findings_path)] \
-                if self._findings_path.exists() else []
+            path = self._findings_path
+            rules_found = [Finding.from_dict(d) for d in runlog.read_findings(path)] \
+                if path.exists() else []
             self._merge(rules_found)
         finally:
             self._closed = True

@@ -23,12 +23,12 @@ from ampguard.lint._engine import (
     parse_codes,
 )
 from ampguard.lint._output import FORMATS, format_findings, sort_findings
-from ampguard.lint._source import syntax_finding
+from ampguard.lint._source import MAX_FILE_BYTES, read_source
 from ampguard.lint.rules import RULES, Rule
 
 __all__ = [
-    "DEFAULT_EXCLUDES", "FORMATS", "RULES", "Rule", "format_findings", "iter_python_files",
-    "lint_paths", "lint_source", "parse_codes",
+    "DEFAULT_EXCLUDES", "FORMATS", "MAX_FILE_BYTES", "RULES", "Rule", "format_findings",
+    "iter_python_files", "lint_paths", "lint_source", "parse_codes",
 ]
 
 Codes = str | Iterable[str] | None
@@ -59,7 +59,9 @@ def lint_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *, select
 
     Folders skip :data:`DEFAULT_EXCLUDES` (``.git``, ``.venv``, ``build``, ``site-packages``, ...)
     and the glob patterns in ``exclude``. A missing path raises :class:`FileNotFoundError`; an
-    unreadable or unparsable file gives an AG200 finding.
+    unreadable or unparsable file gives an AG200 finding, and so does anything that is not a
+    regular file (a FIFO, a device, a symlink loop) or is larger than :data:`MAX_FILE_BYTES`
+    (10 MiB): those are never read.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -72,12 +74,10 @@ def lint_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *, select
     options = make_options(select, ignore, torch_version)
     findings: list[Finding] = []
     for path in iter_python_files(paths, tuple(exclude)):
-        try:
-            with open(path, "rb") as handle:
-                data = handle.read()
-        except OSError as err:
+        data = read_source(path)  # regular files only, at most MAX_FILE_BYTES
+        if isinstance(data, Finding):
             if "AG200" in options.codes:
-                findings.append(syntax_finding(path, f"cannot read the file: {err.strerror}"))
+                findings.append(data)
             continue
         findings.extend(lint_bytes(data, path, options))
     return sort_findings(findings)

@@ -149,7 +149,9 @@ def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str]
     """Files to lint: each file named, and the ``*.py`` files under each folder named.
 
     Folders skip :data:`DEFAULT_EXCLUDES` and ``exclude`` (glob patterns matched against a name
-    or a path relative to the folder given). Symlinked folders are not followed.
+    or a path relative to the folder given). Symlinked folders are not followed, so a symlink
+    loop ends the walk; named paths that are not folders are yielded as they are (the reader
+    reads regular files only and reports the rest as AG200).
     """
     patterns = (*DEFAULT_EXCLUDES, *exclude)
     seen: set[str] = set()
@@ -164,11 +166,11 @@ def _walk(paths: Iterable[str | os.PathLike], patterns: tuple[str, ...],
           exclude: tuple[str, ...]) -> Iterator[str]:
     for raw in paths:
         path = os.fspath(raw)
-        if os.path.isfile(path):
-            yield path
-            continue
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"paths: no such file or folder: {path!r}")
+            if not os.path.lexists(path):
+                raise FileNotFoundError(f"paths: no such file or folder: {path!r}")
+            yield path  # a file, or a FIFO / device / dangling link: the reader reports it
+            continue
         for root, dirs, files in os.walk(path):
             rel_root = os.path.relpath(root, path)
             dirs[:] = sorted(d for d in dirs if not _excluded(

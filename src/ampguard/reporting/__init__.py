@@ -34,23 +34,40 @@ def report(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None
     """Write ``run_dir/report.html`` (self-contained, opens offline) and ``findings.json``.
 
     ``config`` overrides the rule thresholds. Returns the report's path. Raises ``ValueError``
-    when ``run_dir`` is not a run folder. Needs matplotlib (``pip install 'ampguard[report]'``).
+    (``ampguard.runlog.RunFolderError``, naming the file) when ``run_dir`` is not a usable run
+    folder. Needs matplotlib (``pip install 'ampguard[report]'``).
     """
+    _need_matplotlib()
+    return _write(*_analyse(run_dir, config))
+
+
+def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ImportError("ampguard.reporting needs matplotlib: pip install 'ampguard[report]'"
                           ) from exc
+
+
+def _write(run: runlog.RunLog, found: list[Finding], causes: dict[str, list[int]],
+           facts: dict[str, object]) -> Path:
+    """findings.json and report.html of an analysed run (what :func:`report` does after the
+    analysis; the CLI calls it to read the log once for the summary and the page)."""
+    import matplotlib
+
     from ampguard.reporting.plots import FIGURES
 
-    run, found, causes, facts = _analyse(run_dir, config)
     _save_findings(run, found)
-    figures = [(title, make(run)) for _, title, make in FIGURES]
+    with matplotlib.rc_context({"text.usetex": False}):  # user text is never LaTeX
+        figures = [(title, make(run)) for _, title, make in FIGURES]
     page = render(run, found, facts, causes, figures)
     target = run.run_dir / runlog.REPORT
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
 
 

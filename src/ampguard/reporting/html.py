@@ -7,8 +7,9 @@ import html
 import json
 from typing import Any
 
+from ampguard._runfiles import read_coverage
 from ampguard.findings import Finding
-from ampguard.runlog import COVERAGE, RunLog, read_json
+from ampguard.runlog import COVERAGE, RunLog
 
 __all__ = ["render"]
 
@@ -74,9 +75,9 @@ def _fallback_text(change: dict[str, Any]) -> str:
 def _coverage(run: RunLog, limit: int = 40) -> str:
     """The autocast census of ``Guard(coverage_step=N)`` (``coverage.json``), if recorded."""
     path = run.run_dir / COVERAGE
-    if not path.exists():
+    cov = read_coverage(path) if path.exists() else None
+    if cov is None:
         return ""
-    cov = read_json(path)
     rows = []
     for name, m in list(cov.get("modules", {}).items())[:limit]:
         cells = (name or "(root)", _counts(m.get("heavy_forward")),
@@ -95,7 +96,9 @@ def _coverage(run: RunLog, limit: int = 40) -> str:
 
 
 def _counts(counts: dict[str, int] | None) -> str:
-    return " ".join(f"{k}: {v}" for k, v in sorted((counts or {}).items())) or "-"
+    if not isinstance(counts, dict):  # a hand-edited coverage.json: show nothing, not crash
+        return "-"
+    return " ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=str)) or "-"
 
 
 def _g(value: float | None) -> str:

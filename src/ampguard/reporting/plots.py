@@ -1,4 +1,9 @@
-"""The report's figures: matplotlib (Agg, no display) rendered to PNG bytes."""
+"""The report's figures: matplotlib (Agg, no display) rendered to PNG bytes.
+
+Long runs are thinned first (:mod:`ampguard.reporting._thin`: at most a few thousand points per
+series, spikes kept by min/max envelopes); user text (layer names, precisions) is shown verbatim,
+never parsed as math text.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ampguard.reporting._thin import (
+    MAX_MARKERS,
+    MAX_POINTS,
+    bucket_columns,
+    changes,
+    envelope,
+    pick,
+    plain_text,
+)
 from ampguard.runlog import RunLog
 
 __all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "FIGURES"]
@@ -30,14 +44,17 @@ def _png(fig) -> bytes:  # noqa: ANN001
     return buf.getvalue()
 
 
+_MAX_EVENTS = 50  # resume / fallback markers drawn (a log with more is not a training run)
+
+
 def _markers(ax, run: RunLog) -> None:  # noqa: ANN001
-    for r in run.resumes:
+    for r in run.resumes[:_MAX_EVENTS]:
         ax.axvline(int(r["step"]), color="#7b2cbf", ls="--", lw=1.2)
         ax.annotate("resume", (int(r["step"]), 1.0), xycoords=("data", "axes fraction"),
                     xytext=(3, -12), textcoords="offset points", color="#7b2cbf", fontsize=8)
-    for f in run.fallbacks:
+    for f in run.fallbacks[:_MAX_EVENTS]:
         ax.axvline(int(f["step"]), color="#d00000", ls=":", lw=1.2)
-        ax.annotate(f"{f.get('from')}->{f.get('to')}", (int(f["step"]), 1.0),
+        ax.annotate(plain_text(f"{f.get('from')}->{f.get('to')}"), (int(f["step"]), 1.0),
                     xycoords=("data", "axes fraction"), xytext=(3, -24),
                     textcoords="offset points", color="#d00000", fontsize=8)
 
@@ -48,18 +65,23 @@ def scale_plot(run: RunLog) -> bytes | None:
         return None
     fig = _figure()
     ax = fig.add_subplot()
-    ax.step(run.steps, run.scale, where="post", color="#1d3557", lw=1.4, label="loss scale")
-    skipped = ~run.applied
-    if skipped.any():
-        ax.scatter(run.steps[skipped], run.scale_before[skipped], marker="x", color="#e63946",
-                   s=22, zorder=3, label=f"skipped step ({int(skipped.sum())})")
-    lo, hi = run.window[:, 0], run.window[:, 1]
-    finite = np.isfinite(lo) & np.isfinite(hi) & (lo <= hi) & run.range_applied
+    _scale_line(ax, run.steps, run.scale)
+    skipped = np.flatnonzero(~run.applied)
+    if len(skipped):
+        shown = pick(skipped)
+        ax.scatter(run.steps[shown], run.scale_before[shown], marker="x", color="#e63946",
+                   s=22, zorder=3, label=f"skipped step ({len(skipped)}"
+                   + (f", {len(shown)} drawn)" if len(shown) < len(skipped) else ")"))
+    keep = pick(np.arange(len(run.range_steps)), MAX_POINTS)
+    lo, hi = run.window[keep, 0], run.window[keep, 1]
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(lo) & np.isfinite(hi) & (lo <= hi) & run.range_applied[keep]
     if finite.sum() >= 8:
-        ax.fill_between(run.range_steps[finite], lo[finite], hi[finite], step="mid",
+        ax.fill_between(run.range_steps[keep][finite], lo[finite], hi[finite], step="mid",
                         color="#2a9d8f", alpha=0.18, label="safe fp16 scale window")
     elif finite.any():  # few samples: one bar each
-        ax.vlines(run.range_steps[finite], lo[finite], hi[finite], color="#2a9d8f", alpha=0.45,
+        ax.vlines(run.range_steps[keep][finite], lo[finite], hi[finite], color="#2a9d8f",
+                  alpha=0.45,
                   lw=5, label="safe fp16 scale window")
     positive = run.scale[np.isfinite(run.scale) & (run.scale > 0)]
     if len(positive):
@@ -73,6 +95,20 @@ def scale_plot(run: RunLog) -> bytes | None:
     return _png(fig)
 
 
+def _scale_line(ax, steps: np.ndarray, scale: np.ndarray) -> None:  # noqa: ANN001
+    """The scale as a step line through its change points (exact), or, when even those are too
+    many, the min-max band per bucket with the bucket's highest scale as the line."""
+    keep = changes(scale)
+    if len(keep) <= MAX_POINTS:
+        ax.step(steps[keep], scale[keep], where="post", color="#1d3557", lw=1.4,
+                label="loss scale")
+        return
+    env = envelope(steps, scale)
+    ax.fill_between(env.x, env.lo, env.hi, step="post", color="#1d3557", alpha=0.25, lw=0,
+                    label=f"loss scale range per {len(steps) // len(env.x):,} steps")
+    ax.step(env.x, env.hi, where="post", color="#1d3557", lw=1.0, label="loss scale (highest)")
+
+
 def loss_plot(run: RunLog) -> bytes | None:
     """Loss per step (log axis when positive), skipped steps marked."""
     finite = np.isfinite(run.loss)
@@ -80,12 +116,19 @@ def loss_plot(run: RunLog) -> bytes | None:
         return None
     fig = _figure()
     ax = fig.add_subplot()
-    ax.plot(run.steps[finite], run.loss[finite], color="#457b9d", lw=1.0, label="loss")
-    skipped = ~run.applied & finite
-    if skipped.any():
+    steps, loss = run.steps[finite], run.loss[finite]
+    if len(loss) <= MAX_POINTS:
+        ax.plot(steps, loss, color="#457b9d", lw=1.0, label="loss")
+    else:
+        env = envelope(steps, loss)
+        ax.fill_between(env.x, env.lo, env.hi, color="#457b9d", alpha=0.3, lw=0,
+                        label=f"loss min-max per {len(loss) // len(env.x):,} steps")
+        ax.plot(env.x, env.mean, color="#457b9d", lw=1.0, label="loss (mean)")
+    skipped = pick(np.flatnonzero(~run.applied & finite), MAX_MARKERS)
+    if len(skipped):
         ax.scatter(run.steps[skipped], run.loss[skipped], marker="x", color="#e63946", s=18,
                    zorder=3, label="skipped step")
-    if (run.loss[finite] > 0).all():
+    if (loss > 0).all():
         ax.set_yscale("log")
     _markers(ax, run)
     ax.set_xlabel("step")
@@ -98,7 +141,7 @@ def loss_plot(run: RunLog) -> bytes | None:
 def _layer_ticks(ax, names: list[str], axis: str = "y") -> None:  # noqa: ANN001
     every = max(1, math.ceil(len(names) / _MAX_LABELS))
     ticks = list(range(0, len(names), every))
-    labels = [names[i] for i in ticks]
+    labels = [plain_text(names[i]) for i in ticks]
     if axis == "y":
         ax.set_yticks(ticks, labels, fontsize=7)
     else:
@@ -111,6 +154,8 @@ def heatmap_plot(run: RunLog) -> bytes | None:
         return None
     with np.errstate(divide="ignore", invalid="ignore"):
         data = np.log10(run.layer_norm.T)
+    data[~np.isfinite(data)] = np.nan  # log10(0) = -inf: no colour, like a missing sample
+    _, data = bucket_columns(run.layer_steps, data)
     data = np.ma.masked_invalid(data)
     height = min(10.0, 1.6 + 0.22 * min(len(run.layers), _MAX_LABELS))
     fig = _figure(9.0, height)
@@ -154,7 +199,7 @@ def range_plot(run: RunLog) -> bytes | None:
     ax.set_title(f"step {int(run.range_steps[k])}", fontsize=9)
     under = np.nan_to_num(run.underflow[k], nan=0.0)
     ax2.barh(y, under * 100, color="#f4a261", label="underflow % (nonzero grads)")
-    for i, bits in enumerate(run.headroom_bits[k]):
+    for i, bits in enumerate(run.headroom_bits[k][:2 * _MAX_LABELS]):
         if np.isfinite(bits):
             ax2.annotate(f"{bits:.1f} bits", (0, i), xytext=(2, -3), textcoords="offset points",
                          fontsize=7, color="#333")
