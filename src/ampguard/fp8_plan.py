@@ -233,7 +233,8 @@ def _assess(mod: nn.Linear, cap: dict[str, torch.Tensor] | None, rec: Recipe,
     shape = (mod.in_features, mod.out_features)
     eligible = all(d % _MULTIPLE == 0 and d > 0 for d in shape)
     info: dict[str, Any] = {"ready": False, "reason": "", "fix": "keep_bf16",
-                            "problem": "unused", "eligible": eligible, "shape": shape, "sqnr_db": None,
+                            "problem": "unused", "eligible": eligible, "shape": shape,
+                            "sqnr_db": None,
                             "input_flushed": None, "weight_flushed": None, "grad_flushed": None,
                             "input_amax": None, "input_outlier_ratio": None, "grad_amax": None}
     if cap is None:
