@@ -23,7 +23,8 @@ def compare_args(p: argparse.ArgumentParser) -> None:
                    help="folder for comparison.html and comparison.json (default: none)")
     p.add_argument("--variants", default=None,
                    help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
-                        "fp16_noscaler (default: all)")
+                        "fp16_noscaler (default: all), or the opt-in fp8,fp8_planned "
+                        "(need torchao)")
     p.add_argument("--seed", type=int, default=0, help="seed before each variant (default 0)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

@@ -15,6 +15,7 @@ AG112 warning   on at least half of its samples, more than ``max_grad_flushed`` 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -101,8 +102,8 @@ class Fp8Monitor:
         for (step, _), layer_names in zip(pending, names, strict=True):
             layers = {}
             for n in layer_names:
-                layers[n] = {f: (None if v != v else v) for f, v in zip(FIELDS, values[k],
-                                                                         strict=True)}
+                layers[n] = {f: (v if math.isfinite(v) else None)  # JSON: no NaN/inf
+                             for f, v in zip(FIELDS, values[k], strict=True)}
                 k += 1
             records.append({"kind": "fp8", "step": step, "layers": layers})
         self.samples.extend(records)
