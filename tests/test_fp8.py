@@ -68,7 +68,8 @@ def test_plan_flags_each_planted_layer_with_its_reason_and_fix(plan):
     assert not grad["ready"] and grad["problem"] == "grad" and grad["grad_flushed"] > 0.5
     assert grad["fix"] == "rescale" and "e5m2" in grad["reason"]
     for info in layers.values():
-        assert {"ready", "reason", "eligible", "sqnr_db", "input_flushed", "grad_flushed"} <= set(info)
+        keys = {"ready", "reason", "eligible", "sqnr_db", "input_flushed", "grad_flushed"}
+        assert keys <= set(info)
         assert "\n" not in info["reason"]
 
 
