@@ -272,3 +272,35 @@ def test_missing_torchao_is_one_clear_error():
     assert out.returncode == 0, out.stderr
     assert "ERR Fp8UnavailableError" in out.stdout
     assert 'pip install "ampguard[fp8]"' in out.stdout
+
+
+def test_fp8_demo_keeps_the_planted_layer_in_bf16(tmp_path, capsys):
+    from ampguard.cli import main
+    from ampguard.demo.fp8_model import OUTLIER_LAYER
+
+    assert main(["demo", "--precision", "fp8", "--steps", "4", "--out", str(tmp_path / "d"),
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"{OUTLIER_LAYER} (kept in bf16)" in out and "report:" in out
+    assert "keep_bf16" in out  # the plan's table came first
+    assert (tmp_path / "d" / "report.html").exists()
+
+
+def test_cli_inspect_fp8_prints_the_plan(tmp_path, capsys):
+    from ampguard.cli import main
+
+    src = tmp_path / "fac.py"
+    src.write_text(
+        "import torch, ampguard as ag\n"
+        "from ampguard.demo.fp8_model import OutlierNet, make_task, loss_fn\n"
+        "def experiment():\n"
+        "    m = OutlierNet()\n"
+        "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "                         list(make_task(steps=1).batches()), loss_fn)\n"
+        "def bare():\n"
+        "    return OutlierNet()\n")
+    assert main(["inspect", "--fp8", f"{src}:experiment"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.1.down" in out and "AG341" in out and "5 of 6 Linear layers ready" in out
+    assert main(["inspect", "--fp8", f"{src}:bare"]) == 2
+    assert "needs a factory returning an ampguard.Experiment" in capsys.readouterr().err

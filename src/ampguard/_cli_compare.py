@@ -58,10 +58,18 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--seed", type=int, default=0, help="seed before calling the factory "
                    "(default 0)")
+    p.add_argument("--fp8", action="store_true", help="print the fp8 readiness plan of the "
+                   "factory's Experiment (ag.fp8_plan on its first batch)")
+    p.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"),
+                   help="fp8 scaling recipe for --fp8 (default tensorwise)")
 
 
 def inspect_run(args: argparse.Namespace) -> int:
     """Exit code 1 when any finding is an error, else 0."""
+    if args.fp8:
+        from ampguard._cli_fp8 import inspect_fp8
+
+        return inspect_fp8(args)
     from ampguard._loader import load_factory
     from ampguard.advisor import inspect_model
     from ampguard.experiments import seed_all
