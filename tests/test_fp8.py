@@ -197,6 +197,12 @@ def test_fp8_checkpoint_resumes_bitwise(tmp_path):
     assert _train(guard2, model2, 3, seed=2) == straight
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+    torch.manual_seed(0)
+    model3 = _mlp()
+    guard3 = ag.Guard(model3, torch.optim.AdamW(model3.parameters()), precision="bf16")
+    with pytest.raises(ValueError, match="saved with precision='fp8'"):
+        guard3.load_state_dict(guard.state_dict())
+    assert guard3.precision == "bf16" and guard3.steps == 0
 
 
 def test_fp8_telemetry_records_layers_and_finds_drift(tmp_path):
@@ -301,6 +307,6 @@ def test_cli_inspect_fp8_prints_the_plan(tmp_path, capsys):
         "    return OutlierNet()\n")
     assert main(["inspect", "--fp8", f"{src}:experiment"]) == 0
     out = capsys.readouterr().out
-    assert "blocks.1.down" in out and "AG341" in out and "5 of 6 Linear layers ready" in out
+    assert "head" in out and "AG341" in out and "5 of 6 Linear layers ready" in out
     assert main(["inspect", "--fp8", f"{src}:bare"]) == 2
     assert "needs a factory returning an ampguard.Experiment" in capsys.readouterr().err

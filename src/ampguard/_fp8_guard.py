@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Fp8UnavailableError", "require_torchao", "Fp8State", "attach", "eligible",
-           "has_fp8_matmul", "TORCHAO_PIN"]
+__all__ = ["Fp8UnavailableError", "require_torchao", "Fp8State", "attach", "check_state",
+           "eligible", "has_fp8_matmul", "TORCHAO_PIN"]
 
 TORCHAO_PIN = "torchao==0.18.0"
 _MULTIPLE = 16
@@ -158,6 +158,16 @@ def _warn_emulated(device: torch.device) -> None:
     warnings.warn(f"precision='fp8' on {device.type}: this device has no fp8 matmul, so torchao "
                   "emulates it (real fp8 casts, the matmul in high precision): numerics as on an "
                   "fp8 GPU, speed not", RuntimeWarning, stacklevel=5)
+
+
+def check_state(guard: Any, state: dict[str, Any]) -> None:
+    """A Guard state saved in fp8 loads only into an fp8 Guard, and vice versa: the model's
+    Linear layers are converted (or not) at construction, which a load cannot change."""
+    saved, now = state.get("precision"), guard._policy.precision
+    if (saved == "fp8") != (now == "fp8"):
+        raise ValueError(f"the Guard state was saved with precision={saved!r} but this Guard "
+                         f"uses precision={now!r}; create the Guard with precision={saved!r} "
+                         "to resume it")
 
 
 def attach(guard: Any, plan: Any) -> Fp8State | None:

@@ -72,7 +72,9 @@ class Fp8Monitor:
                 self._current = (step, {})
             row = torch.full((len(FIELDS),), float("nan"), device=args[0].device)
             row[0], row[1] = _stats(args[0], E4M3, self.recipe)
-            row[2], row[3] = _stats(module.weight, E4M3, self.recipe)
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            row[2], row[3] = _stats(weight, E4M3, self.recipe)
             self._current[1][name] = row
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda g: self._on_grad(row, g))

@@ -557,6 +557,7 @@ class Guard:
             raise ValueError(f"malformed Guard state: missing or bad field {exc}") from exc
 
     def _load(self, state: dict[str, Any]) -> None:
+        _fp8_guard.check_state(self, state)  # fp8 <-> other precisions: refuse, change nothing
         saved_cfg = state["scaler_config"]
         diff = {k: v for k, v in saved_cfg.items() if getattr(self.scaler_config, k, v) != v}
         if diff:

@@ -1,7 +1,7 @@
 """``ampguard demo --precision fp8``: plan, then train a transformer-like model in fp8.
 
 The model (:mod:`ampguard.demo.fp8_model`) carries one planted outlier-feature layer,
-``blocks.1.down``. The demo prints the fp8 plan (that layer is kept in bf16, the others go to
+``head``. The demo prints the fp8 plan (that layer is kept in bf16, the others go to
 fp8), trains through ``Guard(precision="fp8", fp8_plan=plan)`` with telemetry, checkpoints, and
 ends with the report. On a machine without fp8 matmuls torchao emulates them (said once).
 """
