@@ -260,7 +260,14 @@ def test_compare_fp8_verdict_names_the_layer_to_keep_out():
     json.dumps(cmp.to_dict())
 
 
-def test_missing_torchao_is_one_clear_error():
+def test_missing_torchao_is_one_clear_error(tmp_path):
+    fac = tmp_path / "fac.py"
+    fac.write_text(
+        "import torch, ampguard as ag\n"
+        "def make():\n"
+        "    m = torch.nn.Linear(16, 16)\n"
+        "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "                         [torch.randn(4, 16)], lambda m, x: m(x).pow(2).mean())\n")
     code = (
         "import sys; sys.modules['torchao'] = None\n"
         "import torch, ampguard as ag\n"
@@ -272,12 +279,17 @@ def test_missing_torchao_is_one_clear_error():
         "    ag.Guard(m, torch.optim.SGD(m.parameters(), lr=0.1), precision='fp8')\n"
         "except ImportError as e:\n"
         "    print('ERR', type(e).__name__, e)\n"
+        "from ampguard.cli import main\n"
+        f"print('CLI', main(['compare', {str(fac) + ':make'!r}, '--steps', '2',\n"
+        "                   '--variants', 'fp8', '--no-progress']))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR Fp8UnavailableError" in out.stdout
     assert 'pip install "ampguard[fp8]"' in out.stdout
+    assert "CLI 2" in out.stdout and "ampguard compare: error" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_fp8_demo_keeps_the_planted_layer_in_bf16(tmp_path, capsys):

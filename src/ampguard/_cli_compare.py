@@ -35,6 +35,7 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def compare_run(args: argparse.Namespace) -> int:
+    from ampguard._fp8_guard import Fp8UnavailableError
     from ampguard._loader import load_factory
     from ampguard.experiments import compare
 
@@ -44,7 +45,7 @@ def compare_run(args: argparse.Namespace) -> int:
         factory = load_factory(args.factory)
         cmp = compare(factory, steps=args.steps, variants=variants,
                       progress=not args.no_progress, seed=args.seed)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, Fp8UnavailableError) as exc:
         return _fail("compare", exc)
     print(cmp.summary())
     if args.out is not None:

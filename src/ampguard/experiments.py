@@ -289,6 +289,9 @@ def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) ->
     """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
     if not any(n in _f8.FP8_VARIANTS for n in names):
         return None
+    from ampguard._fp8_guard import require_torchao
+
+    require_torchao()  # missing torchao: one clear error before any variant runs
     exp = _fresh(factory, seed)
     first = next(_stream(exp.batches, 1), None)
     return None if first is None else _f8.make_plan(exp, first)
