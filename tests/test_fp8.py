@@ -322,3 +322,9 @@ def test_cli_inspect_fp8_prints_the_plan(tmp_path, capsys):
     assert "head" in out and "AG341" in out and "5 of 6 Linear layers ready" in out
     assert main(["inspect", "--fp8", f"{src}:bare"]) == 2
     assert "needs a factory returning an ampguard.Experiment" in capsys.readouterr().err
+
+
+def test_importing_the_module_keeps_ag_fp8_plan_a_function():
+    import ampguard.fp8_readiness  # noqa: F401  (a submodule import sets a package attribute)
+
+    assert callable(ag.fp8_plan) and ag.fp8_plan.__name__ == "fp8_plan"

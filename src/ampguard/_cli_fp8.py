@@ -16,7 +16,7 @@ def inspect_fp8(args: argparse.Namespace) -> int:
     """
     from ampguard._loader import load_factory
     from ampguard.experiments import Experiment, seed_all
-    from ampguard.fp8_plan import fp8_plan
+    from ampguard.fp8_readiness import fp8_plan
 
     try:
         factory = load_factory(args.factory)

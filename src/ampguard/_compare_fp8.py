@@ -34,7 +34,7 @@ _FP16 = ("fp16_dynamic", "fp16_fixed", "fp16_noscaler")
 
 def make_plan(exp: Any, batch: Any) -> Any:
     """The plan of the experiment's model on its first batch (the ``fp8_planned`` filter)."""
-    from ampguard.fp8_plan import fp8_plan
+    from ampguard.fp8_readiness import fp8_plan
 
     return fp8_plan(exp.model, exp.loss_fn, batch)
 

@@ -2,7 +2,7 @@
 
 A tensor is scaled by ``fp8_max / amax`` (per tensor, or per row for the rowwise recipe, whose
 scales are rounded down to a power of two), saturated to the fp8 range and cast. The plan
-(:mod:`ampguard.fp8_plan`) and the fp8 telemetry (:mod:`ampguard._fp8_stats`) both measure
+(:mod:`ampguard.fp8_readiness`) and the fp8 telemetry (:mod:`ampguard._fp8_stats`) both measure
 through these functions, so what they report is what the cast does.
 """
 

@@ -81,7 +81,7 @@ class Fp8State:
     """What the Guard keeps about its fp8 layers: the plan, the converted names, emulation."""
 
     def __init__(self, guard: Any, plan: Any) -> None:
-        from ampguard.fp8_plan import Fp8Plan
+        from ampguard.fp8_readiness import Fp8Plan
 
         if plan is not None and not isinstance(plan, Fp8Plan):
             raise TypeError(f"fp8_plan must be an ampguard.Fp8Plan (from ag.fp8_plan) or None, "

@@ -41,7 +41,7 @@ class Fp8Monitor:
     converted layer and tensor; one host sync per 8 samples (none in between)."""
 
     def __init__(self, guard: Any, layers: list[str], recipe: str, thresholds: Any) -> None:
-        from ampguard.fp8_plan import Fp8Thresholds
+        from ampguard.fp8_readiness import Fp8Thresholds
 
         self.guard = guard
         self.telemetry = guard._telemetry

@@ -17,7 +17,7 @@ import torch
 
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.fp8_model import OUTLIER_LAYER, OutlierNet, OutlierTask, loss_fn, make_task
-from ampguard.fp8_plan import Fp8Plan, fp8_plan
+from ampguard.fp8_readiness import Fp8Plan, fp8_plan
 from ampguard.guard import Guard
 from ampguard.reporting import report
 from ampguard.telemetry import Telemetry

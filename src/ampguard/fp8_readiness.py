@@ -15,6 +15,8 @@ output gradient; each is cast as torchao's float8 training would cast it (``reci
 A layer is *ready* when it is eligible and no figure crosses its :class:`Fp8Thresholds` limit.
 ``plan.module_filter_fn`` hands the verdict to ``torchao.float8.convert_to_float8_training``;
 ``ag.Guard(..., precision="fp8", fp8_plan=plan)`` uses it directly. This module needs torch only.
+(It is not called ``fp8_plan``: importing ``ampguard.fp8_plan`` would then replace the
+``ampguard.fp8_plan`` function with the module.)
 
 >>> plan = ag.fp8_plan(model, loss_fn, batch)        # loss_fn(model, batch) -> scalar loss
 >>> print(plan.summary())
