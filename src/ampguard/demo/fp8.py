@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ampguard._fp8_guard import require_torchao
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.fp8_model import OUTLIER_LAYER, OutlierNet, OutlierTask, loss_fn, make_task
 from ampguard.fp8_readiness import Fp8Plan, fp8_plan
@@ -48,6 +49,7 @@ def run_fp8_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-ru
     """Plan, train in fp8, checkpoint, report; print a summary ending with the report path."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    require_torchao()  # before anything is printed or written
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     task = make_task(seed=seed, steps=steps)
