@@ -275,7 +275,7 @@ CRAFTED = {
     "guard steps is a string": (lambda d: d["guard"].update(steps="7"), r"'steps' must be an int"),
     "guard scale is negative": (lambda d: d["guard"]["scaler"].update(scale=-1.0),
                                 r"'scaler.scale' must be a finite number > 0"),
-    "guard precision unknown": (lambda d: d["guard"].update(precision="fp8"), r"'precision'"),
+    "guard precision unknown": (lambda d: d["guard"].update(precision="fp4"), r"'precision'"),
     "guard counters bad": (lambda d: d["guard"]["counters"].update(applied="x"), "'applied'"),
     "guard history short": (lambda d: d["guard"]["scale_history"].update(values=[1.0]),
                             "scale_history.values"),

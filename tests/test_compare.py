@@ -264,7 +264,7 @@ def test_summary_lists_every_variant_and_the_verdict(healthy_cmp):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"steps": 0}, ValueError, "steps must be an integer >= 1"),
-    ({"variants": ["fp8"]}, ValueError, "variants must be names from"),
+    ({"variants": ["fp4"]}, ValueError, "variants must be names from"),
     ({"variants": ["fp32"]}, ValueError, "at least one variant besides"),
     ({"variants": "bf16"}, TypeError, "sequence of variant names"),
     ({"scaler": {"init_scale": 64}}, TypeError, "scaler must be an ampguard.ScalerConfig"),

@@ -562,7 +562,7 @@ def sgd(module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(module.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "float16", "half", None])
+@pytest.mark.parametrize("precision", ["fp4", "float16", "half", None])
 def test_unknown_precision_is_a_value_error(precision):
     model = make_model()
     with pytest.raises(ValueError, match="precision must be one of"):

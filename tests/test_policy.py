@@ -29,7 +29,7 @@ def test_explicit_request_is_kept(request_):
     assert (policy.precision, policy.device_type) == (request_, "cpu")
 
 
-@pytest.mark.parametrize("bad", ["fp8", "float16", "", "FP16"])
+@pytest.mark.parametrize("bad", ["fp4", "float16", "", "FP16"])
 def test_unknown_precision_is_a_value_error_listing_the_choices(bad):
     with pytest.raises(ValueError, match="precision must be one of") as info:
         resolve_precision(bad, "cpu")

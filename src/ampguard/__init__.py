@@ -43,6 +43,9 @@ _EXPORTS: dict[str, str] = {
     "RuleConfig": "ampguard.rules",
     "report": "ampguard.reporting",
     "SyncCounter": "ampguard.testing",
+    "fp8_plan": "ampguard.fp8_readiness",
+    "Fp8Plan": "ampguard.fp8_readiness",
+    "Fp8Thresholds": "ampguard.fp8_readiness",
 }
 
 __all__ = ["__version__", *_EXPORTS]

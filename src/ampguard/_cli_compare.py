@@ -24,7 +24,8 @@ def compare_args(p: argparse.ArgumentParser) -> None:
                    help="folder for comparison.html and comparison.json (default: none)")
     p.add_argument("--variants", default=None,
                    help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
-                        "fp16_noscaler (default: all)")
+                        "fp16_noscaler (default: all), or the opt-in fp8,fp8_planned "
+                        "(need torchao)")
     p.add_argument("--seed", type=seed, default=0, help="seed before each variant (default 0)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -68,8 +69,11 @@ def compare_run(args: argparse.Namespace) -> int:
 def _failure(command: str, ref: str, raw: Any, exc: Exception) -> int:
     """Exit status for ``exc``: the user's code raised (1, their traceback), a usage error
     (2, one line); anything else is ampguard's own bug and is raised with its traceback."""
+    from ampguard._fp8_guard import Fp8UnavailableError
     from ampguard._loader import UserCodeError, raised_in_module_of
 
+    if isinstance(exc, Fp8UnavailableError):  # says what to install
+        return fail(command, exc)
     if isinstance(exc, UserCodeError):
         return _user_code(command, exc)
     if raw is not None and raised_in_module_of(exc, raw):
@@ -86,10 +90,18 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--seed", type=seed, default=0, help="seed before calling the factory "
                    "(default 0)")
+    p.add_argument("--fp8", action="store_true", help="print the fp8 readiness plan of the "
+                   "factory's Experiment (ag.fp8_plan on its first batch)")
+    p.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"),
+                   help="fp8 scaling recipe for --fp8 (default tensorwise)")
 
 
 def inspect_run(args: argparse.Namespace) -> int:
     """Exit code 1 when any finding is an error, else 0."""
+    if args.fp8:
+        from ampguard._cli_fp8 import inspect_fp8
+
+        return inspect_fp8(args)
     from ampguard._loader import load_factory, marked
     from ampguard.advisor import inspect_model
     from ampguard.experiments import seed_all

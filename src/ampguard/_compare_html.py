@@ -22,7 +22,8 @@ __all__ = ["write_report", "plots"]
 _COLORS = {"fp32": "#222222", "fp16_dynamic": "#1f77b4", "fp16_fixed": "#2ca02c",
            "bf16": "#9467bd", "fp16_noscaler": "#d62728"}
 _VERDICT_COLORS = {"amp_ok": "#e6f4ea", "dynamic_scale_conflict": "#fff4e5",
-                   "fp16_range": "#fde8e8", "model_problem": "#fde8e8"}
+                   "fp16_range": "#fde8e8", "model_problem": "#fde8e8",
+                   "fp8_ok": "#e6f4ea", "fp8_keep_layers": "#fff4e5", "fp8_fails": "#fde8e8"}
 _CSS = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;
 text-align:right}th{background:#f4f4f4}.t{text-align:left}

@@ -13,16 +13,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampguard._compare_fp8 import FP8_FINDING as _FP8_FINDING
+from ampguard._compare_fp8 import fp8_lines
+
 __all__ = ["VERDICTS", "FINDING", "judge", "summary", "explain", "add_diagnosis", "finite",
            "json_float"]
 
-VERDICTS = ("amp_ok", "dynamic_scale_conflict", "fp16_range", "model_problem")
+VERDICTS = ("amp_ok", "dynamic_scale_conflict", "fp16_range", "model_problem",
+            "fp8_ok", "fp8_keep_layers", "fp8_fails")  # fp8: ampguard._compare_fp8
 FINDING = {
     "amp_ok": ("AG333", "info", "AMP trains like fp32"),
     "dynamic_scale_conflict": ("AG334", "warning",
                                "dynamic loss scaling fails where a fixed small scale trains"),
     "fp16_range": ("AG335", "error", "values leave fp16's range at any loss scale"),
     "model_problem": ("AG336", "error", "fp32 fails too: not an AMP problem"),
+    **_FP8_FINDING,
 }
 MAX_SKIP_FRACTION = 0.25
 TAIL_RTOL = 0.25
@@ -192,4 +197,5 @@ def summary(cmp: Any) -> str:
         lines.append(f"fix: {cmp.fix}")
     if cmp.locate_error:
         lines.append(f"note: {cmp.locate_error}")
+    lines += fp8_lines(cmp)  # fp8 variants: gap to bf16, and their verdict if not the main one
     return "\n".join(lines)

@@ -17,13 +17,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ampguard import results
+from ampguard import _fp8_guard, results
 from ampguard.policy import PrecisionPolicy, resolve_precision
 
 __all__ = ["Plan", "check", "apply", "STATE_VERSION"]
 
 STATE_VERSION = 1
-_RESOLVED = ("fp16", "bf16", "fp32")
+_RESOLVED = ("fp16", "bf16", "fp32", "fp8")
 
 
 @dataclass
@@ -79,6 +79,7 @@ def check(guard: Any, state: Any) -> Plan:
         if key not in state:
             raise ValueError(f"malformed Guard state: missing field {key!r}")
     saved = state["precision"]
+    _fp8_guard.check_state(guard, state)  # fp8 <-> other precisions: refused, nothing changed
     if saved not in _RESOLVED:
         raise _bad("precision", f"must be one of {_RESOLVED}", saved)
     fallback = _check_fallback(state["fallback"])

@@ -27,8 +27,9 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="ampguard-runs/demo",
                    help="run folder (default ampguard-runs/demo)")
     p.add_argument(
-        "--precision", default="fp16", choices=("auto", "fp16", "bf16", "fp32"),
-        help="precision (default fp16, the one with a loss scaler)",
+        "--precision", default="fp16", choices=("auto", "fp16", "bf16", "fp32", "fp8"),
+        help="precision (default fp16, the one with a loss scaler; fp8: plan, then torchao "
+             "float8 on a model with an outlier-feature layer)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument(
@@ -40,6 +41,11 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 def _demo_run(args: argparse.Namespace) -> int:
     from ampguard.runlog import RunFolderError
+
+    if args.precision == "fp8":  # ampguard.demo.fp8: one process, needs torchao
+        from ampguard._cli_fp8 import demo_fp8
+
+        return demo_fp8(args)
 
     try:
         usable_out(args.out)

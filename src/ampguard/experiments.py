@@ -12,6 +12,10 @@ verdict with an explanation and a fix:
   failing batch is named and, where :mod:`ampguard.forensics` is available, ``locate`` runs on it.
 - ``model_problem`` (AG336): fp32 fails too; not an AMP issue.
 
+Opt-in variants ``fp8`` and ``fp8_planned`` (torchao float8, see :mod:`ampguard._compare_fp8`)
+are judged against bf16 too, with verdicts ``fp8_ok``/``fp8_keep_layers``/``fp8_fails``
+(AG337-AG339) naming the layers to keep out of fp8.
+
 (The module is not called ``compare``: ``import ampguard.compare`` would then replace the
 ``ampguard.compare`` function with the module.)
 """
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard import _compare_fp8 as _f8
 from ampguard import _compare_verdict as _v
 from ampguard._compare_timing import StepClock
 from ampguard.findings import Finding
@@ -102,6 +107,7 @@ class VariantResult:
     reason: str = ""
     max_rel_dev: float = 0.0
     throughput_ratio: float = 1.0
+    gap_to_bf16: float | None = None  # fp8 variants: final loss minus bf16's
 
     @property
     def steps(self) -> int:
@@ -158,6 +164,7 @@ class Comparison:
             "diagnosis": _v.explain(self.diagnosis), "locate_error": self.locate_error,
             "finding": self.finding().to_dict(),
             "variants": {n: r.to_dict() for n, r in self.variants.items()},
+            "fp8": self.extra.get("fp8"),  # fp8 variants: verdict, layers kept in bf16, plan
         }
 
     def save(self, directory: str | Path) -> Path:
@@ -189,15 +196,18 @@ def compare(factory: Callable[[], Experiment], steps: int = 300,
     bar = _progress(progress, steps * len(names))
     results: dict[str, VariantResult] = {}
     capture: dict[str, Any] = {}
+    plan = _fp8_plan(factory, seed, names)
     try:
         for name in names:
             if bar is not None:
                 bar.set_description(name)
-            results[name] = _run_variant(factory, name, steps, seed, scaler, bar, capture)
+            results[name] = _run_variant(factory, name, steps, seed, scaler, bar, capture,
+                                         plan)
     finally:
         if bar is not None:
             bar.close()
     cmp = _v.judge(results, steps)
+    _f8.judge_fp8(cmp, plan)
     if cmp.verdict == "fp16_range" and "batch" in capture:
         cmp.failing_batch = capture["index"]
         cmp.explanation += (f" First failing batch: #{cmp.failing_batch} (step "
@@ -217,12 +227,14 @@ def _check_args(factory: Any, steps: Any, variants: Any, scaler: Any) -> list[st
                         f"{type(scaler).__name__}")
     if variants is None:
         return list(VARIANTS)
+    known = (*VARIANTS, *_f8.FP8_VARIANTS)
     if isinstance(variants, str) or not all(isinstance(v, str) for v in variants):
-        raise TypeError(f"variants must be a sequence of variant names from {tuple(VARIANTS)}")
-    unknown = [v for v in variants if v not in VARIANTS]
+        raise TypeError(f"variants must be a sequence of variant names from {known}")
+    unknown = [v for v in variants if v not in known]
     if unknown:
-        raise ValueError(f"variants must be names from {tuple(VARIANTS)}, got unknown {unknown}")
-    chosen = [n for n in VARIANTS if n == "fp32" or n in variants]
+        raise ValueError(f"variants must be names from {known}, got unknown {unknown}")
+    fp8 = any(v in _f8.FP8_VARIANTS for v in variants)  # bf16 is fp8's reference
+    chosen = [n for n in known if n == "fp32" or n in variants or (fp8 and n == "bf16")]
     if len(chosen) < 2:
         raise ValueError("variants must name at least one variant besides the fp32 baseline")
     return chosen
@@ -273,9 +285,25 @@ def _stream(batches: Iterable[Any], steps: int) -> Iterator[Any]:
         yield batch
 
 
-def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None) -> Any:
+def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) -> Any:
+    """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
+    if not any(n in _f8.FP8_VARIANTS for n in names):
+        return None
+    from ampguard._fp8_guard import require_torchao
+
+    require_torchao()  # missing torchao: one clear error before any variant runs
+    exp = _fresh(factory, seed)
+    first = next(_stream(exp.batches, 1), None)
+    return None if first is None else _f8.make_plan(exp, first)
+
+
+def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None,
+                plan: Any = None) -> Any:
     from ampguard.guard import Guard
 
+    if name in _f8.FP8_VARIANTS:
+        return Guard(exp.model, exp.optimizer, precision="fp8",
+                     fp8_plan=plan if name == "fp8_planned" else None)
     if name in ("fp32", "bf16"):
         return Guard(exp.model, exp.optimizer, precision=name)
     cfg = scaler or ScalerConfig()
@@ -287,10 +315,11 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None) -> Any:
 
 
 def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed: int,
-                 scaler: ScalerConfig | None, bar: Any, capture: dict[str, Any]) -> VariantResult:
+                 scaler: ScalerConfig | None, bar: Any, capture: dict[str, Any],
+                 plan: Any = None) -> VariantResult:
     exp = _fresh(factory, seed)
-    res = VariantResult(name, VARIANTS[name], [])
-    guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler)
+    res = VariantResult(name, {**VARIANTS, **_f8.FP8_VARIANTS}[name], [])
+    guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler, plan)
     device_type = next(p.device.type for p in exp.model.parameters())
     losses: list[torch.Tensor] = []
     clock = StepClock(device_type)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ampguard import _guard_forensics, _guard_state, results
+from ampguard import _fp8_guard, _guard_forensics, _guard_state, results
 from ampguard._guard_args import as_optimizers, check_model, check_window, scheduler_callback
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
@@ -85,6 +85,7 @@ class Guard:
         forensics: bool = False,
         auto_fallback: bool = False,
         coverage_step: int | None = None,
+        fp8_plan: Any = None,
     ) -> None:
         self.optimizers = as_optimizers(optimizer)
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
@@ -102,6 +103,8 @@ class Guard:
         self._policy = resolve_precision(precision, self._device)
         check_parameters(params, self._policy, argument="optimizer")
         self._params = params
+        # precision="fp8" (ampguard._fp8_guard): torchao Float8Linear for the plan's layers
+        self._fp8 = _fp8_guard.attach(self, fp8_plan)
         self._scaler = self._make_scaler()
         self._callbacks: list[Callable[[StepResult], Any]] = []
         for sched in schedulers:
@@ -124,6 +127,8 @@ class Guard:
         telemetry = _rank_telemetry(self._dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
         self._telemetry = _attach_telemetry(telemetry, self)
+        if self._fp8 is not None:  # fp8 telemetry: per-layer amax and flushed shares
+            self._fp8.watch(self)
         # forensics (ampguard._guard_forensics): keep_fp32 islands, armed tracing, auto_fallback,
         # coverage_step; None (zero cost) unless one of them is used
         self._forensics = _guard_forensics.attach(
@@ -133,8 +138,15 @@ class Guard:
     # ------------------------------------------------------------------ public properties
     @property
     def precision(self) -> str:
-        """The resolved precision now ("fp16" | "bf16" | "fp32"); changes after a fallback."""
+        """The resolved precision now ("fp16" | "bf16" | "fp32" | "fp8"); changes after a
+        fallback."""
         return self._policy.precision
+
+    @property
+    def fp8(self) -> Any:
+        """Under precision="fp8": ``.layers`` (converted to fp8), ``.kept`` (left in bf16),
+        ``.recipe``, ``.emulated``, ``.plan``; else None."""
+        return self._fp8
 
     @property
     def policy(self) -> PrecisionPolicy:
@@ -609,6 +621,8 @@ class Guard:
     def _side_findings(self) -> list[Finding]:
         """Findings made during the run (forensics AG3xx, distributed AG13x), not by the rules."""
         out = self._forensics.findings() if self._forensics is not None else []
+        if self._fp8 is not None:  # AG111/AG112: fp8 layers drifting out of fp8's window
+            out += self._fp8.findings()
         if self._dist is not None:
             out += self._dist.findings(self._steps)
         return out

@@ -2,6 +2,8 @@
 
 ``"auto"`` picks bf16 where the device supports bf16 autocast, else fp16. Only fp16 gets a loss
 scaler (under bf16 a scaler is wasted work, under fp32 meaningless). ``"fp32"`` means autocast off.
+``"fp8"`` is bf16 autocast plus torchao float8 training of the Linear layers (the Guard converts
+them; see :mod:`ampguard._fp8_guard`): no loss scaler, fp8 scales every tensor by its own amax.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ __all__ = [
     "check_parameters",
 ]
 
-PRECISIONS = ("auto", "fp16", "bf16", "fp32")
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+PRECISIONS = ("auto", "fp16", "bf16", "fp32", "fp8")
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None,
+           "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 Linear layers
 
 
 def supports_bf16(device_type: str) -> bool:
@@ -40,7 +43,7 @@ def supports_bf16(device_type: str) -> bool:
 class PrecisionPolicy:
     """A resolved precision: its name, the device type and autocast dtype, and scaler need."""
 
-    precision: str  # "fp16" | "bf16" | "fp32"
+    precision: str  # "fp16" | "bf16" | "fp32" | "fp8"
     device_type: str
 
     @property
@@ -61,7 +64,7 @@ class PrecisionPolicy:
 
 
 def resolve_precision(request: str, device: torch.device | str) -> PrecisionPolicy:
-    """Resolve ``request`` ("auto"|"fp16"|"bf16"|"fp32") for ``device``.
+    """Resolve ``request`` ("auto"|"fp16"|"bf16"|"fp32"|"fp8") for ``device``.
 
     Raises ``ValueError`` naming ``precision`` for an unknown request or bf16 on a device
     without bf16 autocast.
@@ -71,9 +74,9 @@ def resolve_precision(request: str, device: torch.device | str) -> PrecisionPoli
     device_type = torch.device(device).type
     if request == "auto":
         request = "bf16" if supports_bf16(device_type) else "fp16"
-    elif request == "bf16" and not supports_bf16(device_type):
+    elif request in ("bf16", "fp8") and not supports_bf16(device_type):
         raise ValueError(
-            f"precision='bf16' is not supported on device {device_type!r} "
+            f"precision={request!r} is not supported on device {device_type!r} "
             "(no bf16 autocast there); use precision='fp16' or 'auto'"
         )
     return PrecisionPolicy(request, device_type)

@@ -7,6 +7,7 @@ import html
 import json
 from typing import Any
 
+from ampguard._fp8_report import html_section
 from ampguard._runfiles import read_coverage
 from ampguard.findings import Finding
 from ampguard.runlog import COVERAGE, RunLog
@@ -164,6 +165,6 @@ def render(run: RunLog, findings: list[Finding], facts: dict[str, Any],
         f" &middot; {len(findings)} finding(s)</p>{_facts(facts)}"
         f"<h2>Findings</h2>{found}{''.join(figs)}"
         f"<h2>Skipped steps by cause</h2>{_causes(causes, facts['steps'])}"
-        f"{_coverage(run)}"
+        f"{_coverage(run)}{html_section(run)}"
         f"<h2>Run metadata</h2>{_meta(run)}</main></body></html>"
     )

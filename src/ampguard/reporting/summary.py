@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ampguard._fp8_report import text_lines as fp8_text_lines
 from ampguard.findings import Finding
 from ampguard.runlog import RunLog
 
@@ -68,6 +69,7 @@ def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) ->
                      f"{', reset' if r.get('scale_reset') else ''})")
     for fb in run.fallbacks:
         lines.append(f"fallback at step {fb['step']}: {fb.get('from')} -> {fb.get('to')}")
+    lines.extend(fp8_text_lines(run))  # fp8 runs: converted layers, worst flushed shares
     if run.bad_lines:
         lines.append(f"skipped {run.bad_lines} unreadable line(s) of the run log")
     return "\n".join(lines)
