@@ -97,13 +97,16 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
     warm = warmup_mask(run, cfg or RuleConfig())
     accumulation = int(run.meta.get("guard", {}).get("accumulation_steps", 1))
     out: dict[str, list[int]] = {"warm-up overflow": [], "collapse": [],
-                                 "all micro-batches dropped": [], "overflow": []}
+                                 "all micro-batches dropped": [], "overflow": [],
+                                 "non-finite gradients (no loss scaler)": []}
     for i in np.flatnonzero(~run.applied):
         step = int(run.steps[i])
         if run.collapse[i]:
             out["collapse"].append(step)
         elif run.dropped[i] >= accumulation:
             out["all micro-batches dropped"].append(step)
+        elif run.nonfinite[i]:
+            out["non-finite gradients (no loss scaler)"].append(step)
         elif warm[i]:
             out["warm-up overflow"].append(step)
         else:

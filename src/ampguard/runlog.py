@@ -220,6 +220,9 @@ class RunLog:
     window: np.ndarray  # (R, 2): global safe scale window per range sample
     events: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: int = 0
+    # non-finite gradients without a loss scaler (skipped, or applied by a watched framework)
+    nonfinite: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    loss_nonfinite: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def resumes(self) -> list[dict[str, Any]]:
@@ -323,6 +326,8 @@ def _assemble(run_dir: Path, meta: dict, recs: list[dict], events: list[dict], b
         safe_hi=_matrix([g["safe_hi"] for g in rng], width),
         window=_matrix([g["window"] for g in rng], 2),
         events=events, bad_lines=bad,
+        nonfinite=np.array([bool(r.get("nonfinite", False)) for r in recs], dtype=bool),
+        loss_nonfinite=np.array([r.get("loss_nonfinite") is not None for r in recs], dtype=bool),
     )
 
 

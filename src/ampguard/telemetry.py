@@ -231,7 +231,7 @@ class Telemetry:
         if use_guard_norm:
             v.norm.copy_(grad_norm)
         self._pending_rows.append(RowInfo(
-            guard._steps, self._micro or 1, scaler is not None, grads_scaled, layers,
+            guard._steps, self._micro, scaler is not None, grads_scaled, layers,
             use_guard_norm, slot, guard._policy.precision, len(guard.optimizers)))
         self._this_step = (False, -1, False)
         self._row += 1
