@@ -1,4 +1,4 @@
-"""Runtime rules AG101-AG108: findings over a run log written by :class:`ampguard.Telemetry`.
+"""Runtime rules AG101-AG110: findings over a run log written by :class:`ampguard.Telemetry`.
 
 Every threshold is a field of :class:`RuleConfig` (defaults below). Warm-up is excluded where the
 rule is about a steady state: from the run start (and from a resume that reset the scale) until
@@ -29,6 +29,9 @@ AG107     resume gap             after a resume the scale differs from the one b
                                  ``init_scale`` (checkpoint without scaler state)
 AG108     bf16 recommended       on ``bf16_min_samples`` range samples the safe scale window was
                                  empty: no fp16 scale keeps the small gradients and the large ones
+AG109     non-finite skips       without a loss scaler, steps were skipped for non-finite
+                                 gradients (error once ``max_nonfinite_skips`` ran in a row)
+AG110     non-finite applied     a watched step without a scaler applied non-finite gradients
 ========  =====================  ===============================================================
 """
 
@@ -40,6 +43,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ampguard._layer_rules import ag104, ag105, ag106, ag108
+from ampguard._nonfinite_rules import ag109, ag110
 from ampguard._rule_base import TITLES, RuleConfig
 from ampguard._rule_base import make_finding as _finding
 from ampguard.findings import Finding
@@ -55,7 +59,7 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
         raise TypeError(f"config must be an ampguard.rules.RuleConfig, got {type(cfg).__name__}")
     warm = warmup_mask(run, cfg)
     found: list[Finding] = []
-    for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108):
+    for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108, ag109, ag110):
         found.extend(rule(run, cfg, warm))
     # --- findings recorded during the run (forensics, distributed, attach mode) ---
     recorded = {(e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
