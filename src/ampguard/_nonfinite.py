@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ampguard import results
+from ampguard.findings import count
 from ampguard.results import StepResult
 from ampguard.scaler import ScaleCollapseError, collect_grads
 
@@ -137,10 +138,10 @@ def on_bound(guard: Any, step: int) -> None:
     """Act on the bound with the collapse policy: ``"warn"`` warns once per episode, ``"raise"``
     and ``"fallback"`` (nothing wider to fall back to) raise :class:`ScaleCollapseError`."""
     cfg = guard.scaler_config
-    count = guard._counts.consecutive_nonfinite
+    n = guard._counts.consecutive_nonfinite
     after = f" (after the {guard._fallback['from']} -> {guard._fallback['to']} fallback at " \
         f"step {guard._fallback['step']})" if guard._fallback else ""
-    msg = (f"non-finite gradients in {count} consecutive {_windows(count)} up to step {step} "
+    msg = (f"non-finite gradients in {count(n, 'consecutive window')} up to step {step} "
            f"under {guard.precision}{after}; each was skipped, so the weights are unchanged, but "
            f"training makes no progress (ScalerConfig.max_nonfinite_skips="
            f"{cfg.max_nonfinite_skips}). There is no loss scale to lower in {guard.precision}: "
@@ -153,10 +154,6 @@ def on_bound(guard: Any, step: int) -> None:
         guard._collapsing = True
         return
     raise ScaleCollapseError(msg)
-
-
-def _windows(n: int) -> str:
-    return "window" if n == 1 else "windows"
 
 
 def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

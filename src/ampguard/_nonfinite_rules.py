@@ -13,7 +13,7 @@ import numpy as np
 
 from ampguard._rule_base import RuleConfig
 from ampguard._rule_base import make_finding as _finding
-from ampguard.findings import Finding
+from ampguard.findings import Finding, count
 from ampguard.runlog import RunLog
 
 __all__ = ["ag109", "ag110"]
@@ -34,9 +34,9 @@ def ag109(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     bound = int(run.scaler_config().get("max_nonfinite_skips", 16))
     stopped = streak >= bound
     first = int(steps[0])
-    message = (f"{_count(len(idx), 'step')} had non-finite gradients without a loss scaler and "
+    message = (f"{count(len(idx), 'step')} had non-finite gradients without a loss scaler and "
                f"{'was' if len(idx) == 1 else 'were'} skipped (first at step {first}; longest run "
-               f"{_count(streak, 'step')} in a row). The weights never received them.")
+               f"{count(streak, 'step')} in a row). The weights never received them.")
     if stopped:
         message += (f" {streak} in a row reached ScalerConfig.max_nonfinite_skips={bound}: "
                     "the run stopped learning there.")
@@ -60,7 +60,7 @@ def ag110(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     framework = (run.meta.get("scaler") or {}).get("framework", "the training loop")
     return [_finding(
         "AG110", "error",
-        f"{_count(len(idx), 'optimizer step')} applied non-finite gradients (first at step "
+        f"{count(len(idx), 'optimizer step')} applied non-finite gradients (first at step "
         f"{int(steps[0])}): {framework} runs without a loss scaler, so nothing skipped "
         f"{'it' if len(idx) == 1 else 'them'}, and the parameters they touched are now NaN/inf.",
         int(steps[0]), {"steps": steps[:_MAX_STEPS].tolist(), "count": len(idx),
@@ -75,7 +75,3 @@ def _longest_streak(mask: np.ndarray) -> int:
         run = run + 1 if value else 0
         best = max(best, run)
     return best
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

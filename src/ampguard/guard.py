@@ -35,7 +35,7 @@ from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
-from ampguard.findings import Finding
+from ampguard.findings import Finding, count
 from ampguard.policy import (
     PrecisionPolicy,
     check_parameters,
@@ -429,7 +429,8 @@ class Guard:
         hist = ", ".join(f"{s}: {v:g}" for s, v in self._history.tail(self._steps, 8))
         return (
             f"loss scale collapsed at step {step}: gradients overflow even at min_scale="
-            f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of {self._steps} steps "
+            f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of "
+            f"{count(self._steps, 'step')} "
             f"skipped. Scale history (step: scale): {hist}. Try: precision='bf16' (same range as "
             "fp32); keep the overflowing module in fp32 (ampguard.locate names it); a lower "
             "learning rate; or ScalerConfig(on_collapse='fallback') to switch automatically."

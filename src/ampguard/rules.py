@@ -46,7 +46,7 @@ from ampguard._layer_rules import ag104, ag105, ag106, ag108
 from ampguard._nonfinite_rules import ag109, ag110
 from ampguard._rule_base import TITLES, RuleConfig
 from ampguard._rule_base import make_finding as _finding
-from ampguard.findings import Finding
+from ampguard.findings import Finding, count
 from ampguard.runlog import RunLog
 
 __all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "TITLES"]
@@ -132,8 +132,9 @@ def _ag101(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
         step = int(run.steps[idx[0]])
         return [_finding("AG101", "error",
                          f"the loss scale collapsed: gradients overflowed at min_scale="
-                         f"{min_scale:g} on {len(idx)} step(s), first at step {step}; those "
-                         "steps were skipped and the model did not learn from them.",
+                         f"{min_scale:g} on {count(len(idx), 'step')}, first at step {step}; "
+                         f"{'it was' if len(idx) == 1 else 'they were'} skipped and the model "
+                         f"did not learn from {'it' if len(idx) == 1 else 'them'}.",
                          step, {"collapse_steps": run.steps[idx[:20]].tolist(),
                                 "collapses": len(idx), "min_scale": min_scale}, fix)]
     if not sc.get("dynamic", True) or len(run.steps) == 0:
