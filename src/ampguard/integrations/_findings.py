@@ -99,14 +99,15 @@ def _interventions(watch: Any) -> list[Finding]:
     )]
 
 
-def fp16_inactive(framework: str, detail: str) -> Finding:
-    """AG122: fp16 requested, but the framework runs without loss scaling/autocast."""
+def fp16_inactive(framework: str, detail: str, actual: str = "fp32") -> Finding:
+    """AG122: fp16 requested, but the framework runs without loss scaling/autocast
+    (``actual``: the precision it trains in instead)."""
     return Finding(
         code="AG122", severity="warning",
         title="fp16 requested but not active",
         message=(f"{framework} was asked for fp16 mixed precision but runs without a loss scaler "
-                 f"and without fp16 autocast on this device ({detail}): training is fp32."),
-        evidence={"framework": framework, "detail": detail},
+                 f"and without fp16 autocast on this device ({detail}): training is {actual}."),
+        evidence={"framework": framework, "detail": detail, "actual": actual},
         fix=("Use bf16 on this device (bf16=True / precision='bf16-mixed'), or run on a device "
              "where the framework supports fp16 autocast with a GradScaler."),
     )
