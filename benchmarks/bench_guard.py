@@ -85,11 +85,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bf16-only", action="store_true", help="only the bf16 table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, width {args.width} x depth {args.depth}, batch {args.batch}")
     print(f"{'setting':24} {'bare ms':>8} {'guard ms':>9} {'ratio':>6} {'syncs bare/guard':>17}")
-    for fused in (False, True):
+    for fused in () if args.bf16_only else (False, True):
         for clip in (False, True):
             r = bench(args.width, args.depth, args.batch, args.rounds, args.steps, fused, clip)
             name = f"AdamW{' fused' if fused else ''}{' + clip' if clip else ''}"

@@ -176,7 +176,8 @@ class Guard:
 
     @property
     def skipped_steps(self) -> int:
-        """Windows whose step was skipped for overflow. Cost: syncs if flags are pending."""
+        """Windows whose step was skipped (fp16 overflow, non-finite gradients without a scaler,
+        collapse). Cost: syncs if flags are pending."""
         self._drain()
         return self._counts.skipped
 
