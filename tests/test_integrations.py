@@ -491,6 +491,7 @@ def test_guard_grad_norm_and_record_are_the_pre_clip_norm(tmp_path):
 
 
 # ---------------------------------------------------------------------- issue 12: AG122, AG110
+@pytest.mark.filterwarnings("ignore:You passed `Trainer:UserWarning")  # Lightning's own notice
 def test_lightning_16_mixed_switched_to_bf16_on_cpu_reports_ag122(tmp_path):
     pytest.importorskip("lightning")
     from ampguard.integrations.lightning import AmpGuardCallback

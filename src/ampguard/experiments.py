@@ -276,8 +276,8 @@ def _stream(batches: Iterable[Any], steps: int) -> Iterator[Any]:
 def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None) -> Any:
     from ampguard.guard import Guard
 
-    if name in ("fp32", "bf16"):
-        return Guard(exp.model, exp.optimizer, precision=name)
+    if name in ("fp32", "bf16"):  # what the precision itself does: non-finite steps applied
+        return Guard(exp.model, exp.optimizer, precision=name, skip_nonfinite=False)
     cfg = scaler or ScalerConfig()
     if name == "fp16_fixed":
         cfg = ScalerConfig(init_scale=FIXED_SCALE, dynamic=False)
