@@ -89,7 +89,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, width {args.width} x depth {args.depth}, batch {args.batch}")
-    print(f"{'setting':24} {'bare ms':>8} {'guard ms':>9} {'ratio':>6} {'syncs bare/guard':>17}")
+    if not args.bf16_only:
+        print(f"{'setting':24} {'bare ms':>8} {'guard ms':>9} {'ratio':>6} "
+              f"{'syncs bare/guard':>17}")
     for fused in () if args.bf16_only else (False, True):
         for clip in (False, True):
             r = bench(args.width, args.depth, args.batch, args.rounds, args.steps, fused, clip)
