@@ -327,3 +327,11 @@ def test_the_report_marks_nonfinite_losses(tmp_path):
     html = ag.report(tmp_path).read_text()
     assert "non-finite gradients (no loss scaler)" in html  # the skip table names the cause
     assert "AG109" in html
+
+
+def test_numpy_scalars_are_accepted_as_plain_floats():
+    np = pytest.importorskip("numpy")
+    cfg = ag.ScalerConfig(init_scale=np.float32(1024.0), growth_factor=np.float64(2.0))
+    assert type(cfg.init_scale) is float and cfg.init_scale == 1024.0
+    assert type(cfg.growth_factor) is float
+    assert type(cfg.to_dict()["init_scale"]) is float  # loads under weights_only

@@ -29,7 +29,7 @@ class ScaleCollapseError(RuntimeError):
 
 @dataclass(frozen=True)
 class ScalerConfig:
-    """Configuration of the dynamic loss scale (used only when precision resolves to fp16).
+    """Configuration of the dynamic loss scale (its scale fields apply only under fp16).
 
     With ``hysteresis=1`` and the scale inside ``[min_scale, max_scale]`` the scale sequence is
     bitwise identical to ``torch.amp.GradScaler`` with the same ``init_scale``, ``growth_factor``,
@@ -72,6 +72,8 @@ class ScalerConfig:
             value = getattr(self, name)
             _check(_is_number(value), name, "must be a number (int or float)", value)
             _check(math.isfinite(value), name, "must be finite", value)
+            if type(value) not in (int, float):  # numpy scalars: plain floats in state dicts
+                object.__setattr__(self, name, float(value))
         for name in ("growth_interval", "hysteresis", "max_nonfinite_skips"):
             value = getattr(self, name)
             _check(_is_int(value) and 1 <= value <= _INT32_MAX, name,
