@@ -420,3 +420,22 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
                             desync_raises, desync_repairs, desync_warns, ddp_resume, fsdp2_resume,
                             hook_drops_nan_rank, rank_raises, demo_fsdp2)
 }
+
+
+# ---------------------------------------------------------------------- issue 12 (step)
+def fsdp2_bf16_nonfinite(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """FSDP2 in bf16; at window 2 one rank's local gradient shard gets a NaN: every rank must
+    skip that window (the check is rank-local, the consensus makes it global)."""
+    model = fsdp2(make_model())
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision="bf16",
+                     clip_grad_norm=1.0)
+    applied = []
+    for step in range(1, 5):
+        hit = _poison(model, float("nan")) if (step == 2 and rank == world - 1) else None
+        applied.append(window(guard, model, step, rank, world, hit).applied)
+    params = flat(model)
+    return {"applied": applied, "params": params, "finite": bool(torch.isfinite(params).all()),
+            "nonfinite": guard.diagnostics()["skipped_by_cause"]["nonfinite"]}
+
+
+SCENARIOS[fsdp2_bf16_nonfinite.__name__] = fsdp2_bf16_nonfinite

@@ -175,8 +175,9 @@ def test_guard_fp8_argument_errors():
     with pytest.raises(TypeError, match="fp8_plan must be an ampguard.Fp8Plan"):
         ag.Guard(model, opt, precision="fp8", fp8_plan={"a": True})
     other = ag.fp8_plan(Planted(), _loss, torch.randn(8, 32))
+    fresh = _mlp()
     with pytest.raises(ValueError, match="another model"):
-        ag.Guard(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), precision="fp8",
+        ag.Guard(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), precision="fp8",
                  fp8_plan=other)
 
 

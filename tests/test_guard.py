@@ -248,7 +248,8 @@ def test_parameters_without_gradients_are_left_alone(opt_name):
     model = make_model()
     unused = nn.Linear(4, 4)  # in the optimizer, never in the forward: its .grad stays None
     opt = OPTIMIZERS[opt_name]([*model.parameters(), *unused.parameters()])
-    guard = ag.Guard(model, opt, precision="fp16", clip_grad_norm=1.0)
+    owner = nn.ModuleDict({"net": model, "unused": unused})  # the Guard's model owns them all
+    guard = ag.Guard(owner, opt, precision="fp16", clip_grad_norm=1.0)
     before = [p.detach().clone() for p in unused.parameters()]
     results = [guard_step(guard, model, i, overflow=i == 1) for i in range(3)]
     assert [r.applied for r in results] == [True, False, True]
@@ -603,7 +604,8 @@ def test_model_without_parameters_is_a_value_error_naming_model():
 def test_non_floating_parameters_are_a_value_error():
     model = make_model()
     counts = nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
-    opt = torch.optim.SGD([*model.parameters(), counts], lr=0.1)
+    model.register_parameter("counts", counts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="non-floating parameter of dtype torch.int64"):
         ag.Guard(model, opt)
 
@@ -700,10 +702,10 @@ def bare_steps(opt_name: str, clip, n: int) -> float:
     return count_syncs(lambda: [one(i) for i in range(1, n + 1)], 1)  # all n steps at once
 
 
-def guard_steps(opt_name: str, clip, n: int, precision: str = "fp16") -> float:
+def guard_steps(opt_name: str, clip, n: int, precision: str = "fp16", **kwargs) -> float:
     model = make_model()
     guard = ag.Guard(model, OPTIMIZERS[opt_name](model.parameters()), precision=precision,
-                     clip_grad_norm=clip)
+                     clip_grad_norm=clip, **kwargs)
     guard_step(guard, model, 0)
     return count_syncs(lambda: [guard_step(guard, model, i) for i in range(1, n + 1)], 1)
 
@@ -719,5 +721,13 @@ def test_guard_syncs_no_more_than_the_bare_torch_loop(opt_name, clip, per_step):
         assert (bare, ours) == (per_step * n, per_step * n)
 
 
-def test_bf16_steps_never_sync():
-    assert guard_steps("sgd", 1.0, 5, precision="bf16") == 0
+def test_bf16_steps_without_the_nonfinite_check_never_sync():
+    assert guard_steps("sgd", 1.0, 5, precision="bf16", skip_nonfinite=False) == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize(("opt_name", "per_step"), [("sgd", 1), ("adamw", 1), ("adamw_fused", 0)])
+def test_nonfinite_check_costs_one_sync_per_window_none_when_fused(precision, opt_name, per_step):
+    # measured against the unchecked path: plain AdamW on CPU syncs on its own step count
+    unchecked = guard_steps(opt_name, 1.0, 5, precision=precision, skip_nonfinite=False)
+    assert guard_steps(opt_name, 1.0, 5, precision=precision) - unchecked == 5 * per_step

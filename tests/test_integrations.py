@@ -54,7 +54,7 @@ def _telemetry(run_dir) -> Telemetry:
 
 # ---------------------------------------------------------------------- HF Trainer
 def _hf_run(tmp_path, *, precision="fp16", optim="adamw_torch", give_scaler=True, bad=BAD,
-            default_folder=False):
+            default_folder=False, **extra_args):
     transformers = pytest.importorskip("transformers")
     from ampguard.integrations.transformers import AmpGuardCallback
 
@@ -68,8 +68,8 @@ def _hf_run(tmp_path, *, precision="fp16", optim="adamw_torch", give_scaler=True
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), fp16=precision == "fp16", bf16=precision == "bf16",
         use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
-        logging_steps=100, save_strategy="no", disable_tqdm=True, optim=optim,
-        learning_rate=1e-3)
+        save_strategy="no", disable_tqdm=True, optim=optim,
+        learning_rate=1e-3, **{"logging_steps": 100, **extra_args})
     callback = AmpGuardCallback() if default_folder else AmpGuardCallback(
         _telemetry(tmp_path / "run"))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
@@ -130,7 +130,7 @@ def test_hf_trainer_fp16_on_cpu_is_fp32_and_says_so(tmp_path):
 
 # ---------------------------------------------------------------------- Lightning
 def _lightning_run(tmp_path, *, precision="16-mixed", fused=False, bad=BAD, callback=None,
-                   scaler=None):
+                   scaler=None, extra_callbacks=(), **trainer_kw):
     L = pytest.importorskip("lightning")
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -154,15 +154,15 @@ def _lightning_run(tmp_path, *, precision="16-mixed", fused=False, bad=BAD, call
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=8)
     callback = callback or AmpGuardCallback(_telemetry(tmp_path / "run"))
-    if precision == "16-mixed":
+    if precision == "16-mixed" and scaler is not False:
         scaler = scaler or torch.amp.GradScaler("cpu", init_scale=2.0**10)
         kw = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     else:
         kw = {"precision": precision}
     trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback],
-                        default_root_dir=str(tmp_path), **kw)
+                        enable_model_summary=False, callbacks=[callback, *extra_callbacks],
+                        default_root_dir=str(tmp_path), **kw, **trainer_kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Module(), data)
@@ -219,7 +219,7 @@ def _reset_accelerate():
 
 
 def _accelerate_run(tmp_path, *, mixed_precision="fp16", fused=False, give_scaler=True,
-                    bad=BAD):
+                    bad=BAD, clip=None):
     accelerate = pytest.importorskip("accelerate")
     from ampguard.integrations.accelerate import watch_accelerator
 
@@ -239,10 +239,13 @@ def _accelerate_run(tmp_path, *, mixed_precision="fp16", fused=False, give_scale
     model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
     flags = []
     with watch_accelerator(accelerator, model, opt, telemetry=_telemetry(tmp_path)) as handle:
+        handle.norms = []
         for x, y in data:
             with accelerator.autocast():
                 out = model(x)
             accelerator.backward(torch.nn.functional.mse_loss(out.float(), y))
+            if clip is not None:  # Accelerate's clip_grad_norm_ returns the pre-clip norm
+                handle.norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -374,3 +377,169 @@ def test_mlflow_sink_local_store(tmp_path, monkeypatch):
     applied = client.get_metric_history(run_id, "ampguard/applied")
     assert [m.step for m in applied if m.value == 0.0] == [2]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# ---------------------------------------------------------------------- issue 12: grad norm
+CLIP = 0.01  # well below every norm here: a post-clip record would sit at 0.01
+
+
+def _recorded_norms(run_dir) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in _records(run_dir) if r["applied"]}
+
+
+def _assert_pre_clip(recorded: dict[int, float], expected: list[float]) -> None:
+    """The run log's norm on step i is clip_grad_norm_'s return value (the pre-clip norm)."""
+    assert len(recorded) == len(expected) == STEPS
+    assert min(expected) > 10 * CLIP  # clipping bound on every step: post-clip would differ
+    for step, value in enumerate(expected, start=1):
+        assert recorded[step] == pytest.approx(value, rel=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_hf_trainer_grad_norm_is_the_pre_clip_norm(tmp_path, precision):
+    trainer, _ = _hf_run(tmp_path, precision=precision, bad=(), max_grad_norm=CLIP,
+                         logging_steps=1)
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    _assert_pre_clip(_recorded_norms(tmp_path / "run"), logged)
+
+
+class _NormProbe:
+    """A Lightning callback after ampguard's: clip_grad_norm_'s return value with max_norm=inf
+    (the gradients are multiplied by exactly 1) where Lightning is about to clip."""
+
+    def __init__(self):
+        import lightning as L
+
+        probe = self
+
+        class Probe(L.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                probe.norms.append(float(torch.nn.utils.clip_grad_norm_(
+                    pl_module.parameters(), float("inf"))))
+
+        self.norms: list[float] = []
+        self.callback = Probe()
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_lightning_grad_norm_is_the_pre_clip_norm(tmp_path, precision):
+    pytest.importorskip("lightning")
+    probe = _NormProbe()
+    _lightning_run(tmp_path, precision=precision, bad=(), extra_callbacks=[probe.callback],
+                   gradient_clip_val=CLIP)
+    _assert_pre_clip(_recorded_norms(tmp_path / "run"), probe.norms)
+
+
+@pytest.mark.parametrize("mixed_precision", ["fp16", "bf16"])
+def test_accelerate_grad_norm_is_the_pre_clip_norm(tmp_path, mixed_precision):
+    handle, _ = _accelerate_run(tmp_path, mixed_precision=mixed_precision, bad=(), clip=CLIP)
+    _assert_pre_clip(_recorded_norms(tmp_path), handle.norms)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaler", "no-scaler"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_watch_grad_norm_is_the_pre_clip_norm(tmp_path, scaled, accumulation):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+    dtype = torch.float16 if scaled else torch.bfloat16
+    expected = []
+    with ag.watch(scaler, model, opt, _telemetry(tmp_path),
+                  precision=None if scaled else "bf16"):
+        for i in range(STEPS * accumulation):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y) / accumulation
+            (scaler.scale(loss) if scaled else loss).backward()
+            if (i + 1) % accumulation:
+                continue
+            if scaled:
+                scaler.unscale_(opt)
+            expected.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            if scaled:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+    _assert_pre_clip(_recorded_norms(tmp_path), expected)
+
+
+def test_guard_grad_norm_and_record_are_the_pre_clip_norm(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    expected, returned = [], []
+    with ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
+                  clip_grad_norm=CLIP, telemetry=_telemetry(tmp_path)) as guard:
+        for _ in range(STEPS):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            with guard.autocast():
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            guard.backward(loss)
+            returned.append(guard.step().grad_norm)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                torch.nn.functional.mse_loss(ref(x).float(), y).backward()
+            expected.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(returned, expected, strict=True))  # bitwise
+    _assert_pre_clip(_recorded_norms(tmp_path), [float(n) for n in expected])
+
+
+# ---------------------------------------------------------------------- issue 12: AG122, AG110
+@pytest.mark.filterwarnings("ignore:You passed `Trainer:UserWarning")  # Lightning's own notice
+def test_lightning_16_mixed_switched_to_bf16_on_cpu_reports_ag122(tmp_path):
+    pytest.importorskip("lightning")
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    callback = AmpGuardCallback(_telemetry(tmp_path / "run"), precision="16-mixed")
+    _lightning_run(tmp_path, precision="16-mixed", scaler=False, bad=(), callback=callback)
+    ag122 = [f for f in callback.findings() if f.code == "AG122"]
+    assert len(ag122) == 1 and "'bf16-mixed'" in ag122[0].message
+    assert ag122[0].message.endswith("training is bf16.")
+    assert _records(tmp_path / "run")[0]["precision"] == "bf16"
+
+
+def test_lightning_bf16_as_asked_has_no_ag122(tmp_path):
+    pytest.importorskip("lightning")
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    callback = AmpGuardCallback(_telemetry(tmp_path / "run"), precision="bf16-mixed")
+    _lightning_run(tmp_path, precision="bf16-mixed", bad=(), callback=callback)
+    assert "AG122" not in _codes(callback.findings())
+
+
+def test_lightning_callback_precision_is_checked():
+    pytest.importorskip("lightning")
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    with pytest.raises(ValueError, match="precision must be one of Lightning's"):
+        AmpGuardCallback(precision="fp16")
+
+
+def test_accelerate_bf16_applied_nonfinite_steps_are_recorded_as_ag110(tmp_path):
+    handle, _ = _accelerate_run(tmp_path, mixed_precision="bf16", bad=(3,))
+    recs = _records(tmp_path)
+    # Accelerate applied the inf: the weights are NaN from then on, so is every gradient
+    assert [r["step"] for r in recs if r["nonfinite"]] == list(range(3, STEPS + 1))
+    assert all(r["applied"] for r in recs)  # ampguard only watches: nothing was skipped
+    ag110 = [f for f in handle.findings() if f.code == "AG110"]
+    assert len(ag110) == 1 and ag110[0].step == 3 and ag110[0].severity == "error"
+    assert f"{STEPS - 2} optimizer steps applied" in ag110[0].message
+
+
+def test_ag121_message_is_singular_for_one_overflow(tmp_path):
+    pytest.importorskip("lightning")
+    from ampguard.integrations import grad_scaler, guard_options
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    cfg = ag.ScalerConfig(init_scale=2.0**10, growth_interval=1000, hysteresis=2,
+                          min_scale=1.0, on_collapse="warn")
+    callback = AmpGuardCallback(**guard_options(cfg))
+    _lightning_run(tmp_path, bad=(3,), callback=callback, scaler=grad_scaler(cfg, "cpu"))
+    message = {f.code: f for f in callback.findings()}["AG121"].message
+    assert "1 overflow absorbed by hysteresis=2" in message and "overflows" not in message

@@ -178,7 +178,8 @@ def test_skip_counts_and_recent_scales_come_from_flushed_records(tmp_path):
         train(guard, model, 10, inject={3, 4})
         guard.telemetry.flush()
         tel = guard.telemetry
-        assert tel.skip_counts() == {"overflow": 2, "dropped_microbatches": 0, "collapse": 0}
+        assert tel.skip_counts() == {"overflow": 2, "dropped_microbatches": 0, "collapse": 0,
+                                   "nonfinite": 0}
         assert tel.recent_scales(3) == [(8, 16384.0), (9, 16384.0), (10, 16384.0)]
         assert tel.summary()["consecutive_skips"] == 0
         assert tel.summary()["scale_changes"] == 2

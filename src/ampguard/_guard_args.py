@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["as_optimizers", "check_window", "check_model", "scheduler_callback"]
+__all__ = ["as_optimizers", "check_window", "check_model", "check_backward", "check_flag",
+           "scheduler_callback"]
 
 
 def as_optimizers(
@@ -53,3 +54,31 @@ def check_model(model: Any, params: list[torch.Tensor]) -> None:
                          "tensor (pass the module that owns the optimizer's parameters)")
     if not params:
         raise ValueError("optimizer has no parameters to train (its param_groups are empty)")
+    owned = {id(p) for p in model.parameters()}
+    foreign = [(i, p) for i, p in enumerate(params) if id(p) not in owned]
+    if foreign:
+        named = ", ".join(f"#{i} (shape {tuple(p.shape)})" for i, p in foreign[:3])
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise ValueError(
+            f"{len(foreign)} of the optimizer's {len(params)} parameters are not parameters of "
+            f"model ({type(model).__name__}): {named}{more} (counted over all param_groups). "
+            "The Guard would step tensors the model never uses; build the optimizer from this "
+            "model's parameters (e.g. torch.optim.AdamW(model.parameters())) or pass the model "
+            "it was built for.")
+
+
+def check_backward(micro: int, accumulation_steps: int) -> None:
+    """Before a backward: the window must have room for one more micro-batch."""
+    if micro >= accumulation_steps:
+        raise RuntimeError(
+            f"Guard.backward() called {micro + 1} times in one window, but accumulation_steps="
+            f"{accumulation_steps}: the gradients would add up into a "
+            f"{(micro + 1) / accumulation_steps:g}x larger update. Call guard.step() after each "
+            f"guard.backward(loss), or pass accumulation_steps={micro + 1} (or more) to "
+            "accumulate that many micro-batches per optimizer step.")
+
+
+def check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value

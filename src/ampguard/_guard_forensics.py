@@ -115,7 +115,7 @@ class GuardForensics:
         armed = trace is not None and trace.numerics
         if not (armed or (batch is not None and loss_fn is not None and self.enabled)):
             return
-        if not result.overflow:  # reads the flag: a sync only for fused optimizers
+        if not (result.overflow or result.nonfinite):  # a sync only for fused optimizers
             self._armed = max(0, self._armed - 1)
             return
         scale = self._scale_used()

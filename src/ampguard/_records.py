@@ -19,7 +19,7 @@ class RowInfo(NamedTuple):
     """Host-side facts about a recorded step (its values are in the device row)."""
 
     step: int
-    micro: int
+    micro: int  # losses recorded in the window (0: none, the record's loss is null)
     scaled: bool  # a loss scaler was in use
     grads_scaled: bool  # recorded gradients still carried the loss scale (fused, no clipping)
     layers: bool
@@ -37,13 +37,16 @@ def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *,
     for info, row in zip(infos, rows, strict=True):
         before = carry if info.scaled else 1.0
         after = float(row[SCALE]) if info.scaled else 1.0
-        flags = results.decode(int(row[STATUS]), info.n_opt)
+        flags = results.decode(int(row[STATUS]), info.n_opt, info.scaled)
         rec: dict[str, Any] = {
             "step": info.step, "scale_before": num(before), "scale": num(after),
             "applied": flags.applied, "overflow": flags.overflow, "collapse": flags.collapse,
-            "dropped": flags.dropped, "loss": num(row[LOSS] / info.micro),
+            "nonfinite": flags.nonfinite, "dropped": flags.dropped,
+            "loss": num(row[LOSS] / info.micro) if info.micro else None,
             "precision": info.precision,
         }
+        if info.micro and rec["loss"] is None:  # NaN/inf/-inf stay distinct from "no loss"
+            rec["loss_nonfinite"] = nonfinite_name(float(row[LOSS]))
         if flags.overflow and info.n_opt > 1:
             rec["overflowed"] = [i for i, ok in enumerate(flags.applied_per_optimizer) if not ok]
         inv = 1.0 / before if info.grads_scaled else 1.0
@@ -60,6 +63,11 @@ def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *,
         out.append(rec)
         carry = after if info.scaled else carry
     return out, carry
+
+
+def nonfinite_name(value: float) -> str:
+    """``"nan"``, ``"inf"`` or ``"-inf"`` for a non-finite loss (the record's ``loss`` is null)."""
+    return "nan" if value != value else ("inf" if value > 0 else "-inf")
 
 
 def _range_record(row: np.ndarray, n_layers: int, scale: float) -> dict[str, Any]:
@@ -81,7 +89,7 @@ class RunTally:
     def __init__(self, accumulation_steps: int, recent: int = 256) -> None:
         self.accumulation_steps = accumulation_steps
         self.recent: deque[tuple[int, float]] = deque(maxlen=recent)
-        self.skips = {"overflow": 0, "dropped_microbatches": 0, "collapse": 0}
+        self.skips = {"overflow": 0, "dropped_microbatches": 0, "collapse": 0, "nonfinite": 0}
         self.totals = {"steps": 0, "scale_changes": 0, "consecutive_skips": 0,
                        "microbatches_dropped": 0, "last_step": 0}
 
@@ -99,7 +107,8 @@ class RunTally:
             else:
                 t["consecutive_skips"] += 1
                 cause = "collapse" if rec["collapse"] else "dropped_microbatches" \
-                    if rec["dropped"] >= self.accumulation_steps else "overflow"
+                    if rec["dropped"] >= self.accumulation_steps else \
+                    "nonfinite" if rec.get("nonfinite") else "overflow"
                 self.skips[cause] += 1
             rates.append(sum(self.skips.values()) / t["steps"])
         return rates

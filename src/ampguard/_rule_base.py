@@ -21,6 +21,8 @@ TITLES = {
     "AG106": "gradient underflow",
     "AG107": "loss scale gap after resume",
     "AG108": "bf16 recommended",
+    "AG109": "non-finite gradients skipped",
+    "AG110": "non-finite gradients applied",
 }
 
 

@@ -89,7 +89,8 @@ class _Reader:
     def __init__(self, width: int) -> None:
         self.width = width
         self.main = _Family(("scale_before", "scale", "loss", "grad_norm"),
-                            ("applied", "overflow", "collapse"), ("dropped",), ("precision",))
+                            ("applied", "overflow", "collapse", "nonfinite", "loss_nonfinite"),
+                            ("dropped",), ("precision",))
         self.layer = _Family(("norm",), ("applied",), (), ())
         self.range = _Family(("scale", *RANGE_FIELDS, "window"), ("applied",), (),
                              ("precision",))
@@ -102,7 +103,7 @@ class _Reader:
         c = self.main.cols
         self._append = tuple(c[k].append for k in (
             "scale_before", "scale", "loss", "grad_norm", "applied", "overflow", "collapse",
-            "dropped", "precision"))
+            "nonfinite", "loss_nonfinite", "dropped", "precision"))
 
     def add_step(self, rec: dict[str, Any]) -> None:
         get = rec.get
@@ -110,8 +111,8 @@ class _Reader:
         precision = get("precision", "")
         precision = self._texts.setdefault(precision, precision)  # one str object per value
         self.main.start(step)
-        (a_before, a_scale, a_loss, a_norm, a_applied, a_over, a_coll, a_drop,
-         a_prec) = self._append
+        (a_before, a_scale, a_loss, a_norm, a_applied, a_over, a_coll, a_nonfinite,
+         a_loss_nonfinite, a_drop, a_prec) = self._append
         v = get("scale_before")
         a_before(_NAN if v is None else v)
         v = get("scale")
@@ -123,6 +124,8 @@ class _Reader:
         a_applied(applied)
         a_over(get("overflow", False))
         a_coll(get("collapse", False))
+        a_nonfinite(get("nonfinite", False))
+        a_loss_nonfinite("loss_nonfinite" in rec)
         a_drop(get("dropped", 0))
         a_prec(precision)
         layers = get("layers")
@@ -181,6 +184,7 @@ def _arrays(r: _Reader, bad: int) -> dict[str, Any]:
         "scale_before": m.array("scale_before"), "scale": m.array("scale"),
         "applied": m.array("applied"), "overflow": m.array("overflow"),
         "collapse": m.array("collapse"), "dropped": m.array("dropped"),
+        "nonfinite": m.array("nonfinite"), "loss_nonfinite": m.array("loss_nonfinite"),
         "loss": m.array("loss"), "grad_norm": m.array("grad_norm"),
         "precision": list(m.cols["precision"]),
         "layer_steps": np.frombuffer(lay.steps, dtype=np.int64).copy(),

@@ -125,7 +125,8 @@ _WHAT: dict[_Check, str] = {
 STEP_FIELDS: dict[str, tuple[_Check, bool]] = {
     "step": (_int, True), "scale_before": (_num, False), "scale": (_num, False),
     "applied": (_bool, False), "overflow": (_bool, False), "collapse": (_bool, False),
-    "dropped": (_count, False), "loss": (_num, False), "loss_nonfinite": (_nonfinite, False),
+    "dropped": (_count, False), "nonfinite": (_bool, False), "loss": (_num, False),
+    "loss_nonfinite": (_nonfinite, False),
     "grad_norm": (_num, False), "precision": (_str, False), "overflowed": (_ints, False),
     "layers": (_dict, False), "range": (_dict, False),
 }
@@ -252,7 +253,8 @@ _NONE = type(None)
 _STEP_TYPES: dict[str, tuple[type, ...]] = {
     "step": (int,), "scale_before": (float, _NONE), "scale": (float, _NONE),
     "loss": (float, _NONE), "grad_norm": (float, _NONE), "applied": (bool,),
-    "overflow": (bool,), "collapse": (bool,), "dropped": (int,), "precision": (str,),
+    "overflow": (bool,), "collapse": (bool,), "nonfinite": (bool,), "dropped": (int,),
+    "precision": (str,),
     "loss_nonfinite": (str,), "overflowed": (list,), "layers": (dict,), "range": (dict,),
     "kind": (str,),
 }

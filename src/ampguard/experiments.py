@@ -304,8 +304,8 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None,
     if name in _f8.FP8_VARIANTS:
         return Guard(exp.model, exp.optimizer, precision="fp8",
                      fp8_plan=plan if name == "fp8_planned" else None)
-    if name in ("fp32", "bf16"):
-        return Guard(exp.model, exp.optimizer, precision=name)
+    if name in ("fp32", "bf16"):  # what the precision itself does: non-finite steps applied
+        return Guard(exp.model, exp.optimizer, precision=name, skip_nonfinite=False)
     cfg = scaler or ScalerConfig()
     if name == "fp16_fixed":
         cfg = ScalerConfig(init_scale=FIXED_SCALE, dynamic=False)

@@ -11,9 +11,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Finding", "SEVERITIES"]
+__all__ = ["Finding", "SEVERITIES", "count"]
 
 SEVERITIES = ("info", "warning", "error")
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 step"``, ``"3 steps"``: a number with its noun in the right number for messages."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 @dataclass(frozen=True)

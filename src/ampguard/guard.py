@@ -22,13 +22,20 @@ from typing import Any
 
 import torch
 
-from ampguard import _fp8_guard, _guard_forensics, _guard_state, results
-from ampguard._guard_args import as_optimizers, check_model, check_window, scheduler_callback
+from ampguard import _fp8_guard, _guard_forensics, _guard_state, _nonfinite, results
+from ampguard._guard_args import (
+    as_optimizers,
+    check_backward,
+    check_flag,
+    check_model,
+    check_window,
+    scheduler_callback,
+)
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
-from ampguard.findings import Finding
+from ampguard.findings import Finding, count
 from ampguard.policy import (
     PrecisionPolicy,
     check_parameters,
@@ -61,8 +68,10 @@ class Guard:
     step in Python (one in all, where torch has one per optimizer), none for fused optimizers
     (``_step_supports_amp_scaling``), whose step flags are read lazily; reading
     ``StepResult.applied`` there, or registering schedulers/callbacks, syncs once per window.
-    bf16 and fp32 steps never sync, except with ``contain_nonfinite_microbatches`` (one per
-    window: a window whose micro-batches were all dropped must skip).
+    bf16 and fp32 windows get the same non-finite check (``skip_nonfinite=True``, the default:
+    see ``ampguard._nonfinite``): one host sync per window, none for fused optimizers (their
+    ``found_inf``); ``skip_nonfinite=False`` never syncs there, except with
+    ``contain_nonfinite_microbatches`` (a window whose micro-batches were all dropped must skip).
     """
 
     def __init__(
@@ -86,12 +95,14 @@ class Guard:
         auto_fallback: bool = False,
         coverage_step: int | None = None,
         fp8_plan: Any = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         self.optimizers = as_optimizers(optimizer)
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         check_model(model, params)
         self.model = model
         check_window(accumulation_steps, clip_grad_norm)
+        self.skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
             raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
         self.accumulation_steps = accumulation_steps
@@ -177,7 +188,8 @@ class Guard:
 
     @property
     def skipped_steps(self) -> int:
-        """Windows whose step was skipped for overflow. Cost: syncs if flags are pending."""
+        """Windows whose step was skipped (fp16 overflow, non-finite gradients without a scaler,
+        collapse). Cost: syncs if flags are pending."""
         self._drain()
         return self._counts.skipped
 
@@ -204,6 +216,7 @@ class Guard:
                 + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else
                    type(loss).__name__)
             )
+        check_backward(self._micro, self.accumulation_steps)
         if self._telemetry is not None:
             self._telemetry._on_backward(loss)
         if self.accumulation_steps > 1:
@@ -241,7 +254,8 @@ class Guard:
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
-            result = self._step_scaled(kwargs) if self._scaler else self._step_unscaled(kwargs)
+            result = self._step_scaled(kwargs) if self._scaler else \
+                _nonfinite.step_unscaled(self, kwargs)
         except BaseException:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry._on_abort()
@@ -275,29 +289,6 @@ class Guard:
         return fn
 
     # ------------------------------------------------------------------ step internals
-    def _step_unscaled(self, kwargs: dict[str, Any]) -> StepResult:
-        status = None
-        n = len(self.optimizers)
-        if self._contain is not None:
-            # No scaler, but containment dropped the non-finite micro-batches: a window that
-            # dropped them all has zero gradients and must skip (one sync, containment only).
-            dropped, all_dropped = self._contain.install(self._params)
-            status = results.pack([all_dropped] * n, dropped)
-        if self._telemetry is not None:
-            self._telemetry._on_grads(False)
-        grad_norm = self._clip(None)
-        if self._dist is not None:
-            grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
-        flags = results.Decoded((True,) * n, False, 0) if status is None else \
-            results.decode(int(status.item()), n)
-        if flags.applied:
-            for opt in self.optimizers:
-                opt.step(**kwargs)
-        if self._telemetry is not None:
-            self._telemetry._on_step(status, grad_norm)
-        self._counts.record(flags)
-        return StepResult(self._steps, True, grad_norm, flags)
-
     def _step_scaled(self, kwargs: dict[str, Any]) -> StepResult:
         scaler = self._scaler
         assert scaler is not None
@@ -408,32 +399,35 @@ class Guard:
             return
         pending, self._pending = self._pending, []
         values = torch.stack([status for _, status in pending]).tolist()
-        collapsed = []
+        collapsed, scaled = [], self._scaler is not None
         for (result, _), value in zip(pending, values, strict=True):
-            result._decoded = results.decode(int(value), len(self.optimizers))
+            result._decoded = results.decode(int(value), len(self.optimizers), scaled)
             if not act:
                 continue
             self._record(result.step, result._decoded)  # count every step before any raise
-            if result._decoded.collapse and self.scaler_config.on_collapse == "warn":
+            bound = _nonfinite.over_bound(self)  # bf16/fp32: too many non-finite skips in a row
+            if (result._decoded.collapse or bound) and self.scaler_config.on_collapse == "warn":
                 self._on_collapse(result.step)  # in order: an applied step ends an episode
-            elif result._decoded.collapse:
+            elif result._decoded.collapse or bound:
                 collapsed.append(result.step)
         if collapsed:
             self._on_collapse(collapsed[0])
 
     def _settle(self, step: int, flags: results.Decoded) -> None:
         self._record(step, flags)
-        if flags.collapse:
+        if flags.collapse or _nonfinite.over_bound(self):
             self._on_collapse(step)
 
     def _record(self, step: int, flags: results.Decoded) -> None:
         if self._forensics is not None:
-            self._forensics.on_settled(step, flags.overflow, flags.applied)
+            self._forensics.on_settled(step, flags.overflow or flags.nonfinite, flags.applied)
         self._counts.record(flags)
         if flags.applied:
             self._collapsing = False
 
     def _on_collapse(self, step: int) -> None:
+        if self._scaler is None:  # no scale to lower: the bound on non-finite skips
+            return _nonfinite.on_bound(self, step)
         policy = self.scaler_config.on_collapse
         if policy == "raise":
             raise ScaleCollapseError(self._collapse_message(step))
@@ -448,7 +442,8 @@ class Guard:
         hist = ", ".join(f"{s}: {v:g}" for s, v in self._history.tail(self._steps, 8))
         return (
             f"loss scale collapsed at step {step}: gradients overflow even at min_scale="
-            f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of {self._steps} steps "
+            f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of "
+            f"{count(self._steps, 'step')} "
             f"skipped. Scale history (step: scale): {hist}. Try: precision='bf16' (same range as "
             "fp32); keep the overflowing module in fp32 (ampguard.locate names it); a lower "
             "learning rate; or ScalerConfig(on_collapse='fallback') to switch automatically."
@@ -498,7 +493,8 @@ class Guard:
             "precision": self._policy.precision,
             "scale": self.scale,
             "skipped_steps": c.skipped,
-            "skipped_by_cause": {"overflow": c.skipped_overflow, "collapse": c.skipped_collapse},
+            "skipped_by_cause": {"overflow": c.skipped_overflow, "collapse": c.skipped_collapse,
+                                 "nonfinite": c.skipped_nonfinite},
             "applied_steps": c.applied,
             "scale_changes": self._history.changes(),
             "last_scales": [{"step": s, "scale": v} for s, v in history],

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["StepResult", "Decoded", "Counters", "pack", "add_collapse", "decode"]
+__all__ = ["StepResult", "Decoded", "Counters", "pack", "observed", "add_collapse", "decode"]
 
 
 class Decoded(NamedTuple):
@@ -21,6 +21,8 @@ class Decoded(NamedTuple):
     applied_per_optimizer: tuple[bool, ...]
     collapse: bool
     dropped: int
+    scaled: bool = True  # a loss scaler was in use: a skip is an overflow, else non-finite
+    observed: bool = False  # non-finite gradients seen on a step ampguard does not own (watch)
 
     @property
     def applied(self) -> bool:
@@ -28,22 +30,46 @@ class Decoded(NamedTuple):
 
     @property
     def overflow(self) -> bool:
-        return not all(self.applied_per_optimizer)
+        """fp16: the loss-scaled gradients overflowed, so (some) optimizers skipped."""
+        return self.scaled and not all(self.applied_per_optimizer)
+
+    @property
+    def nonfinite(self) -> bool:
+        """No loss scaler (bf16/fp32): non-finite gradients were found; skipped unless
+        ``applied`` (a framework step that ampguard only watches)."""
+        return self.observed or (not self.scaled and not all(self.applied_per_optimizer))
+
+    @property
+    def skip_cause(self) -> str | None:
+        """None when applied, else "collapse" | "overflow" | "nonfinite"."""
+        if self.applied:
+            return None
+        if self.collapse:
+            return "collapse"
+        return "overflow" if self.scaled else "nonfinite"
 
 
 def pack(found: list[torch.Tensor], dropped: torch.Tensor | None) -> torch.Tensor:
     """Pack a window's flags into one fp32 device scalar (exact integers below 2**24).
 
-    Bit i = optimizer i overflowed; bit n = collapse (see :func:`add_collapse`); the bits above
-    hold the dropped micro-batch count. Float arithmetic keeps it to one small op per flag.
+    Bit i = optimizer i overflowed; bit n = collapse (see :func:`add_collapse`); bit n + 1 =
+    non-finite gradients observed on an applied step (see :func:`observed`); the bits above hold
+    the dropped micro-batch count. Float arithmetic keeps it to one small op per flag.
     """
     n = len(found)
     status = found[0].clamp(max=1.0)
     for i in range(1, n):
         status = status.add(found[i].clamp(max=1.0), alpha=2**i)
     if dropped is not None:
-        status = status.add(dropped, alpha=2 ** (n + 1))
+        status = status.add(dropped, alpha=2 ** (n + 2))
     return status
+
+
+def observed(found: torch.Tensor, n: int) -> torch.Tensor:
+    """Flags of a step that was applied although ``found`` (0-dim, nonzero: non-finite
+    gradients) says its gradients were not finite: bit ``n + 1`` (a watched loop without a
+    scaler, whose step ampguard does not own). Cost: no host sync."""
+    return found.clamp(max=1.0).mul(2 ** (n + 1))
 
 
 def add_collapse(status: torch.Tensor, collapse: torch.Tensor, n: int) -> torch.Tensor:
@@ -51,20 +77,25 @@ def add_collapse(status: torch.Tensor, collapse: torch.Tensor, n: int) -> torch.
     return status.add(collapse, alpha=2**n)
 
 
-def decode(value: float, n: int) -> Decoded:
-    """Host view of :func:`pack` output read back as a number."""
+def decode(value: float, n: int, scaled: bool = True) -> Decoded:
+    """Host view of :func:`pack` output read back as a number (``scaled``: a loss scaler was in
+    use for the window, so a skip is an fp16 overflow rather than a non-finite skip)."""
     value = int(value)
     applied = tuple(not (value >> i) & 1 for i in range(n))
-    return Decoded(applied, bool((value >> n) & 1), value >> (n + 1))
+    return Decoded(applied, bool((value >> n) & 1), value >> (n + 2), scaled,
+                   bool((value >> (n + 1)) & 1))
 
 
 class StepResult:
     """The outcome of :meth:`Guard.step`.
 
-    ``applied``: every optimizer really stepped. ``overflow``: non-finite gradients were found, so
-    (some) optimizers skipped. ``grad_norm``: the unscaled total gradient norm (a tensor) when
-    clipping, else None. ``dropped_microbatches``: non-finite micro-batches left out of the window
-    (with ``contain_nonfinite_microbatches``). ``optimizers_applied``: per-optimizer detail.
+    ``applied``: every optimizer really stepped. ``overflow``: fp16: the loss-scaled gradients
+    were non-finite, so (some) optimizers skipped. ``nonfinite``: bf16/fp32 (no loss scaler):
+    non-finite gradients were found, so (some) optimizers skipped (``Guard(skip_nonfinite=True)``,
+    the default). ``skip_cause``: None when applied, else ``"overflow"``, ``"nonfinite"`` or
+    ``"collapse"``. ``grad_norm``: the unscaled total gradient norm before clipping (a tensor)
+    when clipping, else None. ``dropped_microbatches``: non-finite micro-batches left out of the
+    window (with ``contain_nonfinite_microbatches``). ``optimizers_applied``: per-optimizer detail.
     ``boundary``: this call ended an accumulation window.
 
     Cost: reading a flag of a fused-optimizer step syncs once (and settles all pending steps);
@@ -100,6 +131,16 @@ class StepResult:
         return self.boundary and self._flags().overflow
 
     @property
+    def nonfinite(self) -> bool:
+        return self.boundary and self._flags().nonfinite
+
+    @property
+    def skip_cause(self) -> str | None:
+        """Why the window did not update: None (applied, or not a window's end), "overflow"
+        (fp16), "nonfinite" (bf16/fp32) or "collapse"."""
+        return self._flags().skip_cause if self.boundary else None
+
+    @property
     def dropped_microbatches(self) -> int:
         return self._flags().dropped if self.boundary else 0
 
@@ -111,7 +152,8 @@ class StepResult:
         if self._decoded is None:
             return f"StepResult(step={self.step}, flags pending on device)"
         return (f"StepResult(step={self.step}, boundary={self.boundary}, applied={self.applied}, "
-                f"overflow={self.overflow}, dropped_microbatches={self.dropped_microbatches})")
+                f"overflow={self.overflow}, nonfinite={self.nonfinite}, "
+                f"dropped_microbatches={self.dropped_microbatches})")
 
 
 @dataclass
@@ -122,19 +164,24 @@ class Counters:
     skipped: int = 0
     skipped_overflow: int = 0
     skipped_collapse: int = 0
+    skipped_nonfinite: int = 0
     collapses: int = 0
     dropped_microbatches: int = 0
     consecutive_skips: int = 0
+    consecutive_nonfinite: int = 0  # non-finite skips in a row without a scaler (the bound)
 
     def record(self, flags: Decoded) -> None:
         if flags.applied:
             self.applied += 1
-            self.consecutive_skips = 0
+            self.consecutive_skips = self.consecutive_nonfinite = 0
         else:
             self.skipped += 1
             self.consecutive_skips += 1
             if flags.collapse:
                 self.skipped_collapse += 1
+            elif flags.nonfinite:
+                self.skipped_nonfinite += 1
+                self.consecutive_nonfinite += 1
             else:
                 self.skipped_overflow += 1
         self.collapses += int(flags.collapse)

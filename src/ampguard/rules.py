@@ -1,4 +1,4 @@
-"""Runtime rules AG101-AG108: findings over a run log written by :class:`ampguard.Telemetry`.
+"""Runtime rules AG101-AG110: findings over a run log written by :class:`ampguard.Telemetry`.
 
 Every threshold is a field of :class:`RuleConfig` (defaults below). Warm-up is excluded where the
 rule is about a steady state: from the run start (and from a resume that reset the scale) until
@@ -29,6 +29,9 @@ AG107     resume gap             after a resume the scale differs from the one b
                                  ``init_scale`` (checkpoint without scaler state)
 AG108     bf16 recommended       on ``bf16_min_samples`` range samples the safe scale window was
                                  empty: no fp16 scale keeps the small gradients and the large ones
+AG109     non-finite skips       without a loss scaler, steps were skipped for non-finite
+                                 gradients (error once ``max_nonfinite_skips`` ran in a row)
+AG110     non-finite applied     a watched step without a scaler applied non-finite gradients
 ========  =====================  ===============================================================
 """
 
@@ -40,9 +43,10 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ampguard._layer_rules import ag104, ag105, ag106, ag108
+from ampguard._nonfinite_rules import ag109, ag110
 from ampguard._rule_base import TITLES, RuleConfig
 from ampguard._rule_base import make_finding as _finding
-from ampguard.findings import Finding
+from ampguard.findings import Finding, count
 from ampguard.runlog import RunLog
 
 __all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "TITLES"]
@@ -55,7 +59,7 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
         raise TypeError(f"config must be an ampguard.rules.RuleConfig, got {type(cfg).__name__}")
     warm = warmup_mask(run, cfg)
     found: list[Finding] = []
-    for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108):
+    for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108, ag109, ag110):
         found.extend(rule(run, cfg, warm))
     # --- findings recorded during the run (forensics, distributed, attach mode) ---
     recorded = {(e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
@@ -97,13 +101,16 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
     warm = warmup_mask(run, cfg or RuleConfig())
     accumulation = int(run.meta.get("guard", {}).get("accumulation_steps", 1))
     out: dict[str, list[int]] = {"warm-up overflow": [], "collapse": [],
-                                 "all micro-batches dropped": [], "overflow": []}
+                                 "all micro-batches dropped": [], "overflow": [],
+                                 "non-finite gradients (no loss scaler)": []}
     for i in np.flatnonzero(~run.applied):
         step = int(run.steps[i])
         if run.collapse[i]:
             out["collapse"].append(step)
         elif run.dropped[i] >= accumulation:
             out["all micro-batches dropped"].append(step)
+        elif run.nonfinite[i]:
+            out["non-finite gradients (no loss scaler)"].append(step)
         elif warm[i]:
             out["warm-up overflow"].append(step)
         else:
@@ -125,8 +132,9 @@ def _ag101(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
         step = int(run.steps[idx[0]])
         return [_finding("AG101", "error",
                          f"the loss scale collapsed: gradients overflowed at min_scale="
-                         f"{min_scale:g} on {len(idx)} step(s), first at step {step}; those "
-                         "steps were skipped and the model did not learn from them.",
+                         f"{min_scale:g} on {count(len(idx), 'step')}, first at step {step}; "
+                         f"{'it was' if len(idx) == 1 else 'they were'} skipped and the model "
+                         f"did not learn from {'it' if len(idx) == 1 else 'them'}.",
                          step, {"collapse_steps": run.steps[idx[:20]].tolist(),
                                 "collapses": len(idx), "min_scale": min_scale}, fix)]
     if not sc.get("dynamic", True) or len(run.steps) == 0:

@@ -239,6 +239,9 @@ class RunLog:
     window: np.ndarray  # (R, 2): global safe scale window per range sample
     events: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: int = 0
+    # non-finite gradients without a loss scaler (skipped, or applied by a watched framework)
+    nonfinite: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    loss_nonfinite: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def resumes(self) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ class ScaleCollapseError(RuntimeError):
 
 @dataclass(frozen=True)
 class ScalerConfig:
-    """Configuration of the dynamic loss scale (used only when precision resolves to fp16).
+    """Configuration of the dynamic loss scale (its scale fields apply only under fp16).
 
     With ``hysteresis=1`` and the scale inside ``[min_scale, max_scale]`` the scale sequence is
     bitwise identical to ``torch.amp.GradScaler`` with the same ``init_scale``, ``growth_factor``,
@@ -41,6 +42,15 @@ class ScalerConfig:
     With fused optimizers (no host sync per step) a collapse is acted on when the step's flags are
     next read: ``StepResult.applied``, ``guard.scale``, ``diagnostics()``, a telemetry flush, or at
     the latest every 100 steps.
+
+    ``max_nonfinite_skips`` bounds a run without a loss scaler (bf16/fp32, also after a fallback):
+    that many *consecutive* windows skipped for non-finite gradients count as a collapse (there is
+    no scale left to lower): ``"raise"`` and ``"fallback"`` raise :class:`ScaleCollapseError`
+    (nothing wider than bf16/fp32 to fall back to), ``"warn"`` warns once per episode and keeps
+    skipping. The weights never receive the non-finite gradients either way.
+
+    Every field is checked at construction: a wrong type, a non-finite number or a value outside
+    the fp32 range raises ``ValueError`` naming the field.
     """
 
     init_scale: float = 2.0**16
@@ -53,31 +63,49 @@ class ScalerConfig:
     max_scale: float = 2.0**24
     on_collapse: str = "raise"
     dynamic: bool = True
+    max_nonfinite_skips: int = 16
 
     def __post_init__(self) -> None:
+        # Types first (a string must name its field, not fail inside a comparison), then
+        # finiteness and the fp32 range: the scale lives in an fp32 tensor.
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            _check(_is_number(value), name, "must be a number (int or float)", value)
+            _check(math.isfinite(value), name, "must be finite", value)
+            if type(value) not in (int, float):  # numpy scalars: plain floats in state dicts
+                object.__setattr__(self, name, float(value))
+        for name in ("growth_interval", "hysteresis", "max_nonfinite_skips"):
+            value = getattr(self, name)
+            _check(_is_int(value) and 1 <= value <= _INT32_MAX, name,
+                   f"must be an integer in [1, {_INT32_MAX}]", value)
+        for name in ("consecutive_hysteresis", "dynamic"):
+            _check(isinstance(getattr(self, name), bool), name, "must be a bool",
+                   getattr(self, name))
+        _check(isinstance(self.on_collapse, str) and self.on_collapse in COLLAPSE_POLICIES,
+               "on_collapse", f"must be one of {COLLAPSE_POLICIES}", self.on_collapse)
         _check(self.growth_factor > 1, "growth_factor", "must be > 1", self.growth_factor)
         _check(0 < self.backoff_factor < 1, "backoff_factor", "must be in (0, 1)",
                self.backoff_factor)
-        _check(_is_int(self.growth_interval) and self.growth_interval >= 1, "growth_interval",
-               "must be an integer >= 1", self.growth_interval)
-        _check(_is_int(self.hysteresis) and self.hysteresis >= 1, "hysteresis",
-               "must be an integer >= 1", self.hysteresis)
-        _check(math.isfinite(self.min_scale) and self.min_scale > 0, "min_scale",
-               "must be finite and > 0", self.min_scale)
-        _check(math.isfinite(self.max_scale) and self.max_scale >= self.min_scale, "max_scale",
-               "must be finite and >= min_scale", self.max_scale)
+        _check(_FP32_TINY <= self.min_scale <= _FP32_MAX, "min_scale",
+               f"must be in the fp32 range [{_FP32_TINY:g}, {_FP32_MAX:g}]", self.min_scale)
+        _check(self.min_scale <= self.max_scale <= _FP32_MAX, "max_scale",
+               f"must be >= min_scale and <= the fp32 maximum {_FP32_MAX:g}", self.max_scale)
         _check(self.min_scale <= self.init_scale <= self.max_scale, "init_scale",
                f"must lie in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
                self.init_scale)
-        _check(self.on_collapse in COLLAPSE_POLICIES, "on_collapse",
-               f"must be one of {COLLAPSE_POLICIES}", self.on_collapse)
-        _check(isinstance(self.consecutive_hysteresis, bool), "consecutive_hysteresis",
-               "must be a bool", self.consecutive_hysteresis)
-        _check(isinstance(self.dynamic, bool), "dynamic", "must be a bool", self.dynamic)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-value dict (loads under ``torch.load(weights_only=True)``)."""
         return dataclasses.asdict(self)
+
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal fp32
+_INT32_MAX = 2**31 - 1  # growth and hysteresis trackers are int32 tensors
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _is_int(value: Any) -> bool:

@@ -209,11 +209,15 @@ class Telemetry:
             if layers:
                 self._grad_stats(grads, self._views[self._row])
             if ranged:
-                if self._rslot >= self._rrows:
-                    self.flush()
-                slot = self._rslot
+                slot = self._this_step[1]  # a re-sample of this window reuses its slot
+                if slot >= 0:
+                    self._ranges[slot].zero_()
+                else:
+                    if self._rslot >= self._rrows:
+                        self.flush()
+                    slot = self._rslot
+                    self._rslot += 1
                 self._range_stats(grads, slot, grads_scaled)
-                self._rslot += 1
         self._this_step = (layers, slot, grads_scaled)
 
     def _on_step(self, status: torch.Tensor | None, grad_norm: torch.Tensor | None) -> None:
@@ -232,7 +236,7 @@ class Telemetry:
         if use_guard_norm:
             v.norm.copy_(grad_norm)
         self._pending_rows.append(RowInfo(
-            guard._steps, self._micro or 1, scaler is not None, grads_scaled, layers,
+            guard._steps, self._micro, scaler is not None, grads_scaled, layers,
             use_guard_norm, slot, guard._policy.precision, len(guard.optimizers)))
         self._this_step = (False, -1, False)
         self._row += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampguard import runlog
-from ampguard.findings import Finding
+from ampguard.findings import Finding, count
 
 __all__ = ["attach_findings", "fp16_inactive"]
 
@@ -44,8 +44,10 @@ def _skip_flag_mismatch(watch: Any) -> list[Finding]:
         out.append(Finding(
             code="AG120", severity="warning",
             title="Skipped steps reported as applied",
-            message=(f"{len(missed)} optimizer step(s) were skipped by the GradScaler (non-finite "
-                     f"gradients) but {name} reported them as applied. With a fused optimizer "
+            message=(f"{count(len(missed), 'optimizer step')} "
+                     f"{'was' if len(missed) == 1 else 'were'} skipped by the GradScaler "
+                     f"(non-finite gradients) but {name} reported "
+                     f"{'it' if len(missed) == 1 else 'them'} as applied. With a fused optimizer "
                      "GradScaler calls optimizer.step() even when it skips (the kernel skips "
                      f"itself), and {name} takes 'step() was called' to mean 'applied', so its "
                      "LR scheduler and step counters advanced on skipped steps."),
@@ -59,8 +61,10 @@ def _skip_flag_mismatch(watch: Any) -> list[Finding]:
         out.append(Finding(
             code="AG120", severity="warning",
             title="Applied steps reported as skipped",
-            message=(f"{len(invented)} optimizer step(s) were applied but {name} reported them "
-                     "as skipped, so its LR scheduler did not advance on them."),
+            message=(f"{count(len(invented), 'optimizer step')} "
+                     f"{'was' if len(invented) == 1 else 'were'} applied but {name} reported "
+                     f"{'it' if len(invented) == 1 else 'them'} as skipped, so its LR scheduler "
+                     "did not advance there."),
             step=invented[0],
             evidence={"steps": invented[:_MAX_STEPS], "count": len(invented), "framework": name},
             fix="Trust ampguard's run log for skipped steps; report the mismatch upstream.",
@@ -74,11 +78,12 @@ def _interventions(watch: Any) -> list[Finding]:
         return []
     pol = watch.policy
     parts = []
-    for n, what in zip(counts, (f"overflows absorbed by hysteresis={pol.hysteresis}",
-                                f"backoffs stopped at min_scale={pol.min_scale}",
-                                f"growths held at max_scale={pol.max_scale}"), strict=True):
+    for n, (noun, what) in zip(counts, (
+            ("overflow", f"absorbed by hysteresis={pol.hysteresis}"),
+            ("backoff", f"stopped at min_scale={pol.min_scale}"),
+            ("growth", f"held at max_scale={pol.max_scale}")), strict=True):
         if n:
-            parts.append(f"{n} {what}")
+            parts.append(f"{count(n, noun)} {what}")
     steps = [s for s in first if s > 0]
     return [Finding(
         code="AG121", severity="info",
@@ -94,14 +99,15 @@ def _interventions(watch: Any) -> list[Finding]:
     )]
 
 
-def fp16_inactive(framework: str, detail: str) -> Finding:
-    """AG122: fp16 requested, but the framework runs without loss scaling/autocast."""
+def fp16_inactive(framework: str, detail: str, actual: str = "fp32") -> Finding:
+    """AG122: fp16 requested, but the framework runs without loss scaling/autocast
+    (``actual``: the precision it trains in instead)."""
     return Finding(
         code="AG122", severity="warning",
         title="fp16 requested but not active",
         message=(f"{framework} was asked for fp16 mixed precision but runs without a loss scaler "
-                 f"and without fp16 autocast on this device ({detail}): training is fp32."),
-        evidence={"framework": framework, "detail": detail},
+                 f"and without fp16 autocast on this device ({detail}): training is {actual}."),
+        evidence={"framework": framework, "detail": detail, "actual": actual},
         fix=("Use bf16 on this device (bf16=True / precision='bf16-mixed'), or run on a device "
              "where the framework supports fp16 autocast with a GradScaler."),
     )

@@ -27,6 +27,7 @@ import torch
 
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
+from ampguard.integrations._findings import fp16_inactive
 from ampguard.integrations.watch import Watch
 
 require("lightning", "ampguard.integrations.lightning")
@@ -37,6 +38,7 @@ __all__ = ["AmpGuardCallback", "lightning_precision"]
 
 _PRECISIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16",
                "bf16-true": "bf16", "32-true": "fp32", "64-true": "fp32"}
+_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 
 class AmpGuardCallback(WatchingCallback, Callback):
@@ -44,9 +46,21 @@ class AmpGuardCallback(WatchingCallback, Callback):
 
     ``telemetry``: a run folder or an :class:`ampguard.Telemetry`; default
     ``<trainer.default_root_dir>/ampguard``. ``report``: write ``report.html`` when the fit ends
-    (needs matplotlib). Guard options as in :func:`ampguard.watch` (16-mixed only). After the
-    fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
+    (needs matplotlib). ``precision``: the ``precision`` given to the Trainer; Lightning replaces
+    ``"16-mixed"`` by ``"bf16-mixed"`` on CPU without keeping the request, so only with it can
+    ampguard report that switch (AG122). Guard options as in :func:`ampguard.watch` (16-mixed
+    only). After the fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
     """
+
+    def __init__(self, telemetry: Any = None, *, precision: str | int | None = None,
+                 **options: Any) -> None:
+        super().__init__(telemetry, **options)
+        if precision is not None and str(precision) not in _PRECISIONS and \
+                str(precision) not in _ALIASES:
+            raise ValueError(f"precision must be one of Lightning's precision values "
+                             f"{sorted(_PRECISIONS)}, got {precision!r}")
+        self.requested_precision = None if precision is None else \
+            _ALIASES.get(str(precision), str(precision))
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -81,6 +95,11 @@ class AmpGuardCallback(WatchingCallback, Callback):
         self.watch = Watch(scaler, pl_module, list(trainer.optimizers), telemetry,
                            precision=lightning_precision(plugin, scaler), policy=self.policy,
                            framework="lightning", grads_from_optimizer_hooks=False)
+        actual = str(getattr(plugin, "precision", "32-true"))
+        if self.requested_precision == "16-mixed" and self.watch.scaler is None:
+            self.watch._notes.append(fp16_inactive(
+                "lightning", f"precision='16-mixed' became {actual!r} on "
+                f"{type(trainer.accelerator).__name__}", actual=_PRECISIONS.get(actual, "fp32")))
 
 
 def lightning_precision(plugin: Any, scaler: Any) -> str:

@@ -38,6 +38,7 @@ from ampguard import results, runlog
 from ampguard import telemetry as _telemetry
 from ampguard.findings import Finding
 from ampguard.integrations import _findings
+from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
 from ampguard.integrations._tap import ScalerTap, is_grad_scaler, is_watched
@@ -66,8 +67,14 @@ def watch(scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *
     refills the budget on every clean step, else only when the scale grows) and ``on_collapse``
     (``"warn"`` | ``"raise"`` when overflows persist at ``min_scale``; checked at each flush).
 
+    Without a scaler the gradients are sampled when each backward pass ends (before the loop
+    clips them: the recorded norm is the unscaled total norm before clipping, as with a scaler),
+    and every step's gradients are checked for NaN/inf (recorded, never changed: the loop's step
+    is its own; AG110 reports steps that applied non-finite gradients).
+
     Cost: one host sync now (reads the scale once for the run log); none per step afterwards
-    except the telemetry flush every ``flush_every`` steps.
+    except the telemetry flush every ``flush_every`` steps. Without a scaler: one multi-tensor
+    finiteness check per step and a cheap hook call per parameter per backward pass.
     """
     return Watch(scaler, model, optimizer, telemetry, precision=precision,
                  policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
@@ -124,12 +131,15 @@ class Watch:
         dev = self._view._device
         self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
         self._first_intervention = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._backward_end: BackwardEnd | None = None
         if self.scaler is not None:
             self._tap = ScalerTap(self.scaler, self, {id(o) for o in self.optimizers})
         else:
             primary = self.optimizers[0]
             self._hooks = [primary.register_step_pre_hook(self._pre_step),
                            primary.register_step_post_hook(self._post_step)]
+            # the gradient sample is taken when backward ends: before the loop clips them
+            self._backward_end = BackwardEnd(self._view._params, self._sample_after_backward)
 
     # ------------------------------------------------------------------ public
     @property
@@ -188,6 +198,8 @@ class Watch:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._backward_end is not None:
+            self._backward_end.close()
         while self._on_close:
             self._on_close.pop()()
         try:
@@ -248,10 +260,21 @@ class Watch:
             self._view._steps = self._done + 1
             self.telemetry._on_grads(False)
 
+    def _sample_after_backward(self) -> None:
+        """A backward pass ended: (re-)sample the gradients, unscaled and not yet clipped; the
+        window's last backward leaves the sample. Cost: no host sync."""
+        if not self._closed:
+            self._grads_seen = True
+            self._view._steps = self._done + 1
+            self.telemetry._on_grads(False)
+
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._closed:
             self._view._steps = self._done + 1
-            self._record_step(None)
+            # the framework owns this step and applied whatever it got: record non-finite
+            # gradients, change nothing (one multi-tensor check, no sync)
+            found = nonfinite_flag(self._view._params, self._view._device)
+            self._record_step(results.observed(found, len(self.optimizers)))
 
     def _record_step(self, status: torch.Tensor | None) -> None:
         tel = self.telemetry

@@ -128,7 +128,11 @@ def loss_plot(run: RunLog) -> bytes | None:
     if len(skipped):
         ax.scatter(run.steps[skipped], run.loss[skipped], marker="x", color="#e63946", s=18,
                    zorder=3, label="skipped step")
-    if (loss > 0).all():
+    bad = run.loss_nonfinite  # NaN/inf losses: no point on the line, a mark along the top
+    if bad.any():
+        ax.scatter(run.steps[bad], np.full(int(bad.sum()), run.loss[finite].max()), marker="v",
+                   color="#9b2226", s=22, zorder=3, label=f"non-finite loss ({int(bad.sum())})")
+    if (run.loss[finite] > 0).all():
         ax.set_yscale("log")
     _markers(ax, run)
     ax.set_xlabel("step")
