@@ -90,10 +90,26 @@ def _fp16_cast(ctx: Context, call: ast.Call) -> bool:
     if not isinstance(func, ast.Attribute):
         return False
     if func.attr == "half":
-        return not call.args and not call.keywords
+        return not call.args and not call.keywords and not _cast_back(ctx, call)
     if func.attr in ("to", "type"):
         dtypes = [*call.args, *(kw.value for kw in call.keywords if kw.arg == "dtype")]
-        return any(dtype_kind(ctx.model, d) == "fp16" for d in dtypes)
+        return any(dtype_kind(ctx.model, d) == "fp16" for d in dtypes) \
+            and not _cast_back(ctx, call)
+    return False
+
+
+def _cast_back(ctx: Context, call: ast.Call) -> bool:
+    """``model.half().float()``: the fp16 copy is cast straight back, so parameters stay fp32."""
+    attr = ctx.model.parent(call)
+    outer = ctx.model.parent(attr) if isinstance(attr, ast.Attribute) else None
+    if not (isinstance(outer, ast.Call) and outer.func is attr):
+        return False
+    if attr.attr == "float":
+        return not outer.args and not outer.keywords
+    if attr.attr == "to":
+        dtypes = [*outer.args, *(kw.value for kw in outer.keywords if kw.arg == "dtype")]
+        return any(ctx.model.qualname(d) == "torch.float32" for d in dtypes
+                   if isinstance(d, (ast.Name, ast.Attribute)))
     return False
 
 
