@@ -1,4 +1,4 @@
-"""AG214: a backward pass inside an ``autocast`` region (PyTorch's AMP recipe advises against it)."""
+"""AG214: a backward pass inside an ``autocast`` region (the AMP recipe advises against it)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from ampguard.findings import Finding
 from ampguard.lint._context import is_scheduler_like
 from ampguard.lint._model import FUNCS, branch_of
 from ampguard.lint._names import dotted, terminal
-from ampguard.lint.rules._tensors import formatted_tensors
 from ampguard.lint.rules._base import Context, Rule
+from ampguard.lint.rules._tensors import formatted_tensors
 
 __all__ = ["AG213"]
 
