@@ -56,6 +56,12 @@ class Events:
 
     def _call(self, call: ast.Call) -> list[Event]:
         func = call.func
+        if isinstance(func, ast.Attribute) and self.model.project is not None \
+                and (self.model.qualname(func) or "torch").split(".", 1)[0] != "torch":
+            helper, owner = self._helper(call)  # engine.backward(loss, scaler): a module's def
+            if helper is not None:
+                return [Event("call", call, target=helper, mapping=_mapping(helper, call),
+                              owner=owner)]
         if isinstance(func, ast.Attribute):
             attr, key = func.attr, dotted(func.value)
             if attr == "backward":

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._source import Parsed, parse
 
-__all__ = ["MAX_FILE_BYTES", "MAX_FOLLOWED", "MAX_HOPS", "Project", "resolve_def"]
+__all__ = ["MAX_FILE_BYTES", "MAX_FOLLOWED", "MAX_HOPS", "Project", "argument_for", "resolve_def"]
 
 MAX_FOLLOWED = 16  # other files parsed while linting one file
 MAX_FILE_BYTES = 1 << 20  # a larger file is not followed (it is still linted on its own)
@@ -159,3 +159,34 @@ def resolve_def(model: FileModel, func: ast.AST) -> _Resolved | None:
     if qual is None or qual.split(".", 1)[0] == "torch":
         return None
     return project.resolve(qual, model.path)
+
+
+def argument_for(func: ast.AST, call: ast.Call, name: str) -> ast.AST | None:
+    """The caller's argument for parameter ``name`` of ``func`` (a ``def`` or a class, whose
+    ``__init__`` takes the arguments), by keyword or position, else the parameter's default;
+    ``None`` when neither is known."""
+    if isinstance(func, ast.ClassDef):
+        init = next((s for s in func.body if isinstance(s, FUNCS) and s.name == "__init__"), None)
+        if init is None:
+            return None
+        func = init
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    positional = [*func.args.posonlyargs, *func.args.args]
+    params = [a.arg for a in positional]
+    skip = 1 if params[:1] in (["self"], ["cls"]) else 0
+    if name in params[skip:]:
+        index = params.index(name) - skip
+        if any(isinstance(a, ast.Starred) for a in call.args[: index + 1]):
+            return None
+        if index < len(call.args):
+            return call.args[index]
+        defaults = func.args.defaults  # not passed: the default, if it has one
+        offset = len(positional) - len(defaults)
+        at = params.index(name) - offset
+        return defaults[at] if 0 <= at < len(defaults) else None
+    for arg, default in zip(func.args.kwonlyargs, func.args.kw_defaults, strict=True):
+        if arg.arg == name:
+            return default
+    return None

@@ -71,8 +71,8 @@ def _saved_param(model: FileModel, func: ast.AST, depth: int,
     for node in model.statements(func.body):
         if not isinstance(node, ast.Call):
             continue
-        if model.call_name(node) in _SAVE:
-            obj = keyword(node, "obj", 0)
+        if model.call_name(node) in _SAVE:  # torch.save(*args, **kwargs) keeps the Starred
+            obj = node.args[0] if node.args else keyword(node, "obj")
         elif depth < _MAX_DEPTH and (inner := resolve_def(model, node.func)) is not None \
                 and isinstance(inner[1], FUNCS):
             param = _saved_param(inner[0], inner[1], depth + 1, memo)

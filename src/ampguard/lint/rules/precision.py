@@ -30,8 +30,8 @@ def _bf16_sources(ctx: Context) -> list[tuple[ast.Call, Autocast | None]]:
     model = ctx.model
     out: list[tuple[ast.Call, Autocast | None]] = []
     for call in model.calls:
-        if model.call_name(call) in AUTOCASTS:
-            info = autocast_info(model, call)
+        if model.call_name(call) in AUTOCASTS or isinstance(model.parent(call), ast.withitem):
+            info = autocast_info(model, call)  # with-items: also the project's autocast helpers
             if info is not None and info.dtype == "bf16" and info.enabled is not False:
                 out.append((call, info))
         elif call.keywords and bf16_precision(model, call):
@@ -158,7 +158,7 @@ AG203 = Rule(
     code="AG203", severity="warning", title="GradScaler used with bfloat16",
     fix="drop the GradScaler for bf16 (or build it with enabled=(dtype == torch.float16)); "
         "scaling is only needed for float16",
-    triggers=("GradScaler",), check=_check_bf16,
+    triggers=("GradScaler", "caler"), check=_check_bf16,  # "caler": a project scaler factory
 )
 AG211 = Rule(
     code="AG211", severity="error", title="model cast to fp16 while a GradScaler is used",
