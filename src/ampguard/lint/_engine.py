@@ -27,6 +27,7 @@ DEFAULT_EXCLUDES = (
 )
 _CODE = re.compile(r"^AG\d{0,3}$")
 _TRIGGERS = {code: (r.triggers, tuple(t.encode() for t in r.triggers)) for code, r in RULES.items()}
+_REQUIRES = {code: (r.requires, tuple(t.encode() for t in r.requires)) for code, r in RULES.items()}
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ def lint_bytes(source: str | bytes, path: str, options: Options,
         return [parsed] if "AG200" in options.codes else []
     raw = 1 if isinstance(source, bytes) else 0
     rules = [RULES[c] for c in sorted(options.codes)
-             if RULES[c].check is not None and any(t in source for t in _TRIGGERS[c][raw])]
+             if RULES[c].check is not None and any(t in source for t in _TRIGGERS[c][raw])
+             and (not _REQUIRES[c][raw] or any(t in source for t in _REQUIRES[c][raw]))]
     if not rules:
         return []
     try:

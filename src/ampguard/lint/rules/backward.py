@@ -51,5 +51,6 @@ AG214 = Rule(
     fix="dedent the backward call (scaler.scale(loss).backward()) out of the "
         "'with torch.autocast(...)' block; backward ops already run in the dtype autocast chose "
         "for their forward ops",
-    triggers=("backward", "autograd"), check=_check,
+    # a region: torch's autocast, or (project mode) a helper such as amp_ctx() / maybe_amp()
+    triggers=("autocast", "amp_", "_amp"), requires=(".backward(", "autograd.grad"), check=_check,
 )

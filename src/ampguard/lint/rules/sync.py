@@ -182,5 +182,5 @@ AG213 = Rule(
     code="AG213", severity="info", title="per-step host sync only for logging",
     fix="log every N steps (if step % N == 0: print(loss.item())), or accumulate on the device "
         "(running += loss.detach()) and read it once per N steps",
-    triggers=(".item()", "get_scale", "backward"), check=_check,
+    triggers=(".item()", "get_scale", ".backward("), check=_check,
 )
