@@ -90,7 +90,10 @@ class Project:
             return self._resolved[cache_key]
         self._resolved[cache_key] = None  # a cycle back to this name resolves to nothing
         found = self._resolve(qual, importer, hops)
-        self._resolved[cache_key] = found
+        if found is None and self._budget <= 0:
+            self._resolved.pop(cache_key, None)  # over budget here: a later file may resolve it
+        else:
+            self._resolved[cache_key] = found
         return found
 
     def _resolve(self, qual: str, importer: str, hops: int) -> _Resolved | None:
@@ -125,9 +128,9 @@ class Project:
     def _lookup(self, model: FileModel, attrs: list[str], hops: int) -> _Resolved | None:
         scope = model.scopes[model.tree]
         name = attrs[0]
-        if name in scope.imports:  # re-exported: follow the import
-            return self.resolve(".".join([scope.imports[name], *attrs[1:]]), model.path, hops + 1)
         values = scope.assigns.get(name)
+        if not values and name in scope.imports:  # re-exported: follow the import
+            return self.resolve(".".join([scope.imports[name], *attrs[1:]]), model.path, hops + 1)
         if not values or not isinstance(values[-1], (*FUNCS, ast.ClassDef)):
             return None
         node = values[-1]
