@@ -25,7 +25,7 @@ __all__ = ["MAX_FILE_BYTES", "MAX_FOLLOWED", "MAX_HOPS", "Project", "argument_fo
 MAX_FOLLOWED = 16  # other files parsed while linting one file
 MAX_FILE_BYTES = 1 << 20  # a larger file is not followed (it is still linted on its own)
 MAX_HOPS = 4  # re-exports followed (``from .utils import save`` in ``__init__.py``)
-_MAX_CACHED = 64  # parsed files kept between linted files
+_MAX_CACHED = 32  # followed files kept parsed between linted files
 _MAX_UP = 6  # folders above the importing file searched for an absolute import
 _Resolved = tuple[FileModel, ast.AST]
 
@@ -42,16 +42,14 @@ class Project:
         self._models: OrderedDict[str, FileModel | None] = OrderedDict()
         self._resolved: dict[tuple[str, str], _Resolved | None] = {}
         self._budget = MAX_FOLLOWED
-        self._current: str | None = None
+        self._current: tuple[str, FileModel] | None = None
 
     def begin(self, path: str, model: FileModel) -> None:
         """``model`` (of ``path``) is linted now: a call back into it resolves to this model."""
-        key = _key(path)
-        self._current = key
+        # kept apart from the cache: linted files' trees must not pile up (memory, GC time)
+        self._current = (_key(path), model)
         self._budget = MAX_FOLLOWED
-        self._store(key, model)
-        if len(self._resolved) > 4096:
-            self._resolved.clear()
+        self._resolved.clear()  # answers hold models: keep none alive past the file that asked
 
     def _store(self, key: str, model: FileModel | None) -> None:
         self._models[key] = model
@@ -62,6 +60,8 @@ class Project:
     def model(self, path: str) -> FileModel | None:
         """The parsed file (``None``: not part of the run, too large, unreadable or over budget)."""
         key = _key(path)
+        if self._current is not None and self._current[0] == key:
+            return self._current[1]
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
