@@ -130,7 +130,7 @@ class Interpreter:
 
     def body(self, stmts: list[ast.stmt], state: Any, record: bool) -> tuple[Any, Any]:
         """Run ``stmts``; returns (state at the end or a ``return``, state at ``continue``)."""
-        start = None if state is None else {frozenset(): state}
+        start: Paths | None = None if state is None else {frozenset(): state}
         out = self._block(stmts, start, Env(record, events=self.events))
         return self._flat(self._pjoin(out.out, out.ret)), self._flat(out.cont)
 
@@ -185,7 +185,7 @@ class Interpreter:
         return found
 
     def _inline(self, state: Paths, event: Event, env: Env) -> Paths | None:
-        helper = event.target
+        helper: Any = event.target
         if helper in env.active or len(env.active) >= _MAX_INLINE_DEPTH:
             return state
         mapping = {name: env.rename(text) or text for name, text in event.mapping}
@@ -220,10 +220,10 @@ class Interpreter:
         acc.out = state
         return acc
 
-    def _if(self, stmt: ast.If, state: Paths, env: Env) -> _Out:
+    def _if(self, stmt: ast.If, state: Paths | None, env: Env) -> _Out:
         state = self._apply(state, stmt, env)
         fixed = condition(stmt.test, env.rename_map) if state is not None else None
-        if fixed is None:
+        if fixed is None or state is None:
             yes = no = state
         else:
             yes, no = self._split(state, fixed)
@@ -245,7 +245,7 @@ class Interpreter:
                 no[facts | {(key, not value)}] = analysis_state
         return self._pjoin(yes), self._pjoin(no)
 
-    def _loop(self, stmt: ast.For | ast.While, state: Paths, env: Env) -> _Out:
+    def _loop(self, stmt: Any, state: Paths | None, env: Env) -> _Out:
         is_while = isinstance(stmt, ast.While)
         if not is_while:
             state = self._apply(state, stmt, env)
@@ -275,7 +275,7 @@ class Interpreter:
             return self._forget(head, targets, env)
         return head
 
-    def _with(self, stmt: ast.With, state: Paths, env: Env) -> _Out:
+    def _with(self, stmt: ast.With, state: Paths | None, env: Env) -> _Out:
         return self._block(stmt.body, self._apply(state, stmt, env), env)
 
     def _try(self, stmt: ast.Try, state: Paths, env: Env) -> _Out:
@@ -293,7 +293,7 @@ class Interpreter:
             out.out = fin.out
         return out
 
-    def _match(self, stmt: ast.AST, state: Paths, env: Env) -> _Out:
+    def _match(self, stmt: Any, state: Paths | None, env: Env) -> _Out:
         state = self._apply(state, stmt, env)
         out = _Out(state)  # no case may match
         for case in stmt.cases:

@@ -16,6 +16,7 @@ import ast
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._source import Parsed, parse
@@ -149,7 +150,7 @@ def resolve_def(model: FileModel, func: ast.AST) -> _Resolved | None:
     if isinstance(func, ast.Name):
         found = model.binding(func.id, model.scope_of(func))
         if found is not None and found[0] == "values":
-            values = found[1]
+            values: Any = found[1]
             if len(values) == 1 and isinstance(values[0], (*FUNCS, ast.ClassDef)):
                 return model, values[0]
             return None
@@ -164,7 +165,7 @@ def resolve_def(model: FileModel, func: ast.AST) -> _Resolved | None:
     return project.resolve(qual, model.path)
 
 
-def argument_for(func: ast.AST, call: ast.Call, name: str) -> ast.AST | None:
+def argument_for(func: Any, call: ast.Call, name: str) -> ast.AST | None:
     """The caller's argument for parameter ``name`` of ``func`` (a ``def`` or a class, whose
     ``__init__`` takes the arguments), by keyword or position, else the parameter's default;
     ``None`` when neither is known."""

@@ -57,7 +57,8 @@ def _index(model: FileModel, unit: ast.AST) -> dict[str, list[_Entry]]:
 def _add(out: dict[str, list[_Entry]], target: ast.AST, value: ast.AST | None,
          stmt: ast.AST) -> None:
     if isinstance(target, ast.Name):
-        out.setdefault(target.id, []).append((stmt.lineno, stmt.col_offset, stmt, value))
+        out.setdefault(target.id, []).append(
+            (getattr(stmt, "lineno", 0), getattr(stmt, "col_offset", 0), stmt, value))
     elif isinstance(target, (ast.Tuple, ast.List)):
         for elt in target.elts:
             _add(out, elt, None, stmt)
@@ -72,7 +73,7 @@ def reaching_assignment(model: FileModel, name: str, site: ast.AST) -> Reaching 
     entries = _index(model, unit).get(name)
     if not entries:
         return None
-    line, col = site.lineno, site.col_offset
+    line, col = getattr(site, "lineno", 0), getattr(site, "col_offset", 0)
     before = [e for e in entries if (e[0], e[1]) < (line, col)]
     if not before:
         return None

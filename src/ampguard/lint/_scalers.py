@@ -51,9 +51,9 @@ class ScalerFacts:
         from ampguard.lint._project import resolve_def
 
         self._factories: dict[int, tuple[Any, ast.Call, ast.AST]] = {}
-        out = []
+        out: list[ast.Call] = []
         for call in self._scaler_named_calls():
-            found = resolve_def(self, call.func)
+            found = resolve_def(self, call.func)  # type: ignore[arg-type]
             if found is None or found[0] is self:
                 continue
             owner, func = found
@@ -76,7 +76,7 @@ class ScalerFacts:
     def _scaler_named_calls(self) -> list[ast.Call]:
         """Calls assigned to a scaler-like name (``scaler``, ``self.grad_scaler``)."""
         scopes: Any = getattr(self, "scopes", {})
-        out = []
+        out: list[ast.Call] = []
         for scope in scopes.values():
             for name, values in scope.assigns.items():
                 if _scaler_word(name):

@@ -5,6 +5,7 @@ project mode, another file of the tree; each with the object it saves."""
 from __future__ import annotations
 
 import ast
+from typing import Any
 
 from ampguard.lint._context import keyword
 from ampguard.lint._model import FUNCS, FileModel
@@ -42,11 +43,11 @@ def save_sites(ctx: Context) -> list[tuple[ast.Call, ast.AST | None]]:
     return sites
 
 
-def _params(func: ast.AST) -> list[str]:
+def _params(func: Any) -> list[str]:
     return [a.arg for a in (*func.args.posonlyargs, *func.args.args)]
 
 
-def _argument(call: ast.Call, param: _Param, func: ast.AST) -> ast.AST | None:
+def _argument(call: ast.Call, param: _Param, func: Any) -> ast.AST | None:
     position, name = param
     for kw in call.keywords:
         if kw.arg == name:
@@ -59,7 +60,7 @@ def _argument(call: ast.Call, param: _Param, func: ast.AST) -> ast.AST | None:
     return None
 
 
-def _saved_param(model: FileModel, func: ast.AST, depth: int,
+def _saved_param(model: FileModel, func: Any, depth: int,
                  memo: dict[int, _Param | None]) -> _Param | None:
     """The parameter ``func`` hands to ``torch.save`` unchanged (no entries added), if any."""
     if id(func) in memo:
@@ -92,7 +93,7 @@ def _saved_param(model: FileModel, func: ast.AST, depth: int,
     return found
 
 
-def _adds_entries(model: FileModel, func: ast.AST, name: str) -> bool:
+def _adds_entries(model: FileModel, func: Any, name: str) -> bool:
     """``state["scaler"] = ...`` or ``state.update(...)`` inside the helper."""
     for node in model.statements(func.body):
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from typing import Any
 
 from ampguard.lint._model import FileModel
 from ampguard.lint._names import dotted, terminal
@@ -45,7 +46,7 @@ def _tensor_names(model: FileModel) -> dict[int, tuple[ast.AST, set[str]]]:
     return out
 
 
-def _sites(model: FileModel, unit: ast.AST, names: set[str]) -> Iterator[tuple[ast.AST, ast.Name]]:
+def _sites(model: FileModel, unit: Any, names: set[str]) -> Iterator[tuple[ast.AST, ast.Name]]:
     """(node that formats, the tensor name it formats) in ``unit``'s own body."""
     body = unit.body if isinstance(getattr(unit, "body", None), list) else []
     for node in model.statements(body):

@@ -40,10 +40,11 @@ def _check(ctx: Context) -> Iterator[Finding]:
         region = enclosing_autocast(model, call)
         if region is None or region.enabled is False:
             continue
+        line = getattr(region.call, "lineno", 0)
         yield ctx.finding(
-            AG214, call, f"{what} runs inside the autocast region opened at line "
-            f"{region.call.lineno}: run only the forward pass and the loss under autocast and "
-            "call backward after the with block", autocast_line=region.call.lineno)
+            AG214, call, f"{what} runs inside the autocast region opened at line {line}: run "
+            "only the forward pass and the loss under autocast and call backward after the with "
+            "block", autocast_line=line)
 
 
 AG214 = Rule(
