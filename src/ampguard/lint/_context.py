@@ -127,7 +127,8 @@ def _helper_autocast(model: FileModel, call: ast.Call, depth: int) -> Autocast |
     for node in owner.statements(func.body):
         if isinstance(node, ast.Return) and node.value is not None:
             info = autocast_info(owner, node.value, depth + 1)
-        elif isinstance(node, (ast.With, ast.AsyncWith)):
+        elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
+                isinstance(n, (ast.Yield, ast.YieldFrom)) for s in node.body for n in ast.walk(s)):
             info = next((i for item in node.items
                          if (i := autocast_info(owner, item.context_expr, depth + 1))), None)
         else:
