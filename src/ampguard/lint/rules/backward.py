@@ -1,4 +1,11 @@
-"""AG214: a backward pass inside an ``autocast`` region (the AMP recipe advises against it)."""
+"""AG214: a backward pass inside an ``autocast`` region (the AMP recipe advises against it).
+
+Fires on ``x.backward()``, ``scaler.scale(loss).backward()``, ``accelerator.backward(loss)``,
+``torch.autograd.backward`` and ``torch.autograd.grad`` without ``create_graph``. Silent on
+``torch.autograd.grad(..., create_graph=True)``: that is the forward pass of a gradient penalty
+(its graph becomes part of the loss), and PyTorch's AMP gradient-penalty example builds the penalty
+from those gradients under autocast; the penalty's own backward comes after the block.
+"""
 
 from __future__ import annotations
 
