@@ -145,7 +145,7 @@ AG205 = Rule(
     code="AG205", severity="warning", title="checkpoint without GradScaler state",
     fix="add 'scaler': scaler.state_dict() to the checkpoint and call "
         "scaler.load_state_dict(ckpt['scaler']) when resuming",
-    triggers=("GradScaler", "unscale_", ".scale("), check=_check_checkpoint,
+    triggers=("GradScaler", "unscale_", ".scale(", "caler"), check=_check_checkpoint,
 )
 AG208 = Rule(
     code="AG208", severity="warning", title="unsafe checkpoint load",
