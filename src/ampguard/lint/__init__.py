@@ -1,6 +1,6 @@
 """``ampguard lint``: a static checker for AMP mistakes in PyTorch training scripts.
 
-Rules AG200-AG213 read the source with the stdlib :mod:`ast` only; this package never imports
+Rules AG200-AG214 read the source with the stdlib :mod:`ast` only; this package never imports
 torch, so it runs in pre-commit in a fraction of a second.
 
 >>> from ampguard.lint import lint_source
@@ -23,6 +23,7 @@ from ampguard.lint._engine import (
     parse_codes,
 )
 from ampguard.lint._output import FORMATS, format_findings, sort_findings
+from ampguard.lint._project import Project
 from ampguard.lint._source import MAX_FILE_BYTES, read_source
 from ampguard.lint.rules import RULES, Rule
 
@@ -54,14 +55,16 @@ def lint_source(text: str | bytes, filename: str = "<string>", *, select: Codes 
 
 def lint_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *, select: Codes = None,
                ignore: Codes = None, exclude: Iterable[str] = (),
-               torch_version: str | None = None) -> list[Finding]:
+               torch_version: str | None = None, project: bool = True) -> list[Finding]:
     """Lint files and folders (recursing into ``*.py``); returns sorted findings.
 
     Folders skip :data:`DEFAULT_EXCLUDES` (``.git``, ``.venv``, ``build``, ``site-packages``, ...)
     and the glob patterns in ``exclude``. A missing path raises :class:`FileNotFoundError`; an
     unreadable or unparsable file gives an AG200 finding, and so does anything that is not a
     regular file (a FIFO, a device, a symlink loop) or is larger than :data:`MAX_FILE_BYTES`
-    (10 MiB): those are never read.
+    (10 MiB): those are never read. ``project=True`` (project mode) lets a call to a function
+    or class defined in another linted file (``from utils import save_checkpoint``) be read
+    through that definition; ``False`` lints each file alone.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -71,13 +74,17 @@ def lint_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *, select
             raise TypeError(f"paths must hold str or os.PathLike items, got {path!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
+    if not isinstance(project, bool):
+        raise TypeError(f"project must be True or False, got {project!r}")
     options = make_options(select, ignore, torch_version)
     findings: list[Finding] = []
-    for path in iter_python_files(paths, tuple(exclude)):
+    files = list(iter_python_files(paths, tuple(exclude)))
+    tree = Project(files) if project else None
+    for path in files:
         data = read_source(path)  # regular files only, at most MAX_FILE_BYTES
         if isinstance(data, Finding):
             if "AG200" in options.codes:
                 findings.append(data)
             continue
-        findings.extend(lint_bytes(data, path, options))
+        findings.extend(lint_bytes(data, path, options, tree))
     return sort_findings(findings)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import AUTOCASTS, NO_GRAD, dotted, terminal
+from ampguard.lint._project import argument_for, resolve_def
 
 __all__ = [
     "Autocast", "autocast_info", "bf16_precision", "dtype_kind", "enclosing_autocast",
@@ -98,7 +99,7 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
         func = expr.func
         if isinstance(func, ast.Attribute) and func.attr == "autocast" and qual is None:
             return Autocast(expr, None, None, None, None, maybe=True)  # accelerator.autocast()
-        return None
+        return _helper_autocast(model, expr, depth)
     partial = _partial_of(model, expr.func)
     merged = ast.Call(func=expr.func, args=[*(partial.args[1:] if partial else []), *expr.args],
                       keywords=[*(partial.keywords if partial else []), *expr.keywords])
@@ -114,6 +115,46 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
     enabled = _constant(enabled_node) if enabled_node is not None else True
     return Autocast(expr, dtype, device, enabled if isinstance(enabled, bool) else None,
                     ast.unparse(enabled_node) if enabled_node is not None else None)
+
+
+def _helper_autocast(model: FileModel, call: ast.Call, depth: int) -> Autocast | None:
+    """``with amp_context(args):`` where the project's own helper returns an autocast region
+    (``return torch.autocast(...)``, or a ``@contextmanager`` that yields inside one)."""
+    found = resolve_def(model, call.func)
+    if found is None or not isinstance(found[1], FUNCS):
+        return None
+    owner, func = found
+    for node in owner.statements(func.body):
+        if isinstance(node, ast.Return) and node.value is not None:
+            info = autocast_info(owner, node.value, depth + 1)
+        elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
+                isinstance(n, (ast.Yield, ast.YieldFrom)) for s in node.body for n in ast.walk(s)):
+            info = next((i for item in node.items
+                         if (i := autocast_info(owner, item.context_expr, depth + 1))), None)
+        else:
+            continue
+        if info is not None:
+            return _bound(model, call, func, info)
+    return None
+
+
+def _bound(model: FileModel, call: ast.Call, func: ast.AST, info: Autocast) -> Autocast:
+    """A helper's autocast seen from the caller: parameters replaced by the caller's arguments."""
+    inner = info.call if isinstance(info.call, ast.Call) else None
+    dtype, enabled, text = info.dtype, info.enabled, info.enabled_text
+    if inner is not None:
+        dtype_node = keyword(inner, "dtype")
+        if dtype is None and isinstance(dtype_node, ast.Name):
+            arg = argument_for(func, call, dtype_node.id)
+            dtype = dtype_kind(model, arg) if arg is not None else None
+        enabled_node = keyword(inner, "enabled")
+        if enabled is None and isinstance(enabled_node, ast.Name):
+            arg = argument_for(func, call, enabled_node.id)
+            if arg is not None:
+                value = _constant(arg)
+                enabled = value if isinstance(value, bool) else None
+                text = ast.unparse(arg)
+    return Autocast(call, dtype, info.device, enabled, text, info.maybe)
 
 
 def enclosing_autocast(model: FileModel, node: ast.AST) -> Autocast | None:
@@ -174,9 +215,21 @@ def is_eval_function(func: ast.AST | None) -> bool:
 
 def scaler_state(model: FileModel, call: ast.Call) -> str:
     """``"on"``, ``"off"``, ``"gated"`` (switched on only for fp16) or ``"unknown"``."""
+    factory = model.factory_of(call)
+    if factory is not None:  # scaler = create_grad_scaler(enabled=...) from the project
+        owner, ctor, func = factory
+        state = scaler_state(owner, ctor)
+        node = keyword(ctor, "enabled")
+        if state == "unknown" and isinstance(node, ast.Name):
+            arg = argument_for(func, call, node.id)
+            return _enabled_state(model, arg) if arg is not None else state
+        return state
     qual = model.call_name(call) or ""
     position = 4 if qual.startswith(("torch.cuda.", "torch.cpu.")) else 5
-    node = keyword(call, "enabled", position)
+    return _enabled_state(model, keyword(call, "enabled", position))
+
+
+def _enabled_state(model: FileModel, node: ast.AST | None) -> str:
     if node is None:
         return "on"
     value = _constant(node)

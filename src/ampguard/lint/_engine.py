@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from ampguard.findings import Finding
 from ampguard.lint._model import FileModel
+from ampguard.lint._project import Project
 from ampguard.lint._source import Parsed, noqa_codes, parse, syntax_finding
 from ampguard.lint.rules import RULES, Context
 
@@ -26,6 +27,7 @@ DEFAULT_EXCLUDES = (
 )
 _CODE = re.compile(r"^AG\d{0,3}$")
 _TRIGGERS = {code: (r.triggers, tuple(t.encode() for t in r.triggers)) for code, r in RULES.items()}
+_REQUIRES = {code: (r.requires, tuple(t.encode() for t in r.requires)) for code, r in RULES.items()}
 
 
 @dataclass(frozen=True)
@@ -94,18 +96,26 @@ def _installed_torch() -> tuple[int, int] | None:
         return None
 
 
-def lint_bytes(source: str | bytes, path: str, options: Options) -> list[Finding]:
-    """All findings for one file's contents, ``# noqa`` applied, unsorted."""
+def lint_bytes(source: str | bytes, path: str, options: Options,
+               project: Project | None = None) -> list[Finding]:
+    """All findings for one file's contents, ``# noqa`` applied, unsorted.
+
+    With ``project`` (project mode), names imported from the other files of the run resolve.
+    """
     parsed = parse(source, path)
     if isinstance(parsed, Finding):
         return [parsed] if "AG200" in options.codes else []
     raw = 1 if isinstance(source, bytes) else 0
     rules = [RULES[c] for c in sorted(options.codes)
-             if RULES[c].check is not None and any(t in source for t in _TRIGGERS[c][raw])]
+             if RULES[c].check is not None and any(t in source for t in _TRIGGERS[c][raw])
+             and (not _REQUIRES[c][raw] or any(t in source for t in _REQUIRES[c][raw]))]
     if not rules:
         return []
     try:
-        ctx = Context(FileModel(parsed.tree), path, options.torch_version)
+        model = FileModel(parsed.tree, path, project)
+        if project is not None:
+            project.begin(path, model)
+        ctx = Context(model, path, options.torch_version)
         findings = [f for rule in rules for f in rule.check(ctx)]
     except RecursionError:
         message = "cannot analyse: the code is nested too deeply"

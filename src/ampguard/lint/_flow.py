@@ -3,9 +3,11 @@
 The AMP step is a short protocol: ``scale(loss).backward()`` -> ``unscale_`` -> clip -> ``step`` ->
 ``update``. This module turns a function body into *events* of that protocol (in evaluation
 order) and interprets the statements over them: branches are joined, loops run to a fixed point,
-``break``/``continue``/``return`` go where Python sends them, and calls to helpers defined in the
-same file are followed (their parameters renamed to the caller's arguments). Each rule supplies
-the state it tracks and how an event changes it (an :class:`Analysis`).
+``break``/``continue``/``return`` go where Python sends them, and calls to helpers are followed
+(their parameters renamed to the caller's arguments; in project mode also helpers of other files).
+A test that stays fixed (``if use_fp16:``, ``if scaler is not None:``) is remembered along each
+path, so a path never takes both of its branches. Each rule supplies the state it tracks and how
+an event changes it (an :class:`Analysis`).
 """
 
 from __future__ import annotations
@@ -16,166 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ampguard.lint._context import is_scheduler_like, scaler_state
-from ampguard.lint._model import FUNCS, FileModel
-from ampguard.lint._names import CLIPS, dotted
+from ampguard.lint._events import Event, Events, header
+from ampguard.lint._paths import MAX_PATHS, condition, heads, stored_heads
 
 __all__ = ["Analysis", "Env", "Event", "Events", "Interpreter", "OutOfBudget"]
 
 _MAX_LOOP_ROUNDS = 8
 _MAX_INLINE_DEPTH = 3
-
-
-@dataclass(frozen=True)
-class Event:
-    """One step of the AMP protocol found in the source."""
-
-    kind: str  # bwd, bwd_scaled, unscale, sstep, pstep, ostep, update, zero, clip, opaque, call
-    node: ast.AST
-    key: str | None = None  # scaler (or optimizer, for ostep) text
-    arg: str | None = None  # optimizer text of scaler.step(opt)
-    target: ast.AST | None = None  # helper ``def`` for kind == "call"
-    mapping: tuple[tuple[str, str], ...] = ()  # helper parameter -> caller argument text
-
-
-class Events:
-    """Extracts (and caches) the events of statements in one file."""
-
-    def __init__(self, model: FileModel) -> None:
-        self.model = model
-        self.scalers = model.scaler_keys
-        self._cache: dict[int, list[Event]] = {}
-
-    def of(self, stmt: ast.AST) -> list[Event]:
-        """Events a simple statement (or a compound statement's header) produces, in order."""
-        key = id(stmt)
-        found = self._cache.get(key)
-        if found is None:
-            found = [ev for call in _calls_in(_header(stmt)) for ev in self._call(call)]
-            self._cache[key] = found
-        return found
-
-    def _call(self, call: ast.Call) -> list[Event]:
-        func = call.func
-        if isinstance(func, ast.Attribute):
-            attr, key = func.attr, dotted(func.value)
-            if attr == "backward":
-                source = self._scaled_source(func.value)
-                return [Event("bwd_scaled", call, source) if source else Event("bwd", call)]
-            if attr == "unscale_" and key:
-                return [Event("unscale", call, key)]
-            if attr == "step" and key:
-                if key in self.scalers:
-                    return [Event("sstep", call, key, dotted(call.args[0]))] if call.args else []
-                if call.args and self._is_parameter(func.value):  # a helper's scaler argument?
-                    return [Event("pstep", call, key, dotted(call.args[0]))]
-                if not is_scheduler_like(self.model, func.value):
-                    return [Event("ostep", call, key)]
-                return []
-            if attr == "update" and (key in self.scalers or (
-                    not call.args and not call.keywords and self._is_parameter(func.value))):
-                return [Event("update", call, key)]
-            if attr == "zero_grad":
-                return [Event("zero", call)]
-        if self.model.call_name(call) in CLIPS:
-            return [Event("clip", call)]
-        helper = self._helper(call)
-        if helper is not None:
-            return [Event("call", call, target=helper, mapping=_mapping(helper, call))]
-        return [Event("opaque", call, key) for key in self._opaque_keys(call)]
-
-    def _is_parameter(self, node: ast.AST) -> bool:
-        """``node`` is a bare parameter of its function (a helper's ``scaler`` argument)."""
-        if not isinstance(node, ast.Name):
-            return False
-        func = self.model.function_of(node)
-        args = func.args if func is not None else None
-        return args is not None and any(
-            a.arg == node.id for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
-
-    def _scaled_source(self, recv: ast.AST) -> str | None:
-        if isinstance(recv, ast.Name):  # scaled = scaler.scale(loss); scaled.backward()
-            value = self.model.single_value(recv)
-            recv = value if value is not None else recv
-        if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Attribute) \
-                and recv.func.attr == "scale":
-            key = dotted(recv.func.value)
-            if key not in self.scalers:
-                return None
-            ctor = self.model.ctor_of(key)  # GradScaler(enabled=False).scale(x) is just x
-            return None if ctor is not None and scaler_state(self.model, ctor) == "off" else key
-        return None
-
-    def _helper(self, call: ast.Call) -> ast.AST | None:
-        func = call.func
-        if isinstance(func, ast.Name):
-            found = self.model.binding(func.id, self.model.scope_of(call))
-            if found and found[0] == "values" and len(found[1]) == 1:
-                value = found[1][0]
-                return value if isinstance(value, FUNCS) else None
-            return None
-        if isinstance(func, ast.Attribute) and dotted(func.value) == "self":
-            cls = self.model.class_of(call)
-            for stmt in cls.body if cls is not None else ():
-                if isinstance(stmt, FUNCS) and stmt.name == func.attr:
-                    return stmt
-        return None
-
-    def _opaque_keys(self, call: ast.Call) -> list[str]:
-        args = [*call.args, *(kw.value for kw in call.keywords)]
-        keys = [k for a in args if (k := dotted(a)) is not None and k in self.scalers]
-        func = call.func
-        if isinstance(func, ast.Attribute) and dotted(func.value) == "self":  # unresolved method
-            keys.extend(k for k in self.scalers if k.startswith("self."))
-        return keys
-
-
-def _header(stmt: ast.AST) -> list[ast.AST]:
-    if isinstance(stmt, (ast.If, ast.While)):
-        return [stmt.test]
-    if isinstance(stmt, (ast.For, ast.AsyncFor)):
-        return [stmt.iter]
-    if isinstance(stmt, (ast.With, ast.AsyncWith)):
-        return [item.context_expr for item in stmt.items]
-    if isinstance(stmt, ast.Match):
-        return [stmt.subject]
-    if isinstance(stmt, (*FUNCS, ast.ClassDef, ast.Try, getattr(ast, "TryStar", ast.Try))):
-        return []
-    return [stmt]
-
-
-def _calls_in(roots: list[ast.AST]) -> list[ast.Call]:
-    """Calls under ``roots`` in evaluation order (arguments before the call), skipping lambdas."""
-    out: list[ast.Call] = []
-    stack: list[tuple[ast.AST, bool]] = [(r, False) for r in reversed(roots)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            out.append(node)  # type: ignore[arg-type]
-            continue
-        if isinstance(node, ast.Call):
-            stack.append((node, True))
-        if isinstance(node, ast.Lambda):
-            continue
-        children = list(ast.iter_child_nodes(node))
-        stack.extend((c, False) for c in reversed(children))
-    return out
-
-
-def _mapping(helper: ast.AST, call: ast.Call) -> tuple[tuple[str, str], ...]:
-    params = [a.arg for a in (*helper.args.posonlyargs, *helper.args.args)]
-    if params and params[0] in ("self", "cls") and isinstance(call.func, ast.Attribute):
-        params = params[1:]
-    pairs = []
-    for name, arg in zip(params, call.args, strict=False):
-        if isinstance(arg, ast.Starred):
-            break
-        if (text := dotted(arg)) is not None:
-            pairs.append((name, text))
-    for kw in call.keywords:
-        if kw.arg is not None and (text := dotted(kw.value)) is not None:
-            pairs.append((kw.arg, text))
-    return tuple(pairs)
 
 
 class OutOfBudget(Exception):
@@ -184,11 +33,13 @@ class OutOfBudget(Exception):
 
 @dataclass
 class Env:
-    """How the interpreter is running: recording findings or not, and the helper-call stack."""
+    """How the interpreter is running: recording findings or not, the helper-call stack, and the
+    events of the file whose statements run (a helper may live in another file)."""
 
     record: bool
     rename_map: dict[str, str] = field(default_factory=dict)
     active: tuple[ast.AST, ...] = ()
+    events: Events | None = None
 
     def rename(self, key: str | None) -> str | None:
         """The caller's spelling of a key used inside an inlined helper."""
@@ -199,7 +50,7 @@ class Env:
         return key if new is None else new + dot + rest
 
     def quiet(self) -> Env:
-        return Env(False, self.rename_map, self.active)
+        return Env(False, self.rename_map, self.active, self.events)
 
 
 class Analysis(Protocol):
@@ -210,40 +61,94 @@ class Analysis(Protocol):
     def apply(self, state: Any, event: Event, env: Env) -> Any: ...
 
 
+# The interpreter's own state: one analysis state per set of path assumptions (see _paths),
+# or None where no path reaches.
+Paths = dict[frozenset, Any]
+
+
 @dataclass
 class _Out:
-    out: Any = None
-    brk: Any = None
-    cont: Any = None
-    ret: Any = None
+    out: Paths | None = None
+    brk: Paths | None = None
+    cont: Paths | None = None
+    ret: Paths | None = None
 
 
 class Interpreter:
-    """Runs an :class:`Analysis` over statement lists; ``None`` is the unreachable state."""
+    """Runs an :class:`Analysis` over statement lists; ``None`` is the unreachable state.
+
+    Findings are judged on the state joined over the paths that can reach a statement; paths are
+    kept apart only to know which can (see :mod:`ampguard.lint._paths`).
+    """
 
     def __init__(self, events: Events, analysis: Analysis, budget: int = 50_000) -> None:
         self.events = events
         self.analysis = analysis
         self.budget = budget
+        self._heads: dict[str, set[str]] = {}
+
+    def _merge(self, a: Any, b: Any) -> Any:
+        if a is None:
+            return b
+        return a if b is None else self.analysis.join(a, b)
 
     def join(self, *states: Any) -> Any:
+        """Join analysis states (``None``: unreachable)."""
         result = None
         for state in states:
-            if state is None:
-                continue
-            result = state if result is None else self.analysis.join(result, state)
+            result = self._merge(result, state)
         return result
+
+    def _pjoin(self, *states: Paths | None) -> Paths | None:
+        result: Paths | None = None
+        for state in states:
+            if not state:
+                continue
+            if result is None:
+                result = dict(state)
+                continue
+            for key, value in state.items():
+                result[key] = self._merge(result.get(key), value)
+        if result is not None and len(result) > MAX_PATHS:
+            result = self._collapse(result)
+        return result
+
+    def _collapse(self, paths: Paths) -> Paths:
+        common = frozenset.intersection(*paths)
+        merged = None
+        for value in paths.values():
+            merged = self._merge(merged, value)
+        return {common: merged}
+
+    def _flat(self, paths: Paths | None) -> Any:
+        if not paths:
+            return None
+        merged = None
+        for value in paths.values():
+            merged = self._merge(merged, value)
+        return merged
 
     def body(self, stmts: list[ast.stmt], state: Any, record: bool) -> tuple[Any, Any]:
         """Run ``stmts``; returns (state at the end or a ``return``, state at ``continue``)."""
-        out = self._block(stmts, state, Env(record))
-        return self.join(out.out, out.ret), out.cont
+        start: Paths | None = None if state is None else {frozenset(): state}
+        out = self._block(stmts, start, Env(record, events=self.events))
+        return self._flat(self._pjoin(out.out, out.ret)), self._flat(out.cont)
 
-    def _apply(self, state: Any, stmt: ast.AST, env: Env) -> Any:
-        for event in self.events.of(stmt):
+    def _event(self, paths: Paths, event: Event, env: Env) -> Paths:
+        if len(paths) == 1:
+            [(key, value)] = paths.items()
+            return {key: self.analysis.apply(value, event, env)}
+        if env.record:  # judged on what any reaching path may carry
+            self.analysis.apply(self._flat(paths), event, env)
+        quiet = env.quiet()
+        return {key: self.analysis.apply(value, event, quiet) for key, value in paths.items()}
+
+    def _apply(self, state: Paths | None, stmt: ast.AST, env: Env) -> Paths | None:
+        events = env.events or self.events
+        for event in events.of(stmt):
             if state is None:
                 return None
-            self.budget -= 1
+            self.budget -= len(state)
             if self.budget < 0:
                 raise OutOfBudget
             if event.kind == "pstep":  # step on a parameter: a scaler if the caller passed one
@@ -252,19 +157,46 @@ class Interpreter:
             if event.kind == "call":
                 state = self._inline(state, event, env)
             else:
-                state = self.analysis.apply(state, event, env)
+                state = self._event(state, event, env)
+        if state is not None and (len(state) > 1 or frozenset() not in state):
+            stored = stored_heads(stmt, header(stmt))
+            if stored:
+                state = self._forget(state, stored, env)
         return state
 
-    def _inline(self, state: Any, event: Event, env: Env) -> Any:
-        helper = event.target
+    def _forget(self, state: Paths, names: frozenset[str] | set[str], env: Env) -> Paths:
+        """Drop the assumptions that read a name just assigned."""
+        if env.rename_map:  # a helper's locals are not the caller's names; its parameters are
+            names = {env.rename_map[n].split(".", 1)[0] for n in names if n in env.rename_map}
+            if not names:
+                return state
+        out: Paths = {}
+        changed = False
+        for key, value in state.items():
+            kept = frozenset(a for a in key if not (self._key_heads(a[0]) & names))
+            changed = changed or kept != key
+            out[kept] = self._merge(out.get(kept), value)
+        return out if changed else state
+
+    def _key_heads(self, key: str) -> set[str]:
+        found = self._heads.get(key)
+        if found is None:
+            found = self._heads[key] = heads(key)
+        return found
+
+    def _inline(self, state: Paths, event: Event, env: Env) -> Paths | None:
+        helper: Any = event.target
         if helper in env.active or len(env.active) >= _MAX_INLINE_DEPTH:
             return state
         mapping = {name: env.rename(text) or text for name, text in event.mapping}
-        inner = Env(env.record, mapping, (*env.active, helper))
+        events = env.events or self.events
+        if event.owner is not None and event.owner is not events.model:
+            events = self.events.sub(event.owner)
+        inner = Env(env.record, mapping, (*env.active, helper), events)
         out = self._block(helper.body, state, inner)
-        return self.join(out.out, out.ret)
+        return self._pjoin(out.out, out.ret)
 
-    def _block(self, stmts: list[ast.stmt], state: Any, env: Env) -> _Out:
+    def _block(self, stmts: list[ast.stmt], state: Paths | None, env: Env) -> _Out:
         acc = _Out()
         for stmt in stmts:
             if state is None:
@@ -273,75 +205,104 @@ class Interpreter:
             if step is None:
                 state = self._apply(state, stmt, env)
                 if isinstance(stmt, ast.Return):
-                    acc.ret, state = self.join(acc.ret, state), None
+                    acc.ret, state = self._pjoin(acc.ret, state), None
                 elif isinstance(stmt, ast.Raise):
                     state = None
                 elif isinstance(stmt, ast.Break):
-                    acc.brk, state = self.join(acc.brk, state), None
+                    acc.brk, state = self._pjoin(acc.brk, state), None
                 elif isinstance(stmt, ast.Continue):
-                    acc.cont, state = self.join(acc.cont, state), None
+                    acc.cont, state = self._pjoin(acc.cont, state), None
                 continue
             sub = step(self, stmt, state, env)
             state = sub.out
-            acc.brk, acc.cont = self.join(acc.brk, sub.brk), self.join(acc.cont, sub.cont)
-            acc.ret = self.join(acc.ret, sub.ret)
+            acc.brk, acc.cont = self._pjoin(acc.brk, sub.brk), self._pjoin(acc.cont, sub.cont)
+            acc.ret = self._pjoin(acc.ret, sub.ret)
         acc.out = state
         return acc
 
-    def _if(self, stmt: ast.If, state: Any, env: Env) -> _Out:
+    def _if(self, stmt: ast.If, state: Paths | None, env: Env) -> _Out:
         state = self._apply(state, stmt, env)
-        a, b = self._block(stmt.body, state, env), self._block(stmt.orelse, state, env)
-        return _Out(self.join(a.out, b.out), self.join(a.brk, b.brk), self.join(a.cont, b.cont),
-                    self.join(a.ret, b.ret))
+        fixed = condition(stmt.test, env.rename_map) if state is not None else None
+        if fixed is None or state is None:
+            yes = no = state
+        else:
+            yes, no = self._split(state, fixed)
+        a, b = self._block(stmt.body, yes, env), self._block(stmt.orelse, no, env)
+        return _Out(self._pjoin(a.out, b.out), self._pjoin(a.brk, b.brk),
+                    self._pjoin(a.cont, b.cont), self._pjoin(a.ret, b.ret))
 
-    def _loop(self, stmt: ast.For | ast.While, state: Any, env: Env) -> _Out:
+    def _split(self, state: Paths, fixed: tuple[str, bool]) -> tuple[Paths | None, Paths | None]:
+        key, value = fixed
+        yes: Paths = {}
+        no: Paths = {}
+        for facts, analysis_state in state.items():
+            if (key, value) in facts:
+                yes[facts] = analysis_state
+            elif (key, not value) in facts:
+                no[facts] = analysis_state
+            else:
+                yes[facts | {(key, value)}] = analysis_state
+                no[facts | {(key, not value)}] = analysis_state
+        return self._pjoin(yes), self._pjoin(no)
+
+    def _loop(self, stmt: Any, state: Paths | None, env: Env) -> _Out:
         is_while = isinstance(stmt, ast.While)
         if not is_while:
             state = self._apply(state, stmt, env)
+        targets = stored_heads(stmt, header(stmt)) if not is_while else frozenset()
         head = state
         for _ in range(_MAX_LOOP_ROUNDS):
-            entry = self._apply(head, stmt, env.quiet()) if is_while else head
+            entry = self._enter(head, stmt, env.quiet(), targets)
             body = self._block(stmt.body, entry, env.quiet())
-            new_head = self.join(state, body.out, body.cont)
+            new_head = self._pjoin(state, body.out, body.cont)
             if new_head == head:
                 break
             head = new_head
-        entry = self._apply(head, stmt, env) if is_while else head
+        entry = self._enter(head, stmt, env, targets)
         body = self._block(stmt.body, entry, env)
         forever = is_while and isinstance(stmt.test, ast.Constant) and bool(stmt.test.value)
         normal = None if forever else entry
         orelse = self._block(stmt.orelse, normal, env) if normal is not None else _Out()
-        return _Out(self.join(orelse.out, body.brk), orelse.brk, orelse.cont,
-                    self.join(body.ret, orelse.ret))
+        return _Out(self._pjoin(orelse.out, body.brk), orelse.brk, orelse.cont,
+                    self._pjoin(body.ret, orelse.ret))
 
-    def _with(self, stmt: ast.With, state: Any, env: Env) -> _Out:
+    def _enter(self, head: Paths | None, stmt: ast.AST, env: Env,
+               targets: frozenset[str]) -> Paths | None:
+        """One iteration's entry: a ``while`` test runs; a ``for`` target is assigned anew."""
+        if isinstance(stmt, ast.While):
+            return self._apply(head, stmt, env)
+        if head is not None and targets and (len(head) > 1 or frozenset() not in head):
+            return self._forget(head, targets, env)
+        return head
+
+    def _with(self, stmt: ast.With, state: Paths | None, env: Env) -> _Out:
         return self._block(stmt.body, self._apply(state, stmt, env), env)
 
-    def _try(self, stmt: ast.Try, state: Any, env: Env) -> _Out:
+    def _try(self, stmt: ast.Try, state: Paths, env: Env) -> _Out:
         body = self._block(stmt.body, state, env)
-        handler_entry = self.join(state, body.out)
+        handler_entry = self._pjoin(state, body.out)
         parts = [self._block(stmt.orelse, body.out, env)] if body.out is not None else []
         parts += [self._block(h.body, handler_entry, env) for h in stmt.handlers]
         out = _Out(None, body.brk, body.cont, body.ret)
         for part in parts:
-            out.out = self.join(out.out, part.out)
-            out.brk, out.cont = self.join(out.brk, part.brk), self.join(out.cont, part.cont)
-            out.ret = self.join(out.ret, part.ret)
+            out.out = self._pjoin(out.out, part.out)
+            out.brk, out.cont = self._pjoin(out.brk, part.brk), self._pjoin(out.cont, part.cont)
+            out.ret = self._pjoin(out.ret, part.ret)
         if stmt.finalbody:
             fin = self._block(stmt.finalbody, out.out, env)
             out.out = fin.out
         return out
 
-    def _match(self, stmt: ast.AST, state: Any, env: Env) -> _Out:
+    def _match(self, stmt: Any, state: Paths | None, env: Env) -> _Out:
         state = self._apply(state, stmt, env)
         out = _Out(state)  # no case may match
         for case in stmt.cases:
             part = self._block(case.body, state, env)
-            out.out, out.brk = self.join(out.out, part.out), self.join(out.brk, part.brk)
-            out.cont, out.ret = self.join(out.cont, part.cont), self.join(out.ret, part.ret)
+            out.out, out.brk = self._pjoin(out.out, part.out), self._pjoin(out.brk, part.brk)
+            out.cont, out.ret = self._pjoin(out.cont, part.cont), self._pjoin(out.ret, part.ret)
         return out
 
-    def _skip(self, stmt: ast.AST, state: Any, env: Env) -> _Out:
+    def _skip(self, stmt: ast.AST, state: Paths, env: Env) -> _Out:
         return _Out(state)  # nested def/class: their bodies do not run here
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from typing import Any
 
 from ampguard.lint._names import canonical, dotted, terminal
 from ampguard.lint._scalers import ScalerFacts
@@ -40,8 +41,10 @@ class Scope:
 class FileModel(ScalerFacts):
     """Facts about one parsed file, collected in a single iterative pass."""
 
-    def __init__(self, tree: ast.Module) -> None:
+    def __init__(self, tree: ast.Module, path: str = "<string>", project: Any = None) -> None:
         self.tree = tree
+        self.path = path
+        self.project = project  # a lint._project.Project in project mode
         self.calls: list[ast.Call] = []
         self.by_terminal: dict[str, list[ast.Call]] = {}
         self.scopes: dict[ast.AST, Scope] = {}
@@ -145,12 +148,14 @@ class FileModel(ScalerFacts):
                     head = alias.name.split(".", 1)[0]
                     scope.imports[head] = head
             return
-        module = "." * (node.level or 0) + (node.module or "")
+        dots = "." * (node.level or 0)
+        module = dots + (node.module or "")
         for alias in node.names:
             if alias.name == "*":
                 scope.stars.append(module)
-            else:
-                scope.imports[alias.asname or alias.name] = f"{module}.{alias.name}"
+            else:  # ``from . import utils`` -> ``.utils`` (the dots count the levels)
+                base = f"{module}." if node.module else dots
+                scope.imports[alias.asname or alias.name] = f"{base}{alias.name}"
 
     # ----------------------------------------------------------------- structure
     @staticmethod

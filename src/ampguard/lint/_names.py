@@ -55,6 +55,7 @@ _EXACT = {
     "torch.autograd.inference_mode": "torch.inference_mode",
     "torch.autograd.set_grad_enabled": "torch.set_grad_enabled",
     "torch.half": "torch.float16",
+    "torch.float": "torch.float32",
 }
 
 

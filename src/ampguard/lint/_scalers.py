@@ -14,6 +14,8 @@ from ampguard.lint._names import GRAD_SCALERS, dotted, terminal
 
 __all__ = ["ScalerFacts"]
 
+_CTOR_NAMES = ("GradScaler", "ShardedGradScaler")
+
 
 class ScalerFacts:
     """Cached GradScaler facts (a mixin of ``FileModel``)."""
@@ -37,7 +39,52 @@ class ScalerFacts:
                     out.append(call)
                 elif qual is None and self._unbound(call.func):
                     out.append(call)
+        out.extend(self._factory_calls)
         return out
+
+    @cached_property
+    def _factory_calls(self) -> list[ast.Call]:
+        """``scaler = create_grad_scaler(...)`` where the project's own helper (in another file)
+        builds the GradScaler: the call stands for the construction."""
+        if getattr(self, "project", None) is None:
+            return []
+        from ampguard.lint._project import resolve_def
+
+        self._factories: dict[int, tuple[Any, ast.Call, ast.AST]] = {}
+        out: list[ast.Call] = []
+        for call in self._scaler_named_calls():
+            found = resolve_def(self, call.func)  # type: ignore[arg-type]
+            if found is None or found[0] is self:
+                continue
+            owner, func = found
+            ctor = _built_in(owner, func)
+            if ctor is not None:
+                self._factories[id(call)] = (owner, ctor, func)
+                out.append(call)
+        return out
+
+    def _factories_map(self) -> dict[int, Any]:
+        return getattr(self, "_factories", {})
+
+    def factory_of(self, call: ast.Call) -> tuple[Any, ast.Call, ast.AST] | None:
+        """(file model, GradScaler construction, helper def) behind a project factory call."""
+        if getattr(self, "project", None) is None:
+            return None
+        self.scaler_ctors  # noqa: B018 - fills the factory map
+        return self._factories_map().get(id(call))
+
+    def _scaler_named_calls(self) -> list[ast.Call]:
+        """Calls assigned to a scaler-like name (``scaler``, ``self.grad_scaler``)."""
+        scopes: Any = getattr(self, "scopes", {})
+        out: list[ast.Call] = []
+        for scope in scopes.values():
+            for name, values in scope.assigns.items():
+                if _scaler_word(name):
+                    out.extend(v for v in values if isinstance(v, ast.Call))
+        for key, values in getattr(self, "attr_bindings", {}).items():
+            if _scaler_word(key):
+                out.extend(v for v in values if isinstance(v, ast.Call))
+        return [c for c in out if terminal(c.func) not in ("GradScaler", "ShardedGradScaler")]
 
     def _unbound(self, func: ast.AST) -> bool:
         while isinstance(func, ast.Attribute):
@@ -105,3 +152,13 @@ class ScalerFacts:
 def _scaler_word(key: str) -> bool:
     last = key.rsplit(".", 1)[-1].lower()
     return "scaler" in last and "sched" not in last
+
+
+def _built_in(model: Any, func: ast.AST) -> ast.Call | None:
+    """The GradScaler a helper (a ``def``, or any method of a class) constructs, if any."""
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call) and terminal(node.func) in _CTOR_NAMES:
+            qual = model.call_name(node)
+            if qual is None or qual in GRAD_SCALERS or qual.endswith(".GradScaler"):
+                return node
+    return None

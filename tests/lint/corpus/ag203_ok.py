@@ -29,7 +29,8 @@ def branches(x, bf16):
 def disabled(x):
     s = torch.amp.GradScaler("cuda", enabled=False)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        s.scale(model(x).sum()).backward()
+        loss = model(x).sum()
+    s.scale(loss).backward()
 
 
 def conditional_scaler(x, fp16):

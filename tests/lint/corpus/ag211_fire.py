@@ -28,3 +28,10 @@ def train(loader):
     for x in loader:
         grad_scaler.scale(student_model(x).sum()).backward()
 
+
+
+def train_half_then_cuda(loader):
+    teacher_model = Net().half().cuda()  # expect: AG211
+    scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        scaler.scale(teacher_model(x).sum()).backward()

@@ -45,3 +45,12 @@ def train_pure_fp16_fsdp(fsdp_model, loader):
     scaler = ShardedGradScaler()
     for x in loader:
         scaler.scale(fsdp_model(x).sum()).backward()
+
+
+def train_round_trip(loader):
+    # a checkpoint stored in fp16 is loaded, then the model goes straight back to fp32
+    student_model = torch.nn.Linear(4, 4).half().float()
+    ema_model = torch.nn.Linear(4, 4).half().to(torch.float32)
+    amp_scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        amp_scaler.scale(student_model(x).sum() + ema_model(x).sum()).backward()

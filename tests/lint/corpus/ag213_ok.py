@@ -13,14 +13,15 @@ def train(loader, log_every):
     running = 0.0
     for step, x in enumerate(loader):
         loss = model(x).sum()
-        if not math.isfinite(loss.item()):
+        loss_value = loss.item()  # read for control flow: the sync is needed anyway
+        if not math.isfinite(loss_value):
             raise RuntimeError("non-finite loss")
         scaler.scale(loss).backward()
         inv_scale = 1.0 / scaler.get_scale()
         grads = [p.grad * inv_scale for p in model.parameters()]
         scaler.step(optimizer)
         scaler.update()
-        running += loss.item()
+        running += loss_value  # a Python float: no sync
         if step % log_every == 0:
             print(f"step {step} loss {loss.item():.4f} grads {len(grads)}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ampguard.lint.rules._base import Context, Rule
+from ampguard.lint.rules.backward import AG214
 from ampguard.lint.rules.checkpoint import AG205, AG208
 from ampguard.lint.rules.deprecated import AG206
 from ampguard.lint.rules.grad_mode import AG212
@@ -23,5 +24,5 @@ AG200 = Rule(
 RULES: dict[str, Rule] = {
     rule.code: rule
     for rule in (AG200, AG201, AG202, AG203, AG204, AG205, AG206, AG207, AG208, AG209, AG210,
-                 AG211, AG212, AG213)
+                 AG211, AG212, AG213, AG214)
 }

@@ -38,7 +38,8 @@ class Rule:
     """A lint rule: stable code, what it catches, the fix, and its check.
 
     ``triggers`` are substrings of the source; a file that contains none of them cannot fire the
-    rule, so the rule is not run on it (this keeps the linter fast on large trees).
+    rule, so the rule is not run on it (this keeps the linter fast on large trees). A file must
+    also contain one of ``requires``, when given.
     """
 
     code: str
@@ -47,3 +48,4 @@ class Rule:
     fix: str
     triggers: tuple[str, ...]
     check: Callable[[Context], Iterable[Finding]] | None = None
+    requires: tuple[str, ...] = ()

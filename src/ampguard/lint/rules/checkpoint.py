@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from ampguard.findings import Finding
 from ampguard.lint._context import is_model_like, is_scheduler_like, keyword
 from ampguard.lint._names import dotted, terminal
+from ampguard.lint._reach import reaching_assignment
 from ampguard.lint.rules._base import Context, Rule
+from ampguard.lint.rules._savers import save_sites
 
 __all__ = ["AG205", "AG208", "WEIGHTS_ONLY_DEFAULT_SINCE"]
 
@@ -21,10 +23,11 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
     model = ctx.model
     if not model.uses_grad_scaler:
         return
+    sites = save_sites(ctx)
+    site_ids = {id(call) for call, _ in sites}
     saves = []
-    for call in model.calls_to(_SAVE):
-        obj = keyword(call, "obj", 0)
-        entries = _entries(ctx, obj, call)
+    for call, obj in sites:
+        entries = _entries(ctx, obj, call, site_ids)
         if entries is None:
             entries = [(None, obj)] if obj is not None else []
         saves.append((call, entries, {_kind(ctx, key, value) for key, value in entries}))
@@ -38,23 +41,31 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
                 "steps, different numerics)", keys=sorted(k for k, _ in entries if k))
 
 
-def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call) -> _Entries | None:
-    """The (key, value) pairs of the dict being saved; ``None`` when they cannot all be known."""
+def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call,
+             site_ids: set[int]) -> _Entries | None:
+    """The (key, value) pairs of the dict being saved; ``None`` when they cannot all be known.
+
+    A name is followed to the assignment that reaches the save (``ckpt = torch.load(...)`` at
+    resume and ``ckpt = None`` earlier do not count), then to the entries added after it.
+    """
     literal = _literal(obj)
     if literal is not None or not isinstance(obj, ast.Name):
         return literal
     model = ctx.model
-    literal = _literal(model.single_value(obj))
+    reach = reaching_assignment(model, obj.id, obj)
+    literal = _literal(reach.value) if reach is not None else None
     if literal is None:
         return None
+    start = reach.stmt.lineno
     scope = model.scope_of(obj)
     for target, value in model.subscript_sets:
-        if dotted(target.value) == obj.id and model.scope_of(target) is scope:
+        if dotted(target.value) == obj.id and target.lineno > start \
+                and model.scope_of(target) is scope:
             key = target.slice.value if isinstance(target.slice, ast.Constant) else None
             literal.append((key if isinstance(key, str) else None, value))
     for call in model.calls:
-        if call is save or model.scope_of(call) is not scope:
-            continue
+        if id(call) in site_ids or call.lineno <= start or model.scope_of(call) is not scope:
+            continue  # another save of the same dict (best / last) adds nothing
         func = call.func
         if isinstance(func, ast.Attribute) and dotted(func.value) == obj.id:
             more = _literal(call.args[0]) if call.args else _literal(ast.Call(
@@ -134,7 +145,7 @@ AG205 = Rule(
     code="AG205", severity="warning", title="checkpoint without GradScaler state",
     fix="add 'scaler': scaler.state_dict() to the checkpoint and call "
         "scaler.load_state_dict(ckpt['scaler']) when resuming",
-    triggers=("GradScaler", "unscale_", ".scale("), check=_check_checkpoint,
+    triggers=("GradScaler", "unscale_", ".scale(", "caler"), check=_check_checkpoint,
 )
 AG208 = Rule(
     code="AG208", severity="warning", title="unsafe checkpoint load",

@@ -30,8 +30,8 @@ def _bf16_sources(ctx: Context) -> list[tuple[ast.Call, Autocast | None]]:
     model = ctx.model
     out: list[tuple[ast.Call, Autocast | None]] = []
     for call in model.calls:
-        if model.call_name(call) in AUTOCASTS:
-            info = autocast_info(model, call)
+        if model.call_name(call) in AUTOCASTS or isinstance(model.parent(call), ast.withitem):
+            info = autocast_info(model, call)  # with-items: also the project's autocast helpers
             if info is not None and info.dtype == "bf16" and info.enabled is not False:
                 out.append((call, info))
         elif call.keywords and bf16_precision(model, call):
@@ -90,10 +90,26 @@ def _fp16_cast(ctx: Context, call: ast.Call) -> bool:
     if not isinstance(func, ast.Attribute):
         return False
     if func.attr == "half":
-        return not call.args and not call.keywords
+        return not call.args and not call.keywords and not _cast_back(ctx, call)
     if func.attr in ("to", "type"):
         dtypes = [*call.args, *(kw.value for kw in call.keywords if kw.arg == "dtype")]
-        return any(dtype_kind(ctx.model, d) == "fp16" for d in dtypes)
+        return any(dtype_kind(ctx.model, d) == "fp16" for d in dtypes) \
+            and not _cast_back(ctx, call)
+    return False
+
+
+def _cast_back(ctx: Context, call: ast.Call) -> bool:
+    """``model.half().float()``: the fp16 copy is cast straight back, so parameters stay fp32."""
+    attr = ctx.model.parent(call)
+    outer = ctx.model.parent(attr) if isinstance(attr, ast.Attribute) else None
+    if not (isinstance(outer, ast.Call) and outer.func is attr):
+        return False
+    if attr.attr == "float":
+        return not outer.args and not outer.keywords
+    if attr.attr == "to":
+        dtypes = [*outer.args, *(kw.value for kw in outer.keywords if kw.arg == "dtype")]
+        return any(ctx.model.qualname(d) == "torch.float32" for d in dtypes
+                   if isinstance(d, (ast.Name, ast.Attribute)))
     return False
 
 
@@ -142,7 +158,7 @@ AG203 = Rule(
     code="AG203", severity="warning", title="GradScaler used with bfloat16",
     fix="drop the GradScaler for bf16 (or build it with enabled=(dtype == torch.float16)); "
         "scaling is only needed for float16",
-    triggers=("GradScaler",), check=_check_bf16,
+    triggers=("GradScaler", "caler"), check=_check_bf16,  # "caler": a project scaler factory
 )
 AG211 = Rule(
     code="AG211", severity="error", title="model cast to fp16 while a GradScaler is used",

@@ -1,0 +1,196 @@
+"""Project mode: names imported from other files of the linted tree resolve to their ``def``.
+
+``ampguard lint DIR`` lints every file on its own, but a training script rarely keeps its
+checkpoint saving, its GradScaler factory or its autocast context in the same file. When a rule
+meets a call it cannot read (``utils.save_checkpoint(state, path)``, ``create_grad_scaler(...)``),
+it asks the :class:`Project` for the ``def`` behind it. The project follows only files that are part
+of the same run (never site-packages or files outside the given paths), parses each lazily at most
+once while it stays cached, follows at most :data:`MAX_FOLLOWED` other files per linted file and
+none larger than :data:`MAX_FILE_BYTES`, and stops re-export chains after :data:`MAX_HOPS` hops, so
+import cycles and huge trees cost a bounded amount of work.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from ampguard.lint._model import FUNCS, FileModel
+from ampguard.lint._source import Parsed, parse, read_source
+
+__all__ = ["MAX_FILE_BYTES", "MAX_FOLLOWED", "MAX_HOPS", "Project", "argument_for", "resolve_def"]
+
+MAX_FOLLOWED = 16  # other files parsed while linting one file
+MAX_FILE_BYTES = 1 << 20  # a larger file is not followed (it is still linted on its own)
+MAX_HOPS = 4  # re-exports followed (``from .utils import save`` in ``__init__.py``)
+_MAX_CACHED = 32  # followed files kept parsed between linted files
+_MAX_UP = 6  # folders above the importing file searched for an absolute import
+_Resolved = tuple[FileModel, ast.AST]
+
+
+def _key(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+class Project:
+    """The files of one lint run, and the ``def``/``class`` their imported names refer to."""
+
+    def __init__(self, files: Iterable[str]) -> None:
+        self.files = {_key(f) for f in files}
+        self._models: OrderedDict[str, FileModel | None] = OrderedDict()
+        self._resolved: dict[tuple[str, str], _Resolved | None] = {}
+        self._budget = MAX_FOLLOWED
+        self._current: tuple[str, FileModel] | None = None
+
+    def begin(self, path: str, model: FileModel) -> None:
+        """``model`` (of ``path``) is linted now: a call back into it resolves to this model."""
+        # kept apart from the cache: linted files' trees must not pile up (memory, GC time)
+        self._current = (_key(path), model)
+        self._budget = MAX_FOLLOWED
+        self._resolved.clear()  # answers hold models: keep none alive past the file that asked
+
+    def _store(self, key: str, model: FileModel | None) -> None:
+        self._models[key] = model
+        self._models.move_to_end(key)
+        while len(self._models) > _MAX_CACHED:
+            self._models.popitem(last=False)
+
+    def model(self, path: str) -> FileModel | None:
+        """The parsed file (``None``: not part of the run, too large, unreadable or over budget)."""
+        key = _key(path)
+        if self._current is not None and self._current[0] == key:
+            return self._current[1]
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        if key not in self.files or self._budget <= 0:
+            return None
+        self._budget -= 1
+        model = None
+        try:
+            if os.path.getsize(key) <= MAX_FILE_BYTES:
+                data = read_source(key)  # regular files only: a FIFO or device is never read
+                parsed = parse(data, path) if isinstance(data, bytes) \
+                    and len(data) <= MAX_FILE_BYTES else None
+                if isinstance(parsed, Parsed):
+                    model = FileModel(parsed.tree, path=path, project=self)
+        except (OSError, RecursionError, MemoryError):
+            model = None
+        self._store(key, model)
+        return model
+
+    def resolve(self, qual: str, importer: str, hops: int = 0) -> _Resolved | None:
+        """The ``def``/``class`` that dotted ``qual`` (as imported in ``importer``) names."""
+        if hops > MAX_HOPS:
+            return None
+        cache_key = (qual, os.path.dirname(_key(importer)))
+        if cache_key in self._resolved:
+            return self._resolved[cache_key]
+        self._resolved[cache_key] = None  # a cycle back to this name resolves to nothing
+        found = self._resolve(qual, importer, hops)
+        if found is None and self._budget <= 0:
+            self._resolved.pop(cache_key, None)  # over budget here: a later file may resolve it
+        else:
+            self._resolved[cache_key] = found
+        return found
+
+    def _resolve(self, qual: str, importer: str, hops: int) -> _Resolved | None:
+        level = len(qual) - len(qual.lstrip("."))
+        parts = [p for p in qual[level:].split(".") if p]
+        if not parts:
+            return None
+        here = os.path.dirname(_key(importer))
+        if level:
+            for _ in range(level - 1):
+                here = os.path.dirname(here)
+            bases = [here]
+        else:
+            bases = [here]
+            for _ in range(_MAX_UP):
+                parent = os.path.dirname(bases[-1])
+                if parent == bases[-1]:
+                    break
+                bases.append(parent)
+        for base in bases:
+            for count in range(len(parts), 0, -1):
+                stem = os.path.join(base, *parts[:count])
+                for candidate in (stem + ".py", os.path.join(stem, "__init__.py")):
+                    if _key(candidate) in self.files:
+                        if count == len(parts):
+                            return None  # a module, not a def
+                        model = self.model(candidate)
+                        return None if model is None else self._lookup(
+                            model, parts[count:], hops)
+        return None
+
+    def _lookup(self, model: FileModel, attrs: list[str], hops: int) -> _Resolved | None:
+        scope = model.scopes[model.tree]
+        name = attrs[0]
+        values = scope.assigns.get(name)
+        if not values and name in scope.imports:  # re-exported: follow the import
+            return self.resolve(".".join([scope.imports[name], *attrs[1:]]), model.path, hops + 1)
+        if not values or not isinstance(values[-1], (*FUNCS, ast.ClassDef)):
+            return None
+        node = values[-1]
+        if len(attrs) == 1:
+            return model, node
+        if isinstance(node, ast.ClassDef) and len(attrs) == 2:
+            for stmt in node.body:
+                if isinstance(stmt, FUNCS) and stmt.name == attrs[1]:
+                    return model, stmt
+        return None
+
+
+def resolve_def(model: FileModel, func: ast.AST) -> _Resolved | None:
+    """The ``def``/``class`` a call's function names: in this file, or (project mode) in another
+    file of the linted tree. ``None`` when it cannot be known (torch names are never followed)."""
+    if isinstance(func, ast.Name):
+        found = model.binding(func.id, model.scope_of(func))
+        if found is not None and found[0] == "values":
+            values: Any = found[1]
+            if len(values) == 1 and isinstance(values[0], (*FUNCS, ast.ClassDef)):
+                return model, values[0]
+            return None
+    elif not isinstance(func, ast.Attribute):
+        return None
+    project = model.project
+    if project is None:
+        return None
+    qual = model.qualname(func)
+    if qual is None or qual.split(".", 1)[0] == "torch":
+        return None
+    return project.resolve(qual, model.path)
+
+
+def argument_for(func: Any, call: ast.Call, name: str) -> ast.AST | None:
+    """The caller's argument for parameter ``name`` of ``func`` (a ``def`` or a class, whose
+    ``__init__`` takes the arguments), by keyword or position, else the parameter's default;
+    ``None`` when neither is known."""
+    if isinstance(func, ast.ClassDef):
+        init = next((s for s in func.body if isinstance(s, FUNCS) and s.name == "__init__"), None)
+        if init is None:
+            return None
+        func = init
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    positional = [*func.args.posonlyargs, *func.args.args]
+    params = [a.arg for a in positional]
+    skip = 1 if params[:1] in (["self"], ["cls"]) else 0
+    if name in params[skip:]:
+        index = params.index(name) - skip
+        if any(isinstance(a, ast.Starred) for a in call.args[: index + 1]):
+            return None
+        if index < len(call.args):
+            return call.args[index]
+        defaults = func.args.defaults  # not passed: the default, if it has one
+        offset = len(positional) - len(defaults)
+        at = params.index(name) - offset
+        return defaults[at] if 0 <= at < len(defaults) else None
+    for arg, default in zip(func.args.kwonlyargs, func.args.kw_defaults, strict=True):
+        if arg.arg == name:
+            return default
+    return None
