@@ -185,6 +185,16 @@ def test_a_short_run_with_few_skips_gets_no_skip_summary(tmp_path, skips):
     assert "AG103" not in codes(findings(tmp_path))  # 1 of 20 is within skip_rate=5%
 
 
+@pytest.mark.parametrize("warm,fires", [(4, False), (11, True)])
+def test_a_short_runs_warm_up_probing_is_summarised_only_past_half_the_run(tmp_path, warm,
+                                                                          fires):
+    scales = [2.0**15 / 2**i for i in range(warm)] + [2.0**15 / 2**warm] * (20 - warm)
+    write_run(tmp_path, scales, [False] * warm + [True] * (20 - warm), init=2.0**16)
+    assert rules.skip_causes(runlog.load_run(tmp_path))["warm-up overflow"] == list(
+        range(1, warm + 1))
+    assert ("AG103" in codes(findings(tmp_path))) is fires
+
+
 def test_a_forensics_confirmed_overflow_is_never_a_warm_up_overflow(tmp_path):
     diag = ag.Finding("AG301", "error", "fp16 overflow", "fc1 overflowed", step=3,
                       evidence={"steps": [3, 5]})

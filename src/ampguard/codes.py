@@ -55,8 +55,9 @@ CATALOGUE: dict[str, Code] = _table(
      "a longer growth_interval, hysteresis=2, or a max_scale just below the level that overflows"),
     ("AG103", "warning", "high skipped-step rate", "runtime",
      "after warm-up more than skip_rate of the steps of some skip_window-step window were "
-     "skipped (warning); a run with fewer than skip_min_steps steps after warm-up that skipped "
-     "more than skip_rate of all its steps gets an info-level summary of its skips by cause",
+     "skipped (warning); a run with fewer than skip_min_steps steps after warm-up gets an "
+     "info-level summary of its skips by cause when more than skip_rate of its steps were "
+     "skipped for causes other than warm-up probing, or more than half of them in all",
      "find the overflowing module (AG101/AG301) or lower max_scale"),
     ("AG104", "warning", "dead layer", "runtime",
      "a layer's gradient was exactly zero on dead_steps consecutive sampled applied steps "
