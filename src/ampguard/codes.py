@@ -11,9 +11,9 @@ AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["AREAS", "CATALOGUE", "Code", "lookup"]
+__all__ = ["AREAS", "CATALOGUE", "EXAMPLES", "Code", "lookup"]
 
 AREAS = {
     "runtime": "telemetry.md", "attach": "integrations.md", "distributed": "distributed.md",
@@ -32,6 +32,7 @@ class Code:
     area: str
     fires: str
     fix: str
+    example: str = ""  # lint codes: a snippet that fires the code (tests/test_docs.py checks it)
 
     @property
     def doc(self) -> str:
@@ -226,6 +227,91 @@ CATALOGUE: dict[str, Code] = _table(
     ("AG336", "error", "fp32 fails too: not an AMP problem", "compare",
      "fp32 is non-finite too or its final loss is 100x the first", "fix the LR, data or init"),
 )
+
+# A short script that fires each lint code (the findings page shows it; a test lints each).
+EXAMPLES: dict[str, str] = {
+    "AG200": (
+        'import torch\n'
+        'def train(:\n'
+        '    pass\n'
+    ),
+    "AG201": (
+        'import torch\n'
+        'scaler.scale(loss).backward()\n'
+        'torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AG201: clips scaled gradients\n'
+        'scaler.step(optimizer)\n'
+        'scaler.update()\n'
+    ),
+    "AG202": (
+        'import torch\n'
+        'scaler.scale(loss).backward()\n'
+        'scaler.step(optimizer)\n'
+        'optimizer.step()  # AG202: a second update from the same gradients\n'
+        'scaler.update()\n'
+    ),
+    "AG203": (
+        'import torch\n'
+        'scaler = torch.amp.GradScaler("cuda")\n'
+        'with torch.autocast("cuda", dtype=torch.bfloat16):  # AG203: bf16 needs no scaler\n'
+        '    loss = model(x).sum()\n'
+        'scaler.scale(loss).backward()\n'
+    ),
+    "AG204": (
+        'import torch\n'
+        'for x in loader:\n'
+        '    scaler.scale(model(x).sum()).backward()\n'
+        '    scaler.step(optimizer)  # AG204: no scaler.update() in the loop\n'
+    ),
+    "AG205": (
+        'import torch\n'
+        'scaler = torch.amp.GradScaler("cuda")\n'
+        'torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},\n'
+        '           "ckpt.pt")  # AG205: the scaler\'s state is not saved\n'
+    ),
+    "AG206": (
+        'import torch\n'
+        'scaler = torch.cuda.amp.GradScaler()  # AG206: use torch.amp.GradScaler("cuda")\n'
+    ),
+    "AG207": (
+        'import torch\n'
+        'scaler.step(optimizer)\n'
+        'scheduler.step()  # AG207: advances even when scaler.step skipped the update\n'
+        'scaler.update()\n'
+    ),
+    "AG208": (
+        'import torch\n'
+        'state = torch.load("ckpt.pt", weights_only=False)  # AG208\n'
+    ),
+    "AG209": (
+        'import torch\n'
+        'logp = torch.log(torch.softmax(logits, dim=-1))  # AG209: use log_softmax\n'
+    ),
+    "AG210": (
+        'import torch\n'
+        'with torch.autocast("cuda", dtype=torch.float16):\n'
+        '    loss = torch.nn.functional.binary_cross_entropy(torch.sigmoid(z), y)  # AG210\n'
+    ),
+    "AG211": (
+        'import torch\n'
+        'model = Net().half()  # AG211: fp16 weights, a GradScaler cannot help\n'
+        'scaler = torch.amp.GradScaler("cuda")\n'
+    ),
+    "AG212": (
+        'import torch\n'
+        'with torch.no_grad():\n'
+        '    scaler = torch.amp.GradScaler("cuda")  # AG212: nothing to scale in evaluation\n'
+    ),
+    "AG213": (
+        'import torch\n'
+        'for x in loader:\n'
+        '    loss = model(x).sum()\n'
+        '    scaler.scale(loss).backward()\n'
+        '    scaler.step(optimizer)\n'
+        '    scaler.update()\n'
+        '    print(loss.item())  # AG213: a host sync every step, only to log\n'
+    ),
+}
+CATALOGUE.update({c: replace(CATALOGUE[c], example=text) for c, text in EXAMPLES.items()})
 
 
 def lookup(code: str) -> Code:

@@ -1,0 +1,136 @@
+"""Generate the docs pages that come from the code: the findings catalogue and the API reference.
+
+    python tools/gen_docs.py            # rewrite docs/findings.md and docs/reference.md
+    python tools/gen_docs.py --check    # exit 1 (naming the stale page) when either is out of date
+
+``docs/findings.md`` lists every code of :data:`ampguard.codes.CATALOGUE` by area: what fires it,
+an example (a snippet that fires it for lint codes; the line a report prints for the others) and
+the fix. ``docs/reference.md`` gets one mkdocstrings entry (``::: ampguard.Name``) per name in
+``ampguard.__all__``, grouped by topic; a name no group lists goes under "Other names", so a new
+export is never left out. Its "API at a glance" block (between the ``api-at-a-glance`` markers,
+filled by ``tools/split_readme.py``) is kept. ``tests/test_docs.py`` runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import ampguard  # noqa: E402  (lazy: importing it imports no torch)
+from ampguard.codes import AREAS, CATALOGUE, Code  # noqa: E402
+
+FINDINGS = ROOT / "docs" / "findings.md"
+REFERENCE = ROOT / "docs" / "reference.md"
+REF_MARK = "<!-- reference:generated below by tools/gen_docs.py -->"
+
+AREA_TITLES = {
+    "runtime": "Runtime rules over the run log (AG101-AG108)",
+    "step": "The guarded step",
+    "attach": "Attach mode: ag.watch and the integrations",
+    "distributed": "Distributed",
+    "fp8": "fp8",
+    "lint": "Lint (static checks, no torch)",
+    "forensics": "Forensics: ag.locate",
+    "coverage": "Autocast coverage",
+    "advisor": "The model advisor: ag.inspect_model",
+    "compare": "A/B experiments: ag.compare",
+}
+
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("The guarded step", ("Guard", "StepResult", "ScalerConfig", "LossScaler",
+                          "ScaleCollapseError", "PrecisionPolicy", "resolve_precision",
+                          "ResumeWarmup")),
+    ("Checkpoints", ("save_checkpoint", "load_checkpoint", "CheckpointError",
+                     "save_distributed_checkpoint", "load_distributed_checkpoint")),
+    ("Telemetry, findings and the report", ("Telemetry", "RuleConfig", "report", "Finding")),
+    ("Forensics and autocast coverage", ("locate", "Diagnosis", "coverage", "Coverage")),
+    ("Compare and the advisor", ("Experiment", "Comparison", "compare", "inspect_model")),
+    ("Lint", ("lint_source", "lint_paths")),
+    ("Distributed", ("DesyncError",)),
+    ("Integrations", ("watch",)),
+    ("Testing", ("SyncCounter",)),
+]
+
+
+# ---------------------------------------------------------------------- findings.md
+def _example(c: Code) -> str:
+    if c.example:
+        return f"Example (this script gets {c.code} from `ampguard lint`):\n\n```python\n" \
+               f"{c.example.rstrip()}\n```\n"
+    return (f"In `ampguard report` and `findings.json`:\n\n```text\n{c.code} [{c.severity}] "
+            f"{c.title} at step N\n    <what was measured>\n    fix: <the fix for this run>\n```\n")
+
+
+def _entry(c: Code) -> str:
+    return (f"### {c.code}: {c.title} {{ #{c.code.lower()} }}\n\n"
+            f"**Severity:** {c.severity} &middot; **Explained in:** [{c.doc}]({c.doc})\n\n"
+            f"**Fires when:** {c.fires}.\n\n{_example(c)}\n**Fix:** {c.fix}.\n")
+
+
+def findings_page() -> str:
+    """The findings catalogue page, one section per area in ``AREAS`` order."""
+    parts = ["# Findings catalogue\n",
+             "Every finding ampguard can emit has a stable code. This page is generated from "
+             "`ampguard.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is the "
+             "default (a rule may report a milder case at a lower severity, and says so in the "
+             "message).\n",
+             "Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 "
+             "telemetry), AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 "
+             "plan.\n",
+             "| code | severity | title |", "| --- | --- | --- |"]
+    parts += [f"| [{c.code}](#{c.code.lower()}) | {c.severity} | {c.title} |"
+              for c in CATALOGUE.values()]
+    parts.append("")
+    for area in AREAS:
+        codes = [c for c in CATALOGUE.values() if c.area == area]
+        if codes:
+            parts.append(f"## {AREA_TITLES.get(area, area)}\n")
+            parts += [_entry(c) for c in codes]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------- reference.md
+def reference_tail() -> str:
+    """The generated part of the reference page: a ``:::`` entry per public name."""
+    names = [n for n in ampguard.__all__ if n != "__version__"]
+    listed = {n for _, group in GROUPS for n in group}
+    groups = [(title, [n for n in group if n in names]) for title, group in GROUPS]
+    groups.append(("Other names", [n for n in names if n not in listed]))
+    out = [REF_MARK, ""]
+    for title, members in groups:
+        if members:
+            out.append(f"## {title}\n")
+            out += [f"::: ampguard.{n}\n" for n in members]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def reference_page() -> str:
+    text = REFERENCE.read_text(encoding="utf-8")
+    if REF_MARK not in text:
+        raise SystemExit(f"gen_docs: {REFERENCE} lacks the line {REF_MARK!r}")
+    return text.split(REF_MARK, 1)[0] + reference_tail()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only check that the pages are current")
+    args = ap.parse_args(argv)
+    pages = {FINDINGS: findings_page(), REFERENCE: reference_page()}
+    stale = [p for p, text in pages.items()
+             if not p.exists() or p.read_text(encoding="utf-8") != text]
+    if args.check:
+        for p in stale:
+            print(f"gen_docs: {p.relative_to(ROOT)} is out of date: run python tools/gen_docs.py")
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(pages[p], encoding="utf-8")
+        print(f"gen_docs: wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
