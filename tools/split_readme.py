@@ -117,7 +117,7 @@ def _missing_page(root: Path, page: str) -> str:
         from ampguard.codes import CATALOGUE
         rows = [f"- [{c.code}](findings.md#{c.code.lower()}) ({c.severity}): {c.title}"
                 for c in CATALOGUE.values() if c.area in areas]
-        body = "\n".join(rows) + "\n" if rows else "No finding codes yet.\n"
+        body = "\n".join(rows) + "\n" if rows else "This version has no fp8 support yet.\n"
         return (f"# {title}\n\n{lead}\n\n{body}\n"
                 "See the [API reference](reference.md) for the names.\n")
     return f"# {title}\n\n{lead}\n\n{_module_map(root / 'src' / 'ampguard')}"

@@ -98,11 +98,15 @@ def loss_plot(run: RunLog) -> bytes | None:
 
 
 def _plain_log_labels(ax) -> None:  # noqa: ANN001
-    """Tick labels on a log axis as plain numbers ("7", "6.9"), not "6.94x10^0"."""
+    """Tick labels on a log axis as plain numbers ("7", "6.9", "1e+04"), not "6.94x10^0"."""
     from matplotlib.ticker import LogFormatter
 
-    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+    class Plain(LogFormatter):  # matplotlib decides which ticks get a label; we say how
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:.3g}"
+
+    ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
 
 
 def _column_edges(steps: np.ndarray) -> np.ndarray:
