@@ -122,7 +122,7 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
 
 def _forensics_confirmed(run: RunLog) -> set[int]:
     """Steps that a recorded forensics error (AG301/AG303/AG304) traced to a real non-finite."""
-    out = set()
+    out: set[int] = set()
     for e in run.events:
         f = e.get("finding") if e.get("kind") == "finding" else None
         if not (isinstance(f, dict) and f.get("severity") == "error"
