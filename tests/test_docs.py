@@ -133,6 +133,9 @@ def test_the_short_readme_keeps_the_setup_commands_and_its_links_resolve(split_c
     links = _relative_links(short)
     assert "docs/reference.md" in links and "docs/findings.md" in links
     assert [t for t in links if not (split_copy / t).exists()] == []
+    # run again on the short README: nothing changes
+    assert _tool("split_readme").main(["--root", str(split_copy)]) == 0
+    assert (split_copy / "README.md").read_text(encoding="utf-8") == short
 
 
 def test_the_split_pages_keep_their_code_blocks_whole(split_copy):

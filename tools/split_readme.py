@@ -16,7 +16,7 @@ package's module map.
 The short README keeps the README's opening (title and what ampguard is), its "Set up" section
 as it is (the two commands), the 20-line example ``docs/examples/quickstart.py``, the report's
 screenshot ``docs/img/report.png`` and links into the docs. It must stay under ``MAX_README``
-bytes. The script is idempotent on its own output only for the pages: run it on the full README.
+bytes. On the short README (it carries ``SHORT_MARK``) the script does nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ PAGES: list[tuple[tuple[str, ...], str, str]] = [
 KEEP_IN_README = ("set up",)
 API_SECTION = ("api at a glance",)
 API_START, API_END = "<!-- api-at-a-glance:start -->", "<!-- api-at-a-glance:end -->"
+SHORT_MARK = "<!-- The short README, written by tools/split_readme.py; the rest is in docs/. -->"
 
 # what a page without its README section says it covers (fp8 and architecture may come later)
 MISSING = {
@@ -163,7 +164,8 @@ def _write_api(reference: Path, body: str) -> None:
         sys.exit(f"split_readme: {reference} lacks the {API_START} / {API_END} markers")
     head, rest = text.split(API_START, 1)
     _, tail = rest.split(API_END, 1)
-    reference.write_text(f"{head}{API_START}\n{_promote(body)}{API_END}{tail}", encoding="utf-8")
+    reference.write_text(f"{head}{API_START}\n## At a glance\n\n{_promote(body)}{API_END}{tail}",
+                         encoding="utf-8")
 
 
 def short_readme(root: Path, opening: str, sections: list[tuple[str, str]]) -> str:
@@ -184,7 +186,8 @@ def short_readme(root: Path, opening: str, sections: list[tuple[str, str]]) -> s
             "```\n\nThe report of a run (`ampguard demo`, then open the report it names):\n\n"
             "![ampguard report](docs/img/report.png)\n\n"
             "## Documentation\n\nThe docs site is built from `docs/` with "
-            "`pip install -e \".[docs]\" && mkdocs serve`:\n\n" + "\n".join(links) + "\n")
+            "`pip install -e \".[docs]\" && mkdocs serve`:\n\n" + "\n".join(links)
+            + f"\n\n{SHORT_MARK}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages-only", action="store_true", help="keep README.md as it is")
     args = ap.parse_args(argv)
     readme = args.root / "README.md"
-    opening, sections = _sections(readme.read_text(encoding="utf-8"))
+    text = readme.read_text(encoding="utf-8")
+    if SHORT_MARK in text:
+        print("split_readme: README.md is already the short one; the pages stay as they are")
+        return 0
+    opening, sections = _sections(text)
     titles = write_pages(args.root, sections)
     print(f"split_readme: {len(titles)} page(s) from README sections: "
           + ", ".join(f"{p} <- {t!r}" for p, t in titles.items()))
