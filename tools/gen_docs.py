@@ -4,9 +4,9 @@
     python tools/gen_docs.py --check    # exit 1 (naming the stale page) when either is out of date
 
 ``docs/findings.md`` lists every code of :data:`ampguard.codes.CATALOGUE` by area: what fires it,
-an example (a snippet that fires it for lint codes; the line a report prints for the others) and
-the fix. ``docs/reference.md`` gets one mkdocstrings entry (``::: ampguard.Name``) per name in
-``ampguard.__all__``, grouped by topic; a name no group lists goes under "Other names", so a new
+an example (a snippet that fires it for lint codes; for the others a real finding recorded from a
+test or demo run, kept in ``docs/findings_examples.json``) and the fix. ``docs/reference.md``
+gets one mkdocstrings entry (``::: ampguard.Name``) per name in ``ampguard.__all__``, grouped by topic; a name no group lists goes under "Other names", so a new
 export is never left out. Its "API at a glance" block (between the ``api-at-a-glance`` markers,
 filled by ``tools/split_readme.py``) is kept. ``tests/test_docs.py`` runs ``--check``.
 """
@@ -14,8 +14,11 @@ filled by ``tools/split_readme.py``) is kept. ``tests/test_docs.py`` runs ``--ch
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
@@ -24,6 +27,7 @@ import ampguard  # noqa: E402  (lazy: importing it imports no torch)
 from ampguard.codes import AREAS, CATALOGUE, Code  # noqa: E402
 
 FINDINGS = ROOT / "docs" / "findings.md"
+EXAMPLES = ROOT / "docs" / "findings_examples.json"  # real findings, one per code, from test runs
 REFERENCE = ROOT / "docs" / "reference.md"
 REF_MARK = "<!-- reference:generated below by tools/gen_docs.py -->"
 
@@ -57,22 +61,33 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
 
 
 # ---------------------------------------------------------------------- findings.md
-def _example(c: Code) -> str:
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=96, initial_indent="    ", subsequent_indent="    ")
+
+
+def _example(c: Code, seen: dict[str, Any]) -> str:
     if c.example:
         return f"Example (this script gets {c.code} from `ampguard lint`):\n\n```python\n" \
                f"{c.example.rstrip()}\n```\n"
-    return (f"In `ampguard report` and `findings.json`:\n\n```text\n{c.code} [{c.severity}] "
-            f"{c.title} at step N\n    <what was measured>\n    fix: <the fix for this run>\n```\n")
+    real = seen.get(c.code)
+    if real is None:
+        return (f"In `ampguard report` and `findings.json` it reads `{c.code} [{c.severity}] "
+                f"{c.title}`, then what was measured and the fix for this run.\n")
+    where = f" at step {real['step']}" if real.get("step") is not None else ""
+    return (f"Example (a real finding from a test or demo run):\n\n```text\n"
+            f"{c.code} [{real['severity']}] {real['title']}{where}\n{_wrap(real['message'])}\n"
+            f"{_wrap('fix: ' + real['fix'])}\n```\n")
 
 
-def _entry(c: Code) -> str:
+def _entry(c: Code, seen: dict[str, Any]) -> str:
     return (f"### {c.code}: {c.title} {{ #{c.code.lower()} }}\n\n"
             f"**Severity:** {c.severity} &middot; **Explained in:** [{c.doc}]({c.doc})\n\n"
-            f"**Fires when:** {c.fires}.\n\n{_example(c)}\n**Fix:** {c.fix}.\n")
+            f"**Fires when:** {c.fires}.\n\n{_example(c, seen)}\n**Fix:** {c.fix}.\n")
 
 
 def findings_page() -> str:
     """The findings catalogue page, one section per area in ``AREAS`` order."""
+    seen = json.loads(EXAMPLES.read_text(encoding="utf-8")) if EXAMPLES.exists() else {}
     parts = ["# Findings catalogue\n",
              "Every finding ampguard can emit has a stable code. This page is generated from "
              "`ampguard.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is the "
@@ -89,7 +104,7 @@ def findings_page() -> str:
         codes = [c for c in CATALOGUE.values() if c.area == area]
         if codes:
             parts.append(f"## {AREA_TITLES.get(area, area)}\n")
-            parts += [_entry(c) for c in codes]
+            parts += [_entry(c, seen) for c in codes]
     return "\n".join(parts).rstrip() + "\n"
 
 
