@@ -5,8 +5,10 @@
 
 ``docs/findings.md`` lists every code of :data:`ampguard.codes.CATALOGUE` by area: what fires it,
 an example (a snippet that fires it for lint codes; for the others a real finding recorded from a
-test or demo run, kept in ``docs/findings_examples.json``) and the fix. ``docs/reference.md``
-gets one mkdocstrings entry (``::: ampguard.Name``) per name in ``ampguard.__all__``, grouped by topic; a name no group lists goes under "Other names", so a new
+test or demo run, kept in ``docs/findings_examples.json``) and the fix.
+
+``docs/reference.md`` gets one mkdocstrings entry (``::: ampguard.Name``) per name in
+``ampguard.__all__``, grouped by topic; a name no group lists goes under "Other names", so a new
 export is never left out. Its "API at a glance" block (between the ``api-at-a-glance`` markers,
 filled by ``tools/split_readme.py``) is kept. ``tests/test_docs.py`` runs ``--check``.
 """
