@@ -1,7 +1,7 @@
 """Generate the docs pages that come from the code: the findings catalogue and the API reference.
 
-    python tools/gen_docs.py            # rewrite docs/findings.md and docs/reference.md
-    python tools/gen_docs.py --check    # exit 1 (naming the stale page) when either is out of date
+    python tools/gen_docs.py            # rewrite findings.md, reference.md, __init__'s imports
+    python tools/gen_docs.py --check    # exit 1 (naming the stale file) when one is out of date
 
 ``docs/findings.md`` lists every code of :data:`ampguard.codes.CATALOGUE` by area: what fires it,
 an example (a snippet that fires it for lint codes; for the others a real finding recorded from a
@@ -10,7 +10,11 @@ test or demo run, kept in ``docs/findings_examples.json``) and the fix.
 ``docs/reference.md`` gets one mkdocstrings entry (``::: ampguard.Name``) per name in
 ``ampguard.__all__``, grouped by topic; a name no group lists goes under "Other names", so a new
 export is never left out. Its "API at a glance" block (between the ``api-at-a-glance`` markers,
-filled by ``tools/split_readme.py``) is kept. ``tests/test_docs.py`` runs ``--check``.
+filled by ``tools/split_readme.py``) is kept.
+
+``src/ampguard/__init__.py`` gets its ``if TYPE_CHECKING:`` imports regenerated from ``_EXPORTS``
+(so griffe and mypy see ``ampguard.Guard``; at run time the exports stay lazy).
+``tests/test_docs.py`` runs ``--check``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import ampguard  # noqa: E402  (lazy: importing it imports no torch)
 from ampguard.codes import AREAS, CATALOGUE, Code  # noqa: E402
 
 FINDINGS = ROOT / "docs" / "findings.md"
+INIT = ROOT / "src" / "ampguard" / "__init__.py"
+TC_HEAD = "if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors _EXPORTS"
 EXAMPLES = ROOT / "docs" / "findings_examples.json"  # real findings, one per code, from test runs
 REFERENCE = ROOT / "docs" / "reference.md"
 REF_MARK = "<!-- reference:generated below by tools/gen_docs.py -->"
@@ -132,11 +138,34 @@ def reference_page() -> str:
     return text.split(REF_MARK, 1)[0] + reference_tail()
 
 
+# ---------------------------------------------------------------------- ampguard/__init__.py
+def type_checking_block() -> str:
+    """``if TYPE_CHECKING:`` imports of every lazy export, one ``from m import X as X`` each
+    (the explicit re-export form, sorted as ruff's isort sorts them)."""
+    lines = [TC_HEAD]
+    for module, name in sorted((m, n) for n, m in ampguard._EXPORTS.items()):
+        stmt = f"    from {module} import {name} as {name}"
+        if len(stmt) > 100:
+            stmt = f"    from {module} import (\n        {name} as {name},\n    )"
+        lines.append(stmt)
+    return "\n".join(lines) + "\n"
+
+
+def init_page() -> str:
+    """``ampguard/__init__.py`` with its ``if TYPE_CHECKING:`` block regenerated."""
+    text = INIT.read_text(encoding="utf-8")
+    if TC_HEAD not in text:
+        raise SystemExit(f"gen_docs: {INIT} lacks the line {TC_HEAD!r}")
+    head, rest = text.split(TC_HEAD, 1)
+    body = rest.split("\n\n\n", 1)  # the block ends at the next top-level definition
+    return head + type_checking_block().rstrip("\n") + "\n\n\n" + body[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only check that the pages are current")
     args = ap.parse_args(argv)
-    pages = {FINDINGS: findings_page(), REFERENCE: reference_page()}
+    pages = {FINDINGS: findings_page(), REFERENCE: reference_page(), INIT: init_page()}
     stale = [p for p, text in pages.items()
              if not p.exists() or p.read_text(encoding="utf-8") != text]
     if args.check:
