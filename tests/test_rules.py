@@ -171,9 +171,44 @@ def test_skip_rate_threshold_is_exclusive(tmp_path, skips, fires):
     assert ("AG103" in codes(findings(tmp_path, skip_rate=0.05))) is fires
 
 
-def test_a_short_run_is_not_judged_for_skip_rate(tmp_path):
+def test_a_short_run_is_not_judged_for_skip_rate_but_gets_an_info_summary(tmp_path):
     write_run(tmp_path, [65536.0] * 15, [True] * 10 + [False] * 5)
-    assert "AG103" not in codes(findings(tmp_path))
+    (f,) = [f for f in findings(tmp_path) if f.code == "AG103"]
+    assert f.severity == "info" and f.step == 11  # a summary, not a verdict on the rate
+    assert f.evidence["skipped"] == 5 and f.evidence["steps"] == 15
+    assert f.evidence["causes"] == {"overflow": 5} and "5 of 15 steps" in f.message
+
+
+@pytest.mark.parametrize("skips", [0, 1])
+def test_a_short_run_with_few_skips_gets_no_skip_summary(tmp_path, skips):
+    write_run(tmp_path, [65536.0] * 20, [True] * (20 - skips) + [False] * skips)
+    assert "AG103" not in codes(findings(tmp_path))  # 1 of 20 is within skip_rate=5%
+
+
+@pytest.mark.parametrize("warm,fires", [(4, False), (11, True)])
+def test_a_short_runs_warm_up_probing_is_summarised_only_past_half_the_run(tmp_path, warm,
+                                                                          fires):
+    scales = [2.0**15 / 2**i for i in range(warm)] + [2.0**15 / 2**warm] * (20 - warm)
+    write_run(tmp_path, scales, [False] * warm + [True] * (20 - warm), init=2.0**16)
+    assert rules.skip_causes(runlog.load_run(tmp_path))["warm-up overflow"] == list(
+        range(1, warm + 1))
+    assert ("AG103" in codes(findings(tmp_path))) is fires
+
+
+def test_a_forensics_confirmed_overflow_is_never_a_warm_up_overflow(tmp_path):
+    diag = ag.Finding("AG301", "error", "fp16 overflow", "fc1 overflowed", step=3,
+                      evidence={"steps": [3, 5]})
+    event = {"kind": "finding", "step": 3, "finding": diag.to_dict()}
+    scales = [32768.0, 16384.0, 8192.0, 8192.0, 4096.0] + [4096.0] * 15
+    write_run(tmp_path, scales, [False, False, False, True, False] + [True] * 15,
+              events=((3, event),))
+    run_log = runlog.load_run(tmp_path)
+    assert rules.warmup_mask(run_log, rules.RuleConfig())[:5].all()  # all five in the warm-up
+    causes = rules.skip_causes(run_log)
+    assert causes["warm-up overflow"] == [1, 2] and causes["overflow"] == [3, 5]
+    from ampguard.reporting import summary
+    text = summary(tmp_path)
+    assert "warm-up overflow 2, overflow 2" in text
 
 
 def test_all_layers_zero_is_not_a_dead_layer(tmp_path):

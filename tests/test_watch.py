@@ -232,7 +232,9 @@ def test_context_manager_writes_findings_and_meta(tmp_path):
     with _run("plain", run_dir=tmp_path)[3] as handle:
         pass
     assert handle.steps == STEPS
-    assert json.loads((tmp_path / "findings.json").read_text()) == []
+    found = json.loads((tmp_path / "findings.json").read_text())
+    # 3 injected overflows in a 20-step run: too short for AG103's verdict, so its info summary
+    assert [(f["code"], f["severity"]) for f in found] == [("AG103", "info")]
     assert (tmp_path / "meta.json").exists()
 
 

@@ -7,7 +7,7 @@ entry points start without importing torch. ``from ampguard import Guard`` works
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,41 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors _EXPORTS
+    from ampguard.advisor import inspect_model as inspect_model
+    from ampguard.autocast_coverage import Coverage as Coverage
+    from ampguard.autocast_coverage import coverage as coverage
+    from ampguard.checkpoint import CheckpointError as CheckpointError
+    from ampguard.checkpoint import load_checkpoint as load_checkpoint
+    from ampguard.checkpoint import save_checkpoint as save_checkpoint
+    from ampguard.checkpoint_dist import load_distributed_checkpoint as load_distributed_checkpoint
+    from ampguard.checkpoint_dist import save_distributed_checkpoint as save_distributed_checkpoint
+    from ampguard.distributed import DesyncError as DesyncError
+    from ampguard.experiments import Comparison as Comparison
+    from ampguard.experiments import Experiment as Experiment
+    from ampguard.experiments import compare as compare
+    from ampguard.findings import Finding as Finding
+    from ampguard.forensics import Diagnosis as Diagnosis
+    from ampguard.forensics import locate as locate
+    from ampguard.fp8_readiness import Fp8Plan as Fp8Plan
+    from ampguard.fp8_readiness import Fp8Thresholds as Fp8Thresholds
+    from ampguard.fp8_readiness import fp8_plan as fp8_plan
+    from ampguard.guard import Guard as Guard
+    from ampguard.guard import StepResult as StepResult
+    from ampguard.integrations.watch import watch as watch
+    from ampguard.lint import lint_paths as lint_paths
+    from ampguard.lint import lint_source as lint_source
+    from ampguard.policy import PrecisionPolicy as PrecisionPolicy
+    from ampguard.policy import resolve_precision as resolve_precision
+    from ampguard.reporting import report as report
+    from ampguard.resume import ResumeWarmup as ResumeWarmup
+    from ampguard.rules import RuleConfig as RuleConfig
+    from ampguard.scaler import LossScaler as LossScaler
+    from ampguard.scaler import ScaleCollapseError as ScaleCollapseError
+    from ampguard.scaler import ScalerConfig as ScalerConfig
+    from ampguard.telemetry import Telemetry as Telemetry
+    from ampguard.testing import SyncCounter as SyncCounter
 
 
 def __getattr__(name: str) -> Any:

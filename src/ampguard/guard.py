@@ -31,6 +31,7 @@ from ampguard._guard_args import (
     check_window,
     scheduler_callback,
 )
+from ampguard._report_on_close import write_report as _write_report
 from ampguard.containment import MicrobatchBuffer
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
@@ -624,8 +625,9 @@ class Guard:
         return out
 
     def close(self) -> None:
-        """Flush telemetry, write ``findings.json`` and close the run log (no-op without
-        telemetry; idempotent). Cost: one host sync."""
+        """Flush telemetry, write ``findings.json``, close the run log and write ``report.html``
+        (no-op without telemetry; idempotent; without matplotlib the report is a one-line
+        warning). Cost: one host sync; rendering the report takes about a second."""
         if self._telemetry is not None and not self._telemetry.closed:
             try:  # a collapse surfacing here (pending fused flags) still closes the run log
                 self._telemetry.record_findings(self._side_findings())
@@ -634,6 +636,7 @@ class Guard:
                     self._telemetry.annotate("distributed", self._dist.summary())
             finally:
                 self._telemetry.close()
+            _write_report(self._telemetry.run_dir)  # as the framework integrations do
 
     def __enter__(self) -> Guard:
         return self

@@ -16,7 +16,11 @@ AG101     loss scale collapse    a step overflowed at ``min_scale`` (error); or 
 AG102     loss scale oscillation ``osc_min_cycles`` or more grow -> overflow -> back-off cycles
                                  after warm-up, at least ``osc_min_rate`` cycles per step
 AG103     high skip rate         after warm-up, more than ``skip_rate`` of the steps in some
-                                 ``skip_window``-step window were skipped
+                                 ``skip_window``-step window were skipped; a run with fewer
+                                 than ``skip_min_steps`` steps after warm-up gets AG103 at info
+                                 level (its skips by cause, not a verdict) when more than
+                                 ``skip_rate`` of its steps were skipped for causes other than
+                                 warm-up probing, or more than half of them in all
 AG104     dead layer             a layer's gradient was all exact zeros on ``dead_steps``
                                  consecutive sampled applied steps while another layer's was not
 AG105     fp16 saturation        a layer's largest unscaled gradient came within
@@ -97,8 +101,13 @@ def warmup_mask(run: RunLog, cfg: RuleConfig) -> np.ndarray:
 
 
 def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[int]]:
-    """Skipped steps by cause: warm-up probing, collapse, every micro-batch dropped, overflow."""
+    """Skipped steps by cause: warm-up probing, collapse, every micro-batch dropped, overflow.
+
+    A step that a recorded forensics error (AG301/AG303/AG304) traced to a non-finite value is an
+    overflow even inside the warm-up: the scale was not merely probing its level there.
+    """
     warm = warmup_mask(run, cfg or RuleConfig())
+    confirmed = _forensics_confirmed(run)
     accumulation = int(run.meta.get("guard", {}).get("accumulation_steps", 1))
     out: dict[str, list[int]] = {"warm-up overflow": [], "collapse": [],
                                  "all micro-batches dropped": [], "overflow": [],
@@ -111,10 +120,23 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
             out["all micro-batches dropped"].append(step)
         elif run.nonfinite[i]:
             out["non-finite gradients (no loss scaler)"].append(step)
-        elif warm[i]:
+        elif warm[i] and step not in confirmed:  # forensics found the cause: no warm-up
             out["warm-up overflow"].append(step)
         else:
             out["overflow"].append(step)
+    return out
+
+
+def _forensics_confirmed(run: RunLog) -> set[int]:
+    """Steps that a recorded forensics error (AG301/AG303/AG304) traced to a real non-finite."""
+    out: set[int] = set()
+    for e in run.events:
+        f = e.get("finding") if e.get("kind") == "finding" else None
+        if not (isinstance(f, dict) and f.get("severity") == "error"
+                and str(f.get("code", "")).startswith("AG30")):
+            continue
+        steps = (f.get("evidence") or {}).get("steps") or []  # every step the diagnosis saw
+        out.update(int(s) for s in [f.get("step"), *steps] if isinstance(s, int))
     return out
 
 
@@ -203,7 +225,7 @@ def _ag102(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
 def _ag103(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     post = np.flatnonzero(~warm)
     if len(post) < cfg.skip_min_steps:
-        return []
+        return _short_run_skips(run, cfg)
     skipped = (~run.applied[post]).astype(np.float64)
     w = min(cfg.skip_window, len(post))
     rates = sliding_window_view(skipped, w).mean(axis=1)
@@ -222,6 +244,31 @@ def _ag103(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
                      "Skipped steps are lost work: see the AG101/AG102 findings if present; "
                      "otherwise find the overflowing module (ampguard.locate) and keep it in "
                      "fp32, lower the learning rate or clip gradients, or use precision='bf16'.")]
+
+
+def _short_run_skips(run: RunLog, cfg: RuleConfig) -> list[Finding]:
+    """AG103 at info level for a run too short to judge its skip rate (fewer than
+    ``skip_min_steps`` steps after warm-up) that lost steps to more than warm-up probing: more
+    than ``skip_rate`` of its steps skipped for other causes, or more than half of all its steps
+    skipped. A short run otherwise gets no word about the steps it lost; warm-up probing alone
+    is expected and stays out (the summary's cause line shows it)."""
+    n, skipped = len(run.steps), int((~run.applied).sum())
+    if n == 0 or skipped == 0:
+        return []
+    causes = {k: len(v) for k, v in skip_causes(run, cfg).items() if v}
+    other = skipped - causes.get("warm-up overflow", 0)
+    if other / n <= cfg.skip_rate and skipped / n <= 0.5:
+        return []
+    said = ", ".join(f"{k} {v}" for k, v in causes.items())
+    return [_finding("AG103", "info",
+                     f"{skipped} of {n} steps were skipped ({said}); the run is too short to "
+                     f"judge its skip rate (fewer than {cfg.skip_min_steps} steps after warm-up)"
+                     ", so this is a summary, not a warning.", int(run.steps[~run.applied][0]),
+                     {"skipped": skipped, "steps": n, "causes": causes,
+                      "skip_min_steps": cfg.skip_min_steps},
+                     "Warm-up overflows are the scale finding its level and cost a few steps "
+                     "once; other overflows: find the overflowing module (ampguard.locate) or "
+                     "use precision='bf16'. Train longer for the skip-rate verdict.")]
 
 
 # ---------------------------------------------------------------------- resume and range

@@ -31,7 +31,8 @@ padding:8px 12px;margin:8px 0}
 .code{font-weight:700;font-family:ui-monospace,monospace}
 .fix{margin-top:4px}.fix b{color:#2a9d8f}
 pre{background:#f3f3f3;padding:6px 8px;border-radius:4px;overflow-x:auto;font-size:12px;
-margin:6px 0 0}
+margin:6px 0 0;white-space:pre-wrap;overflow-wrap:anywhere;max-width:100%}
+.finding{min-width:0;overflow-wrap:anywhere}
 img{max-width:100%;background:#fff;border:1px solid #e3e3e3;border-radius:6px}
 table{border-collapse:collapse;background:#fff}
 td,th{border:1px solid #e3e3e3;padding:4px 8px;text-align:left;vertical-align:top;font-size:13px}

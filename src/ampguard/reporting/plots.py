@@ -27,6 +27,7 @@ from ampguard.runlog import RunLog
 __all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "FIGURES"]
 
 _MAX_LABELS = 40
+_MAX_STEP_TICKS = 30
 
 
 def _figure(width: float = 9.0, height: float = 3.2):  # noqa: ANN202 - matplotlib types
@@ -134,12 +135,35 @@ def loss_plot(run: RunLog) -> bytes | None:
                    color="#9b2226", s=22, zorder=3, label=f"non-finite loss ({int(bad.sum())})")
     if (run.loss[finite] > 0).all():
         ax.set_yscale("log")
+        _plain_log_labels(ax)
     _markers(ax, run)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def _plain_log_labels(ax) -> None:  # noqa: ANN001
+    """Tick labels on a log axis as plain numbers ("7", "6.9", "1e+04"), not "6.94x10^0"."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):  # matplotlib decides which ticks get a label; we say how
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:.3g}"
+
+    ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+
+
+def _column_edges(steps: np.ndarray) -> np.ndarray:
+    """Column edges halfway between sampled steps: one column per sample, even when the
+    sampling is irregular (a resume, a short run sampled at steps 1..5 and 10)."""
+    s = steps.astype(np.float64)
+    if len(s) == 1:
+        return np.array([s[0] - 0.5, s[0] + 0.5])
+    mid = (s[:-1] + s[1:]) / 2
+    return np.concatenate([[s[0] - (mid[0] - s[0])], mid, [s[-1] + (s[-1] - mid[-1])]])
 
 
 def _layer_ticks(ax, names: list[str], axis: str = "y") -> None:  # noqa: ANN001
@@ -164,9 +188,11 @@ def heatmap_plot(run: RunLog) -> bytes | None:
     height = min(10.0, 1.6 + 0.22 * min(len(run.layers), _MAX_LABELS))
     fig = _figure(9.0, height)
     ax = fig.add_subplot()
-    first, last = int(run.layer_steps[0]), int(run.layer_steps[-1])
-    img = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis",
-                    extent=(first - 0.5, last + 0.5, len(run.layers) - 0.5, -0.5))
+    rows = np.arange(len(run.layers) + 1) - 0.5
+    img = ax.pcolormesh(_column_edges(run.layer_steps), rows, data, cmap="viridis")
+    ax.set_ylim(len(run.layers) - 0.5, -0.5)  # the first layer on top
+    if len(run.layer_steps) <= _MAX_STEP_TICKS:  # a short run: label every sampled step
+        ax.set_xticks(run.layer_steps, [str(int(s)) for s in run.layer_steps], fontsize=7)
     _layer_ticks(ax, run.layers)
     ax.set_xlabel("step")
     fig.colorbar(img, ax=ax, label="log10 grad norm (unscaled)")
