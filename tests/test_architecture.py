@@ -17,7 +17,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampguard"
 
-# Lowest first. A unit is a subpackage (``ampguard.core``) or a top-level module (``ampguard.guard``).
+# Lowest first. A unit is a subpackage (``ampguard.core``) or a top-level module (``guard``).
 # The README's architecture section draws the same picture; the order differs from the first
 # proposal where the code demands it: ``runlog`` (the run-folder format) sits in the foundation
 # because rules, telemetry, reporting and integrations all read or write it; ``rules`` sits below
