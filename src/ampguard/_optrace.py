@@ -58,7 +58,7 @@ class OpEvent(NamedTuple):
     :meth:`OpTrace.stats` (``None`` when numerics were not recorded for it).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose: the field name
     phase: str
     module: str | None
     op: str
