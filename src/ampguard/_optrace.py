@@ -163,7 +163,8 @@ class OpTrace:
     ...     loss = loss_fn(model, batch)
     >>> with trace.session("backward"):
     ...     loss.backward()
-    >>> trace.events[0].module, trace.events[0].op
+    >>> trace.events[0].module, trace.events[0].op   # the autocast cast of the first input
+    ('body', 'aten._to_copy')
     """
 
     def __init__(self, model: torch.nn.Module, *, numerics: bool = False,

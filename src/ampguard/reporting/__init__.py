@@ -2,6 +2,7 @@
 
 >>> path = ampguard.report("runs/exp1")      # writes runs/exp1/report.html and findings.json
 >>> print(ampguard.reporting.summary("runs/exp1"))
+ampguard report: runs/exp1 ...
 """
 
 from __future__ import annotations
