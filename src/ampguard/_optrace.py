@@ -143,7 +143,7 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.trace = trace
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "is_view", False):
             return func(*args, **kwargs)
