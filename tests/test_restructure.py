@@ -48,8 +48,9 @@ def test_an_unplaced_module_stops_the_move_and_is_named(tmp_path):
                     "commit", "-q", "-m", "new"], check=True)
     done = _run(root)
     assert done.returncode == 2
-    assert "newthing.py" in done.stderr and "MAPPING" in done.stderr
+    assert '"newthing.py": "<package>/newthing.py",' in done.stderr
     assert (root / "src/ampguard/policy.py").exists()  # nothing moved
+    assert _run(root, "--dry-run", "--map", "newthing.py=core/newthing.py").returncode == 0
 
 
 def test_an_unknown_import_and_a_dirty_tree_stop_the_move(tmp_path):

@@ -32,8 +32,9 @@ What it does, in order (nothing is written until every check passed):
 5. Runs ``ruff check --fix --select I`` (import order only; no formatting) when ruff is present.
 
 Adding a module: put a line ``"flatname.py": "package/newname.py",`` into :data:`MAPPING` (paths
-relative to ``src/ampguard``), and, when it is public, nothing else: the package's ``__init__``
-names its public surface (see :data:`NEW_PACKAGES` for packages whose ``__init__`` is generated).
+relative to ``src/ampguard``) and commit, or pass ``--map flatname.py=package/newname.py``. The
+error for an unplaced module prints a suggested line for each. A new public module of ``core``
+also goes into :data:`NEW_PACKAGES` so ``ampguard.core`` re-exports it.
 
 A second run on the restructured tree refuses (exit 3): the marker is ``src/ampguard/core/``.
 """
@@ -110,6 +111,14 @@ MAPPING: dict[str, str] = {
     "_loader.py": "cli/_loader.py",
 }
 
+# Where an unplaced module probably goes, by name prefix (only a suggestion in the error).
+HINTS = [("_cli_", "cli/"), ("cli_", "cli/"), ("_compare_", "experiments/"),
+         ("_advisor", "experiments/"), ("_dist_", "distributed/"), ("distributed_", "distributed/"),
+         ("_peer", "distributed/"), ("checkpoint", "checkpoint/"), ("_ckpt", "checkpoint/"),
+         ("_guard_", "core/"), ("_rule", "rules/"), ("_forensics", "forensics/"),
+         ("_layer", "telemetry/"), ("_telemetry", "telemetry/"), ("_run", "telemetry/"),
+         ("fp8", "core/"), ("_fp8", "core/")]
+
 # Packages that exist today and keep their place (their modules need no MAPPING line).
 KEPT_PACKAGES = ("demo", "integrations", "lint", "reporting")
 
@@ -173,12 +182,22 @@ def discover(root: Path) -> list[str]:
     return sorted(p.relative_to(root / PKG).as_posix() for p in (root / PKG).rglob("*.py"))
 
 
-def build_plan_moves(files: list[str]) -> Plan:
+def suggestion(rel: str) -> str:
+    for prefix, package in HINTS:
+        if rel.startswith(prefix):
+            private = prefix.startswith("_") and prefix.endswith("_")
+            rest = "_" + rel[len(prefix):] if private else rel
+            return f'"{rel}": "{package}{rest}",'
+    return f'"{rel}": "<package>/{rel}",'
+
+
+def build_plan_moves(files: list[str], extra: dict[str, str]) -> Plan:
     plan = Plan()
+    mapping = {**MAPPING, **extra}
     unmapped = []
     for rel in files:
-        if rel in MAPPING:
-            new = MAPPING[rel]
+        if rel in mapping:
+            new = mapping[rel]
         elif rel.split("/")[0] in KEPT_PACKAGES:
             new = rel
         else:
@@ -186,11 +205,11 @@ def build_plan_moves(files: list[str]) -> Plan:
             continue
         plan.moves[rel] = new
         plan.modmap[module_of(rel)] = module_of(new)
-    stale = sorted(set(MAPPING) - set(files))
+    stale = sorted(set(mapping) - set(files))
     if unmapped:
-        raise Failure("modules under src/ampguard that MAPPING does not place (add a line "
-                      "'\"old.py\": \"package/new.py\",' to MAPPING in tools/restructure.py):\n  "
-                      + "\n  ".join(unmapped))
+        raise Failure("modules under src/ampguard that MAPPING does not place; add lines like "
+                      "these to MAPPING in tools/restructure.py (and commit), or pass "
+                      "--map old.py=package/new.py:\n  " + "\n  ".join(map(suggestion, unmapped)))
     if stale:
         plan.log.append("note: MAPPING lines for files that do not exist: " + ", ".join(stale))
     targets: dict[str, str] = {}
@@ -490,8 +509,8 @@ class AlreadyApplied(Exception):
     """The tree is already in the new layout."""
 
 
-def make_plan(root: Path) -> Plan:
-    plan = build_plan_moves(discover(root))
+def make_plan(root: Path, extra: dict[str, str]) -> Plan:
+    plan = build_plan_moves(discover(root), extra)
     files = [p for d in SCAN_DIRS if (root / d).is_dir() for p in sorted((root / d).rglob("*.py"))
              if p.relative_to(root) not in (SELF, ARCH_TEST, SELF_TEST)
              and "corpus" not in p.parts]  # these three are written for both layouts
@@ -576,15 +595,25 @@ def execute(root: Path, plan: Plan) -> None:
                         "tools` to sort the rewritten imports")
 
 
+def _map_arg(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old.endswith(".py") or not new.endswith(".py"):
+        raise Failure(f"--map takes OLD.py=package/NEW.py (paths under src/ampguard), got {text!r}")
+    return old.strip(), new.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="plan and check; write nothing")
     parser.add_argument("--root", type=Path, default=Path("."), help="repository root")
+    parser.add_argument("--map", action="append", default=[], metavar="OLD=NEW",
+                        help="an extra MAPPING line, e.g. fp8.py=core/fp8.py (repeatable)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
+        extra = dict(_map_arg(m) for m in args.map)
         preflight(root)
-        plan = make_plan(root)
+        plan = make_plan(root, extra)
         moved = {o: n for o, n in plan.moves.items() if o != n}
         print(f"restructure: {len(moved)} modules move, {len(plan.edits)} files rewritten, "
               f"{len(plan.shims)} shims, {len(TEST_RENAMES)} test renames")
