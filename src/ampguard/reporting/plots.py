@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -16,7 +15,7 @@ __all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "FIGURES"]
 _MAX_LABELS = 40
 
 
-def _figure(width: float = 9.0, height: float = 3.2) -> Any:  # matplotlib Figure, imported late
+def _figure(width: float = 9.0, height: float = 3.2):  # noqa: ANN202 - matplotlib types
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -25,13 +24,13 @@ def _figure(width: float = 9.0, height: float = 3.2) -> Any:  # matplotlib Figur
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def _png(fig: Any) -> bytes:
+def _png(fig) -> bytes:  # noqa: ANN001
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
 
 
-def _markers(ax: Any, run: RunLog) -> None:
+def _markers(ax, run: RunLog) -> None:  # noqa: ANN001
     for r in run.resumes:
         ax.axvline(int(r["step"]), color="#7b2cbf", ls="--", lw=1.2)
         ax.annotate("resume", (int(r["step"]), 1.0), xycoords=("data", "axes fraction"),
@@ -96,7 +95,7 @@ def loss_plot(run: RunLog) -> bytes | None:
     return _png(fig)
 
 
-def _layer_ticks(ax: Any, names: list[str], axis: str = "y") -> None:
+def _layer_ticks(ax, names: list[str], axis: str = "y") -> None:  # noqa: ANN001
     every = max(1, math.ceil(len(names) / _MAX_LABELS))
     ticks = list(range(0, len(names), every))
     labels = [names[i] for i in ticks]

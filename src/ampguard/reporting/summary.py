@@ -66,8 +66,8 @@ def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) ->
         prev = r.get("previous_scale")
         lines.append(f"resumed at step {r['step']}: scale {r.get('scale')} (before: {prev}"
                      f"{', reset' if r.get('scale_reset') else ''})")
-    for fb in run.fallbacks:
-        lines.append(f"fallback at step {fb['step']}: {fb.get('from')} -> {fb.get('to')}")
+    for f in run.fallbacks:
+        lines.append(f"fallback at step {f['step']}: {f.get('from')} -> {f.get('to')}")
     if run.bad_lines:
         lines.append(f"skipped {run.bad_lines} unreadable line(s) of the run log")
     return "\n".join(lines)
