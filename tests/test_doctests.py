@@ -49,7 +49,7 @@ def _modules_with_examples() -> list[str]:
     return out
 
 
-def _namespace(name: str) -> dict[str, object]:
+def _namespace() -> dict[str, object]:
     torch.manual_seed(0)
     model = nn.Sequential(OrderedDict(body=nn.Linear(8, 16), act=nn.ReLU(),
                                       head=nn.Linear(16, 2)))
@@ -65,11 +65,17 @@ def _namespace(name: str) -> dict[str, object]:
     ns: dict[str, object] = {
         "torch": torch, "F": F, "nn": nn, "ag": ag, "ampguard": ag, "model": model,
         "optimizer": optimizer, "opt": optimizer, "x": x, "y": y, "data": [(x, y)] * 3,
-        "batch": (x, y), "loss_fn": F.mse_loss, "make_experiment": make_experiment,
+        "batch": (x, y), "loss_fn": _loss_fn, "make_experiment": make_experiment,
     }
-    if name.endswith("_optrace"):  # OpTrace's example calls loss_fn(model, batch)
-        ns["loss_fn"] = lambda m, b: F.mse_loss(m(b[0]), b[1])
     return ns
+
+
+def _loss_fn(a: object, b: object) -> torch.Tensor:
+    """``loss_fn(output, target)`` in training loops, ``loss_fn(model, batch)`` in probes."""
+    if isinstance(a, nn.Module):
+        x, y = b  # type: ignore[misc]
+        return F.mse_loss(a(x), y)
+    return F.mse_loss(a, b)  # type: ignore[arg-type]
 
 
 def _a_run(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> None:
@@ -88,7 +94,7 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch):
         module = importlib.import_module(name)
     except ImportError as exc:  # an optional extra is not installed
         pytest.skip(f"{name}: {exc}")
-    ns = _namespace(name)
+    ns = _namespace()
     if name == "ampguard.reporting":  # its example reads a run folder
         pytest.importorskip("matplotlib")
         _a_run(ns["model"], ns["optimizer"], ns["data"])  # type: ignore[arg-type]

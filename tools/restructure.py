@@ -195,6 +195,9 @@ class Plan:
     moves: dict[str, str] = field(default_factory=dict)  # old rel path -> new rel path
     modmap: dict[str, str] = field(default_factory=dict)  # old module -> new module
     edits: dict[Path, str] = field(default_factory=dict)  # file -> new text
+    # names used as an attribute (``ag.guard._fp8_guard``) or in a string anywhere: a module
+    # bound under such a name keeps it (``import x as old``), so outside references still work
+    outside_names: set[str] = field(default_factory=set)
     shims: dict[str, str] = field(default_factory=dict)  # old module -> new module
     log: list[str] = field(default_factory=list)
 
@@ -388,7 +391,7 @@ def _rewrite_from(node: ast.ImportFrom, module: str, plan: Plan, where: str, use
             if alias.asname is None and name != alias.name:
                 if renames.get(alias.name) == name:
                     text = name
-                elif name in used or name in renames.values():
+                elif name in used or name in renames.values() or alias.name in plan.outside_names:
                     text = f"{name} as {alias.name}"
                 else:
                     renames[alias.name] = name
@@ -532,11 +535,28 @@ class AlreadyApplied(Exception):
     """The tree is already in the new layout."""
 
 
+def outside_names(paths: list[Path]) -> set[str]:
+    """Every attribute name and every dotted part of every string constant in these files."""
+    names: set[str] = set()
+    for path in paths:
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", node.value))
+    return names
+
+
 def make_plan(root: Path, extra: dict[str, str]) -> Plan:
     plan = build_plan_moves(discover(root), extra)
     files = [p for d in SCAN_DIRS if (root / d).is_dir() for p in sorted((root / d).rglob("*.py"))
              if p.relative_to(root) not in (SELF, ARCH_TEST, SELF_TEST)
              and "corpus" not in p.parts]  # these three are written for both layouts
+    plan.outside_names = outside_names(files)
     errors = []
     for path in files:
         text = path.read_text()
@@ -553,6 +573,7 @@ def make_plan(root: Path, extra: dict[str, str]) -> Plan:
             plan.edits[path] = new
     if errors:
         raise Failure("imports that cannot be resolved:\n  " + "\n  ".join(errors))
+    file_relative(root, plan)
     readme = root / "README.md"
     if (root / ARCH_DOC).exists() and ARCH_DOC_BEFORE not in readme.read_text():
         raise Failure(f"README.md: no '{ARCH_DOC_BEFORE}' heading to put {ARCH_DOC} before")
@@ -566,6 +587,14 @@ def make_plan(root: Path, extra: dict[str, str]) -> Plan:
             if new != text:
                 plan.edits[path] = new
     return plan
+
+
+def file_relative(root: Path, plan: Plan) -> None:
+    """Warn about moved modules that find things relative to their own ``__file__``."""
+    for old, new in plan.moves.items():
+        if old.count("/") != new.count("/") and "__file__" in (root / PKG / old).read_text():
+            plan.log.append(f"warning: src/ampguard/{old} uses __file__ and moves to {new}: "
+                            "check any path it derives from it (e.g. the package folder)")
 
 
 def _touches(text: str) -> bool:
