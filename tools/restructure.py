@@ -152,6 +152,13 @@ NEW_PACKAGES: dict[str, tuple[str, list[str]]] = {
              ["policy", "scaler", "scale_history", "containment", "resume", "results"]),
 }
 
+# Code that derives a path from its own __file__ and must follow the move (new path -> edits).
+FIXUPS: dict[str, list[tuple[str, str]]] = {
+    # hostile's user_traceback drops frames under the package folder: one level up now
+    "cli/_loader.py": [("here = os.path.dirname(os.path.abspath(__file__))",
+                        "here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))")],
+}
+
 # Test files named after how they were written -> named after what they cover.
 TEST_RENAMES: dict[str, str] = {
     "tests/test_review_core.py": "tests/test_guard_step_edges.py",
@@ -592,7 +599,9 @@ def make_plan(root: Path, extra: dict[str, str]) -> Plan:
 def file_relative(root: Path, plan: Plan) -> None:
     """Warn about moved modules that find things relative to their own ``__file__``."""
     for old, new in plan.moves.items():
-        if old.count("/") != new.count("/") and "__file__" in (root / PKG / old).read_text():
+        text = (root / PKG / old).read_text()
+        fixed = all(a in text for a, _ in FIXUPS.get(new, [("-", "")]))
+        if old.count("/") != new.count("/") and "__file__" in text and not fixed:
             plan.log.append(f"warning: src/ampguard/{old} uses __file__ and moves to {new}: "
                             "check any path it derives from it (e.g. the package folder)")
 
@@ -610,6 +619,15 @@ def execute(root: Path, plan: Plan) -> None:
         dest = root / PKG / new
         dest.parent.mkdir(parents=True, exist_ok=True)
         git(root, "mv", str(PKG / old), str(PKG / new))
+    for rel, fixes in FIXUPS.items():
+        path = root / PKG / rel
+        if path.exists():
+            text = path.read_text()
+            for before, after in fixes:
+                if before in text:
+                    text = text.replace(before, after)
+                    plan.log.append(f"fixup: src/ampguard/{rel}: {after.strip()}")
+            path.write_text(text)
     for package in NEW_PACKAGES:
         init = root / PKG / package / "__init__.py"
         init.write_text(new_package_init(root, package))
