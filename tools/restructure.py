@@ -29,6 +29,8 @@ What it does, in order (nothing is written until every check passed):
    layout checks of ``tests/test_architecture.py``, removes ``tests/test_restructure.py`` (the
    move cannot run twice) and puts ``tools/architecture.md`` into the README as its
    architecture section.
+   Applies :data:`FIXUPS` (code that derives the package folder from its own ``__file__``) and
+   warns about any other moved module that uses ``__file__``.
 5. Runs ``ruff check --fix --select I`` (import order only; no formatting) when ruff is present.
 
 Adding a module: put a line ``"flatname.py": "package/newname.py",`` into :data:`MAPPING` (paths
