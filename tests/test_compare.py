@@ -378,3 +378,24 @@ def test_importing_the_module_keeps_ag_compare_a_function():
     import ampguard.experiments  # noqa: F401
 
     assert ag.compare.__name__ == "compare" and callable(ag.compare)
+
+
+def test_fixed_scale_that_trains_while_bf16_fails_without_a_dynamic_run_is_amp_ok():
+    # Without an fp16_dynamic run there is no dynamic-scale conflict to explain: the fp16
+    # variant that trains makes the verdict amp_ok, and the failing bf16 run is named.
+    def loss_fn(model, batch):
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+            raise RuntimeError("bf16 is not supported by this op")
+        return mse(model, batch)
+
+    def factory():
+        exp = healthy()
+        exp.loss_fn = loss_fn
+        return exp
+
+    cmp = ag.compare(factory, steps=4, variants=["fp16_fixed", "bf16"], progress=False)
+    assert cmp.variants["fp16_fixed"].trained and not cmp.variants["bf16"].trained
+    assert cmp.verdict == "amp_ok"
+    assert cmp.explanation.startswith("fp16_fixed trains like fp32")
+    assert "bf16 fails" in cmp.explanation
+    assert "verdict: amp_ok" in cmp.summary()

@@ -65,7 +65,7 @@ def plots(cmp: Any) -> dict[str, str]:
     loss_fig, dev_fig = Figure(figsize=(9, 4)), Figure(figsize=(9, 3.2))
     ax, dx = loss_fig.add_subplot(), dev_fig.add_subplot()
     for k, (name, r) in enumerate(cmp.variants.items()):
-        style = {"color": _COLORS.get(name), "lw": 2.2 if name == "fp32" else 1.2,
+        style: dict[str, Any] = {"color": _COLORS.get(name), "lw": 2.2 if name == "fp32" else 1.2,
                  "ls": "-" if name == "fp32" else (0, (4, 1 + k))}
         ax.plot(range(1, len(r.losses) + 1),
                 [x if math.isfinite(x) else math.nan for x in r.losses], label=name, **style)

@@ -124,10 +124,12 @@ def _verdict(results: dict[str, Any]) -> str:
     if dyn is not None:
         if dyn.trained:
             return "amp_ok"
-    elif all(r.trained for r in results.values()):
+        if fixed is not None and fixed.trained:
+            return "dynamic_scale_conflict"
+        return "fp16_range"
+    # No dynamic-scale run: no conflict to explain; an fp16 variant that trains is enough.
+    if all(r.trained for r in results.values()) or (fixed is not None and fixed.trained):
         return "amp_ok"
-    if fixed is not None and fixed.trained:
-        return "dynamic_scale_conflict"
     return "fp16_range"
 
 
@@ -140,10 +142,12 @@ def _explain(verdict: str, results: dict[str, Any]) -> tuple[str, str]:
                 "initialisation; ampguard.locate(model, loss_fn, batch, precision='fp32') names "
                 "the first non-finite op.")
     if verdict == "amp_ok":
-        r = dyn or next(r for n, r in results.items() if n != "fp32")
+        r = dyn or next((r for n, r in results.items() if n != "fp32" and r.trained), base)
+        failed = "".join(f" {f.name} fails ({f.reason})." for f in results.values()
+                         if not f.trained)
         return (f"{r.name} trains like fp32 ({r.reason}; max relative loss deviation "
-                f"{r.max_rel_dev:.3g}; {r.throughput_ratio:.2f}x fp32 throughput).", "")
-    if verdict == "dynamic_scale_conflict":
+                f"{r.max_rel_dev:.3g}; {r.throughput_ratio:.2f}x fp32 throughput).{failed}", "")
+    if verdict == "dynamic_scale_conflict" and dyn is not None and fixed is not None:
         return (f"fp16 with dynamic scaling fails ({dyn.reason}; final scale "
                 f"{dyn.final_scale:g}) while a fixed scale of 64 trains ({fixed.reason}): the "
                 "gradients overflow at the scale levels the dynamic scaler probes, and every "

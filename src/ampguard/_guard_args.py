@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -25,7 +25,7 @@ def as_optimizers(
             )
     if len({id(o) for o in opts}) != len(opts):
         raise ValueError("optimizer lists the same optimizer twice")
-    return opts
+    return cast("list[torch.optim.Optimizer]", opts)  # each one checked above
 
 
 def check_window(accumulation_steps: Any, clip_grad_norm: Any) -> None:

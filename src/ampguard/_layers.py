@@ -111,13 +111,13 @@ def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list
 
 def run_meta(guard: Any, layout: Layout, telemetry_config: dict[str, Any]) -> dict[str, Any]:
     """The ``meta.json`` content of a new run."""
-    import ampguard
+    from ampguard import __version__
 
     model = guard.model
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "format": 1,
-        "ampguard_version": ampguard.__version__,
+        "ampguard_version": __version__,
         "torch_version": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),

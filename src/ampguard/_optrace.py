@@ -58,7 +58,7 @@ class OpEvent(NamedTuple):
     :meth:`OpTrace.stats` (``None`` when numerics were not recorded for it).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose: the field name
     phase: str
     module: str | None
     op: str
@@ -143,7 +143,7 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.trace = trace
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "is_view", False):
             return func(*args, **kwargs)
@@ -163,7 +163,8 @@ class OpTrace:
     ...     loss = loss_fn(model, batch)
     >>> with trace.session("backward"):
     ...     loss.backward()
-    >>> trace.events[0].module, trace.events[0].op
+    >>> trace.events[0].module, trace.events[0].op   # the autocast cast of the first input
+    ('body', 'aten._to_copy')
     """
 
     def __init__(self, model: torch.nn.Module, *, numerics: bool = False,

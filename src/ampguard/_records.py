@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -74,7 +74,7 @@ def _range_record(row: np.ndarray, n_layers: int, scale: float) -> dict[str, Any
     amax = row[:n_layers].astype(np.float64)
     hist = row[n_layers:].astype(np.float64).reshape(n_layers, _ranges.BINS)
     s = _ranges.summarize(hist, amax, scale)
-    lo, hi = s["window"]  # type: ignore[misc]
+    lo, hi = cast("tuple[float, float]", s["window"])
     return {
         "zero_frac": floats(hist[:, 0] / np.maximum(hist.sum(axis=1), 1.0)),
         "amax": floats(s["amax"]), "headroom_bits": floats(s["headroom_bits"]),

@@ -41,7 +41,7 @@ class TensorBoardSink:
         self._writer = EventFileWriter(str(logdir), max_queue_size=1000, flush_secs=3600)
         self._layer_tags = [f"ampguard/layer_grad_norm/{_tag(n)}" for n in layers]
 
-    def _scalars(self, step: int, wall: float, values: dict[str, float]) -> None:
+    def _scalars(self, step: int, wall: float, values: dict[str, float | None]) -> None:
         summary = self._summary_pb2.Summary(value=[
             self._summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
             for tag, v in values.items() if v is not None

@@ -197,14 +197,14 @@ def _referenced_functions(model: nn.Module) -> dict[type, list[str]]:
             continue
         forward = getattr(cls, "forward", None)
         code = getattr(forward, "__code__", None)
-        fns = [] if code is None else _functions_in(code, forward.__globals__)
+        fns = [] if code is None else _functions_in(code, getattr(forward, "__globals__", {}))
         fns += [v for v in vars(module).values() if _is_custom_function(v) and v not in fns]
         for fn in fns:
             found.setdefault(fn, []).append(name)
     return found
 
 
-def _functions_in(code: Any, env: dict[str, Any]) -> list[type]:
+def _functions_in(code: Any, env: dict[str, Any]) -> list[Any]:
     names = set(code.co_names)
     for const in code.co_consts:  # nested lambdas and comprehensions
         if hasattr(const, "co_names"):
@@ -229,7 +229,7 @@ def _is_amp_decorated(fn: Any, kind: str) -> bool:
     return code is not None and code.co_name == f"decorate_{kind}" and hasattr(fn, "__wrapped__")
 
 
-def _custom_function_finding(functions: dict[type, list[str]]) -> Finding | None:
+def _custom_function_finding(functions: dict[Any, list[str]]) -> Finding | None:
     """AG322 for Functions (named in a module's forward, or seen in the probe's autograd graph)
     whose forward/backward lack ``torch.amp.custom_fwd``/``custom_bwd``."""
     bad = {cls: where for cls, where in functions.items()

@@ -39,7 +39,7 @@ class MicrobatchBuffer:
             self._start_window()
         live = [p for p in params if p.grad is not None]
         self._seen.update(id(p) for p in live)
-        grads = [p.grad for p in live]
+        grads = [p.grad for p in live if p.grad is not None]  # all of them: typed Tensor
         bad = torch.zeros((), dtype=torch.float32, device=self._good.device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, bad, self._one)

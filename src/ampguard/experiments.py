@@ -146,8 +146,9 @@ class Comparison:
     def finding(self) -> Finding:
         """The verdict as a :class:`~ampguard.findings.Finding` (AG333-AG336)."""
         code, severity, title = _v.FINDING[self.verdict]
-        evidence = {n: {"trained": r.trained, "skipped": r.skipped, "reason": r.reason}
-                    for n, r in self.variants.items()}
+        evidence: dict[str, Any] = {
+            n: {"trained": r.trained, "skipped": r.skipped, "reason": r.reason}
+            for n, r in self.variants.items()}
         if self.failing_batch is not None:
             evidence["failing_batch"] = self.failing_batch
         return Finding(code, severity, title, self.explanation, evidence=evidence, fix=self.fix)

@@ -224,7 +224,7 @@ def _keys(run: Run) -> dict[tuple, int]:
     out = {}
     for e in run.events:
         k = (e.phase, e.module, e.op)
-        out[(*k, seen[k])] = e.index
+        out[k + (seen[k],)] = e.index
         seen[k] += 1
     return out
 

@@ -15,8 +15,8 @@ The buffer is copied to the host in one transfer every ``flush_every`` steps (an
 ...         with guard.autocast():
 ...             loss = loss_fn(model(x), y)
 ...         guard.backward(loss)
-...         guard.step()
->>> ag.report("runs/exp1")          # runs/exp1/report.html
+...         result = guard.step()
+>>> path = ag.report("runs/exp1")   # runs/exp1/report.html
 """
 
 from __future__ import annotations

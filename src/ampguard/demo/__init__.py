@@ -138,13 +138,13 @@ def summary(r: DemoResult) -> str:
                  f"(lowest after a skip: {r.scale_min:g})")
     d = r.diagnostics
     if d:
-        last = ", ".join(f"{e['step']}: {e['scale']:g}" for e in d["last_scales"][-4:])
+        recent = ", ".join(f"{e['step']}: {e['scale']:g}" for e in d["last_scales"][-4:])
         fallbacks = "; ".join(f"{f['from']} -> {f['to']} at step {f['step']}"
                               for f in d["fallbacks"]) or "none"
         lines.append(f"  diagnostics:       {d['scale_changes']} scale changes, "
                      f"{d['consecutive_skips']} consecutive skips now, "
                      f"{d['microbatches_dropped']} micro-batches dropped, fallbacks: {fallbacks}")
-        lines.append(f"                     last scales (step: scale): {last}")
+        lines.append(f"                     last scales (step: scale): {recent}")
     lines.extend(r.extra_lines)
     lines.append(f"  run folder:        {r.run_dir}")
     lines.append(f"  checkpoint:        {r.checkpoint}")

@@ -2,6 +2,7 @@
 
 >>> path = ampguard.report("runs/exp1")      # writes runs/exp1/report.html and findings.json
 >>> print(ampguard.reporting.summary("runs/exp1"))
+ampguard report: runs/exp1 ...
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ampguard import rules, runlog
 from ampguard.findings import Finding
@@ -19,7 +20,8 @@ from ampguard.reporting.summary import run_facts, summary_text
 __all__ = ["report", "summary", "print_summary"]
 
 
-def _analyse(run_dir: str | os.PathLike, config: rules.RuleConfig | None):  # noqa: ANN202
+def _analyse(run_dir: str | os.PathLike, config: rules.RuleConfig | None,
+             ) -> tuple[runlog.RunLog, list[Finding], dict[str, list[int]], dict[str, Any]]:
     run = runlog.load_run(run_dir)
     found = rules.evaluate(run, config)
     causes = rules.skip_causes(run, config)
