@@ -10,6 +10,14 @@ with more than one rank is initialised ("process_group").
   the column maxima, so all ranks skip or step together, and the rows say which rank overflowed
   (the overflow origin). Nothing is read on the host: the Guard reads its packed status exactly
   where torch's GradScaler would.
+- **No consensus where it is redundant.** Under plain DDP (no comm hook, no containment, every
+  optimized parameter reduced by DDP over the Guard's group) every rank steps on the same averaged
+  gradients, and a non-finite value on one rank is non-finite in the average on all: each rank's
+  own check already agrees, so no collective runs. The overflow origin then comes from each
+  rank's own loss (non-finite or not; device flags, no sync), gathered by the next audit.
+- **Peers.** ampguard's collectives run on a group of their own with ``timeout=peer_timeout``;
+  a failed collective (ampguard's, or DDP's/FSDP2's inside the Guard's calls) raises
+  :class:`PeerFailureError` naming the ranks that did not answer (:mod:`ampguard._dist_peers`).
 - **Accumulation.** Non-final micro-batches run under DDP's ``no_sync()`` or with FSDP2's
   ``set_requires_gradient_sync(False)``.
 - **Audit.** Every ``audit_every`` windows (and at checkpoint time) one small all-reduce compares
@@ -24,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ampguard._dist_peers import Peers, is_comm_error
 from ampguard.distributed_hooks import hook_state
 from ampguard.findings import Finding
 
@@ -70,7 +79,19 @@ class DesyncError(RuntimeError):
 
 
 class PeerFailureError(RuntimeError):
-    """A collective of the Guard failed: another rank crashed, exited or timed out."""
+    """A collective of the Guard failed: another rank crashed, exited or timed out.
+
+    ``ranks``: the global ranks that did not answer the roll call after the failure (empty when
+    every rank answered or they could not be determined); ``step``: the window; ``what``: the
+    collective that failed.
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = (), step: int | None = None,
+                 what: str = "") -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+        self.step = step
+        self.what = what
 
 
 _DESYNC_FIX = (
@@ -203,8 +224,17 @@ class DistributedState:
     """
 
     def __init__(self, model: torch.nn.Module, topology: Topology, device: torch.device,
-                 audit_every: int | None, on_desync: str) -> None:
+                 audit_every: int | None, on_desync: str, *, peers: Peers | None = None,
+                 containment: bool = False, params: Sequence[torch.Tensor] = ()) -> None:
         self.topology = topology
+        self.peers = peers
+        # ampguard's own collectives: on the group with timeout=peer_timeout when there is one
+        self.group = peers.group if peers is not None else topology.group
+        self._redundant = _consensus_redundant(model, topology, containment, params)
+        self._finite_losses: list[torch.Tensor] = []  # this window's loss checks (no consensus)
+        self._local: list[torch.Tensor] = []  # per window: own loss non-finite (no consensus)
+        self._local_steps: list[int] = []
+        self.origin_audit_step: int | None = None  # last audit that gathered the local origin
         self.model = model
         self.audit_every = audit_every
         self.on_desync = on_desync
@@ -260,12 +290,32 @@ class DistributedState:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     # ------------------------------------------------------------------ consensus
+    @property
+    def consensus_needed(self) -> bool:
+        """False under plain DDP, where every rank's own found_inf provably agrees.
+
+        A comm hook registered on the DDP model (any: it may change the reduction) brings the
+        consensus back, checked every window (hooks may be registered after the Guard).
+        """
+        return not self._redundant or bool(getattr(self.model, "_comm_hooks", None))
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Without consensus: remember whether this rank's own loss was finite (the overflow
+        origin a plain all-reduce hides). Cost: one tiny device op; no host sync."""
+        if not self.consensus_needed:
+            self._finite_losses.append(torch.isfinite(loss.detach()).reshape(()))
+
     def start_consensus(self, found: list[torch.Tensor], dropped: torch.Tensor | None,
-                        step: int) -> _Pending:
+                        step: int) -> _Pending | None:
         """Issue the one all-reduce(MAX) of this window's flags; returns the pending result.
 
-        Cost: one collective of ``world * (n + 1)`` floats, asynchronous; no host sync.
+        None where the consensus is redundant (plain DDP, :attr:`consensus_needed`): the local
+        flags are the agreed ones. Cost: one collective of ``world * (n + 1)`` floats,
+        asynchronous; no host sync (none at all without consensus).
         """
+        if not self.consensus_needed:
+            self._note_local_window(step)
+            return None
         n = len(found)
         top = self.topology
         buf = torch.zeros(top.world_size, n + 1, dtype=torch.float32, device=self.device)
@@ -273,7 +323,7 @@ class DistributedState:
         if dropped is not None:
             buf[top.rank, n].copy_(dropped)
         try:
-            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=top.group, async_op=True)
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         except RuntimeError as exc:
             raise self.peer_failure("the found_inf consensus", step, exc) from exc
         return _Pending(self, buf, work, n, dropped is not None, step)
@@ -291,20 +341,53 @@ class DistributedState:
         agreed = buf.amax(dim=0)
         return list(agreed[:n].unbind()), (agreed[n].long() if has_dropped else None)
 
+    def _note_local_window(self, step: int) -> None:
+        if not self._finite_losses:
+            return
+        checks, self._finite_losses = self._finite_losses, []
+        ok = checks[0] if len(checks) == 1 else torch.stack(checks).all()
+        self._local.append(ok)
+        self._local_steps.append(step)
+        if len(self._local) >= _FOLD_EVERY:
+            self._fold()
+
     def _fold(self) -> None:
         """Add the windows seen since the last fold to the per-rank counters (device ops)."""
+        if self._local:  # no consensus: this rank's own column only
+            over = torch.zeros(len(self._local), self.topology.world_size, dtype=torch.bool,
+                               device=self._overflows.device)
+            over[:, self.topology.rank] = ~torch.stack(self._local).to(over.device)
+            self._fold_over(over, self._local_steps)
+            self._local.clear()
+            self._local_steps.clear()
         if not self._rows:
             return
         rows = torch.stack(self._rows)  # (windows, world, n + 1)
-        steps = torch.tensor(self._row_steps, dtype=torch.int64, device=rows.device)
+        self._fold_over(rows[..., :-1].amax(dim=-1) > 0, self._row_steps)  # (windows, world)
         self._rows.clear()
         self._row_steps.clear()
-        over = rows[..., :-1].amax(dim=-1) > 0  # (windows, world)
+        self._dropped.add_(rows[..., -1].sum(dim=0).long())
+
+    def _fold_over(self, over: torch.Tensor, window_steps: list[int]) -> None:
+        steps = torch.tensor(window_steps, dtype=torch.int64, device=over.device)
         self._overflows.add_(over.sum(dim=0))
         never = torch.iinfo(torch.int64).max
         first = torch.where(over, steps[:, None], never).amin(dim=0)
         torch.minimum(self._first_overflow, first, out=self._first_overflow)
-        self._dropped.add_(rows[..., -1].sum(dim=0).long())
+
+    def origin_columns(self) -> torch.Tensor:
+        """This rank's own (overflows, first overflow, dropped) for the audit to gather."""
+        self._fold()
+        r = self.topology.rank
+        return torch.stack([self._overflows[r], self._first_overflow[r], self._dropped[r]])
+
+    def adopt_origin(self, table: torch.Tensor, step: int) -> None:
+        """Take every rank's counters from an audit (only where no consensus shares them)."""
+        if self._redundant:
+            self._overflows.copy_(table[:, 0])
+            self._first_overflow.copy_(table[:, 1])
+            self._dropped.copy_(table[:, 2])
+            self.origin_audit_step = step
 
     @property
     def rank_overflows(self) -> torch.Tensor:
@@ -319,12 +402,32 @@ class DistributedState:
         return self._dropped
 
     def peer_failure(self, what: str, step: int, exc: BaseException) -> PeerFailureError:
+        """The :class:`PeerFailureError` for a failed collective, after the roll call.
+
+        Cost: store round trips; up to ``min(peer_timeout, 10 s)`` waiting for the other
+        survivors' names.
+        """
         top = self.topology
+        missing = self.peers.roll_call() if self.peers is not None else None
+        who = (self.peers.describe(missing) if self.peers is not None else
+               "another rank probably crashed, exited or stopped calling Guard.step()")
         return PeerFailureError(
             f"{what} at step {step} failed on rank {top.global_rank} of {top.world_size} "
-            f"({top.kind}): another rank probably crashed, exited or stopped calling "
-            f"Guard.step(); check the other ranks' logs. Cause: {exc}"
-        )
+            f"({top.kind}): {who}. Cause: {exc}",
+            ranks=missing or (), step=step, what=what)
+
+    @contextlib.contextmanager
+    def collectives(self, what: str, step: int) -> Iterator[None]:
+        """Turn a failed collective inside the block (DDP's, FSDP2's, ampguard's) into a
+        :class:`PeerFailureError`; any other exception passes through unchanged."""
+        try:
+            yield
+        except PeerFailureError:
+            raise
+        except Exception as exc:
+            if not is_comm_error(exc):
+                raise
+            raise self.peer_failure(what, step, exc) from exc
 
     # ------------------------------------------------------------------ audit
     def maybe_audit(self, guard: Any) -> None:
@@ -391,6 +494,11 @@ class DistributedState:
             "rank_first_overflow_step": {r: (None if f == never else f)
                                          for r, f in zip(top.ranks, first, strict=True)},
             "hook": hook.summary() if hook is not None else None,
+            # where the per-rank counts come from (README: the overflow-origin trade)
+            "origin": ("found_inf consensus" if not self._redundant else
+                       "each rank's own loss, gathered at the audit of step "
+                       f"{self.origin_audit_step}" if self.origin_audit_step is not None else
+                       "each rank's own loss, not gathered yet (no audit ran)"),
         }
 
     def findings(self, step: int | None = None) -> list[Finding]:
@@ -415,9 +523,27 @@ class DistributedState:
         )]
 
 
+def _consensus_redundant(model: torch.nn.Module, topology: Topology, containment: bool,
+                         params: Sequence[torch.Tensor]) -> bool:
+    """True under plain DDP: every optimized parameter is reduced by DDP over the Guard's group.
+
+    Then every rank steps on bitwise-equal averaged gradients (a non-finite value anywhere is
+    non-finite in the average everywhere), so each rank's own found_inf is the agreed one.
+    """
+    if topology.kind != "ddp" or containment or not params:
+        return False
+    if topology.group is not getattr(model, "process_group", None):
+        return False  # process_group= names another group than the one DDP reduces over
+    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+    reduced = {id(p) for name, p in model.module.named_parameters()  # type: ignore[union-attr]
+               if name not in ignored}
+    return all(id(p) in reduced for p in params)
+
+
 def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | None = 100,
-           on_desync: str = "raise", process_group: Any = None,
-           containment: bool = False) -> DistributedState | None:
+           on_desync: str = "raise", process_group: Any = None, containment: bool = False,
+           params: Sequence[torch.Tensor] = (), peer_timeout: float | None = None
+           ) -> DistributedState | None:
     """Validate the options and return the :class:`DistributedState`, or None (single process).
 
     Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
@@ -436,7 +562,11 @@ def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | N
             "its gradient shard, so ranks would drop different micro-batches); use DDP, or rely "
             "on the skipped step"
         )
-    return DistributedState(model, topology, device, audit_every, on_desync)
+    peers = None
+    if peer_timeout is not None:
+        peers = Peers(topology.ranks, topology.global_rank, topology.group, peer_timeout)
+    return DistributedState(model, topology, device, audit_every, on_desync, peers=peers,
+                            containment=containment, params=params)
 
 
 def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:
