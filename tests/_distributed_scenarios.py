@@ -272,10 +272,35 @@ def _accumulation_run(rank: int, world: int, wrap: Callable[[nn.Module], nn.Modu
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
                      scaler=SCALE, accumulation_steps=2)
     for step in range(1, windows + 1):
-        hit = _poison(model) if (step == inject_window and rank == world - 1) else None
-        window(guard, model, step, rank, world, hit)
+        faulty_window(guard, model, step, rank, world,
+                      bad=step == inject_window and rank == world - 1)
     model.guard = guard  # for the caller
     return model
+
+
+def faulty_window(guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int,
+                  bad: bool) -> ag.StepResult:
+    """:func:`window`; when ``bad``, one of this rank's gradients is inf.
+
+    Plain DDP (no consensus): the fault comes BEFORE the all-reduce, as a real one would (a
+    rank-local change after it is the audit's to catch). FSDP2 and the rest: in this rank's own
+    (shard of the) gradient after the reduction, which only the consensus spreads.
+    """
+    if not bad:
+        return window(guard, model, step, rank, world)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        handle = next(model.parameters()).register_hook(_inf_grad)
+        try:
+            return window(guard, model, step, rank, world)
+        finally:
+            handle.remove()
+    return window(guard, model, step, rank, world, _poison(model))
+
+
+def _inf_grad(grad: torch.Tensor) -> torch.Tensor:
+    out = grad.clone()
+    out.view(-1)[0] = float("inf")
+    return out
 
 
 def ddp_accumulation(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -407,8 +432,7 @@ def _resume_case(rank: int, world: int, tmp: str, wrap: Callable[[nn.Module], nn
 
     model, opt, guard = build(0)
     for step in range(1, 4):
-        window(guard, model, step, rank, world,
-               _poison(model) if step == 2 and rank == 0 else None)
+        faulty_window(guard, model, step, rank, world, bad=step == 2 and rank == 0)
     torch.manual_seed(100 + rank)  # each rank's own RNG stream must come back on resume
     save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard,
                                 extra={"step": 3})

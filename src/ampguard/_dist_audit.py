@@ -32,10 +32,8 @@ def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
     table = torch.zeros(top.world_size, n + 3, dtype=torch.int64, device=state.device)
     table[top.rank, :n] = local_row(guard, state, state.device)
     table[top.rank, n:] = state.origin_columns().to(state.device)
-    try:
+    with state.collectives("the cross-rank audit", guard.steps):
         dist.all_reduce(table, group=state.group)
-    except RuntimeError as exc:
-        raise state.peer_failure("the cross-rank audit", guard.steps, exc) from exc
     state.adopt_origin(table[:, n:], guard.steps)
     rows = table[:, :n].tolist()
     state.audits += 1

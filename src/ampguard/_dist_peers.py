@@ -13,14 +13,18 @@ are the failed ranks, named in the error on every survivor.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 __all__ = ["DEFAULT_PEER_TIMEOUT", "ROLL_CALL_CAP", "check_peer_timeout", "is_comm_error",
-           "Peers"]
+           "Peers", "failed_ranks"]
 
 DEFAULT_PEER_TIMEOUT = 600.0  # seconds; the contract says "at most 10 minutes"
 _CREATE = 1800.0  # seconds the ranks may take to all build their Guard (torch's gloo default)
@@ -67,6 +71,11 @@ class Peers:
 
     ``group`` has the ranks and backend of the training group. Creating it is a collective of
     those ranks only (every rank builds its Guard in the same order, as with any torch group).
+
+    A rank blocked inside a collective that another survivor already gave up on cannot answer a
+    roll call itself (gloo leaves it waiting until its own timeout), so a daemon thread answers for
+    it while the main thread is inside :meth:`waiting`: such a rank is reported as waiting, not
+    as failed. Cost: one idle thread blocked on the store, one store round trip a minute.
     """
 
     def __init__(self, ranks: tuple[int, ...], rank: int, backend_of: Any,
@@ -76,39 +85,107 @@ class Peers:
         self.timeout = timeout
         self.wait = min(timeout, ROLL_CALL_CAP)
         self.group = _own_group(ranks, backend_of, timeout)
-        self._name = str(getattr(self.group, "group_name", id(self.group)))
+        self._prefix = f"ampguard/rollcall/{getattr(self.group, 'group_name', '')}/"
         self._calls = 0
+        self.waiting_in: str | None = None  # set while the main thread waits in a collective
+        self._store = _default_store()
+        if self._store is not None and hasattr(self._store, "clone"):
+            thread = threading.Thread(target=_respond, args=(weakref.ref(self), self._prefix,
+                                      self._store.clone(), rank), daemon=True,
+                                      name=f"ampguard-rollcall-{rank}")
+            thread.start()
 
-    def roll_call(self) -> list[int] | None:
-        """The ranks that did not answer within ``wait`` seconds; None if the store is gone.
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Mark the block as "waiting in a collective" for the roll call. Cost: none."""
+        outer, self.waiting_in = self.waiting_in, what
+        try:
+            yield
+        finally:
+            self.waiting_in = outer
+
+    def roll_call(self) -> dict[int, str | None] | None:
+        """Every rank's answer (None: no answer within ``wait`` s); None if the store is gone.
 
         Every survivor of a failure calls this once; the n-th call of each rank meets the n-th
-        call of the others under the same store keys. Cost: store round trips, at most ``wait``
-        seconds.
+        call of the others (and their responder threads) under the same store keys.
+        Cost: store round trips, at most ``wait`` seconds.
         """
+        self.waiting_in = None  # this rank is not waiting any more: it reports
         self._calls += 1
-        prefix = f"ampguard/rollcall/{self._name}/{self._calls}/"
+        prefix = f"{self._prefix}{self._calls}/"
+        store = self._store
+        if store is None:
+            return None
         try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(prefix + str(self.rank), "1")
+            store.set(prefix + str(self.rank), "failed")
+            store.set(prefix + "open", "1")  # wakes the responders
             deadline = time.monotonic() + self.wait
             while True:
-                missing = [r for r in self.ranks if not store.check([prefix + str(r)])]
-                if not missing or time.monotonic() >= deadline:
-                    return missing
+                answered = [r for r in self.ranks if store.check([prefix + str(r)])]
+                if len(answered) == len(self.ranks) or time.monotonic() >= deadline:
+                    break
                 time.sleep(0.05)
+            return {r: (store.get(prefix + str(r)).decode() if r in answered else None)
+                    for r in self.ranks}
         except Exception:  # noqa: BLE001 - the store itself is unreachable (its host died)
             return None
 
-    def describe(self, missing: list[int] | None) -> str:
-        """The sentence of the error message that names the failed ranks."""
-        if missing is None:
+    def describe(self, answers: dict[int, str | None] | None) -> str:
+        """The sentences of the error message that name the failed ranks."""
+        if answers is None:
             return ("the rendezvous store did not answer either, so the failed rank could not be "
                     "named (under tcp:// or env:// init without torchrun it lives on rank "
                     f"{self.ranks[0]}: that rank probably died)")
+        missing = failed_ranks(answers)
         if not missing:
-            return ("every rank answered the roll call afterwards: the others stopped waiting "
-                    "for THIS rank (it was slower than peer_timeout, e.g. a long pause on this "
-                    "rank)")
-        return (f"rank(s) {', '.join(map(str, missing))} did not answer within "
-                f"{self.wait:g} s (crashed, exited or hung; see their logs)")
+            return ("every rank answered the roll call: the others stopped waiting for THIS "
+                    "rank (it was slower than peer_timeout, e.g. a long pause on this rank)")
+        text = (f"rank(s) {', '.join(map(str, missing))} did not answer within {self.wait:g} s "
+                "(crashed, exited, or hung outside ampguard's collectives; see their logs)")
+        blocked = {r: a[len("waiting in "):] for r, a in answers.items()
+                   if a is not None and a.startswith("waiting in ")}
+        if blocked:
+            text += "; still blocked in the failed collective: " + ", ".join(
+                f"rank {r} ({what})" for r, what in sorted(blocked.items()))
+        return text
+
+
+def failed_ranks(answers: dict[int, str | None] | None) -> list[int]:
+    """The ranks that did not answer the roll call (none known when the store is gone)."""
+    return [] if answers is None else sorted(r for r, a in answers.items() if a is None)
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group (a group without a store)
+        return None
+
+
+def _respond(peers: weakref.ref, prefix: str, store: Any, rank: int) -> None:
+    """Answer roll call n for this rank while its main thread waits in a collective."""
+    n = 1
+    while True:
+        started = time.monotonic()
+        try:
+            store.wait([f"{prefix}{n}/open"], timedelta(seconds=30))
+        except Exception:  # noqa: BLE001 - a timeout (wait again) or the store is gone (stop)
+            if time.monotonic() - started < 1.0 or peers() is None:
+                return
+            continue
+        deadline = time.monotonic() + ROLL_CALL_CAP
+        while time.monotonic() < deadline:
+            owner = peers()
+            if owner is None:
+                return
+            what = owner.waiting_in
+            del owner
+            if what is not None:
+                try:
+                    store.set(f"{prefix}{n}/{rank}", f"waiting in {what}")
+                except Exception:  # noqa: BLE001
+                    return
+                break
+            time.sleep(0.05)
+        n += 1

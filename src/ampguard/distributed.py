@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard._dist_peers import Peers, is_comm_error
+from ampguard._dist_peers import Peers, failed_ranks, is_comm_error
 from ampguard.distributed_hooks import hook_state
 from ampguard.findings import Finding
 
@@ -206,10 +206,8 @@ class _Pending:
 
     def wait(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Agreed ``(found flags, dropped micro-batches or None)``. Cost: no host sync."""
-        try:
+        with self.state.collectives("the found_inf consensus", self.step):
             self.work.wait()
-        except RuntimeError as exc:
-            raise self.state.peer_failure("the found_inf consensus", self.step, exc) from exc
         return self.state._settle(self.buf, self.n, self.has_dropped, self.step)
 
 
@@ -408,20 +406,24 @@ class DistributedState:
         survivors' names.
         """
         top = self.topology
-        missing = self.peers.roll_call() if self.peers is not None else None
-        who = (self.peers.describe(missing) if self.peers is not None else
+        answers = self.peers.roll_call() if self.peers is not None else None
+        who = (self.peers.describe(answers) if self.peers is not None else
                "another rank probably crashed, exited or stopped calling Guard.step()")
         return PeerFailureError(
             f"{what} at step {step} failed on rank {top.global_rank} of {top.world_size} "
             f"({top.kind}): {who}. Cause: {exc}",
-            ranks=missing or (), step=step, what=what)
+            ranks=failed_ranks(answers), step=step, what=what)
 
     @contextlib.contextmanager
     def collectives(self, what: str, step: int) -> Iterator[None]:
         """Turn a failed collective inside the block (DDP's, FSDP2's, ampguard's) into a
-        :class:`PeerFailureError`; any other exception passes through unchanged."""
+        :class:`PeerFailureError`; any other exception passes through unchanged. While inside,
+        a roll call started by another rank hears that this rank is alive and waiting."""
+        waiting = (self.peers.waiting(what) if self.peers is not None
+                   else contextlib.nullcontext())
         try:
-            yield
+            with waiting:
+                yield
         except PeerFailureError:
             raise
         except Exception as exc:
@@ -442,7 +444,8 @@ class DistributedState:
         """Compare the Guard's state across ranks; act on a mismatch per ``on_desync``.
 
         Returns the differences (field -> {global rank: value}; empty when in sync).
-        Cost: one host sync and one all-reduce of ``world * 8`` int64.
+        Cost: one host sync and one all-reduce of ``world * 11`` int64 (8 compared fields and
+        3 overflow-origin counters), on the Guard's own group (bounded by ``peer_timeout``).
         """
         from ampguard._dist_audit import run_audit
 
