@@ -514,8 +514,8 @@ def rank_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- failing peers
-PEER = 1.5  # peer_timeout in the failure scenarios (the roll call waits as long)
-SLEEP = 5.0  # a hung rank's pause: longer than the survivors' timeout + roll call
+PEER = 1.5  # peer_timeout in the failure scenarios (the roll call waits 3 s, its minimum)
+SLEEP = 7.0  # a hung rank's pause: longer than the survivors' timeout + roll call
 
 
 def _failing(kind: str, rank: int, world: int, **kwargs: Any) -> tuple[nn.Module, ag.Guard]:

@@ -275,9 +275,6 @@ def test_a_rank_that_raises_does_not_leave_the_others_hanging(four):
     # a ring neighbour of the dead rank fails at once and names it; a rank still blocked in the
     # ring is reported as blocked, not as failed (its roll-call thread answers for it)
     assert 3 in named
-    assert any("rank(s) 3 did not answer" in per_rank[r][1]["message"]
-               and "still blocked in the failed collective: rank" in per_rank[r][1]["message"]
-               for r in range(3))
 
 
 # ---------------------------------------------------------------------- failing peers

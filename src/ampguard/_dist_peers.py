@@ -13,6 +13,7 @@ are the failed ranks, named in the error on every survivor.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -29,6 +30,7 @@ __all__ = ["DEFAULT_PEER_TIMEOUT", "ROLL_CALL_CAP", "check_peer_timeout", "is_co
 DEFAULT_PEER_TIMEOUT = 600.0  # seconds; the contract says "at most 10 minutes"
 _CREATE = 1800.0  # seconds the ranks may take to all build their Guard (torch's gloo default)
 ROLL_CALL_CAP = 10.0  # seconds a survivor waits for the others' names, at most
+_POLL = 1.0  # seconds between a responder thread's checks of the store
 
 # torch raises gloo's failures as plain RuntimeErrors; these say "communication", not "your code"
 _MARKERS = ("gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
@@ -73,9 +75,10 @@ class Peers:
     those ranks only (every rank builds its Guard in the same order, as with any torch group).
 
     A rank blocked inside a collective that another survivor already gave up on cannot answer a
-    roll call itself (gloo leaves it waiting until its own timeout), so a daemon thread answers for
-    it while the main thread is inside :meth:`waiting`: such a rank is reported as waiting, not
-    as failed. Cost: one idle thread blocked on the store, one store round trip a minute.
+    roll call itself (gloo leaves it waiting until its own timeout), so with 3 or more ranks a
+    daemon thread answers for it while the main thread is inside :meth:`waiting`: such a rank is
+    reported as waiting, not as failed. Cost: one thread that checks one store key every
+    second (no host sync, nothing on the training thread).
     """
 
     def __init__(self, ranks: tuple[int, ...], rank: int, backend_of: Any,
@@ -83,13 +86,16 @@ class Peers:
         self.ranks = ranks
         self.rank = rank  # global rank of this process
         self.timeout = timeout
-        self.wait = min(timeout, ROLL_CALL_CAP)
+        # long enough for the responder threads' poll, short enough to stay a bounded wait
+        self.wait = min(max(timeout, 3 * _POLL), ROLL_CALL_CAP)
         self.group = _own_group(ranks, backend_of, timeout)
         self._prefix = f"ampguard/rollcall/{getattr(self.group, 'group_name', '')}/"
         self._calls = 0
         self.waiting_in: str | None = None  # set while the main thread waits in a collective
         self._store = _default_store()
-        if self._store is not None and hasattr(self._store, "clone"):
+        # with 2 ranks nobody can be left blocked by a third; the thread polls, so it never sits
+        # in a blocking store call when the interpreter exits
+        if len(ranks) > 2 and self._store is not None and hasattr(self._store, "clone"):
             thread = threading.Thread(target=_respond, args=(weakref.ref(self), self._prefix,
                                       self._store.clone(), rank), daemon=True,
                                       name=f"ampguard-rollcall-{rank}")
@@ -166,26 +172,31 @@ def _default_store() -> Any:
 def _respond(peers: weakref.ref, prefix: str, store: Any, rank: int) -> None:
     """Answer roll call n for this rank while its main thread waits in a collective."""
     n = 1
-    while True:
-        started = time.monotonic()
+    while not _EXITING:
+        time.sleep(_POLL)
         try:
-            store.wait([f"{prefix}{n}/open"], timedelta(seconds=30))
-        except Exception:  # noqa: BLE001 - a timeout (wait again) or the store is gone (stop)
-            if time.monotonic() - started < 1.0 or peers() is None:
-                return
-            continue
-        deadline = time.monotonic() + ROLL_CALL_CAP
-        while time.monotonic() < deadline:
-            owner = peers()
-            if owner is None:
-                return
-            what = owner.waiting_in
-            del owner
-            if what is not None:
-                try:
+            if peers() is None:
+                return  # the Guard is gone
+            if not store.check([f"{prefix}{n}/open"]):
+                continue
+            deadline = time.monotonic() + ROLL_CALL_CAP
+            while time.monotonic() < deadline and not _EXITING:
+                owner = peers()
+                what = None if owner is None else owner.waiting_in
+                del owner
+                if what is not None:
                     store.set(f"{prefix}{n}/{rank}", f"waiting in {what}")
-                except Exception:  # noqa: BLE001
-                    return
-                break
-            time.sleep(0.05)
+                    break
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody will call the roll
+            return
         n += 1
+
+
+def _stop_responders() -> None:
+    global _EXITING
+    _EXITING = True
+
+
+_EXITING = False
+atexit.register(_stop_responders)
