@@ -537,3 +537,36 @@ def test_desync_finding_states_the_fix_once():
     assert "Fix:" not in finding.message
     assert finding.fix == _DESYNC_FIX
     assert str(err).endswith(_DESYNC_FIX)  # the exception itself still says what to do
+
+
+@pytest.mark.timeout(60)
+def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(world_of_one):
+    from ampguard.distributed_hooks import register_nonfinite_safe_hook
+
+    def needed(**kwargs: object) -> bool:
+        model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+        extra = kwargs.pop("extra", None)
+        params = list(model.parameters()) + ([extra] if extra is not None else [])
+        guard = ag.Guard(model, torch.optim.SGD(params, lr=0.1), precision="fp16", **kwargs)
+        return guard.distributed.consensus_needed
+
+    assert not needed()  # plain DDP: every rank's own check agrees
+    assert needed(contain_nonfinite_microbatches=True)
+    assert needed(extra=torch.nn.Parameter(torch.zeros(3)))  # a parameter DDP does not reduce
+    model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+    register_nonfinite_safe_hook(model)  # registered after the Guard: seen at the next window
+    assert guard.distributed.consensus_needed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
+    model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
+                     scaler=S.SCALE if precision == "fp16" else None, audit_every=None)
+    for step in range(1, 4):
+        S.window(guard, model, step, 0, 1)
+    state = guard.distributed
+    assert state._finite_losses == []  # drained every window (never filled without a scaler)
+    assert len(state._local) == (3 if precision == "fp16" else 0)  # folded every 64 windows

@@ -200,7 +200,7 @@ class Guard:
             )
         if self._telemetry is not None:
             self._telemetry._on_backward(loss)
-        if self._dist is not None:
+        if self._dist is not None and self._scaler is not None:
             self._dist.note_loss(loss)  # plain DDP: this rank's overflow origin, no collective
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
