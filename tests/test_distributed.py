@@ -568,5 +568,5 @@ def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
     for step in range(1, 4):
         S.window(guard, model, step, 0, 1)
     state = guard.distributed
-    assert state._finite_losses == []  # drained every window (never filled without a scaler)
-    assert len(state._local) == (3 if precision == "fp16" else 0)  # folded every 64 windows
+    assert state.counters._finite == []  # drained every window (never filled without a scaler)
+    assert len(state.counters._local) == (3 if precision == "fp16" else 0)  # folded at 64

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ampguard._dist_counters import RankCounters
 from ampguard._dist_peers import Peers, failed_ranks, is_comm_error
 from ampguard.distributed_hooks import hook_state
 from ampguard.findings import Finding
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
-_FOLD_EVERY = 64  # windows between folds of the per-rank rows into the counters
 
 
 class DesyncError(RuntimeError):
@@ -214,8 +214,9 @@ class _Pending:
 class DistributedState:
     """What a Guard keeps for distributed training: topology, consensus, audit, counters.
 
-    Counters live on the device: ``rank_overflows`` (windows in which each rank's own gradients
-    were non-finite), ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last
+    Counters live on the device (:class:`~ampguard._dist_counters.RankCounters`):
+    ``rank_overflows`` (windows in which each rank's own gradients were non-finite),
+    ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last consensus
     window's per-rank rows: the overflow origin), the first window each rank overflowed in.
     Read them with :meth:`summary` (one sync) or
     record :meth:`telemetry_fields` (device tensors, no sync).
@@ -229,9 +230,6 @@ class DistributedState:
         # ampguard's own collectives: on the group with timeout=peer_timeout when there is one
         self.group = peers.group if peers is not None else topology.group
         self._redundant = _consensus_redundant(model, topology, containment, params)
-        self._finite_losses: list[torch.Tensor] = []  # this window's loss checks (no consensus)
-        self._local: list[torch.Tensor] = []  # per window: own loss non-finite (no consensus)
-        self._local_steps: list[int] = []
         self.origin_audit_step: int | None = None  # last audit that gathered the local origin
         self.model = model
         self.audit_every = audit_every
@@ -240,13 +238,7 @@ class DistributedState:
         self._fsdp = fsdp_modules(model) if topology.kind == "fsdp2" else []
         self._dtensors = _has_dtensors(model)
         self._sync_flag: bool | None = None
-        world = topology.world_size
-        self._overflows = torch.zeros(world, dtype=torch.int64, device=device)
-        self._dropped = torch.zeros(world, dtype=torch.int64, device=device)
-        self._rows: list[torch.Tensor] = []  # windows not yet folded into the counters
-        self._row_steps: list[int] = []
-        self._first_overflow = torch.full((world,), torch.iinfo(torch.int64).max,
-                                          dtype=torch.int64, device=device)
+        self.counters = RankCounters(topology.world_size, topology.rank, device)  # origin
         self.last_rows: torch.Tensor | None = None
         self.audits = 0
 
@@ -301,7 +293,7 @@ class DistributedState:
         """Without consensus: remember whether this rank's own loss was finite (the overflow
         origin a plain all-reduce hides). Cost: one tiny device op; no host sync."""
         if not self.consensus_needed:
-            self._finite_losses.append(torch.isfinite(loss.detach()).reshape(()))
+            self.counters.note_loss(loss)
 
     def start_consensus(self, found: list[torch.Tensor], dropped: torch.Tensor | None,
                         step: int) -> _Pending | None:
@@ -312,7 +304,7 @@ class DistributedState:
         asynchronous; no host sync (none at all without consensus).
         """
         if not self.consensus_needed:
-            self._note_local_window(step)
+            self.counters.end_window(step)
             return None
         n = len(found)
         top = self.topology
@@ -329,75 +321,32 @@ class DistributedState:
     def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         self.last_rows = buf
-        self._rows.append(buf)
-        self._row_steps.append(step)
-        if len(self._rows) >= _FOLD_EVERY:
-            self._fold()
+        self.counters.add_rows(buf, step)
         # column maxima: overflow anywhere -> every rank skips. With containment, DDP syncs
         # every micro-batch, so all ranks drop the same ones: the window's count is the largest
         # per-rank count (per-rank counts stay in rank_dropped)
         agreed = buf.amax(dim=0)
         return list(agreed[:n].unbind()), (agreed[n].long() if has_dropped else None)
 
-    def _note_local_window(self, step: int) -> None:
-        if not self._finite_losses:
-            return
-        checks, self._finite_losses = self._finite_losses, []
-        ok = checks[0] if len(checks) == 1 else torch.stack(checks).all()
-        self._local.append(ok)
-        self._local_steps.append(step)
-        if len(self._local) >= _FOLD_EVERY:
-            self._fold()
-
-    def _fold(self) -> None:
-        """Add the windows seen since the last fold to the per-rank counters (device ops)."""
-        if self._local:  # no consensus: this rank's own column only
-            over = torch.zeros(len(self._local), self.topology.world_size, dtype=torch.bool,
-                               device=self._overflows.device)
-            over[:, self.topology.rank] = ~torch.stack(self._local).to(over.device)
-            self._fold_over(over, self._local_steps)
-            self._local.clear()
-            self._local_steps.clear()
-        if not self._rows:
-            return
-        rows = torch.stack(self._rows)  # (windows, world, n + 1)
-        self._fold_over(rows[..., :-1].amax(dim=-1) > 0, self._row_steps)  # (windows, world)
-        self._rows.clear()
-        self._row_steps.clear()
-        self._dropped.add_(rows[..., -1].sum(dim=0).long())
-
-    def _fold_over(self, over: torch.Tensor, window_steps: list[int]) -> None:
-        steps = torch.tensor(window_steps, dtype=torch.int64, device=over.device)
-        self._overflows.add_(over.sum(dim=0))
-        never = torch.iinfo(torch.int64).max
-        first = torch.where(over, steps[:, None], never).amin(dim=0)
-        torch.minimum(self._first_overflow, first, out=self._first_overflow)
-
     def origin_columns(self) -> torch.Tensor:
         """This rank's own (overflows, first overflow, dropped) for the audit to gather."""
-        self._fold()
-        r = self.topology.rank
-        return torch.stack([self._overflows[r], self._first_overflow[r], self._dropped[r]])
+        return self.counters.columns()
 
     def adopt_origin(self, table: torch.Tensor, step: int) -> None:
         """Take every rank's counters from an audit (only where no consensus shares them)."""
         if self._redundant:
-            self._overflows.copy_(table[:, 0])
-            self._first_overflow.copy_(table[:, 1])
-            self._dropped.copy_(table[:, 2])
+            self.counters.adopt(table)
             self.origin_audit_step = step
 
     @property
     def rank_overflows(self) -> torch.Tensor:
         """Per rank: windows in which its own gradients were non-finite (device int64)."""
-        self._fold()
-        return self._overflows
+        return self.counters.overflows
 
     @property
     def rank_dropped(self) -> torch.Tensor:
         """Per rank: micro-batches it dropped under containment (device int64)."""
-        self._fold()
-        return self._dropped
+        return self.counters.dropped
 
     def peer_failure(self, what: str, step: int, exc: BaseException) -> PeerFailureError:
         """The :class:`PeerFailureError` for a failed collective, after the roll call.
@@ -470,7 +419,8 @@ class DistributedState:
     def telemetry_fields(self) -> dict[str, Any]:
         """Per-window fields for the run log (device tensors; no host sync).
 
-        ``overflow_ranks``: 1.0 where that rank's own gradients overflowed in the last window;
+        ``overflow_ranks``: 1.0 where that rank's own gradients overflowed in the last window
+        (None under plain DDP, which runs no consensus: see :meth:`summary`'s ``origin``);
         ``hook_nonfinite_ranks``: ranks left out by the non-finite-safe DDP hook (last bucket).
         """
         rows, hook = self.last_rows, hook_state(self.model)
@@ -485,7 +435,7 @@ class DistributedState:
         """Rank-aware counters as plain values. Cost: one host sync."""
         top = self.topology
         over, dropped, first = torch.stack(
-            [self.rank_overflows, self.rank_dropped, self._first_overflow]).tolist()
+            [self.rank_overflows, self.rank_dropped, self.counters.first_overflow]).tolist()
         never = torch.iinfo(torch.int64).max
         hook = hook_state(self.model)
         return {
