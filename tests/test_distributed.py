@@ -570,3 +570,19 @@ def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
     state = guard.distributed
     assert state.counters._finite == []  # drained every window (never filled without a scaler)
     assert len(state.counters._local) == (3 if precision == "fp16" else 0)  # folded at 64
+
+
+@pytest.mark.timeout(60)
+def test_only_communication_errors_inside_the_guard_become_peer_failures(world_of_one):
+    model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     peer_timeout=3)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        with guard.autocast():
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert not isinstance(info.value, ag.PeerFailureError)  # the user's own error, untouched
+    with pytest.raises(ag.PeerFailureError, match="the forward's collectives at step 1") as info:
+        with guard.autocast():
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert info.value.step == 1 and info.value.ranks == []  # one rank: nobody missing
+    assert "Connection closed by peer" in str(info.value)  # gloo's words stay as the cause
