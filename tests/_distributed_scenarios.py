@@ -34,13 +34,18 @@ ROWS = 4  # rows per rank per micro-batch
 
 # ---------------------------------------------------------------------- process plumbing
 def run_group(world: int, scenarios: list[str], timeout: float = 100.0,
-              tmp: str | None = None) -> dict[str, dict[int, tuple[str, Any]]]:
-    """Run ``scenarios`` on ``world`` gloo ranks; ``{scenario: {rank: (status, value)}}``."""
+              tmp: str | None = None, pg_timeout: float = 30.0
+              ) -> dict[str, dict[int, tuple[str, Any]]]:
+    """Run ``scenarios`` on ``world`` gloo ranks; ``{scenario: {rank: (status, value)}}``.
+
+    ``pg_timeout``: the default group's timeout (what bounds a hang in DDP's own all-reduce).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     tmp = tmp or tempfile.mkdtemp(prefix="ampguard-dist-")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, scenarios, queue, tmp))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, scenarios, queue, tmp, pg_timeout))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -85,11 +90,11 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, scenarios: list[str], queue: Any,
-               tmp: str) -> None:
+               tmp: str, pg_timeout: float = 30.0) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+                            world_size=world, timeout=timedelta(seconds=pg_timeout))
     try:
         for name in scenarios:
             try:
@@ -172,18 +177,93 @@ def _poison(model: nn.Module, value: float = float("inf")) -> Callable[[], None]
 
 # ---------------------------------------------------------------------- scenarios
 def inf_on_one_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    """DDP; at window 2 the last rank's gradient gets an inf AFTER DDP's all-reduce."""
+    """Plain DDP; at window 2 the last rank's batch holds an inf (a bad sample): its gradients
+    are non-finite BEFORE DDP's all-reduce, which carries them to every rank. No consensus runs;
+    the end-of-run audit gathers the overflow origin (each rank's own loss)."""
     model = ddp(make_model())
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
                      scaler=SCALE)
     victim = world - 1
     applied, scales = [], []
-    for step in range(1, 5):
-        hit = _poison(model) if (step == 2 and rank == victim) else None
-        applied.append(window(guard, model, step, rank, world, hit).applied)
-        scales.append(guard.scale)
+    with _counting_allreduce(guard) as calls:
+        for step in range(1, 5):
+            applied.append(_bad_sample_window(guard, model, step, rank, world,
+                                              bad=step == 2 and rank == victim).applied)
+            scales.append(guard.scale)
+    consensus_calls = len(calls)
+    guard.audit()
     return {"applied": applied, "scales": scales, "params": flat(model),
-            "summary": guard.distributed.summary()}
+            "summary": guard.distributed.summary(), "consensus_calls": consensus_calls,
+            "needed": guard.distributed.consensus_needed}
+
+
+def _bad_sample_window(guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int,
+                       bad: bool) -> ag.StepResult:
+    x, y = batch(step, 0, ROWS * world)
+    x, y = shard(x, rank), shard(y, rank)
+    if bad:
+        x[0, 0] = float("inf")
+    with guard.autocast():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    guard.backward(loss)
+    return guard.step()
+
+
+class _counting_allreduce:  # noqa: N801 - a context manager used like a function
+    """Counts ``dist.all_reduce`` calls on the Guard's own group (the consensus) in the block."""
+
+    def __init__(self, guard: ag.Guard) -> None:
+        self.group = guard.distributed.group
+        self.calls: list[int] = []
+
+    def __enter__(self) -> list[int]:
+        self.real = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            if kwargs.get("group") is self.group:
+                self.calls.append(1)
+            return self.real(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self.calls
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self.real
+
+
+def inf_after_reduce(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Paths that keep the consensus: the last rank's gradient gets an inf AFTER the reduction
+    (DDP with a comm hook; a plain model in the group). Every rank must skip window 2."""
+    out = {}
+    for kind in ("ddp_hook", "ddp_safe_hook", "plain"):
+        model = make_model() if kind == "plain" else ddp(make_model())
+        if kind != "plain":
+            register_nonfinite_safe_hook(model, drop=kind == "ddp_safe_hook")
+        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                         scaler=SCALE, audit_every=None)
+        applied = []
+        with _counting_allreduce(guard) as calls:
+            for step in range(1, 4):
+                hit = _poison(model) if (step == 2 and rank == world - 1) else None
+                applied.append(window(guard, model, step, rank, world, hit).applied)
+        out[kind] = {"applied": applied, "consensus_calls": len(calls), "params": flat(model),
+                     "rank_overflows": guard.distributed.summary()["rank_overflows"]}
+    return out
+
+
+def fault_after_reduce_plain_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The trade: under plain DDP a rank-local fault AFTER the all-reduce is not agreed on (no
+    consensus); the last rank skips alone and the next audit names it (DesyncError)."""
+    model = ddp(make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, audit_every=3)
+    for step in range(1, 5):
+        hit = _poison(model) if (step == 2 and rank == world - 1) else None
+        try:
+            window(guard, model, step, rank, world, hit)
+        except ag.DesyncError as exc:
+            return {"step": step, "ranks": exc.ranks, "fields": sorted(exc.differences)}
+    return {"step": None}
 
 
 def _accumulation_run(rank: int, world: int, wrap: Callable[[nn.Module], nn.Module],
@@ -192,10 +272,35 @@ def _accumulation_run(rank: int, world: int, wrap: Callable[[nn.Module], nn.Modu
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
                      scaler=SCALE, accumulation_steps=2)
     for step in range(1, windows + 1):
-        hit = _poison(model) if (step == inject_window and rank == world - 1) else None
-        window(guard, model, step, rank, world, hit)
+        faulty_window(guard, model, step, rank, world,
+                      bad=step == inject_window and rank == world - 1)
     model.guard = guard  # for the caller
     return model
+
+
+def faulty_window(guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int,
+                  bad: bool) -> ag.StepResult:
+    """:func:`window`; when ``bad``, one of this rank's gradients is inf.
+
+    Plain DDP (no consensus): the fault comes BEFORE the all-reduce, as a real one would (a
+    rank-local change after it is the audit's to catch). FSDP2 and the rest: in this rank's own
+    (shard of the) gradient after the reduction, which only the consensus spreads.
+    """
+    if not bad:
+        return window(guard, model, step, rank, world)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        handle = next(model.parameters()).register_hook(_inf_grad)
+        try:
+            return window(guard, model, step, rank, world)
+        finally:
+            handle.remove()
+    return window(guard, model, step, rank, world, _poison(model))
+
+
+def _inf_grad(grad: torch.Tensor) -> torch.Tensor:
+    out = grad.clone()
+    out.view(-1)[0] = float("inf")
+    return out
 
 
 def ddp_accumulation(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -327,8 +432,7 @@ def _resume_case(rank: int, world: int, tmp: str, wrap: Callable[[nn.Module], nn
 
     model, opt, guard = build(0)
     for step in range(1, 4):
-        window(guard, model, step, rank, world,
-               _poison(model) if step == 2 and rank == 0 else None)
+        faulty_window(guard, model, step, rank, world, bad=step == 2 and rank == 0)
     torch.manual_seed(100 + rank)  # each rank's own RNG stream must come back on resume
     save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard,
                                 extra={"step": 3})
@@ -393,7 +497,7 @@ def rank_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """The last rank raises between backward and step; the others must fail fast, not hang."""
     model = ddp(make_model())
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE)
+                     scaler=SCALE, peer_timeout=PEER)
 
     def crash() -> None:
         raise RuntimeError("simulated crash on the last rank")
@@ -402,10 +506,102 @@ def rank_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
     started = time.monotonic()
     try:
         window(guard, model, 2, rank, world, crash if rank == world - 1 else None)
+        window(guard, model, 3, rank, world)  # plain DDP: no consensus; the backward fails
     except PeerFailureError as exc:
-        return {"error": type(exc).__name__, "message": str(exc),
+        return {"error": type(exc).__name__, "message": str(exc), "ranks": exc.ranks,
                 "seconds": time.monotonic() - started}
     return {"error": None}
+
+
+# ---------------------------------------------------------------------- failing peers
+PEER = 1.5  # peer_timeout in the failure scenarios (the roll call waits 3 s, its minimum)
+SLEEP = 7.0  # a hung rank's pause: longer than the survivors' timeout + roll call
+
+
+def _failing(kind: str, rank: int, world: int, **kwargs: Any) -> tuple[nn.Module, ag.Guard]:
+    model = {"ddp": ddp, "fsdp2": fsdp2, "plain": lambda m: m}[kind](make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     scaler=SCALE, peer_timeout=PEER, **kwargs)
+    return model, guard
+
+
+def _until_failure(run: Callable[[], None]) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        run()
+    except PeerFailureError as exc:
+        return {"error": "PeerFailureError", "ranks": exc.ranks, "message": str(exc),
+                "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def _sleep_before_step(kind: str, rank: int, world: int) -> dict[str, Any]:
+    """The last rank pauses between backward and ``guard.step()`` of window 2."""
+    model, guard = _failing(kind, rank, world, audit_every=None)
+    window(guard, model, 1, rank, world)
+    if rank == world - 1:
+        return _until_failure(lambda: window(guard, model, 2, rank, world,
+                                             lambda: time.sleep(SLEEP)))
+
+    def survivor() -> None:
+        for step in range(2, 5):
+            window(guard, model, step, rank, world)
+    return _until_failure(survivor)
+
+
+def _sleep_in_audit(kind: str, rank: int, world: int) -> dict[str, Any]:
+    """The last rank pauses inside the audit of window 2 (audit every 2 windows)."""
+    model, guard = _failing(kind, rank, world, audit_every=2)
+    if rank == world - 1:
+        state = guard.distributed
+        own = state.origin_columns
+        state.origin_columns = lambda: (time.sleep(SLEEP), own())[1]  # type: ignore[method-assign]
+
+    def run() -> None:
+        for step in range(1, 4):
+            window(guard, model, step, rank, world)
+    return _until_failure(run)
+
+
+def _crash(kind: str, rank: int, world: int) -> dict[str, Any]:
+    """The last rank dies at the start of window 2 (before its forward)."""
+    model, guard = _failing(kind, rank, world)
+    window(guard, model, 1, rank, world)
+    if rank == world - 1:
+        os._exit(3)  # a crash: no exception, no goodbye
+    return _until_failure(lambda: window(guard, model, 2, rank, world))
+
+
+def sleep_before_step_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _sleep_before_step("ddp", rank, world)
+
+
+def sleep_before_step_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _sleep_before_step("fsdp2", rank, world)
+
+
+def sleep_before_step_plain(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _sleep_before_step("plain", rank, world)
+
+
+def sleep_in_audit_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _sleep_in_audit("ddp", rank, world)
+
+
+def sleep_in_audit_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _sleep_in_audit("fsdp2", rank, world)
+
+
+def sleep_in_audit_plain(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _sleep_in_audit("plain", rank, world)
+
+
+def crash_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _crash("ddp", rank, world)
+
+
+def crash_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _crash("fsdp2", rank, world)
 
 
 def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -418,7 +614,10 @@ def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
     f.__name__: f for f in (inf_on_one_rank, ddp_accumulation, ddp_containment, fsdp2_vs_ddp,
                             desync_raises, desync_repairs, desync_warns, ddp_resume, fsdp2_resume,
-                            hook_drops_nan_rank, rank_raises, demo_fsdp2)
+                            hook_drops_nan_rank, rank_raises, demo_fsdp2, inf_after_reduce,
+                            fault_after_reduce_plain_ddp, sleep_before_step_ddp,
+                            sleep_before_step_fsdp2, sleep_before_step_plain, sleep_in_audit_ddp,
+                            sleep_in_audit_fsdp2, sleep_in_audit_plain, crash_ddp, crash_fsdp2)
 }
 
 

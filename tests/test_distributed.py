@@ -26,11 +26,15 @@ from ampguard.checkpoint import CheckpointError
 from ampguard.distributed import param_checksum
 from ampguard.testing import SyncCounter
 
-TWO = ["inf_on_one_rank", "ddp_accumulation", "ddp_containment", "fsdp2_vs_ddp", "desync_raises",
+TWO = ["inf_on_one_rank", "inf_after_reduce", "fault_after_reduce_plain_ddp",
+       "ddp_accumulation", "ddp_containment", "fsdp2_vs_ddp", "desync_raises",
        "desync_repairs", "desync_warns", "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank",
        "demo_fsdp2"]
 FOUR = ["inf_on_one_rank", "desync_raises", "rank_raises"]
 GROUP_TIMEOUT = 150
+# a rank that pauses in ampguard's own collectives; the default group keeps its 30 s timeout
+HANGS = ["sleep_in_audit_ddp", "sleep_in_audit_fsdp2", "sleep_in_audit_plain",
+         "sleep_before_step_fsdp2", "sleep_before_step_plain"]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +93,15 @@ def test_inf_on_one_rank_leaves_parameters_identical_across_ranks(request, world
 
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
+def test_plain_ddp_runs_no_consensus_collective(request, world):
+    results, world = group(request, world)
+    for v in all_ranks(ok(results, "inf_on_one_rank"), world):
+        assert v["needed"] is False
+        assert v["consensus_calls"] == 0
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("world", [2, 4])
 def test_overflow_origin_names_the_rank_whose_gradients_overflowed(request, world):
     results, world = group(request, world)
     expected = {r: int(r == world - 1) for r in range(world)}
@@ -96,6 +109,28 @@ def test_overflow_origin_names_the_rank_whose_gradients_overflowed(request, worl
     for v in all_ranks(ok(results, "inf_on_one_rank"), world):
         assert v["summary"]["rank_overflows"] == expected
         assert v["summary"]["rank_first_overflow_step"] == first
+        assert v["summary"]["origin"] == "each rank's own loss, gathered at the audit of step 4"
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("kind", ["ddp_hook", "ddp_safe_hook", "plain"])
+def test_paths_that_keep_the_consensus_skip_a_fault_after_the_reduction_on_every_rank(two, kind):
+    values = [v[kind] for v in all_ranks(ok(two, "inf_after_reduce"), 2)]
+    for v in values:
+        assert v["applied"] == [True, False, True]
+        assert v["consensus_calls"] == 3  # one per window
+        assert v["rank_overflows"] == {0: 0, 1: 1}
+    if kind != "plain":  # a plain model is not averaged: its ranks train apart by design
+        assert values[0]["params"] == values[1]["params"]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_plain_ddp_fault_after_the_all_reduce_is_named_by_the_next_audit(two):
+    # the trade of dropping the consensus: a rank-local change after DDP's all-reduce is not
+    # agreed on per step; the audit (every 3 windows here) catches the divergence
+    for v in all_ranks(ok(two, "fault_after_reduce_plain_ddp"), 2):
+        assert v["step"] == 3 and v["ranks"] == [1]
+        assert {"param_checksum", "scale", "skipped_steps"} <= set(v["fields"])
 
 
 # ---------------------------------------------------------------------- accumulation
@@ -227,12 +262,72 @@ def test_a_rank_that_raises_does_not_leave_the_others_hanging(four):
     per_rank = four["rank_raises"]
     status, value = per_rank[3]
     assert status == "error" and "simulated crash" in value
+    named = []
     for rank in range(3):
         status, v = per_rank[rank]
         assert status == "ok", v
         assert v["error"] == "PeerFailureError"
-        assert "found_inf consensus at step 2" in v["message"]
+        # plain DDP runs no consensus: the next window's gradient all-reduce fails
+        assert "gradient reduction in backward at step 3" in v["message"]
+        assert v["ranks"] in ([3], [])  # never an innocent rank
+        named += v["ranks"]
         assert v["seconds"] < 20  # far below the 30 s collective timeout
+    # a ring neighbour of the dead rank fails at once and names it; a rank still blocked in the
+    # ring is reported as blocked, not as failed (its roll-call thread answers for it)
+    assert 3 in named
+
+
+# ---------------------------------------------------------------------- failing peers
+@pytest.fixture(scope="module")
+def hangs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return S.run_group(2, HANGS, timeout=130, tmp=str(tmp_path_factory.mktemp("hangs")))
+
+
+def _named_by_survivor(per_rank: dict, what: str) -> None:
+    status, v = per_rank[0]
+    assert status == "ok", v
+    assert v["error"] == "PeerFailureError", v
+    assert v["ranks"] == [1] and "rank(s) 1 did not answer" in v["message"]
+    assert what in v["message"]
+    assert v["seconds"] < S.SLEEP + 4  # peer_timeout + roll call, not the 30 s group timeout
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "plain"])
+def test_a_rank_paused_inside_the_audit_is_named_after_peer_timeout(hangs, kind):
+    per_rank = hangs[f"sleep_in_audit_{kind}"]
+    _named_by_survivor(per_rank, "the cross-rank audit at step 2")
+    status, v = per_rank[1]  # the paused rank gets a bounded error too, saying it was late
+    assert status == "ok" and v["error"] == "PeerFailureError" and v["ranks"] == []
+    assert "stopped waiting for THIS rank" in v["message"]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("kind", ["fsdp2", "plain"])
+def test_a_rank_paused_before_step_is_named_by_the_consensus_after_peer_timeout(hangs, kind):
+    _named_by_survivor(hangs[f"sleep_before_step_{kind}"], "the found_inf consensus at step 2")
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+def test_under_plain_ddp_a_rank_paused_before_step_is_bounded_by_the_group_timeout():
+    # no consensus under plain DDP: the others wait in DDP's next all-reduce, which only the
+    # process group's own timeout bounds (init_process_group(timeout=...); README)
+    per_rank = S.run_group(2, ["sleep_before_step_ddp"], timeout=100, pg_timeout=3.0)
+    per_rank = per_rank["sleep_before_step_ddp"]
+    _named_by_survivor(per_rank, "the gradient reduction in backward at step 3")
+    assert "Timed out" in per_rank[0][1]["message"]
+
+
+@pytest.mark.timeout(GROUP_TIMEOUT)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_crashed_rank_is_a_peer_failure_error_naming_it(kind):
+    per_rank = S.run_group(2, [f"crash_{kind}"], timeout=100)[f"crash_{kind}"]
+    status, v = per_rank[0]
+    assert status == "ok", v
+    assert v["error"] == "PeerFailureError" and v["ranks"] == [1]
+    assert "at step 2 failed on rank 0 of 2" in v["message"]
+    assert "Connection" in v["message"]  # gloo's own words stay in the message as the cause
+    assert v["seconds"] < 15
 
 
 # ---------------------------------------------------------------------- demo
@@ -272,6 +367,28 @@ def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_bad_audit_every_is_a_value_error_naming_it(value):
     with pytest.raises(ValueError, match="audit_every must be None or an integer >= 1"):
         ag.Guard(*tiny(), audit_every=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True, None, float("nan"), 1e9])
+def test_bad_peer_timeout_is_a_value_error_naming_it(value):
+    with pytest.raises(ValueError, match="peer_timeout must be a number of seconds > 0"):
+        ag.Guard(*tiny(), peer_timeout=value)
+
+
+def test_peer_failure_error_is_exported_and_keeps_the_failed_ranks():
+    err = ag.PeerFailureError("the audit at step 3 failed", ranks=(2, 3), step=3, what="audit")
+    assert ag.PeerFailureError is __import__("ampguard.distributed").distributed.PeerFailureError
+    assert err.ranks == [2, 3] and err.step == 3 and isinstance(err, RuntimeError)
+    assert ag.PeerFailureError("plain message").ranks == []
+
+
+def test_a_user_error_inside_the_guarded_block_is_not_a_peer_failure():
+    from ampguard._dist_peers import is_comm_error
+
+    assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_comm_error(ValueError("gloo"))
+    assert is_comm_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by "
+                                      "peer [127.0.0.1]:7914"))
 
 
 def test_bad_on_desync_is_a_value_error_naming_the_choices():
@@ -420,3 +537,52 @@ def test_desync_finding_states_the_fix_once():
     assert "Fix:" not in finding.message
     assert finding.fix == _DESYNC_FIX
     assert str(err).endswith(_DESYNC_FIX)  # the exception itself still says what to do
+
+
+@pytest.mark.timeout(60)
+def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(world_of_one):
+    from ampguard.distributed_hooks import register_nonfinite_safe_hook
+
+    def needed(**kwargs: object) -> bool:
+        model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+        extra = kwargs.pop("extra", None)
+        params = list(model.parameters()) + ([extra] if extra is not None else [])
+        guard = ag.Guard(model, torch.optim.SGD(params, lr=0.1), precision="fp16", **kwargs)
+        return guard.distributed.consensus_needed
+
+    assert not needed()  # plain DDP: every rank's own check agrees
+    assert needed(contain_nonfinite_microbatches=True)
+    assert needed(extra=torch.nn.Parameter(torch.zeros(3)))  # a parameter DDP does not reduce
+    model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+    register_nonfinite_safe_hook(model)  # registered after the Guard: seen at the next window
+    assert guard.distributed.consensus_needed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
+    model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
+                     scaler=S.SCALE if precision == "fp16" else None, audit_every=None)
+    for step in range(1, 4):
+        S.window(guard, model, step, 0, 1)
+    state = guard.distributed
+    assert state.counters._finite == []  # drained every window (never filled without a scaler)
+    assert len(state.counters._local) == (3 if precision == "fp16" else 0)  # folded at 64
+
+
+@pytest.mark.timeout(60)
+def test_only_communication_errors_inside_the_guard_become_peer_failures(world_of_one):
+    model = torch.nn.parallel.DistributedDataParallel(S.make_model())
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     peer_timeout=3)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        with guard.autocast():
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert not isinstance(info.value, ag.PeerFailureError)  # the user's own error, untouched
+    with pytest.raises(ag.PeerFailureError, match="the forward's collectives at step 1") as info:
+        with guard.autocast():
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert info.value.step == 1 and info.value.ranks == []  # one rank: nobody missing
+    assert "Connection closed by peer" in str(info.value)  # gloo's words stay as the cause

@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "save_checkpoint": "ampguard.checkpoint",
     "load_checkpoint": "ampguard.checkpoint",
     "DesyncError": "ampguard.distributed",
+    "PeerFailureError": "ampguard.distributed",
     "save_distributed_checkpoint": "ampguard.checkpoint_dist",
     "load_distributed_checkpoint": "ampguard.checkpoint_dist",
     "locate": "ampguard.forensics",

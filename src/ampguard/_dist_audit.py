@@ -21,20 +21,21 @@ __all__ = ["AUDIT_FIELDS", "run_audit", "local_row", "compare_rows", "repair"]
 
 AUDIT_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "applied_steps",
                 "skipped_steps", "precision", "param_checksum")
-_PRECISIONS = ("fp32", "bf16", "fp16")
+_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # append only: codes cross ranks
 
 
 def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
     """One audit for :meth:`DistributedState.audit`: gather the rows, compare, act."""
     top = state.topology
-    table = torch.zeros(top.world_size, len(AUDIT_FIELDS), dtype=torch.int64,
-                        device=state.device)
-    table[top.rank] = local_row(guard, state, state.device)
-    try:
-        dist.all_reduce(table, group=top.group)
-    except RuntimeError as exc:
-        raise state.peer_failure("the cross-rank audit", guard.steps, exc) from exc
-    rows = table.tolist()
+    n = len(AUDIT_FIELDS)
+    # the row, then this rank's overflow-origin counters (gathered, not compared)
+    table = torch.zeros(top.world_size, n + 3, dtype=torch.int64, device=state.device)
+    table[top.rank, :n] = local_row(guard, state, state.device)
+    table[top.rank, n:] = state.origin_columns().to(state.device)
+    with state.collectives("the cross-rank audit", guard.steps):
+        dist.all_reduce(table, group=state.group)
+    state.adopt_origin(table[:, n:], guard.steps)
+    rows = table[:, :n].tolist()
     state.audits += 1
     diffs, odd = compare_rows(rows, top.ranks)
     if not diffs:
@@ -119,9 +120,9 @@ def repair(guard: Any, state: Any, reference: Sequence[int], params_differ: bool
     guard._counts.skipped = fields["skipped_steps"]
     if params_differ:
         top = state.topology
-        with torch.no_grad():
+        with torch.no_grad(), state.collectives("the audit's repair broadcast", guard.steps):
             for p in state.replicated_params():
-                dist.broadcast(p.data, src=top.ranks[0], group=top.group)
+                dist.broadcast(p.data, src=top.ranks[0], group=state.group)
 
 
 def _desync_message(step: int, reason: str, every: int | None,

@@ -10,6 +10,14 @@ with more than one rank is initialised ("process_group").
   the column maxima, so all ranks skip or step together, and the rows say which rank overflowed
   (the overflow origin). Nothing is read on the host: the Guard reads its packed status exactly
   where torch's GradScaler would.
+- **No consensus where it is redundant.** Under plain DDP (no comm hook, no containment, every
+  optimized parameter reduced by DDP over the Guard's group) every rank steps on the same averaged
+  gradients, and a non-finite value on one rank is non-finite in the average on all: each rank's
+  own check already agrees, so no collective runs. The overflow origin then comes from each
+  rank's own loss (non-finite or not; device flags, no sync), gathered by the next audit.
+- **Peers.** ampguard's collectives run on a group of their own with ``timeout=peer_timeout``;
+  a failed collective (ampguard's, or DDP's/FSDP2's inside the Guard's calls) raises
+  :class:`PeerFailureError` naming the ranks that did not answer (:mod:`ampguard._dist_peers`).
 - **Accumulation.** Non-final micro-batches run under DDP's ``no_sync()`` or with FSDP2's
   ``set_requires_gradient_sync(False)``.
 - **Audit.** Every ``audit_every`` windows (and at checkpoint time) one small all-reduce compares
@@ -24,13 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ampguard._dist_counters import RankCounters
+from ampguard._dist_peers import Peers, failed_ranks, is_comm_error
 from ampguard.distributed_hooks import hook_state
 from ampguard.findings import Finding
 
@@ -40,7 +50,6 @@ __all__ = [
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
-_FOLD_EVERY = 64  # windows between folds of the per-rank rows into the counters
 
 
 class DesyncError(RuntimeError):
@@ -70,7 +79,19 @@ class DesyncError(RuntimeError):
 
 
 class PeerFailureError(RuntimeError):
-    """A collective of the Guard failed: another rank crashed, exited or timed out."""
+    """A collective of the Guard failed: another rank crashed, exited or timed out.
+
+    ``ranks``: the global ranks that did not answer the roll call after the failure (empty when
+    every rank answered or they could not be determined); ``step``: the window; ``what``: the
+    collective that failed.
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = (), step: int | None = None,
+                 what: str = "") -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+        self.step = step
+        self.what = what
 
 
 _DESYNC_FIX = (
@@ -185,26 +206,31 @@ class _Pending:
 
     def wait(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Agreed ``(found flags, dropped micro-batches or None)``. Cost: no host sync."""
-        try:
+        with self.state.collectives("the found_inf consensus", self.step):
             self.work.wait()
-        except RuntimeError as exc:
-            raise self.state.peer_failure("the found_inf consensus", self.step, exc) from exc
         return self.state._settle(self.buf, self.n, self.has_dropped, self.step)
 
 
 class DistributedState:
     """What a Guard keeps for distributed training: topology, consensus, audit, counters.
 
-    Counters live on the device: ``rank_overflows`` (windows in which each rank's own gradients
-    were non-finite), ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last
+    Counters live on the device (:class:`~ampguard._dist_counters.RankCounters`):
+    ``rank_overflows`` (windows in which each rank's own gradients were non-finite),
+    ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last consensus
     window's per-rank rows: the overflow origin), the first window each rank overflowed in.
     Read them with :meth:`summary` (one sync) or
     record :meth:`telemetry_fields` (device tensors, no sync).
     """
 
     def __init__(self, model: torch.nn.Module, topology: Topology, device: torch.device,
-                 audit_every: int | None, on_desync: str) -> None:
+                 audit_every: int | None, on_desync: str, *, peers: Peers | None = None,
+                 containment: bool = False, params: Sequence[torch.Tensor] = ()) -> None:
         self.topology = topology
+        self.peers = peers
+        # ampguard's own collectives: on the group with timeout=peer_timeout when there is one
+        self.group = peers.group if peers is not None else topology.group
+        self._redundant = _consensus_redundant(model, topology, containment, params)
+        self.origin_audit_step: int | None = None  # last audit that gathered the local origin
         self.model = model
         self.audit_every = audit_every
         self.on_desync = on_desync
@@ -212,13 +238,7 @@ class DistributedState:
         self._fsdp = fsdp_modules(model) if topology.kind == "fsdp2" else []
         self._dtensors = _has_dtensors(model)
         self._sync_flag: bool | None = None
-        world = topology.world_size
-        self._overflows = torch.zeros(world, dtype=torch.int64, device=device)
-        self._dropped = torch.zeros(world, dtype=torch.int64, device=device)
-        self._rows: list[torch.Tensor] = []  # windows not yet folded into the counters
-        self._row_steps: list[int] = []
-        self._first_overflow = torch.full((world,), torch.iinfo(torch.int64).max,
-                                          dtype=torch.int64, device=device)
+        self.counters = RankCounters(topology.world_size, topology.rank, device)  # origin
         self.last_rows: torch.Tensor | None = None
         self.audits = 0
 
@@ -260,12 +280,32 @@ class DistributedState:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     # ------------------------------------------------------------------ consensus
+    @property
+    def consensus_needed(self) -> bool:
+        """False under plain DDP, where every rank's own found_inf provably agrees.
+
+        A comm hook registered on the DDP model (any: it may change the reduction) brings the
+        consensus back, checked every window (hooks may be registered after the Guard).
+        """
+        return not self._redundant or bool(getattr(self.model, "_comm_hooks", None))
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Without consensus: remember whether this rank's own loss was finite (the overflow
+        origin a plain all-reduce hides). Cost: one tiny device op; no host sync."""
+        if not self.consensus_needed:
+            self.counters.note_loss(loss)
+
     def start_consensus(self, found: list[torch.Tensor], dropped: torch.Tensor | None,
-                        step: int) -> _Pending:
+                        step: int) -> _Pending | None:
         """Issue the one all-reduce(MAX) of this window's flags; returns the pending result.
 
-        Cost: one collective of ``world * (n + 1)`` floats, asynchronous; no host sync.
+        None where the consensus is redundant (plain DDP, :attr:`consensus_needed`): the local
+        flags are the agreed ones. Cost: one collective of ``world * (n + 1)`` floats,
+        asynchronous; no host sync (none at all without consensus).
         """
+        if not self.consensus_needed:
+            self.counters.end_window(step)
+            return None
         n = len(found)
         top = self.topology
         buf = torch.zeros(top.world_size, n + 1, dtype=torch.float32, device=self.device)
@@ -273,7 +313,7 @@ class DistributedState:
         if dropped is not None:
             buf[top.rank, n].copy_(dropped)
         try:
-            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=top.group, async_op=True)
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         except RuntimeError as exc:
             raise self.peer_failure("the found_inf consensus", step, exc) from exc
         return _Pending(self, buf, work, n, dropped is not None, step)
@@ -281,50 +321,64 @@ class DistributedState:
     def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         self.last_rows = buf
-        self._rows.append(buf)
-        self._row_steps.append(step)
-        if len(self._rows) >= _FOLD_EVERY:
-            self._fold()
+        self.counters.add_rows(buf, step)
         # column maxima: overflow anywhere -> every rank skips. With containment, DDP syncs
         # every micro-batch, so all ranks drop the same ones: the window's count is the largest
         # per-rank count (per-rank counts stay in rank_dropped)
         agreed = buf.amax(dim=0)
         return list(agreed[:n].unbind()), (agreed[n].long() if has_dropped else None)
 
-    def _fold(self) -> None:
-        """Add the windows seen since the last fold to the per-rank counters (device ops)."""
-        if not self._rows:
-            return
-        rows = torch.stack(self._rows)  # (windows, world, n + 1)
-        steps = torch.tensor(self._row_steps, dtype=torch.int64, device=rows.device)
-        self._rows.clear()
-        self._row_steps.clear()
-        over = rows[..., :-1].amax(dim=-1) > 0  # (windows, world)
-        self._overflows.add_(over.sum(dim=0))
-        never = torch.iinfo(torch.int64).max
-        first = torch.where(over, steps[:, None], never).amin(dim=0)
-        torch.minimum(self._first_overflow, first, out=self._first_overflow)
-        self._dropped.add_(rows[..., -1].sum(dim=0).long())
+    def origin_columns(self) -> torch.Tensor:
+        """This rank's own (overflows, first overflow, dropped) for the audit to gather."""
+        return self.counters.columns()
+
+    def adopt_origin(self, table: torch.Tensor, step: int) -> None:
+        """Take every rank's counters from an audit (only where no consensus shares them)."""
+        if self._redundant:
+            self.counters.adopt(table)
+            self.origin_audit_step = step
 
     @property
     def rank_overflows(self) -> torch.Tensor:
         """Per rank: windows in which its own gradients were non-finite (device int64)."""
-        self._fold()
-        return self._overflows
+        return self.counters.overflows
 
     @property
     def rank_dropped(self) -> torch.Tensor:
         """Per rank: micro-batches it dropped under containment (device int64)."""
-        self._fold()
-        return self._dropped
+        return self.counters.dropped
 
     def peer_failure(self, what: str, step: int, exc: BaseException) -> PeerFailureError:
+        """The :class:`PeerFailureError` for a failed collective, after the roll call.
+
+        Cost: store round trips; up to ``min(peer_timeout, 10 s)`` waiting for the other
+        survivors' names.
+        """
         top = self.topology
+        answers = self.peers.roll_call() if self.peers is not None else None
+        who = (self.peers.describe(answers) if self.peers is not None else
+               "another rank probably crashed, exited or stopped calling Guard.step()")
         return PeerFailureError(
             f"{what} at step {step} failed on rank {top.global_rank} of {top.world_size} "
-            f"({top.kind}): another rank probably crashed, exited or stopped calling "
-            f"Guard.step(); check the other ranks' logs. Cause: {exc}"
-        )
+            f"({top.kind}): {who}. Cause: {exc}",
+            ranks=failed_ranks(answers), step=step, what=what)
+
+    @contextlib.contextmanager
+    def collectives(self, what: str, step: int) -> Iterator[None]:
+        """Turn a failed collective inside the block (DDP's, FSDP2's, ampguard's) into a
+        :class:`PeerFailureError`; any other exception passes through unchanged. While inside,
+        a roll call started by another rank hears that this rank is alive and waiting."""
+        waiting = (self.peers.waiting(what) if self.peers is not None
+                   else contextlib.nullcontext())
+        try:
+            with waiting:
+                yield
+        except PeerFailureError:
+            raise
+        except Exception as exc:
+            if not is_comm_error(exc):
+                raise
+            raise self.peer_failure(what, step, exc) from exc
 
     # ------------------------------------------------------------------ audit
     def maybe_audit(self, guard: Any) -> None:
@@ -339,7 +393,8 @@ class DistributedState:
         """Compare the Guard's state across ranks; act on a mismatch per ``on_desync``.
 
         Returns the differences (field -> {global rank: value}; empty when in sync).
-        Cost: one host sync and one all-reduce of ``world * 8`` int64.
+        Cost: one host sync and one all-reduce of ``world * 11`` int64 (8 compared fields and
+        3 overflow-origin counters), on the Guard's own group (bounded by ``peer_timeout``).
         """
         from ampguard._dist_audit import run_audit
 
@@ -364,7 +419,8 @@ class DistributedState:
     def telemetry_fields(self) -> dict[str, Any]:
         """Per-window fields for the run log (device tensors; no host sync).
 
-        ``overflow_ranks``: 1.0 where that rank's own gradients overflowed in the last window;
+        ``overflow_ranks``: 1.0 where that rank's own gradients overflowed in the last window
+        (None under plain DDP, which runs no consensus: see :meth:`summary`'s ``origin``);
         ``hook_nonfinite_ranks``: ranks left out by the non-finite-safe DDP hook (last bucket).
         """
         rows, hook = self.last_rows, hook_state(self.model)
@@ -379,7 +435,7 @@ class DistributedState:
         """Rank-aware counters as plain values. Cost: one host sync."""
         top = self.topology
         over, dropped, first = torch.stack(
-            [self.rank_overflows, self.rank_dropped, self._first_overflow]).tolist()
+            [self.rank_overflows, self.rank_dropped, self.counters.first_overflow]).tolist()
         never = torch.iinfo(torch.int64).max
         hook = hook_state(self.model)
         return {
@@ -391,6 +447,11 @@ class DistributedState:
             "rank_first_overflow_step": {r: (None if f == never else f)
                                          for r, f in zip(top.ranks, first, strict=True)},
             "hook": hook.summary() if hook is not None else None,
+            # where the per-rank counts come from (README: the overflow-origin trade)
+            "origin": ("found_inf consensus" if not self._redundant else
+                       "each rank's own loss, gathered at the audit of step "
+                       f"{self.origin_audit_step}" if self.origin_audit_step is not None else
+                       "each rank's own loss, not gathered yet (no audit ran)"),
         }
 
     def findings(self, step: int | None = None) -> list[Finding]:
@@ -415,9 +476,27 @@ class DistributedState:
         )]
 
 
+def _consensus_redundant(model: torch.nn.Module, topology: Topology, containment: bool,
+                         params: Sequence[torch.Tensor]) -> bool:
+    """True under plain DDP: every optimized parameter is reduced by DDP over the Guard's group.
+
+    Then every rank steps on bitwise-equal averaged gradients (a non-finite value anywhere is
+    non-finite in the average everywhere), so each rank's own found_inf is the agreed one.
+    """
+    if topology.kind != "ddp" or containment or not params:
+        return False
+    if topology.group is not getattr(model, "process_group", None):
+        return False  # process_group= names another group than the one DDP reduces over
+    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+    reduced = {id(p) for name, p in model.module.named_parameters()  # type: ignore[union-attr]
+               if name not in ignored}
+    return all(id(p) in reduced for p in params)
+
+
 def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | None = 100,
-           on_desync: str = "raise", process_group: Any = None,
-           containment: bool = False) -> DistributedState | None:
+           on_desync: str = "raise", process_group: Any = None, containment: bool = False,
+           params: Sequence[torch.Tensor] = (), peer_timeout: float | None = None
+           ) -> DistributedState | None:
     """Validate the options and return the :class:`DistributedState`, or None (single process).
 
     Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
@@ -436,7 +515,11 @@ def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | N
             "its gradient shard, so ranks would drop different micro-batches); use DDP, or rely "
             "on the skipped step"
         )
-    return DistributedState(model, topology, device, audit_every, on_desync)
+    peers = None
+    if peer_timeout is not None:
+        peers = Peers(topology.ranks, topology.global_rank, topology.group, peer_timeout)
+    return DistributedState(model, topology, device, audit_every, on_desync, peers=peers,
+                            containment=containment, params=params)
 
 
 def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ampguard import _fp8_guard, _guard_forensics, _guard_state, _nonfinite, results
+from ampguard._dist_peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
 from ampguard._guard_args import (
     as_optimizers,
     check_backward,
@@ -90,6 +91,7 @@ class Guard:
         audit_every: int | None = 100,
         on_desync: str = "raise",
         process_group: Any = None,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
         telemetry: str | os.PathLike | Telemetry | None = None,
         keep_fp32: Sequence[str] | str | None = None,
         forensics: bool = False,
@@ -132,10 +134,13 @@ class Guard:
         self._contain: MicrobatchBuffer | None = None
         self._resume = ResumeTracker(resume_warmup)
         self.resume_warmup = resume_warmup
-        # distributed (ampguard.distributed): None unless a process group is in play
+        # distributed (ampguard.distributed): None unless a process group is in play; ampguard's
+        # own collectives wait at most peer_timeout seconds (ampguard._dist_peers)
+        self.peer_timeout = check_peer_timeout(peer_timeout)
         self._dist = _attach_distributed(
             model, self._device, audit_every=audit_every, on_desync=on_desync,
-            process_group=process_group, containment=self.contain_nonfinite_microbatches)
+            process_group=process_group, containment=self.contain_nonfinite_microbatches,
+            params=params, peer_timeout=self.peer_timeout)
         telemetry = _rank_telemetry(self._dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
         self._telemetry = _attach_telemetry(telemetry, self)
@@ -203,7 +208,8 @@ class Guard:
         so gradients are all-reduced once per window. Cost: no host sync.
         """
         traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
-        with self._grad_sync_context(), self._policy.autocast(), traced:
+        with self._peers("the forward's collectives"), self._grad_sync_context(), \
+                self._policy.autocast(), traced:
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -220,16 +226,19 @@ class Guard:
         check_backward(self._micro, self.accumulation_steps)
         if self._telemetry is not None:
             self._telemetry._on_backward(loss)
+        if self._dist is not None and self._scaler is not None:
+            self._dist.note_loss(loss)  # plain DDP: this rank's overflow origin, no collective
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         if self._scaler is not None:
             loss = self._scaler.scale_loss(loss)
-        if self._forensics is not None:  # armed or coverage windows trace the backward too
-            self._forensics.on_loss(loss)
-            with self._forensics.session("backward"):
+        with self._peers("the gradient reduction in backward"):  # DDP/FSDP2 collectives
+            if self._forensics is not None:  # armed or coverage windows trace the backward too
+                self._forensics.on_loss(loss)
+                with self._forensics.session("backward"):
+                    loss.backward(**kwargs)
+            else:
                 loss.backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
         self._micro += 1
         if self.contain_nonfinite_microbatches:
             self._contain_microbatch()
@@ -255,8 +264,9 @@ class Guard:
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
-            result = self._step_scaled(kwargs) if self._scaler else \
-                _nonfinite.step_unscaled(self, kwargs)
+            with self._peers("Guard.step()", self._steps):  # e.g. FSDP2's grad-norm all-reduce
+                result = self._step_scaled(kwargs) if self._scaler else \
+                    _nonfinite.step_unscaled(self, kwargs)
         except BaseException:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry._on_abort()
@@ -667,6 +677,13 @@ class Guard:
         """Run the cross-rank audit now (every rank must call it); ``{}`` when in sync or not
         distributed. Cost: one host sync and one small all-reduce."""
         return self._dist.audit(self, reason="requested") if self._dist is not None else {}
+
+    def _peers(self, what: str, step: int | None = None) -> contextlib.AbstractContextManager:
+        """A failed collective in the block -> ``PeerFailureError`` naming the ranks; ``step``:
+        the window (default: the one in progress)."""
+        if self._dist is None:
+            return contextlib.nullcontext()
+        return self._dist.collectives(what, self._steps + 1 if step is None else step)
 
     def _grad_sync_context(self) -> contextlib.AbstractContextManager:
         final = self._micro >= self.accumulation_steps - 1
