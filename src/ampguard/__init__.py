@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.checkpoint_dist import load_distributed_checkpoint as load_distributed_checkpoint
     from ampguard.checkpoint_dist import save_distributed_checkpoint as save_distributed_checkpoint
     from ampguard.distributed import DesyncError as DesyncError
+    from ampguard.distributed import PeerFailureError as PeerFailureError
     from ampguard.experiments import Comparison as Comparison
     from ampguard.experiments import Experiment as Experiment
     from ampguard.experiments import compare as compare
