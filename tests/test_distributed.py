@@ -543,16 +543,21 @@ def test_desync_finding_states_the_fix_once():
 def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(world_of_one):
     from ampguard.distributed_hooks import register_nonfinite_safe_hook
 
-    def needed(**kwargs: object) -> bool:
-        model = torch.nn.parallel.DistributedDataParallel(S.make_model())
-        extra = kwargs.pop("extra", None)
-        params = list(model.parameters()) + ([extra] if extra is not None else [])
-        guard = ag.Guard(model, torch.optim.SGD(params, lr=0.1), precision="fp16", **kwargs)
+    ddp = torch.nn.parallel.DistributedDataParallel
+
+    def needed(ignored: bool = False, **kwargs: object) -> bool:
+        module = S.make_model()
+        if ignored:  # a parameter of the model that DDP is told not to reduce
+            module.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+            ddp._set_params_and_buffers_to_ignore_for_model(module, ["extra"])
+        model = ddp(module)
+        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                         **kwargs)
         return guard.distributed.consensus_needed
 
     assert not needed()  # plain DDP: every rank's own check agrees
     assert needed(contain_nonfinite_microbatches=True)
-    assert needed(extra=torch.nn.Parameter(torch.zeros(3)))  # a parameter DDP does not reduce
+    assert needed(ignored=True)  # a parameter DDP does not reduce
     model = torch.nn.parallel.DistributedDataParallel(S.make_model())
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
     register_nonfinite_safe_hook(model)  # registered after the Guard: seen at the next window

@@ -67,6 +67,7 @@ MAPPING: dict[str, str] = {
     "_runschema.py": "runlog/_schema.py",  # hostile
     # findings: the one shape of every diagnosis (the code catalogue joins it)
     "findings.py": "findings/__init__.py",
+    "_dist_counters.py": "distributed/_counters.py",  # dist: per-rank counters
     "codes.py": "findings/codes.py",  # the catalogue of finding codes
     "_report_on_close.py": "reporting/_on_close.py",  # Guard.close writes report.html
     # core: the AMP step's state and arithmetic, no ampguard imports

@@ -183,13 +183,13 @@ def heatmap_plot(run: RunLog) -> bytes | None:
     with np.errstate(divide="ignore", invalid="ignore"):
         data = np.log10(run.layer_norm.T)
     data[~np.isfinite(data)] = np.nan  # log10(0) = -inf: no colour, like a missing sample
-    _, data = bucket_columns(run.layer_steps, data)
+    cols, data = bucket_columns(run.layer_steps, data)  # long runs: at most MAX_POINTS/2
     data = np.ma.masked_invalid(data)
     height = min(10.0, 1.6 + 0.22 * min(len(run.layers), _MAX_LABELS))
     fig = _figure(9.0, height)
     ax = fig.add_subplot()
     rows = np.arange(len(run.layers) + 1) - 0.5
-    img = ax.pcolormesh(_column_edges(run.layer_steps), rows, data, cmap="viridis")
+    img = ax.pcolormesh(_column_edges(cols), rows, data, cmap="viridis")
     ax.set_ylim(len(run.layers) - 0.5, -0.5)  # the first layer on top
     if len(run.layer_steps) <= _MAX_STEP_TICKS:  # a short run: label every sampled step
         ax.set_xticks(run.layer_steps, [str(int(s)) for s in run.layer_steps], fontsize=7)
