@@ -15,15 +15,15 @@ backward attribution name the tensor whose gradient it is:
 
 With ``numerics=True`` each op also records, on the device, the max |x| of its floating inputs
 and of its outputs (one ``aminmax`` per tensor; NaN/inf propagate into it); :meth:`OpTrace.stats`
-reads them all with one sync. The numbers go into preallocated device blocks (one ``stack``
-into a slice per op, no host sync). The first op of a pass that turns finite inputs into NaN/inf
-is hunted in batches: the candidate ops (``hunt="low"``: fp16/bf16 outputs only) are kept
-with their arguments, and their numbers are read once per :data:`HUNT_BATCH` candidates and at
-the end of the pass (one sync each, instead of one per op). The first candidate that made a
-new non-finite value gets its NaN/inf counts and largest finite |x| (if its outputs were not
-changed in place since), and, if its output is in low precision, is recomputed from fp32
-copies of its inputs (if they were not changed in place since): ``shadow[index]`` is the max |x|
-it reaches in fp32 (the value that did not fit), or None if it cannot be rerun.
+reads them all with one sync (each op's numbers are one small ``stack``, no host sync). The
+first op of a pass that turns finite inputs into NaN/inf is hunted in batches: the candidate
+ops (``hunt="low"``: fp16/bf16 outputs only) are kept with their arguments, and their numbers
+are read once per :data:`HUNT_BATCH` candidates and at the end of the pass (one sync each,
+instead of one per op). The first candidate that made a new non-finite value gets its NaN/inf
+counts and largest finite |x| (if its outputs were not changed in place since), and, if its
+output is in low precision, is recomputed from fp32 copies of its inputs (if they were not
+changed in place since): ``shadow[index]`` is the max |x| it reaches in fp32 (the value that
+did not fit), or None if it cannot be rerun.
 
 Hooks and the mode are installed only inside ``with trace.session(phase):`` and removed on exit.
 """
@@ -44,7 +44,6 @@ __all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "HUNT_BATCH", "flatten_tensors",
            "is_new", "LOW"]
 
 HUNT_BATCH = 64  # candidate ops per read of their numbers while hunting (one host sync each)
-_BLOCK = 8192  # values per preallocated device block of numerics
 
 # Columns of OpTrace.stats(); -1 means "no floating tensor there" or "not measured" (the last
 # three are measured only for the first op of a pass that made a non-finite value).
@@ -201,9 +200,7 @@ class OpTrace:
         # id(tensor) -> (weakref, max |x|) of traced outputs: their consumers need no new pass
         self._known: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.events: list[OpEvent] = []
-        self._blocks: list[torch.Tensor] = []  # preallocated fp32 device blocks of numerics
-        self._ends: list[int] = []  # values used in each block
-        self._rows: list[tuple[int, int]] = []  # per row: (block, start)
+        self._rows: list[torch.Tensor] = []  # per row: the op's (min, max) values, fp32
         self._shapes: list[tuple[int, int]] = []  # per row: (input values, output values)
         self._candidates: list[_Candidate] = []
         self._names = {id(m): name for name, m in model.named_modules()}
@@ -315,7 +312,7 @@ class OpTrace:
         row = None
         if self.numerics and (inputs or outputs):
             row = len(self._rows)
-            self._write_row(ins or [], outputs)
+            self._rows.append(self._row(ins or [], outputs))
         first_out = outputs[0] if outputs else None
         dtype = inputs[0].dtype if inputs else (first_out.dtype if first_out is not None else None)
         intentional = nonfinite_scalar or name.startswith(_UNINITIALISED)
@@ -353,34 +350,24 @@ class OpTrace:
                 out += t.detach().aminmax()
         return out
 
-    def _write_row(self, ins: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """Stack the row's (min, max) scalars into the next slice of the device blocks."""
+    def _row(self, ins: list[torch.Tensor], outputs: list[torch.Tensor]) -> torch.Tensor:
         outs: list[torch.Tensor] = []
         for t in outputs:
             lo, hi = t.detach().aminmax()
             self._known[id(t)] = (weakref.ref(t), lo, hi)
             outs += (lo, hi)
-        parts = ins + outs
-        k = len(parts)
-        device = self._blocks[0].device if self._blocks else parts[0].device
-        if not self._blocks or self._ends[-1] + k > self._blocks[-1].numel():
-            self._blocks.append(torch.empty(max(_BLOCK, k), dtype=torch.float32, device=device))
-            self._ends.append(0)
-        start = self._ends[-1]
-        self._ends[-1] += k
-        torch.stack([p if p.device == device else p.to(device) for p in parts],
-                    out=self._blocks[-1][start:start + k])
-        self._rows.append((len(self._blocks) - 1, start))
         self._shapes.append((len(ins), len(outs)))
+        parts = ins + outs
+        device = parts[0].device
+        # one small stack per op (cheaper on the CPU than a stack into a preallocated slice)
+        return torch.stack([p if p.device == device else p.to(device) for p in parts]).float()
 
     def _values(self, rows: list[int]) -> list[list[float]]:
         """The raw (min, max) values of ``rows``. Cost: one host sync."""
-        slices = []
-        for row in rows:
-            block, start = self._rows[row]
-            n_in, n_out = self._shapes[row]
-            slices.append(self._blocks[block][start:start + n_in + n_out])
-        flat = torch.cat(slices).tolist() if slices else []
+        if not rows:
+            return []
+        device = self._rows[rows[0]].device
+        flat = torch.cat([self._rows[r].to(device) for r in rows]).tolist()
         out, at = [], 0
         for row in rows:
             k = sum(self._shapes[row])
@@ -422,16 +409,10 @@ class OpTrace:
         self._hunt()
         if not self._rows:
             return []
-        flat = torch.cat([b[:e] for b, e in zip(self._blocks, self._ends, strict=True)]).tolist()
-        offsets = [0]
-        for e in self._ends[:-1]:
-            offsets.append(offsets[-1] + e)
         out = []
-        for i, ((block, start), (n_in, n_out)) in enumerate(zip(self._rows, self._shapes,
-                                                               strict=True)):
-            at = offsets[block] + start
-            out.append(self._amaxes(flat[at:at + n_in + n_out], n_in, n_out)
-                       + self._detail.get(i, [-1.0, -1.0, -1.0]))
+        for i, (raw, (n_in, n_out)) in enumerate(zip(self._values(list(range(len(self._rows)))),
+                                                     self._shapes, strict=True)):
+            out.append(self._amaxes(raw, n_in, n_out) + self._detail.get(i, [-1.0, -1.0, -1.0]))
         return out
 
 

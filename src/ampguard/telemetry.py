@@ -8,7 +8,8 @@ optimizer, collapse, dropped micro-batches) and the loss into a preallocated dev
 host derives the fraction of exact zeros, fp16 headroom, underflow and the safe loss-scale
 window.
 The buffer is copied to the host in one transfer every ``flush_every`` steps (and on ``flush``,
-``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync.
+``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync; on CUDA the
+periodic copy goes to pinned memory without blocking and is written out at the next flush.
 
 >>> with ag.Guard(model, opt, precision="fp16", telemetry="runs/exp1") as guard:
 ...     for x, y in data:
@@ -74,9 +75,13 @@ class Telemetry:
     :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
     ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
 
-    Cost: no host sync between flushes; a flush is one device-to-host copy. Per step: about 4
-    tiny kernels; on statistics steps 1 multi-tensor norm plus 3 kernels; on range steps about
-    12 elementwise kernels over the flattened gradients (in chunks of 2**20 elements).
+    Cost: no host sync between flushes. Per step: one tiny kernel (the scale copy; the step's
+    flags, loss and norm tensors are kept by reference and gathered at the flush); on statistics
+    steps 1 multi-tensor norm plus 3 kernels; on range steps about 8 elementwise kernels (mostly
+    integer ops on the fp32 bits) over the flattened gradients, in chunks of 2**20 elements. A
+    flush is one gather and one device-to-host copy: on CUDA into pinned memory without a host
+    sync, its records written at the next flush (so the cheap reads lag one flush on CUDA);
+    :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync).
     """
 
     def __init__(self, run_dir: str | os.PathLike, flush_every: int = 100,
