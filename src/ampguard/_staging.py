@@ -49,7 +49,7 @@ class HostStaging:
         if self.asynchronous:
             host[:n].copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(src.device))  # the stream the copy is on
         else:
             host[:n].copy_(src)
             event = None
