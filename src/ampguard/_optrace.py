@@ -59,7 +59,7 @@ class _Candidate(NamedTuple):
     """An op that may be the first to make a non-finite value, kept until its numbers are read."""
 
     row: int
-    index: int  # its event index
+    event: int  # its event index
     func: Any
     args: Any
     kwargs: Any
@@ -395,7 +395,7 @@ class OpTrace:
             with torch.autocast(self._device_type, enabled=False):
                 self._detail[c.row] = _detail(c.outputs) if unchanged_out else [-1.0] * 3
                 if c.low:
-                    self.shadow[c.index] = _shadow(c.func, c.args, c.kwargs, c.name,
+                    self.shadow[c.event] = _shadow(c.func, c.args, c.kwargs, c.name,
                                                    values[0]) if unchanged_in else None
             return
 

@@ -27,7 +27,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -253,8 +253,8 @@ class Telemetry:
         refs[k] = v.status if status is None else status.reshape(()) if status.dim() \
             else status
         refs[k + 1] = v.loss if self._loss is None else self._loss
-        refs[k + 2] = v.norm if not use_guard_norm else grad_norm.reshape(()) \
-            if grad_norm.dim() else grad_norm
+        norm = grad_norm if grad_norm is not None and use_guard_norm else v.norm
+        refs[k + 2] = norm.reshape(()) if norm.dim() else norm
         info = self._info
         info[0][row], info[1][row], info[2][row] = guard._steps, self._micro or 1, \
             scaler is not None
@@ -284,7 +284,7 @@ class Telemetry:
         if self._sharded:  # FSDP2: statistics of this rank's gradient shards
             return [self._zero.expand(_layers.local(p).shape) if p.grad is None
                     else _layers.local(p.grad) for p in self._layout.params]
-        out = [p.grad for p in self._layout.params]
+        out: list[Any] = [p.grad for p in self._layout.params]
         for i, g in enumerate(out):
             if g is None:
                 out[i] = self._zero.expand(self._layout.params[i].shape)  # no grad: all zeros
@@ -381,7 +381,7 @@ class Telemetry:
             info = self._info
             pending = [RowInfo(*(col[i] for col in info)) for i in range(n)]
             if n:  # the rows' flags, losses and norms: one gather, one strided copy
-                refs = self._refs[:3 * n]
+                refs = cast("list[torch.Tensor]", self._refs[:3 * n])
                 self._rows[:n, _STATUS:_NORM + 1].copy_(torch.stack(refs).view(n, 3))
                 self._refs[:3 * n] = [None] * (3 * n)
             self._stage.push(self._buf[:end], (pending, used))  # the one transfer
