@@ -89,19 +89,37 @@ def ratios(run: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[
 
 
 class HookClock:
-    """CPU time spent inside a Telemetry's hooks and flushes (instance-level wrappers)."""
+    """CPU time spent inside a Telemetry's hooks and flushes (instance-level wrappers).
+
+    Reading the CPU clock is a system call (about 2 us here, more under load): its own cost,
+    calibrated on an empty wrapped call, is taken off every timed call (``overhead``)."""
 
     def __init__(self, tel: ag.Telemetry) -> None:
         self.seconds = 0.0
+        self.calls = 0
         self._depth = 0
-        for name in ("_on_backward", "_on_grads", "_on_step", "flush"):
-            setattr(tel, name, self._wrap(getattr(tel, name)))
+        self.overhead = self._calibrate()
+        for name in ("_on_backward", "_on_grads", "_on_step", "flush", "_flush"):
+            if hasattr(tel, name):
+                setattr(tel, name, self._wrap(getattr(tel, name)))
+
+    def _calibrate(self, n: int = 2000) -> float:
+        empty = self._wrap(lambda: None)
+        for _ in range(n):
+            empty()
+        took, self.seconds, self.calls = self.seconds / n, 0.0, 0
+        return took
+
+    def own(self) -> float:
+        """Seconds inside telemetry, less the clock's own cost."""
+        return max(0.0, self.seconds - self.calls * self.overhead)
 
     def _wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
             if self._depth:  # a flush inside _on_step: already on the clock
                 return fn(*args, **kwargs)
             self._depth += 1
+            self.calls += 1
             t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
@@ -111,6 +129,48 @@ class HookClock:
         return timed
 
 
+_PARTS = ("_on_backward", "_on_grads", "_grad_stats", "_range_stats", "_on_step", "_flush",
+          "flush")
+
+
+def breakdown(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
+              kwargs: dict, root: Path, steps: int) -> dict[str, float]:
+    """Microseconds per step inside each telemetry method (nested ones included in their
+    callers' too), less the CPU clock's own cost (calibrated on an empty wrapped call)."""
+    model = make_model()
+    tel = ag.Telemetry(root, **kwargs)
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
+                     telemetry=tel)
+    for _ in range(10):
+        guard_step(model, guard, x, y)
+    spent = {name: 0.0 for name in _PARTS}
+    calls = dict.fromkeys(_PARTS, 0)
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def timed(*args, **kw):
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] += time.process_time() - t0
+                calls[name] += 1
+        return timed
+
+    probe = wrap("flush", lambda: None)
+    t0 = time.process_time()
+    for _ in range(2000):
+        probe()
+    cost = (time.process_time() - t0) / 2000
+    spent["flush"], calls["flush"] = 0.0, 0
+    for name in _PARTS:
+        if hasattr(tel, name):
+            setattr(tel, name, wrap(name, getattr(tel, name)))
+    for _ in range(steps):
+        guard_step(model, guard, x, y)
+    return {name: max(0.0, spent[name] - calls[name] * cost) / steps * 1e6 for name in _PARTS
+            if calls[name]}
+
+
 def hook_share(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
                kwargs: dict, root: Path, steps: int) -> float:
     """Telemetry's own CPU time per step (hooks + flushes, ``steps`` steps) in milliseconds."""
@@ -118,10 +178,12 @@ def hook_share(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: to
     tel = ag.Telemetry(root, **kwargs)
     guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
                      telemetry=tel)
+    for _ in range(10):  # warm-up, outside the clock
+        guard_step(model, guard, x, y)
     clock = HookClock(tel)
     for _ in range(steps):
         guard_step(model, guard, x, y)
-    return clock.seconds / steps * 1e3
+    return clock.own() / steps * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=100, help="steps per round (default 100)")
     p.add_argument("--quick", action="store_true", help="3 rounds, smaller sweep")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only print where telemetry's own time goes (us/step per method)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rounds = 3 if args.quick else args.rounds
@@ -142,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 "(b) per-layer stats every step": {"layer_every": 1},
                 "(c) range stats every 50 steps": {"range_every": 50}}
     make = lambda: mlp(args.width, args.depth, torch.nn.GELU)  # noqa: E731
+    if args.breakdown:
+        for name, kwargs in variants.items():
+            if kwargs is not None:
+                parts = breakdown(make, x, y, kwargs, root / f"parts{len(name)}", 300)
+                print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+                      + " us/step")
+        return 0
     r = ratios(loops(make, x, y, variants, root), rounds, args.steps)
     print(f"MLP width {args.width} depth {args.depth} batch {args.batch}: bare step "
           f"{r['bare_ms']:.2f} ms CPU; {rounds} interleaved rounds x {args.steps} steps, median")

@@ -15,11 +15,15 @@ backward attribution name the tensor whose gradient it is:
 
 With ``numerics=True`` each op also records, on the device, the max |x| of its floating inputs
 and of its outputs (one ``aminmax`` per tensor; NaN/inf propagate into it); :meth:`OpTrace.stats`
-reads them all with one sync. Until the first op of a pass that turns finite inputs into NaN/inf,
-each op's two numbers are read at once (one sync per op; ``hunt="low"`` only for fp16/bf16
-outputs). That op also gets its NaN/inf counts and largest finite |x|, and, if its output is in
-low precision, is recomputed from fp32 copies of its inputs: ``shadow[index]`` is the max |x| it
-reaches in fp32 (the value that did not fit), or None if it cannot be rerun.
+reads them all with one sync (each op's numbers are one small ``stack``, no host sync). The
+first op of a pass that turns finite inputs into NaN/inf is hunted in batches: the candidate
+ops (``hunt="low"``: fp16/bf16 outputs only) are kept with their arguments, and their numbers
+are read once per :data:`HUNT_BATCH` candidates and at the end of the pass (one sync each,
+instead of one per op). The first candidate that made a new non-finite value gets its NaN/inf
+counts and largest finite |x| (if its outputs were not changed in place since), and, if its
+output is in low precision, is recomputed from fp32 copies of its inputs (if they were not
+changed in place since): ``shadow[index]`` is the max |x| it reaches in fp32 (the value that
+did not fit), or None if it cannot be rerun.
 
 Hooks and the mode are installed only inside ``with trace.session(phase):`` and removed on exit.
 """
@@ -36,7 +40,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "flatten_tensors", "op_name", "is_new", "LOW"]
+__all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "HUNT_BATCH", "flatten_tensors", "op_name",
+           "is_new", "LOW"]
+
+HUNT_BATCH = 64  # candidate ops per read of their numbers while hunting (one host sync each)
 
 # Columns of OpTrace.stats(); -1 means "no floating tensor there" or "not measured" (the last
 # three are measured only for the first op of a pass that made a non-finite value).
@@ -46,6 +53,22 @@ LOW = (torch.float16, torch.bfloat16)
 
 # Uninitialised memory may hold anything: never blame these ops for a non-finite value.
 _UNINITIALISED = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
+
+
+class _Candidate(NamedTuple):
+    """An op that may be the first to make a non-finite value, kept until its numbers are read."""
+
+    row: int
+    event: int  # its event index
+    func: Any
+    args: Any
+    kwargs: Any
+    name: str
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    versions: tuple[int, ...]  # ``_version`` of its floating inputs, then of its outputs
+    intentional: bool
+    low: bool
 
 
 class OpEvent(NamedTuple):
@@ -178,8 +201,9 @@ class OpTrace:
         # id(tensor) -> (weakref, max |x|) of traced outputs: their consumers need no new pass
         self._known: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.events: list[OpEvent] = []
-        self._rows: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor] = []  # per row: the op's (min, max) values, fp32
         self._shapes: list[tuple[int, int]] = []  # per row: (input values, output values)
+        self._candidates: list[_Candidate] = []
         self._names = {id(m): name for name, m in model.named_modules()}
         self._owners = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
         self._stack: list[str] = []
@@ -209,6 +233,7 @@ class OpTrace:
             for h in handles:
                 h.remove()
             self._stack.clear()
+            self._hunt()  # the pass's last candidates
 
     def _install_hooks(self) -> list[Any]:
         handles = []
@@ -289,18 +314,17 @@ class OpTrace:
         if self.numerics and (inputs or outputs):
             row = len(self._rows)
             self._rows.append(self._row(ins or [], outputs))
-            self._shapes.append((len(ins or []), 2 * len(outputs)))
         first_out = outputs[0] if outputs else None
         dtype = inputs[0].dtype if inputs else (first_out.dtype if first_out is not None else None)
         intentional = nonfinite_scalar or name.startswith(_UNINITIALISED)
         if row is not None and first_out is not None and self._hunting[self.phase] and (
                 self.hunt == "all" or first_out.dtype in LOW):
-            values = self._amaxes(self._rows[row].tolist(), *self._shapes[row])  # one sync
-            if is_new(values, intentional):
-                self._hunting[self.phase] = False
-                self._detail[row] = _detail(outputs)
-                if first_out.dtype in LOW:
-                    self.shadow[len(self.events)] = _shadow(func, args, kwargs, name, values[0])
+            self._candidates.append(_Candidate(
+                row, len(self.events), func, args, kwargs, name, inputs, outputs,
+                tuple(t._version for t in (*inputs, *outputs)), intentional,
+                first_out.dtype in LOW))
+            if len(self._candidates) >= HUNT_BATCH:
+                self._hunt()
         self.events.append(OpEvent(
             index=len(self.events),
             phase=self.phase,
@@ -333,9 +357,48 @@ class OpTrace:
             lo, hi = t.detach().aminmax()
             self._known[id(t)] = (weakref.ref(t), lo, hi)
             outs += (lo, hi)
+        self._shapes.append((len(ins), len(outs)))
         parts = ins + outs
         device = parts[0].device
+        # one small stack per op (cheaper on the CPU than a stack into a preallocated slice)
         return torch.stack([p if p.device == device else p.to(device) for p in parts]).float()
+
+    def _values(self, rows: list[int]) -> list[list[float]]:
+        """The raw (min, max) values of ``rows``. Cost: one host sync."""
+        if not rows:
+            return []
+        device = self._rows[rows[0]].device
+        flat = torch.cat([self._rows[r].to(device) for r in rows]).tolist()
+        out, at = [], 0
+        for row in rows:
+            k = sum(self._shapes[row])
+            out.append(flat[at:at + k])
+            at += k
+        return out
+
+    def _hunt(self) -> None:
+        """Read the waiting candidates' numbers (one sync); the first that made a new
+        non-finite value gets its detail and fp32 rerun, and ends the hunt of its pass."""
+        candidates, self._candidates = self._candidates, []
+        if not candidates or not self._hunting[self.phase]:
+            return
+        for c, raw in zip(candidates, self._values([c.row for c in candidates]), strict=True):
+            values = self._amaxes(raw, *self._shapes[c.row])
+            if not is_new(values, c.intentional):
+                continue
+            self._hunting[self.phase] = False
+            # a later op may have changed its inputs or outputs in place since: then what it
+            # saw cannot be measured or rerun any more ("not measured", no shadow)
+            now = tuple(t._version for t in (*c.inputs, *c.outputs))
+            n = len(c.inputs)
+            unchanged_in, unchanged_out = now[:n] == c.versions[:n], now[n:] == c.versions[n:]
+            # the rerun must compute in fp32: at the end of a pass autocast may still be on
+            with torch.autocast(self._device_type, enabled=False):
+                self._detail[c.row] = _detail(c.outputs) if unchanged_out else [-1.0] * 3
+                if c.low:
+                    self.shadow[c.event] = _shadow(c.func, c.args, c.kwargs, c.name,
+                                                   values[0]) if unchanged_in else None
+            return
 
     @staticmethod
     def _amaxes(values: list[float], n_in: int, n_out: int) -> list[float]:
@@ -344,15 +407,13 @@ class OpTrace:
 
     def stats(self) -> list[list[float]]:
         """Per-row numerics (columns :data:`STAT_FIELDS`). Cost: one host sync."""
+        self._hunt()
         if not self._rows:
             return []
-        device = self._rows[0].device
-        flat = torch.cat([r if r.device == device else r.to(device) for r in self._rows]).tolist()
-        out, at = [], 0
-        for i, (n_in, n_out) in enumerate(self._shapes):
-            out.append(self._amaxes(flat[at:at + n_in + n_out], n_in, n_out)
-                       + self._detail.get(i, [-1.0, -1.0, -1.0]))
-            at += n_in + n_out
+        out = []
+        for i, (raw, (n_in, n_out)) in enumerate(zip(self._values(list(range(len(self._rows)))),
+                                                     self._shapes, strict=True)):
+            out.append(self._amaxes(raw, n_in, n_out) + self._detail.get(i, [-1.0, -1.0, -1.0]))
         return out
 
 

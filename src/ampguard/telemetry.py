@@ -8,7 +8,8 @@ optimizer, collapse, dropped micro-batches) and the loss into a preallocated dev
 host derives the fraction of exact zeros, fp16 headroom, underflow and the safe loss-scale
 window.
 The buffer is copied to the host in one transfer every ``flush_every`` steps (and on ``flush``,
-``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync.
+``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync; on CUDA the
+periodic copy goes to pinned memory without blocking and is written out at the next flush.
 
 >>> with ag.Guard(model, opt, precision="fp16", telemetry="runs/exp1") as guard:
 ...     for x, y in data:
@@ -26,7 +27,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -37,9 +38,13 @@ from ampguard._records import NORM as _NORM
 from ampguard._records import SCALE as _SCALE
 from ampguard._records import STATUS as _STATUS
 from ampguard._records import RowInfo, RunTally, build_records
+from ampguard._staging import HostStaging
 from ampguard.findings import Finding
 
 __all__ = ["Telemetry", "attach"]
+
+# the flush gathers (status, loss, norm) of every row into adjacent columns in this order
+assert (_LOSS, _NORM) == (_STATUS + 1, _STATUS + 2)
 
 _CHUNK = 1 << 20  # range stats flatten at most this many gradient elements at once
 
@@ -70,9 +75,13 @@ class Telemetry:
     :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
     ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
 
-    Cost: no host sync between flushes; a flush is one device-to-host copy. Per step: about 4
-    tiny kernels; on statistics steps 1 multi-tensor norm plus 3 kernels; on range steps about
-    12 elementwise kernels over the flattened gradients (in chunks of 2**20 elements).
+    Cost: no host sync between flushes. Per step: one tiny kernel (the scale copy; the step's
+    flags, loss and norm tensors are kept by reference and gathered at the flush); on statistics
+    steps 1 multi-tensor norm plus 3 kernels; on range steps about 8 elementwise kernels (mostly
+    integer ops on the fp32 bits) over the flattened gradients, in chunks of 2**20 elements. A
+    flush is one gather and one device-to-host copy: on CUDA into pinned memory without a host
+    sync, its records written at the next flush (so the cheap reads lag one flush on CUDA);
+    :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync).
     """
 
     def __init__(self, run_dir: str | os.PathLike, flush_every: int = 100,
@@ -126,7 +135,9 @@ class Telemetry:
         self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
         self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every \
             else []
-        self._offsets = [ch.layer * _ranges.BINS for ch in self._chunks]  # histogram row starts
+        # histogram row start of each chunk item (int32: the histogram keys are int32)
+        self._offsets = [(ch.layer * _ranges.BINS).to(torch.int32) for ch in self._chunks]
+        self._sizes = [[b - a for _, a, b in ch.items] for ch in self._chunks]
         self._width = _FIXED + n_layers
         self._rwidth = n_layers * (1 + _ranges.BINS)
         self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every \
@@ -138,9 +149,15 @@ class Telemetry:
         self._ranges = self._buf[split:].view(self._rrows, self._rwidth)
         self._views = [_Views(r[_SCALE], r[_STATUS], r[_LOSS], r[_NORM],
                               r[_FIXED:]) for r in self._rows]
+        self._norms = torch.zeros(len(layout.params), dtype=torch.float32, device=self._device)
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
-        self._pending_rows: list[RowInfo] = []
+        # per row: the step's (status, loss, grad norm) tensors, gathered at the flush
+        self._refs: list[torch.Tensor | None] = [None] * (3 * self.flush_every)
+        # host-side facts of each buffered row, in preallocated columns (no object per step)
+        self._info: list[list[Any]] = [[0] * self.flush_every for _ in RowInfo._fields]
+        self._stage = HostStaging(self._buf.numel(), self._device)
+        self._loss: torch.Tensor | None = None  # this window's loss so far (no device op yet)
         self._row = self._rslot = self._micro = 0
         self._this_step: tuple[bool, int, bool] = (False, -1, False)
         self._scale_carry = float(guard.scaler_config.init_scale) if guard._scaler else 1.0
@@ -189,7 +206,10 @@ class Telemetry:
         if self._closed:
             return
         loss = loss.detach()
-        self._views[self._row].loss.add_(loss.reshape(()) if loss.dim() else loss)
+        if loss.dim():
+            loss = loss.reshape(())
+        # the first micro-batch's loss is only kept; it reaches the row with the step's write
+        self._loss = loss if self._loss is None else self._loss + loss
         self._micro += 1
 
     def _on_grads(self, grads_scaled: bool) -> None:
@@ -214,7 +234,7 @@ class Telemetry:
                     self._ranges[slot].zero_()
                 else:
                     if self._rslot >= self._rrows:
-                        self.flush()
+                        self._flush(wait=False)
                     slot = self._rslot
                     self._rslot += 1
                 self._range_stats(grads, slot, grads_scaled)
@@ -225,24 +245,33 @@ class Telemetry:
         if self._closed:
             return
         guard = self._guard
-        v = self._views[self._row]
+        row = self._row
+        v = self._views[row]
         scaler = guard._scaler
-        if scaler is not None:
-            v.scale.copy_(scaler.scale_tensor)
-        if status is not None:
-            v.status.copy_(status)
         layers, slot, grads_scaled = self._this_step
         use_guard_norm = grad_norm is not None and not layers
-        if use_guard_norm:
-            v.norm.copy_(grad_norm)
-        self._pending_rows.append(RowInfo(
-            guard._steps, self._micro, scaler is not None, grads_scaled, layers,
-            use_guard_norm, slot, guard._policy.precision, len(guard.optimizers)))
+        if scaler is not None:  # updated in place by the next step: the step's one device op
+            v.scale.copy_(scaler.scale_tensor)
+        # The flags, loss and norm are new tensors of this step: keep references and write
+        # them into the buffer with one gather at the flush (absent: the row's own cell).
+        refs, k = self._refs, 3 * row
+        refs[k] = v.status if status is None else status.reshape(()) if status.dim() \
+            else status
+        refs[k + 1] = v.loss if self._loss is None else self._loss
+        norm = grad_norm if grad_norm is not None and use_guard_norm else v.norm
+        refs[k + 2] = norm.reshape(()) if norm.dim() else norm
+        info = self._info
+        info[0][row], info[1][row], info[2][row] = guard._steps, self._micro, \
+            scaler is not None
+        info[3][row], info[4][row], info[5][row] = grads_scaled, layers, use_guard_norm
+        info[6][row], info[7][row], info[8][row] = slot, guard._policy.precision, \
+            len(guard.optimizers)
         self._this_step = (False, -1, False)
+        self._loss = None
         self._row += 1
         self._micro = 0
         if self._row == self.flush_every:
-            self.flush()
+            self._flush(wait=False)
 
     def _on_abort(self) -> None:
         """The window in progress ended without a step (an exception inside ``Guard.step``, or a
@@ -252,6 +281,7 @@ class Telemetry:
         v = self._views[self._row]
         v.loss.zero_()
         v.stats.zero_()
+        self._loss = None
         self._micro = 0
         self._this_step = (False, -1, False)
 
@@ -259,43 +289,37 @@ class Telemetry:
         if self._sharded:  # FSDP2: statistics of this rank's gradient shards
             return [self._zero.expand(_layers.local(p).shape) if p.grad is None
                     else _layers.local(p.grad) for p in self._layout.params]
-        out = []
-        for p in self._layout.params:
-            g = p.grad
+        out: list[Any] = [p.grad for p in self._layout.params]
+        for i, g in enumerate(out):
             if g is None:
-                g = self._zero.expand(p.shape)  # no gradient counts as all zeros
+                out[i] = self._zero.expand(self._layout.params[i].shape)  # no grad: all zeros
             elif g.is_sparse:
-                g = g.to_dense()
-            out.append(g)
+                out[i] = g.to_dense()
         return out
 
     def _grad_stats(self, grads: list[torch.Tensor], v: _Views) -> None:
-        norms = torch._foreach_norm(grads)
+        # one multi-tensor norm, gathered into a preallocated fp32 buffer
+        torch.stack(torch._foreach_norm(grads), out=self._norms)
         if not self.layer_stats:
-            v.norm.copy_(torch.linalg.vector_norm(torch.stack(norms).float()))
+            torch.linalg.vector_norm(self._norms, out=v.norm)
             return
-        v.stats.index_add_(0, self._layer_idx, torch.stack(norms).float().square_())
+        v.stats.index_add_(0, self._layer_idx, self._norms.square_())
 
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
         row = self._ranges[slot]
         amax, hist = row[:len(self.layers)], row[len(self.layers):]
         inv = self._guard._scaler.inv_scale() if grads_scaled else None
-        bins = _ranges.BINS
-        for ch, offsets in zip(self._chunks, self._offsets, strict=True):
-            parts = [grads[i].reshape(-1)[a:b] for i, a, b in ch.items]
-            peaks = torch.stack(torch._foreach_norm(parts, math.inf)).float()
-            flat = torch.cat(parts).float()
+        for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
+            flat = torch.cat([grads[i].reshape(-1)[a:b] for i, a, b in ch.items]).float()
             if inv is not None:
-                peaks.mul_(inv)
                 flat.mul_(inv)
+            # fp32 bits with the sign cleared: as a float that is |g| (NaN stays NaN); as an
+            # integer its top bits are the biased exponent, which is all the histogram needs
+            # (integer ops, several times cheaper than frexp on the CPU).
+            bits = flat.view(torch.int32).bitwise_and_(0x7FFFFFFF)
+            peaks = torch.stack(torch._foreach_max(bits.view(torch.float32).split(sizes)))
             amax.scatter_reduce_(0, ch.layer, peaks, "amax")
-            # |g| = m * 2**e with m in [0.5, 1): floor(log2|g|) = e - 1 exactly. Bin 0: exact
-            # zero; bin k: floor(log2|g|) == E_MIN + k - 1 (clamped). Non-finite values (an
-            # overflowing step, whose sample the rules and the report skip) land anywhere.
-            mant, expo = torch.frexp(flat)
-            key = torch.where(mant == 0, 0, expo.sub_(_ranges.E_MIN).clamp_(1, bins - 1))
-            key = key + torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total)
-            hist.index_add_(0, key, self._one.expand(ch.total))
+            hist.index_add_(0, _range_keys(bits, offsets, ch), self._one.expand(ch.total))
 
     # ------------------------------------------------------------------ resume and events
     def _on_resume(self, scale_reset: bool, saved_scale: float | None) -> float | None:
@@ -343,33 +367,56 @@ class Telemetry:
 
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
-        """Write every recorded step to the run folder. Cost: one device-to-host copy (a sync)."""
-        n, used = len(self._pending_rows), self._rslot
-        if self._guard is None or self._closed or (n == 0 and used == 0):
+        """Write every recorded step to the run folder.
+
+        Cost: one device-to-host copy, and a host sync on CUDA (waiting for it). The automatic
+        flush every ``flush_every`` steps does not wait: on CUDA it copies into pinned host
+        memory without blocking and its records are written at the next flush (or close).
+        """
+        self._flush(wait=True)
+
+    def _flush(self, wait: bool) -> None:
+        if self._guard is None or self._closed:
             return
+        self._write_ready(wait=False)  # earlier copies that completed; frees a host buffer
+        n, used = self._row, self._rslot
+        if n or used:
+            split = self.flush_every * self._width
+            end = split + used * self._rwidth if used else n * self._width
+            info = self._info
+            pending = [RowInfo(*(col[i] for col in info)) for i in range(n)]
+            if n:  # the rows' flags, losses and norms: one gather, one strided copy
+                refs = cast("list[torch.Tensor]", self._refs[:3 * n])
+                self._rows[:n, _STATUS:_NORM + 1].copy_(torch.stack(refs).view(n, 3))
+                self._refs[:3 * n] = [None] * (3 * n)
+            self._stage.push(self._buf[:end], (pending, used))  # the one transfer
+            self._rows[:n].zero_()
+            if used:
+                self._ranges[:used].zero_()
+            if self._micro and n:  # a window is half-way: carry its statistics to row 0
+                self._rows[0].copy_(self._rows[n])
+                self._rows[n].zero_()
+            self._row = self._rslot = 0
+        self._write_ready(wait=wait)
+
+    def _write_ready(self, wait: bool) -> None:
+        """Write the records of every completed copy (all of them with ``wait``)."""
         split = self.flush_every * self._width
-        end = split + used * self._rwidth if used else n * self._width
-        host = self._buf[:end].to("cpu", copy=True).numpy()  # the one transfer
-        self._rows[:n].zero_()
-        if used:
-            self._ranges[:used].zero_()
-        if self._micro and n:  # a window is half-way: carry its loss to row 0
-            self._rows[0].copy_(self._rows[n])
-            self._rows[n].zero_()
-        rows = host[: n * self._width].reshape(n, self._width)
-        ranges = host[split:].reshape(-1, self._rwidth) if used else host[:0]
-        pending, self._pending_rows = self._pending_rows, []
-        self._row = self._rslot = 0
-        records, self._scale_carry = build_records(
-            pending, rows, ranges, carry=self._scale_carry, n_layers=len(self.layers),
-            layer_stats=self.layer_stats)
-        self._log.append(records)
-        rates = self._tally.add(records)
-        if self._sink is not None:
-            self._sink.write(records, rates)
-        for sink in self.sinks:  # extra sinks
-            sink.write(records, rates)
-        self.flushes += 1
+        for host, (pending, used) in self._stage.ready(wait):
+            n = len(pending)
+            rows = host[: n * self._width].reshape(n, self._width)
+            ranges = host[split:].reshape(-1, self._rwidth) if used else host[:0]
+            records, self._scale_carry = build_records(
+                pending, rows, ranges, carry=self._scale_carry, n_layers=len(self.layers),
+                layer_stats=self.layer_stats)
+            assert self._log is not None
+            self._log.append(records)
+            rates = self._tally.add(records)
+            if self._sink is not None:
+                self._sink.write(records, rates)
+            for sink in self.sinks:  # extra sinks
+                sink.write(records, rates)
+            self.flushes += 1
 
     # ------------------------------------------------------------------ cheap accessors
     def recent_scales(self, k: int = 32) -> list[tuple[int, float]]:
@@ -440,6 +487,20 @@ class Telemetry:
                 self._log.close()
                 self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
                 runlog.write_json_atomic(self._meta_path, self._meta)
+
+
+def _range_keys(bits: torch.Tensor, offsets: torch.Tensor, ch: _layers.Chunk) -> torch.Tensor:
+    """Histogram cell of every value from its fp32 bits with the sign cleared (int32).
+
+    floor(log2|g|) = biased exponent - 127 for normal numbers. Bin 0: exact zero; bin k:
+    floor(log2|g|) == E_MIN + k - 1, clamped into [1, BINS - 1] (fp32 subnormals land in bin
+    1 like every value below 2**E_MIN; inf and NaN, an overflowing step whose sample the
+    rules and the report skip, in the top bin). ``min(key, bits)`` is 0 only for an exact zero:
+    any nonzero value has bits >= 1, and a key above 1 needs bits far above BINS.
+    """
+    key = bits.bitwise_right_shift(23).sub_(126 + _ranges.E_MIN).clamp_(1, _ranges.BINS - 1)
+    torch.minimum(key, bits, out=key)
+    return key.add_(torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total))
 
 
 def attach(telemetry: Any, guard: Any) -> Telemetry | None:
