@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 import ampguard as ag
-from ampguard import _ckpt_validate
-from ampguard._ckpt_files import verify_zip
+from ampguard.checkpoint import _validate as _ckpt_validate
+from ampguard.checkpoint._files import verify_zip
 
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -24,9 +24,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ampguard as ag
-from ampguard.checkpoint_dist import load_distributed_checkpoint, save_distributed_checkpoint
+from ampguard.checkpoint.distributed import load_distributed_checkpoint, save_distributed_checkpoint
 from ampguard.distributed import PeerFailureError
-from ampguard.distributed_hooks import register_nonfinite_safe_hook
+from ampguard.distributed.hooks import register_nonfinite_safe_hook
 
 SCALE = ag.ScalerConfig(init_scale=2.0**10, growth_interval=1000)
 ROWS = 4  # rows per rank per micro-batch

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampguard as ag
-from ampguard._ckpt_files import stale_temporaries, temp_name
+from ampguard.checkpoint._files import stale_temporaries, temp_name
 
 SRC = str(Path(ag.__file__).resolve().parents[1])
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampguard as ag
-from ampguard._loader import load_factory
 from ampguard.cli import main
+from ampguard.cli._loader import load_factory
 from ampguard.experiments import VARIANTS
 
 STEPS = 24

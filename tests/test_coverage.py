@@ -288,7 +288,7 @@ def test_unknown_keep_fp32_pattern_names_the_argument():
 
 
 def test_importing_the_submodule_keeps_ag_coverage_callable():
-    from ampguard.autocast_coverage import Coverage as FromModule
+    from ampguard.forensics.autocast_coverage import Coverage as FromModule
 
     assert FromModule is ag.Coverage
     cov = ag.coverage(MLP(), mse, make_batch())

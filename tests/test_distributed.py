@@ -383,7 +383,7 @@ def test_peer_failure_error_is_exported_and_keeps_the_failed_ranks():
 
 
 def test_a_user_error_inside_the_guarded_block_is_not_a_peer_failure():
-    from ampguard._dist_peers import is_comm_error
+    from ampguard.distributed._peers import is_comm_error
 
     assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_comm_error(ValueError("gloo"))
@@ -541,7 +541,7 @@ def test_desync_finding_states_the_fix_once():
 
 @pytest.mark.timeout(60)
 def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(world_of_one):
-    from ampguard.distributed_hooks import register_nonfinite_safe_hook
+    from ampguard.distributed.hooks import register_nonfinite_safe_hook
 
     ddp = torch.nn.parallel.DistributedDataParallel
 

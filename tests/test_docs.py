@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import ampguard
-from ampguard.codes import CATALOGUE, EXAMPLES
+from ampguard.findings.codes import CATALOGUE, EXAMPLES
 from ampguard.lint import lint_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,8 @@ def test_every_code_the_source_emits_is_in_the_catalogue():
             emitted.setdefault(code, str(path.relative_to(ROOT)))
     assert len(emitted) > 40  # the grep finds the codes at all
     unknown = {c: where for c, where in emitted.items() if c not in CATALOGUE}
-    assert not unknown, f"codes used in src but missing from ampguard.codes.CATALOGUE: {unknown}"
+    assert not unknown, ("codes used in src but missing from "
+                         f"ampguard.findings.codes.CATALOGUE: {unknown}")
 
 
 @pytest.mark.parametrize("code", sorted(EXAMPLES))

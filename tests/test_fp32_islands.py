@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ampguard.fp32_islands import Fp32Islands, keep_fp32, match_modules
+from ampguard.forensics.islands import Fp32Islands, keep_fp32, match_modules
 
 W = 16
 Pair = namedtuple("Pair", "a b")

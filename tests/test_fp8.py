@@ -326,6 +326,6 @@ def test_cli_inspect_fp8_prints_the_plan(tmp_path, capsys):
 
 
 def test_importing_the_module_keeps_ag_fp8_plan_a_function():
-    import ampguard.fp8_readiness  # noqa: F401  (a submodule import sets a package attribute)
+    import ampguard.fp8  # noqa: F401  (a submodule import sets a package attribute)
 
     assert callable(ag.fp8_plan) and ag.fp8_plan.__name__ == "fp8_plan"

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ampguard._optrace import HUNT_BATCH, OpTrace, is_new
+from ampguard.forensics._optrace import HUNT_BATCH, OpTrace, is_new
 from ampguard.testing import SyncCounter
 
 W = 16

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ampguard.policy import (
+from ampguard.core.policy import (
     PRECISIONS,
     PrecisionPolicy,
     check_parameters,

@@ -14,9 +14,9 @@ from _runfolders import meta, step, steps, write
 
 import ampguard as ag
 from ampguard import cli, rules, runlog
-from ampguard._runfiles import read_findings
-from ampguard._runschema import MAX_WARNINGS, RunFolderError
 from ampguard.reporting import summary
+from ampguard.runlog._files import read_findings
+from ampguard.runlog._schema import MAX_WARNINGS, RunFolderError
 
 
 def load(path: Path) -> tuple[runlog.RunLog, list[str]]:

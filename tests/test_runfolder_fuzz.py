@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import ampguard as ag
 from ampguard import rules, runlog
-from ampguard._runschema import RunFolderError
 from ampguard.reporting import summary
+from ampguard.runlog._schema import RunFolderError
 
 FIELDS = ["step", "scale_before", "scale", "applied", "overflow", "collapse", "dropped", "loss",
           "loss_nonfinite", "grad_norm", "precision", "overflowed", "layers", "range", "kind",

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ampguard.scaler import LossScaler, ScalerConfig, collect_grads
+from ampguard.core.scaler import LossScaler, ScalerConfig, collect_grads
 
 CPU = torch.device("cpu")
 

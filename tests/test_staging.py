@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ampguard._staging import HostStaging
+from ampguard.telemetry._staging import HostStaging
 
 
 def test_cpu_copies_are_ready_at_once_in_order_and_reuse_one_buffer():

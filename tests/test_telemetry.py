@@ -22,7 +22,8 @@ from _telemetry_runs import DeadBranch, data, mlp, resumed, train
 from torch import nn
 
 import ampguard as ag
-from ampguard import _ranges, runlog
+from ampguard import runlog
+from ampguard.rules import _ranges
 from ampguard.testing import SyncCounter
 
 

@@ -7,8 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard as ag
-from ampguard import _layers, _ranges
-from ampguard.telemetry import _range_keys
+from ampguard.rules import _ranges
+from ampguard.telemetry import _layers, _range_keys
 
 
 def _frexp_keys(x: torch.Tensor) -> torch.Tensor:

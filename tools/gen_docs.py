@@ -3,7 +3,8 @@
     python tools/gen_docs.py            # rewrite findings.md, reference.md, __init__'s imports
     python tools/gen_docs.py --check    # exit 1 (naming the stale file) when one is out of date
 
-``docs/findings.md`` lists every code of :data:`ampguard.codes.CATALOGUE` by area: what fires it,
+``docs/findings.md`` lists every code of :data:`ampguard.findings.codes.CATALOGUE` by area: what
+fires it,
 an example (a snippet that fires it for lint codes; for the others a real finding recorded from a
 test or demo run, kept in ``docs/findings_examples.json``) and the fix.
 
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import ampguard  # noqa: E402  (lazy: importing it imports no torch)
-from ampguard.codes import AREAS, CATALOGUE, Code  # noqa: E402
+from ampguard.findings.codes import AREAS, CATALOGUE, Code  # noqa: E402
 
 FINDINGS = ROOT / "docs" / "findings.md"
 INIT = ROOT / "src" / "ampguard" / "__init__.py"
@@ -98,8 +99,8 @@ def findings_page() -> str:
     seen = json.loads(EXAMPLES.read_text(encoding="utf-8")) if EXAMPLES.exists() else {}
     parts = ["# Findings catalogue\n",
              "Every finding ampguard can emit has a stable code. This page is generated from "
-             "`ampguard.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is the "
-             "default (a rule may report a milder case at a lower severity, and says so in the "
+             "`ampguard.findings.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is "
+             "the default (a rule may report a milder case at a lower severity, and says so in the "
              "message).\n",
              "Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 "
              "telemetry), AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 "

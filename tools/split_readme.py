@@ -10,7 +10,8 @@ fences are left alone) chosen by the first keyword rule in ``PAGES`` that the ti
 markers; "Set up" stays in the short README (``docs/getting-started.md`` is written by hand).
 A section that no rule matches stops the script with its title, so a new README section is
 never dropped silently. A page whose section does not exist yet (fp8, architecture) is written
-from what the code already says: the finding codes of its area from ``ampguard.codes`` or the
+from what the code already says: the finding codes of its area from ``ampguard.findings.codes`` or
+the
 package's module map.
 
 The short README keeps the README's opening (title and what ampguard is), its "Set up" section
@@ -115,7 +116,7 @@ def _missing_page(root: Path, page: str) -> str:
     title, lead, areas = MISSING[page]
     if areas:
         sys.path.insert(0, str(root / "src"))
-        from ampguard.codes import CATALOGUE
+        from ampguard.findings.codes import CATALOGUE
         rows = [f"- [{c.code}](findings.md#{c.code.lower()}) ({c.severity}): {c.title}"
                 for c in CATALOGUE.values() if c.area in areas]
         body = "\n".join(rows) + "\n" if rows else "This version has no fp8 support yet.\n"

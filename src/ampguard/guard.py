@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ampguard import _fp8_guard, _guard_forensics, _guard_state, _nonfinite, results
-from ampguard._dist_peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
-from ampguard._guard_args import (
+from ampguard.core import _nonfinite, results
+from ampguard.core import _state as _guard_state
+from ampguard.core._args import (
     as_optimizers,
     check_backward,
     check_flag,
@@ -32,23 +32,26 @@ from ampguard._guard_args import (
     check_window,
     scheduler_callback,
 )
-from ampguard._report_on_close import write_report as _write_report
-from ampguard.containment import MicrobatchBuffer
-from ampguard.distributed import DistributedState
-from ampguard.distributed import attach as _attach_distributed
-from ampguard.distributed import rank_telemetry as _rank_telemetry
-from ampguard.findings import Finding, count
-from ampguard.policy import (
+from ampguard.core.containment import MicrobatchBuffer
+from ampguard.core.policy import (
     PrecisionPolicy,
     check_parameters,
     device_of,
     resolve_precision,
     supports_bf16,
 )
-from ampguard.results import StepResult
-from ampguard.resume import ResumeTracker, ResumeWarmup
-from ampguard.scale_history import ScaleHistory
-from ampguard.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
+from ampguard.core.results import StepResult
+from ampguard.core.resume import ResumeTracker, ResumeWarmup
+from ampguard.core.scale_history import ScaleHistory
+from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
+from ampguard.distributed import DistributedState
+from ampguard.distributed import attach as _attach_distributed
+from ampguard.distributed import rank_telemetry as _rank_telemetry
+from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
+from ampguard.findings import Finding, count
+from ampguard.forensics import _guard as _guard_forensics
+from ampguard.fp8 import _guard as _fp8_guard
+from ampguard.reporting._on_close import write_report as _write_report
 from ampguard.telemetry import Telemetry
 from ampguard.telemetry import attach as _attach_telemetry
 
@@ -71,7 +74,7 @@ class Guard:
     (``_step_supports_amp_scaling``), whose step flags are read lazily; reading
     ``StepResult.applied`` there, or registering schedulers/callbacks, syncs once per window.
     bf16 and fp32 windows get the same non-finite check (``skip_nonfinite=True``, the default:
-    see ``ampguard._nonfinite``): one host sync per window, none for fused optimizers (their
+    see ``ampguard.core._nonfinite``): one host sync per window, none for fused optimizers (their
     ``found_inf``); ``skip_nonfinite=False`` never syncs there, except with
     ``contain_nonfinite_microbatches`` (a window whose micro-batches were all dropped must skip).
     """
@@ -117,7 +120,7 @@ class Guard:
         self._policy = resolve_precision(precision, self._device)
         check_parameters(params, self._policy, argument="optimizer")
         self._params = params
-        # precision="fp8" (ampguard._fp8_guard): torchao Float8Linear for the plan's layers
+        # precision="fp8" (ampguard.fp8._guard): torchao Float8Linear for the plan's layers
         self._fp8 = _fp8_guard.attach(self, fp8_plan)
         self._scaler = self._make_scaler()
         self._callbacks: list[Callable[[StepResult], Any]] = []
@@ -135,7 +138,7 @@ class Guard:
         self._resume = ResumeTracker(resume_warmup)
         self.resume_warmup = resume_warmup
         # distributed (ampguard.distributed): None unless a process group is in play; ampguard's
-        # own collectives wait at most peer_timeout seconds (ampguard._dist_peers)
+        # own collectives wait at most peer_timeout seconds (ampguard.distributed._peers)
         self.peer_timeout = check_peer_timeout(peer_timeout)
         self._dist = _attach_distributed(
             model, self._device, audit_every=audit_every, on_desync=on_desync,
@@ -146,7 +149,7 @@ class Guard:
         self._telemetry = _attach_telemetry(telemetry, self)
         if self._fp8 is not None:  # fp8 telemetry: per-layer amax and flushed shares
             self._fp8.watch(self)
-        # forensics (ampguard._guard_forensics): keep_fp32 islands, armed tracing, auto_fallback,
+        # forensics (ampguard.forensics._guard): keep_fp32 islands, armed tracing, auto_fallback,
         # coverage_step; None (zero cost) unless one of them is used
         self._forensics = _guard_forensics.attach(
             self, keep_fp32=keep_fp32, forensics=forensics, auto_fallback=auto_fallback,
@@ -252,7 +255,7 @@ class Guard:
         With ``forensics``/``auto_fallback``, ``batch`` and ``loss_fn(model, batch)`` let an
         overflowing step be replayed with :func:`ampguard.locate` (fp16 vs fp32).
         Cost: see the class docstring (torch's own syncs, no more); an armed forensics window
-        or a replay adds its own (see ``ampguard._guard_forensics``).
+        or a replay adds its own (see ``ampguard.forensics._guard``).
         """
         if self._forensics is not None:
             self._forensics.check_replay(batch, loss_fn)
@@ -558,7 +561,7 @@ class Guard:
         All or nothing: the whole state is checked before anything is set, so a load that
         raises leaves this Guard exactly as it was. The precision given to this Guard's
         constructor wins over the saved one, except that a recorded automatic fallback from
-        that same precision is resumed; both cases warn (see ``ampguard._guard_state``).
+        that same precision is resumed; both cases warn (see ``ampguard.core._state``).
         """
         _guard_state.apply(self, _guard_state.check(self, state))
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from ampguard.checkpoint import save_checkpoint
+from ampguard.core.scaler import ScalerConfig
 from ampguard.demo.data import DemoData, make_data
 from ampguard.guard import Guard
 from ampguard.reporting import report
-from ampguard.scaler import ScalerConfig
 
 __all__ = ["run_demo", "DemoResult", "build_model"]
 

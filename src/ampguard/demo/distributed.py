@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard.checkpoint_dist import save_distributed_checkpoint
+from ampguard.checkpoint.distributed import save_distributed_checkpoint
+from ampguard.core.scaler import ScalerConfig
 from ampguard.demo import build_model
 from ampguard.demo.data import DemoData, make_data
-from ampguard.distributed_hooks import register_nonfinite_safe_hook
+from ampguard.distributed.hooks import register_nonfinite_safe_hook
 from ampguard.guard import Guard
-from ampguard.scaler import ScalerConfig
 
 __all__ = ["run_distributed_demo", "KINDS"]
 

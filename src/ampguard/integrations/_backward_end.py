@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ampguard._nonfinite import check_grads
-from ampguard.scaler import collect_grads
+from ampguard.core._nonfinite import check_grads
+from ampguard.core.scaler import collect_grads
 
 __all__ = ["BackwardEnd", "nonfinite_flag"]
 

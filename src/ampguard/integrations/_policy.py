@@ -141,7 +141,7 @@ def grad_scaler(config: Any, device: str = "cuda") -> torch.amp.GradScaler:
     pass :func:`guard_options` of the same config to ampguard's callback for the floor, cap and
     hysteresis.
     """
-    from ampguard.scaler import ScalerConfig
+    from ampguard.core.scaler import ScalerConfig
 
     if not isinstance(config, ScalerConfig):
         raise TypeError(f"config must be an ampguard.ScalerConfig, got {type(config).__name__}")
@@ -160,7 +160,7 @@ def guard_options(config: Any) -> dict[str, Any]:
 
     ``on_collapse="fallback"`` needs the Guard (it switches the autocast dtype) and is refused.
     """
-    from ampguard.scaler import ScalerConfig
+    from ampguard.core.scaler import ScalerConfig
 
     if not isinstance(config, ScalerConfig):
         raise TypeError(f"config must be an ampguard.ScalerConfig, got {type(config).__name__}")

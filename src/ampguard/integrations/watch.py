@@ -34,16 +34,17 @@ from typing import Any
 
 import torch
 
-from ampguard import results, runlog
+from ampguard import runlog
 from ampguard import telemetry as _telemetry
+from ampguard.core import results
+from ampguard.core.policy import device_of
+from ampguard.core.scaler import ScaleCollapseError
 from ampguard.findings import Finding
 from ampguard.integrations import _findings
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
 from ampguard.integrations._tap import ScalerTap, is_grad_scaler, is_watched
-from ampguard.policy import device_of
-from ampguard.scaler import ScaleCollapseError
 
 __all__ = ["watch", "Watch", "PRECISIONS"]
 

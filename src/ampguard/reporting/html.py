@@ -7,10 +7,10 @@ import html
 import json
 from typing import Any
 
-from ampguard._fp8_report import html_section
-from ampguard._runfiles import read_coverage
 from ampguard.findings import Finding
+from ampguard.reporting._fp8 import html_section
 from ampguard.runlog import COVERAGE, RunLog
+from ampguard.runlog._files import read_coverage
 
 __all__ = ["render"]
 

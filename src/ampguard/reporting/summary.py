@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ampguard._fp8_report import text_lines as fp8_text_lines
 from ampguard.findings import Finding
+from ampguard.reporting._fp8 import text_lines as fp8_text_lines
 from ampguard.runlog import RunLog
 
 __all__ = ["summary_text", "run_facts"]

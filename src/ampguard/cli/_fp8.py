@@ -1,0 +1,70 @@
+"""``ampguard inspect --fp8 pkg.mod:factory``: print the fp8 readiness plan of an experiment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["inspect_fp8", "demo_fp8"]
+
+
+def inspect_fp8(args: argparse.Namespace) -> int:
+    """Plan the factory's Experiment on its first batch; print the table and the findings.
+
+    Exit code 0; 2 on a bad factory or argument (one line on stderr, no traceback).
+    """
+    from ampguard.cli._loader import load_factory
+    from ampguard.experiments import Experiment, seed_all
+    from ampguard.fp8 import fp8_plan
+
+    try:
+        factory = load_factory(args.factory)
+        seed_all(args.seed)
+        exp = factory()
+        if not isinstance(exp, Experiment):
+            raise TypeError(f"inspect --fp8 needs a factory returning an ampguard.Experiment "
+                            f"(its model, loss_fn and first batch are traced), got "
+                            f"{type(exp).__name__}")
+        batch = next(iter(exp.batches), None)
+        if batch is None:
+            raise ValueError("the Experiment's batches are empty: the plan needs one batch")
+        plan = fp8_plan(exp.model, exp.loss_fn, batch, recipe=args.recipe)
+    except (ValueError, TypeError) as exc:
+        print(f"ampguard inspect: error: {exc}", file=sys.stderr)
+        return 2
+    findings = plan.findings()
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "findings": [f.to_dict() for f in findings]},
+                         indent=2))
+        return 0
+    print(plan.summary())
+    print()
+    for f in findings:
+        print(f"{f}\n    fix: {f.fix}" if f.fix else str(f))
+    return 0
+
+
+def demo_fp8(args: argparse.Namespace) -> int:
+    """``ampguard demo --precision fp8``; exit code 2 with one line when torchao is missing or
+    ``--distributed`` is given."""
+    from ampguard.fp8._guard import Fp8UnavailableError
+
+    if args.distributed:
+        print("ampguard demo: error: --precision fp8 runs in one process (no --distributed)",
+              file=sys.stderr)
+        return 2
+    try:
+        from ampguard.demo.fp8 import run_fp8_demo
+
+        run_fp8_demo(steps=args.steps, seed=args.seed, out=_out(args.out),
+                     progress=not args.no_progress)
+    except Fp8UnavailableError as exc:
+        print(f"ampguard demo: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _out(out: str) -> str:
+    # the default run folder of the fp16 demo gets an fp8 sibling, so the two runs coexist
+    return "ampguard-runs/demo-fp8" if out == "ampguard-runs/demo" else out

@@ -1,0 +1,255 @@
+"""Loading a Guard's state: check everything, then apply, and say what happens to the precision.
+
+:func:`check` reads a :meth:`Guard.state_dict` output and returns a :class:`Plan`, raising
+``ValueError`` for anything malformed *before* the Guard is touched; :func:`apply` then carries the
+plan out. So a ``Guard.load_state_dict`` that raises changes nothing.
+
+The precision rule: the precision given to the Guard's constructor is the user's intent and wins,
+with one exception: a state that recorded an automatic fallback (``on_collapse='fallback'``) away
+from that same precision resumes the fallback. Either way a precision change is warned about,
+naming both precisions and what happens to the loss scale.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ampguard.core import results
+from ampguard.core.policy import PrecisionPolicy, resolve_precision
+
+__all__ = ["Plan", "check", "apply", "STATE_VERSION"]
+
+STATE_VERSION = 1
+_RESOLVED = ("fp16", "bf16", "fp32", "fp8")
+
+
+@dataclass
+class Plan:
+    """What a checked Guard state will set; built without touching the Guard."""
+
+    steps: int
+    counters: results.Counters
+    fallback: dict[str, Any] | None
+    policy: PrecisionPolicy
+    scaler: dict[str, Any] | None  # the saved scaler state to load, or None
+    restart_scale: bool  # the Guard uses a scaler and the state has none to give (precision change)
+    history: dict[str, Any] | None
+    forensics: dict[str, Any] | None
+    resume: dict[str, Any] | None
+    config_diff: dict[str, Any]
+    precision_note: str | None
+
+
+def _bad(field: str, rule: str, value: Any) -> ValueError:
+    text = repr(value)
+    return ValueError(f"malformed Guard state: {field!r} {rule}, got "
+                      f"{text if len(text) <= 80 else text[:77] + '...'}")
+
+
+def _int(state: dict[str, Any], key: str, *, minimum: int = 0) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _bad(key, f"must be an int >= {minimum}", value)
+    return value
+
+
+def _dict(value: Any, field: str, *, optional: bool = True) -> dict[str, Any] | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, dict):
+        raise _bad(field, "must be a dict" + (" or None" if optional else ""), value)
+    return value
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
+
+
+# ---------------------------------------------------------------------- check
+def check(guard: Any, state: Any) -> Plan:
+    """Validate ``state`` for ``guard``; raises ``ValueError`` naming the bad field."""
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"not an ampguard Guard state (expected a dict with version={STATE_VERSION})")
+    for key in ("precision", "scaler", "scaler_config", "steps", "counters", "fallback"):
+        if key not in state:
+            raise ValueError(f"malformed Guard state: missing field {key!r}")
+    saved = state["precision"]
+    _check_fp8(guard, saved)  # fp8 <-> other precisions: refused, nothing changed
+    if saved not in _RESOLVED:
+        raise _bad("precision", f"must be one of {_RESOLVED}", saved)
+    fallback = _check_fallback(state["fallback"])
+    scaler = _check_scaler(state["scaler"])
+    if saved == "fp16" and scaler is None:
+        raise ValueError("malformed Guard state: saved in fp16 but holds no scaler state")
+    config = _dict(state["scaler_config"], "scaler_config", optional=False)
+    assert config is not None
+    policy, note = _precision(guard, saved, fallback, scaler)
+    uses_scaler = policy.precision == "fp16"
+    keep_scale = uses_scaler and saved == "fp16"
+    return Plan(
+        steps=_int(state, "steps"),
+        counters=_check_counters(state["counters"]),
+        fallback=fallback if policy.precision == saved else None,
+        policy=policy,
+        scaler=scaler if keep_scale else None,
+        restart_scale=uses_scaler and not keep_scale,
+        history=_check_history(guard, state.get("scale_history"))
+        if policy.precision == saved else None,
+        forensics=_check_forensics(guard, state.get("forensics")),
+        resume=_check_resume(state.get("resume")),
+        config_diff={k: v for k, v in config.items()
+                     if getattr(guard.scaler_config, k, v) != v},
+        precision_note=note,
+    )
+
+
+def _check_fallback(value: Any) -> dict[str, Any] | None:
+    fb = _dict(value, "fallback")
+    if fb is None:
+        return None
+    if fb.get("from") not in _RESOLVED or fb.get("to") not in _RESOLVED:
+        raise _bad("fallback", f"must name 'from' and 'to' precisions in {_RESOLVED}", fb)
+    _int(fb, "step")
+    return dict(fb)
+
+
+def _check_scaler(value: Any) -> dict[str, Any] | None:
+    sc = _dict(value, "scaler")
+    if sc is None:
+        return None
+    if not _positive(sc.get("scale")):
+        raise _bad("scaler.scale", "must be a finite number > 0", sc.get("scale"))
+    _int(sc, "growth_tracker")
+    if "hysteresis_tracker" in sc:
+        _int(sc, "hysteresis_tracker")
+    return sc
+
+
+def _check_counters(value: Any) -> results.Counters:
+    data = _dict(value, "counters", optional=False)
+    assert data is not None
+    for key in results.Counters().to_dict():
+        if key in data:
+            _int(data, key)
+    return results.Counters.from_dict(data)
+
+
+def _check_history(guard: Any, value: Any) -> dict[str, Any] | None:
+    hist = _dict(value, "scale_history")
+    if hist is None:  # absent in states saved before it was kept
+        return None
+    values = hist.get("values")
+    if not isinstance(values, list) or len(values) != guard._history.size \
+            or not all(_positive(v) for v in values):
+        raise _bad("scale_history.values",
+                   f"must be a list of {guard._history.size} finite numbers > 0", values)
+    _int(hist, "changes")
+    return hist
+
+
+def _check_forensics(guard: Any, value: Any) -> dict[str, Any] | None:
+    data = _dict(value, "forensics")
+    if data is None or guard._forensics is None:
+        return None
+    names, changes = data.get("keep_fp32", []), data.get("changes", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _bad("forensics.keep_fp32", "must be a list of module names", names)
+    modules = dict(guard.model.named_modules())
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise _bad("forensics.keep_fp32", f"names modules {type(guard.model).__name__} does not "
+                   "have", unknown)
+    if not isinstance(changes, list) or not all(isinstance(c, dict) for c in changes):
+        raise _bad("forensics.changes", "must be a list of dicts", changes)
+    return data
+
+
+def _check_resume(value: Any) -> dict[str, Any] | None:
+    data = _dict(value, "resume")
+    if data is not None and data.get("ramp_start") is not None:
+        _int(data, "ramp_start")
+    return data
+
+
+# ---------------------------------------------------------------------- the precision rule
+def _precision(guard: Any, saved: str, fallback: dict[str, Any] | None,
+               scaler: dict[str, Any] | None) -> tuple[PrecisionPolicy, str | None]:
+    device = guard._device
+    intent = resolve_precision(guard._requested_precision, device).precision
+    if saved == intent:
+        return resolve_precision(intent, device), None
+    asked = f"precision={guard._requested_precision!r}"
+    if fallback is not None and fallback["from"] == intent and fallback["to"] == saved:
+        policy = resolve_precision(saved, device)  # ValueError if this device lacks it
+        return policy, (
+            f"Guard state records an automatic fallback {intent} -> {saved} at step "
+            f"{fallback['step']} from the precision this Guard was given ({asked}); the run "
+            f"resumes in {saved} as it was saved, without a loss scale. Construct the Guard "
+            f"with precision={saved!r} to make it explicit.")
+    head = (f"Guard state was saved in {saved}, this Guard was given {asked} ({intent}); "
+            f"training continues in {intent} (the constructor's precision wins)")
+    if intent == "fp16":
+        tail = (f" and the loss scale starts at init_scale={guard.scaler_config.init_scale:g}, "
+                "probing its level again (AG107). Consider a lower learning rate for a few "
+                "hundred steps (ResumeWarmup).")
+    elif saved == "fp16":
+        scale = scaler["scale"] if scaler else None
+        tail = (f"; the saved fp16 loss scale ({scale:g}) is dropped: {intent} needs none."
+                if scale is not None else f"; {intent} needs no loss scale.")
+    else:
+        tail = "; neither precision uses a loss scale."
+    return resolve_precision(intent, device), head + tail
+
+
+# ---------------------------------------------------------------------- apply
+def apply(guard: Any, plan: Plan) -> None:
+    """Carry out a checked plan (see :func:`check`)."""
+    if plan.config_diff:
+        warnings.warn(f"Guard state was saved with a different ScalerConfig {plan.config_diff}; "
+                      "keeping the config given to this Guard", RuntimeWarning, stacklevel=3)
+    guard._steps = plan.steps
+    guard._counts = plan.counters
+    guard._fallback = plan.fallback
+    if guard._micro:  # a half-finished window: its gradients must not join the next one
+        for opt in guard.optimizers:
+            opt.zero_grad(set_to_none=True)
+        guard._contain = None  # containment buffer: rebuilt on the next backward
+        if guard._telemetry is not None:
+            guard._telemetry._on_abort()
+    guard._micro = 0
+    guard._drain(act=False)  # results still pending stay readable
+    if plan.policy.precision != guard._policy.precision:
+        guard._policy = plan.policy
+        guard._scaler = guard._make_scaler()
+    elif plan.restart_scale:
+        guard._scaler = guard._make_scaler()
+    saved = plan.scaler["scale"] if plan.scaler is not None else None
+    if guard._scaler is not None and plan.scaler is not None:
+        guard._scaler.load_state_dict(plan.scaler)
+    if plan.restart_scale:
+        guard._history.reset(guard.scaler_config.init_scale)
+    else:
+        guard._history.reset(saved if saved is not None else 1.0)
+    if plan.history is not None:
+        guard._history.load_state_dict(plan.history)
+    if guard._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
+        guard._forensics.load(plan.forensics)
+    if plan.precision_note is not None:
+        warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=3)
+    guard._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)
+    guard._resume.load_state_dict(plan.resume)  # a warm-up ramp still running
+
+
+def _check_fp8(guard: Any, saved: Any) -> None:
+    """A Guard state saved in fp8 loads only into an fp8 Guard, and vice versa: the model's
+    Linear layers are converted (or not) at construction, which a load cannot change."""
+    now = guard.precision
+    if (saved == "fp8") != (now == "fp8"):
+        raise ValueError(f"the Guard state was saved with precision={saved!r} but this Guard "
+                         f"uses precision={now!r}; create the Guard with precision={saved!r} "
+                         "to resume it")

@@ -1,0 +1,344 @@
+"""Forensics: which module and op produced the first non-finite value, in which pass, and why.
+
+:func:`locate` replays one batch like a training step (forward under autocast, backward of
+``loss * scale``) with every aten op traced, once in the requested low precision and once in
+fp32, and compares them:
+
+========================  =====  ==============================================================
+kind                      code   meaning
+========================  =====  ==============================================================
+``"none"``                AG300  loss and gradients are finite, nothing flushed to zero
+``"fp16_overflow"``       AG301  non-finite only in low precision (beyond its range), fp32 fine
+``"fp16_underflow"``      AG302  a layer's gradients are all zero in low precision, not in fp32
+``"model_nonfinite"``     AG303  fp32 goes non-finite too: not an AMP problem
+``"input_nonfinite"``     AG304  the batch itself holds NaN/inf
+``"none"`` (benign)       AG305  a backward overflow that vanishes at loss scale 1: the scaler
+                                 probing its level; GradScaler skips the step and halves the
+                                 scale, nothing to fix
+========================  =====  ==============================================================
+
+``module`` follows :mod:`ampguard.forensics._optrace`: in forward, the innermost module whose own
+code ran
+the op; in backward, the module whose forward created the autograd node that produced the value
+(a gradient cast down to an fp16 activation belongs to the module that produced the activation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ampguard.core.policy import device_of, resolve_precision
+from ampguard.findings import Finding
+from ampguard.forensics._optrace import OpEvent, is_new
+from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
+from ampguard.forensics._text import explain, fix_for, title_for
+
+__all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
+
+KINDS = ("fp16_overflow", "fp16_underflow", "model_nonfinite", "input_nonfinite", "none")
+CODES = {"none": "AG300", "fp16_overflow": "AG301", "fp16_underflow": "AG302",
+         "model_nonfinite": "AG303", "input_nonfinite": "AG304", "probe": "AG305"}
+_SEVERITY = {"AG300": "info", "AG301": "error", "AG302": "warning", "AG303": "error",
+             "AG304": "error", "AG305": "info"}
+_TINY = {"fp16": torch.finfo(torch.float16).tiny, "bf16": torch.finfo(torch.bfloat16).tiny}
+_MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Where and why a batch goes non-finite (or flushes to zero) in mixed precision.
+
+    ``kind`` is one of :data:`KINDS`; ``phase`` "forward" | "backward" | None; ``module`` a name
+    from ``model.named_modules()`` (``""`` the root) or None outside the model; ``op`` an aten op
+    such as ``"aten.addmm"``; ``stats`` the evidence (max |x| in low precision and fp32 at that
+    point, NaN/inf counts, dtype, shape, loss scale); ``benign`` marks a loss-scale probe.
+    """
+
+    kind: str
+    phase: str | None
+    module: str | None
+    op: str | None
+    stats: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp16"
+    scale: float = 1.0
+    benign: bool = False
+
+    @property
+    def code(self) -> str:
+        """The AG3xx finding code (AG300-AG305)."""
+        return CODES["probe"] if self.benign else CODES[self.kind]
+
+    @property
+    def ok(self) -> bool:
+        """True when there is nothing to fix (kind "none", benign probes included)."""
+        return self.kind == "none"
+
+    def explain(self) -> str:
+        """A few sentences: what happened, where, the evidence, and the fix."""
+        return explain(self)
+
+    def to_finding(self, step: int | None = None) -> Finding:
+        """This diagnosis as a :class:`~ampguard.findings.Finding`.
+
+        The message is :meth:`explain` without its closing "Fix: ...", which is the ``fix``
+        field (reports print both, so it would otherwise appear twice).
+        """
+        fix = fix_for(self)
+        message = self.explain().removesuffix(f" Fix: {fix}")
+        return Finding(self.code, _SEVERITY[self.code], title_for(self), message,
+                       step=step, evidence=self.to_dict(), fix=fix)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; :meth:`from_dict` inverts it."""
+        return {"kind": self.kind, "phase": self.phase, "module": self.module, "op": self.op,
+                "stats": _json_safe(self.stats), "precision": self.precision,
+                "scale": self.scale, "benign": self.benign, "code": self.code}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
+        """Inverse of :meth:`to_dict` (``"nan"``/``"inf"`` strings become floats again)."""
+        keys = ("kind", "phase", "module", "op", "precision", "scale", "benign")
+        return cls(**{k: data[k] for k in keys if k in data},
+                   stats=_json_restore(data.get("stats", {})))
+
+    def __str__(self) -> str:
+        if self.module is None and self.op is None:
+            return f"{self.code} {self.kind}"
+        where = f"{self.module!r}" if self.module is not None else "outside the model"
+        return f"{self.code} {self.kind} ({self.phase or '-'}) at {where} {self.op or ''}".rstrip()
+
+
+def locate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+           batch: Any, precision: str = "fp16", scale: float | None = None) -> Diagnosis:
+    """Find the module and op where ``batch`` first goes non-finite, and classify why.
+
+    ``loss_fn(model, batch)`` returns the scalar loss. The batch runs like a training step in
+    ``precision`` ("fp16" | "bf16" | "auto") with the backward of ``loss * scale`` (default
+    ``2**16`` under fp16, as ``torch.amp.GradScaler`` starts; 1 under bf16), then in fp32, and,
+    for a backward overflow, once more at scale 1 to tell a scaler probe from a real overflow.
+    Parameters, buffers, gradients, RNG state and training modes are restored afterwards and
+    no hook is left behind.
+
+    Cost: two or three traced forward+backward passes (every op's output reduced on the device),
+    a few host syncs, and one copy of the parameters and buffers while it runs.
+
+    >>> diag = ag.locate(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), (x, y))
+    >>> diag.kind, diag.phase, diag.module, diag.op
+    ('fp16_overflow', 'forward', 'blocks.2.mlp.fc2', 'aten.addmm')
+    >>> print(diag.explain())
+    """
+    policy, scale = _check_args(model, loss_fn, precision, scale)
+    fp32 = resolve_precision("fp32", policy.device_type)
+    keep = Preserved(model)
+    try:
+        keep.reset()
+        if any(not torch.isfinite(t).all() for t in _state_tensors(model)):
+            return _broken_state(model, policy.precision, scale)
+        bad = nonfinite_leaves(batch)
+        low = replay(model, loss_fn, batch, policy, scale)
+        if bad:
+            return _input_nonfinite(low, bad, scale)
+        keep.reset()
+        ref = replay(model, loss_fn, batch, fp32, 1.0)
+        if ref.failed:
+            return _at(ref, "model_nonfinite", policy.precision, low)
+        if low.failed:
+            return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
+        return _underflow(low, ref) or Diagnosis("none", None, None, None,
+                                                 {"loss": low.loss, "loss_fp32": ref.loss},
+                                                 policy.precision, scale)
+    finally:
+        keep.close()
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats as "nan"/"inf"/"-inf" strings, recursively (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _json_restore(value: Any) -> Any:
+    if value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _json_restore(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_restore(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------- argument checks
+def _check_args(model: Any, loss_fn: Any, precision: Any, scale: Any) -> tuple[Any, float]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got "
+                        f"{type(loss_fn).__name__}")
+    allowed = ("fp16", "bf16", "auto")
+    if precision not in allowed:
+        raise ValueError(f"precision must be one of {allowed} (locate compares it with fp32), "
+                         f"got {precision!r}")
+    policy = resolve_precision(precision, device_of(model.parameters()))
+    if scale is None:
+        scale = 2.0**16 if policy.needs_scaler else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+            math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+    return policy, float(scale)
+
+
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return [t.detach() for t in tensors if t.is_floating_point() and t.numel()]
+
+
+# ---------------------------------------------------------------------- classification
+def _is_new(run: Run, e: OpEvent) -> bool:
+    return is_new(run.row(e), e.intentional)
+
+
+def _first_new(run: Run) -> OpEvent | None:
+    """The first op that made a non-finite value; forward ops count only if the loss is bad."""
+    phases = ("forward", "backward") if not math.isfinite(run.loss) else ("backward",)
+    for phase in phases:
+        for e in run.events:
+            if e.phase == phase and _is_new(run, e):
+                return e
+    return next((e for e, r in _rows(run) if not math.isfinite(r[1])), None)
+
+
+def _keys(run: Run) -> dict[tuple, int]:
+    """(phase, module, op, occurrence) -> event index: aligns ops of two runs of one batch."""
+    seen: Counter = Counter()
+    out = {}
+    for e in run.events:
+        k = (e.phase, e.module, e.op)
+        out[k + (seen[k],)] = e.index
+        seen[k] += 1
+    return out
+
+
+def _counterpart(run: Run, e: OpEvent, other: Run) -> list[float] | None:
+    seen = sum(1 for x in run.events[:e.index]
+               if (x.phase, x.module, x.op) == (e.phase, e.module, e.op))
+    i = _keys(other).get((e.phase, e.module, e.op, seen))
+    return None if i is None else other.row(other.events[i])
+
+
+def _event_stats(run: Run, e: OpEvent, other: Run | None, low_name: str) -> dict[str, Any]:
+    row = run.row(e) or [-1.0] * 5
+    measured = row[3] >= 0  # counts exist for the first non-finite op of each pass
+    stats: dict[str, Any] = {
+        "dtype": str(e.out_dtype).replace("torch.", "") if e.out_dtype else None,
+        "shape": list(e.shape), "nan_count": int(row[3]) if measured else None,
+        "inf_count": int(row[4]) if measured else None,
+        "scale": run.scale, "limit": _MAX.get(low_name),
+    }
+    key = "fp32" if run.precision == "fp32" else low_name
+    numel = math.prod(e.shape)
+    all_bad = measured and numel and row[3] + row[4] >= numel
+    stats[f"max_abs_{key}"] = row[2] if measured and not all_bad else None
+    stats[f"input_max_abs_{key}"] = row[0]
+    if other is not None:
+        twin = _counterpart(run, e, other)
+        okey = "fp32" if other.precision == "fp32" else low_name
+        # backward values grow with the loss scale: state the other run's in this run's units
+        factor = run.scale / other.scale if e.phase == "backward" else 1.0
+        stats[f"max_abs_{okey}"] = None if twin is None or twin[1] < 0 else twin[1] * factor
+        stats[f"input_max_abs_{okey}"] = None if twin is None or twin[0] < 0 else twin[0] * factor
+    return stats
+
+
+def _at(run: Run, kind: str, low: str, other: Run | None = None,
+        benign: bool = False) -> Diagnosis:
+    e = _first_new(run)
+    if e is None:
+        return Diagnosis(kind, None, None, None, {"loss": run.loss}, low, run.scale, benign)
+    return Diagnosis(kind, e.phase, e.module, e.op, _event_stats(run, e, other, low), low,
+                     run.scale, benign)
+
+
+def _low_failed(model: torch.nn.Module, loss_fn: Callable, batch: Any, policy: Any,
+                keep: Preserved, low: Run, ref: Run) -> Diagnosis:
+    """Low precision failed, fp32 did not: an fp16 problem, or only the scaler probing."""
+    name = policy.precision
+    e = _first_new(low)
+    diag = _classify_low(low, ref, e, name)
+    if e is None or e.phase == "forward" or low.scale <= 1.0:
+        return diag
+    keep.reset()
+    at_one = replay(model, loss_fn, batch, policy, 1.0)
+    if at_one.failed:  # real: no loss scale helps; say where it breaks at scale 1 as well
+        e1 = _first_new(at_one)
+        if e1 is not None:
+            diag.stats["at_scale_1"] = {"module": e1.module, "op": e1.op}
+        return diag
+    peak = max((r[1] for ev, r in _rows(at_one) if ev.phase == "backward"
+                and ev.out_dtype in _LOW_DTYPES and math.isfinite(r[1])), default=0.0)
+    safe = 2.0 ** math.floor(math.log2(_MAX[name] / peak)) if peak > 0 else None
+    return Diagnosis("none", e.phase, e.module, e.op, {**diag.stats, "max_safe_scale": safe},
+                     name, low.scale, benign=True)
+
+
+def _classify_low(run: Run, ref: Run, e: OpEvent | None, name: str) -> Diagnosis:
+    if e is None:
+        return Diagnosis("fp16_overflow", None, None, None, {"loss": run.loss}, name, run.scale)
+    stats = _event_stats(run, e, ref, name)
+    kind = "fp16_overflow"
+    twin = _counterpart(run, e, ref)
+    if twin is not None and 0 <= twin[1] <= _MAX[name] and 0 <= twin[0] < _TINY[name]:
+        kind = "fp16_underflow"  # e.g. log or 1/x of a value that flushed to zero
+    return Diagnosis(kind, e.phase, e.module, e.op, stats, name, run.scale)
+
+
+def _rows(run: Run) -> list[tuple[OpEvent, list[float]]]:
+    return [(e, run.stats[e.row]) for e in run.events if e.row is not None]
+
+
+def _underflow(low: Run, ref: Run) -> Diagnosis | None:
+    dead = [n for n in low.order if low.grads.get(n) == 0.0 and ref.grads.get(n, 0.0) > 0.0]
+    if not dead:
+        return None
+    module = dead[0].rpartition(".")[0]
+    flush = next((e for e, r in _rows(low) if e.phase == "backward" and r[1] == 0.0
+                  and r[0] > 0.0 and _flushed_only_here(low, e, ref)), None)
+    stats = {"dead_parameters": dead, "grad_max_abs_fp32": ref.grads[dead[0]],
+             "grad_max_abs_" + low.precision: 0.0, "scale": low.scale,
+             "flushed_by": None if flush is None else {"module": flush.module, "op": flush.op}}
+    return Diagnosis("fp16_underflow", "backward", module, None if flush is None else flush.op,
+                     stats, low.precision, low.scale)
+
+
+def _flushed_only_here(low: Run, e: OpEvent, ref: Run) -> bool:
+    twin = _counterpart(low, e, ref)
+    return twin is None or twin[1] > 0.0
+
+
+def _input_nonfinite(low: Run, bad: list[dict[str, Any]], scale: float) -> Diagnosis:
+    bad_in = [e for e, r in _rows(low) if e.phase == "forward" and not math.isfinite(r[0])]
+    first = next((e for e in bad_in if e.module is not None), bad_in[0] if bad_in else None)
+    stats = {"inputs": bad, "nan_count": sum(b["nan"] for b in bad),
+             "inf_count": sum(b["inf"] for b in bad)}
+    if first is None:
+        return Diagnosis("input_nonfinite", "forward", None, None, stats, low.precision, scale)
+    return Diagnosis("input_nonfinite", "forward", first.module, first.op, stats,
+                     low.precision, scale)
+
+
+def _broken_state(model: torch.nn.Module, precision: str, scale: float) -> Diagnosis:
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    bad = [n for n, t in named if t.is_floating_point() and not torch.isfinite(t).all()]
+    return Diagnosis("model_nonfinite", None, bad[0].rpartition(".")[0], None,
+                     {"nonfinite_tensors": bad}, precision, scale)

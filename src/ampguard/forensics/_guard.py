@@ -1,0 +1,271 @@
+"""The Guard's forensics and precision fixes: ``keep_fp32``, ``forensics``, ``auto_fallback``,
+``coverage_step``.
+
+- ``keep_fp32=[patterns]`` puts the matching modules in fp32 islands when the Guard is built.
+- ``forensics=True`` arms op-level tracing (:mod:`ampguard.forensics._optrace`) for the next
+  :data:`ARM_STEPS` windows after an overflow that is not the scaler's start-up descent (the
+  first overflow before any applied step). An armed window that overflows is diagnosed from its
+  own trace: the first op that made a non-finite value, its module and pass, and that op rerun
+  from fp32 copies of its inputs, which tells a real fp16 overflow (still beyond 65504 at the
+  scaler's ``min_scale``) from the scaler probing its level (benign: no finding). When
+  ``guard.step(batch=..., loss_fn=...)`` hands over the batch, an overflowing step is replayed
+  with :func:`locate` instead (fp16 vs fp32, three runs). Unarmed windows cost nothing.
+- ``auto_fallback=True`` (implies ``forensics``) keeps a module diagnosed ``fp16_overflow`` in
+  fp32 from the next step on and records the change (AG306); the next module that overflows on
+  that fp32 value is diagnosed and kept in fp32 as well.
+- ``coverage_step=N`` traces window N and keeps its :class:`~ampguard.Coverage`.
+
+With telemetry the diagnoses and changes go to ``forensics.json``, the coverage to
+``coverage.json`` in the run folder, and their findings into ``findings.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ampguard import runlog
+from ampguard.findings import Finding
+from ampguard.forensics import _MAX, Diagnosis, locate
+from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
+from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
+from ampguard.forensics.islands import Fp32Islands, keep_fp32
+
+__all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace"]
+
+ARM_STEPS = 3
+FORENSICS_FILE = "forensics.json"
+COVERAGE_FILE = runlog.COVERAGE
+
+
+def attach(guard: Any, *, keep_fp32: Any = None, forensics: Any = False,
+           auto_fallback: Any = False, coverage_step: Any = None) -> GuardForensics | None:
+    """Validate the Guard arguments; None when none of them is in use (zero cost)."""
+    for name, value in (("forensics", forensics), ("auto_fallback", auto_fallback)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if coverage_step is not None and (isinstance(coverage_step, bool) or
+                                      not isinstance(coverage_step, int) or coverage_step < 1):
+        raise ValueError(f"coverage_step must be None or an integer >= 1, got {coverage_step!r}")
+    if not (keep_fp32 or forensics or auto_fallback or coverage_step):
+        return None
+    return GuardForensics(guard, keep_fp32, forensics or auto_fallback, auto_fallback,
+                          coverage_step)
+
+
+class GuardForensics:
+    """State and hooks behind the Guard's forensics arguments (see the module docstring)."""
+
+    def __init__(self, guard: Any, patterns: Iterable[str] | str | None, enabled: bool,
+                 auto_fallback: bool, coverage_step: int | None) -> None:
+        self.guard = guard
+        self.islands = keep_fp32(guard.model, patterns) if patterns else Fp32Islands(guard.model)
+        self.enabled = enabled
+        self.auto_fallback = auto_fallback
+        self.coverage_step = coverage_step
+        self.coverage: Coverage | None = None
+        self.diagnoses: list[tuple[int, Diagnosis, str]] = []  # (step, diagnosis, via)
+        self.changes: list[dict[str, Any]] = []
+        self.benign = 0
+        self._armed = 0
+        self._overflows_in_a_row = 0
+        self._seen_applied = False
+        self._trace: OpTrace | None = None
+        self._losses: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ Guard hooks
+    def check_replay(self, batch: Any, loss_fn: Any) -> None:
+        """``Guard.step(batch=, loss_fn=)``: both or neither, and a callable loss_fn."""
+        if (batch is None) != (loss_fn is None) or (loss_fn is not None and not callable(loss_fn)):
+            raise ValueError("Guard.step(batch=..., loss_fn=...) replays an overflowing batch "
+                             "with ampguard.locate: pass both, loss_fn(model, batch) -> loss")
+
+    def session(self, phase: str) -> contextlib.AbstractContextManager:
+        """Trace this pass when the window is armed or is the coverage step; else a no-op."""
+        if phase == "forward" and self._trace is None and self._wanted():
+            self._trace = OpTrace(self.guard.model, numerics=self._armed > 0)
+        return self._trace.session(phase) if self._trace is not None else contextlib.nullcontext()
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        if self._trace is not None and self._trace.numerics:
+            self._losses.append(torch.isfinite(loss.detach()).all())
+
+    def on_settled(self, step: int, overflow: bool, applied: bool) -> None:
+        """Every window's flags, in order, once on the host (no extra sync): arm on overflow."""
+        if applied:
+            self._seen_applied, self._overflows_in_a_row = True, 0
+        elif overflow:
+            self._overflows_in_a_row += 1
+            if self.enabled and (self._seen_applied or self._overflows_in_a_row > 1):
+                self._armed = max(self._armed, ARM_STEPS)
+
+    def on_step(self, result: Any, batch: Any = None,
+                loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+        """End of a window: coverage, diagnosis of an armed or replayable overflow, fallback."""
+        if not result.boundary:
+            return
+        trace, self._trace = self._trace, None
+        losses, self._losses = self._losses, []
+        if trace is not None and result.step == self.coverage_step:
+            self._record_coverage(trace, result.step)
+        armed = trace is not None and trace.numerics
+        if not (armed or (batch is not None and loss_fn is not None and self.enabled)):
+            return
+        if not (result.overflow or result.nonfinite):  # a sync only for fused optimizers
+            self._armed = max(0, self._armed - 1)
+            return
+        scale = self._scale_used()
+        if batch is not None and loss_fn is not None:
+            if not self._warming_up():
+                self._handle(result.step, locate(self.guard.model, loss_fn, batch,
+                                                 self.guard.precision, scale), "replay")
+        elif armed:
+            floor = self.guard.scaler_config.min_scale
+            self._handle(result.step, diagnose_trace(trace, losses, scale, self.guard.precision,
+                                                     floor), "trace")
+
+    # ------------------------------------------------------------------ internals
+    def _wanted(self) -> bool:
+        return self._armed > 0 or (self.coverage_step is not None
+                                   and self.guard.steps + 1 == self.coverage_step)
+
+    def _warming_up(self) -> bool:
+        return not self._seen_applied and self._overflows_in_a_row <= 1
+
+    def _scale_used(self) -> float:
+        guard = self.guard
+        if guard._scaler is None:
+            return 1.0
+        return guard._history.used_at(guard.steps)
+
+    def _handle(self, step: int, diag: Diagnosis, via: str) -> None:
+        if diag.ok:
+            self.benign += diag.benign
+            self._armed = 0  # the scaler was probing: nothing to catch
+            return
+        self.diagnoses.append((step, diag, via))
+        self._armed = ARM_STEPS  # a recurring overflow is caught again
+        if self.auto_fallback and diag.kind == "fp16_overflow" and diag.module is not None \
+                and self.islands.add(diag.module):
+            self.changes.append({"step": step, "module": diag.module, "phase": diag.phase,
+                                 "op": diag.op, "reason": "auto_fallback"})
+        self._write()
+
+    def _record_coverage(self, trace: OpTrace, step: int) -> None:
+        self.coverage = coverage_from_events(trace.events, self.guard.precision,
+                                             trace.autocast_on_entry,
+                                             kept=self.islands.modules, step=step)
+        self._write()
+
+    # ------------------------------------------------------------------ outputs
+    def findings(self) -> list[Finding]:
+        """Diagnoses (one per code/module/pass/op, with occurrences), fallbacks, coverage."""
+        seen: dict[tuple, list[int]] = {}
+        first: dict[tuple, tuple[Diagnosis, str]] = {}
+        for step, d, via in self.diagnoses:
+            key = (d.code, d.module, d.phase, d.op)
+            seen.setdefault(key, []).append(step)
+            first.setdefault(key, (d, via))
+        out = []
+        for key, (d, via) in first.items():
+            f = d.to_finding(step=seen[key][0])
+            out.append(Finding(f.code, f.severity, f.title, f.message, f.step,
+                               {**f.evidence, "via": via, "steps": seen[key][:20],
+                                "occurrences": len(seen[key])}, f.fix))
+        out += [_fallback_finding(c) for c in self.changes]
+        if self.coverage is not None:
+            out += self.coverage.findings()
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready record of diagnoses, fallbacks and coverage."""
+        return {"diagnoses": [{"step": s, "via": via, **d.to_dict()}
+                              for s, d, via in self.diagnoses],
+                "keep_fp32": list(self.islands.modules), "changes": list(self.changes),
+                "benign_probes": self.benign,
+                "coverage_step": self.coverage_step}
+
+    def state(self) -> dict[str, Any]:
+        """What a resume needs: the modules in fp32 and the fallbacks that put them there."""
+        return {"keep_fp32": list(self.islands.modules), "changes": list(self.changes)}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        for name in state.get("keep_fp32", []):
+            self.islands.add(name)
+        self.changes = [dict(c) for c in state.get("changes", [])]
+
+    def _write(self) -> None:
+        telemetry = self.guard.telemetry
+        if telemetry is None:
+            return
+        from ampguard import runlog
+
+        telemetry.run_dir.mkdir(parents=True, exist_ok=True)
+        runlog.write_json_atomic(telemetry.run_dir / FORENSICS_FILE, self.to_dict())
+        if self.coverage is not None:
+            runlog.write_json_atomic(telemetry.run_dir / COVERAGE_FILE, self.coverage.to_dict())
+
+
+def _fallback_finding(change: dict[str, Any]) -> Finding:
+    return Finding(
+        "AG306", "info", f"auto_fallback kept {change['module']!r} in fp32",
+        f"Step {change['step']}: {change['module']!r} overflowed fp16 in the {change['phase']} "
+        f"pass ({change['op']}); auto_fallback runs it outside autocast in fp32 from the next "
+        "step on.", step=change["step"], evidence=dict(change),
+        fix=f"Make it permanent with Guard(..., keep_fp32=[{change['module']!r}]), or bound its "
+            "values (normalisation, smaller init) so it fits fp16.")
+
+
+# ---------------------------------------------------------------------- live diagnosis
+def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
+                   precision: str, floor: float = 1.0) -> Diagnosis:
+    """Diagnose an overflowing window from its own numerics trace (no fp32 replay).
+
+    The first op that made a non-finite value names module, pass and op; its fp32 rerun (the
+    trace's shadow) gives the kind: still non-finite in fp32 -> model_nonfinite; a backward
+    value that fits fp16 at the scaler's floor ``floor`` (min_scale) -> benign probe; beyond
+    fp16 -> fp16_overflow.
+    Cost: one host sync.
+    """
+    stats = trace.stats()
+    loss_ok = bool(torch.stack(losses).all()) if losses else True
+    phases = ("backward",) if loss_ok else ("forward", "backward")
+    rows = [(e, stats[e.row]) for e in trace.events if e.row is not None]
+    e, row = next(((e, r) for p in phases for e, r in rows
+                   if e.phase == p and is_new(r, e.intentional)), (None, None))
+    if e is None or row is None:
+        return _untraced(rows, precision, scale)
+    limit = _MAX.get(precision, math.inf)
+    shadow = trace.shadow.get(e.index)
+    info = {"dtype": str(e.out_dtype).replace("torch.", ""), "shape": list(e.shape),
+            "nan_count": int(row[3]) if row[3] >= 0 else None,
+            "inf_count": int(row[4]) if row[4] >= 0 else None, "scale": scale,
+            "limit": limit, f"input_max_abs_{precision}": row[0], "max_abs_fp32": shadow,
+            "source": "armed training step (fp32 rerun of this op only)"}
+    if e.out_dtype not in LOW or (shadow is not None and not math.isfinite(shadow)):
+        kind = "model_nonfinite"
+    elif e.phase == "backward" and shadow is not None and shadow / scale * floor <= limit:
+        return Diagnosis("none", e.phase, e.module, e.op, info, precision, scale, benign=True)
+    elif shadow is not None and shadow <= limit:
+        kind = "fp16_underflow"  # fits the range in fp32: a value flushed to zero made it
+    else:
+        kind = "fp16_overflow"
+    return Diagnosis(kind, e.phase, e.module, e.op, info, precision, scale)
+
+
+def _untraced(rows: list[tuple[OpEvent, list[float]]], precision: str,
+              scale: float) -> Diagnosis:
+    """No op made the non-finite value: it came in with the batch (or the state)."""
+    e = next((e for e, r in rows if e.phase == "forward" and e.module is not None
+              and not math.isfinite(r[0])), None)
+    if e is None:
+        return Diagnosis("none", None, None, None, {"note": "overflow not seen in the trace"},
+                         precision, scale)
+    return Diagnosis("input_nonfinite", "forward", e.module, e.op,
+                     {"source": "armed training step"}, precision, scale)

@@ -1,0 +1,529 @@
+"""Telemetry: per-step AMP records kept on the device and written to the run folder lazily.
+
+Every step the Guard's hooks write the loss scale, the packed step flags (applied, overflow per
+optimizer, collapse, dropped micro-batches) and the loss into a preallocated device ring buffer of
+``flush_every`` rows; every ``layer_every`` steps the unscaled total and per-layer gradient norms
+(one multi-tensor norm: the cost does not grow with the number of parameter tensors); every
+``range_every`` steps a per-layer exponent histogram of the unscaled gradients, from which the
+host derives the fraction of exact zeros, fp16 headroom, underflow and the safe loss-scale
+window.
+The buffer is copied to the host in one transfer every ``flush_every`` steps (and on ``flush``,
+``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync; on CUDA the
+periodic copy goes to pinned memory without blocking and is written out at the next flush.
+
+>>> with ag.Guard(model, opt, precision="fp16", telemetry="runs/exp1") as guard:
+...     for x, y in data:
+...         with guard.autocast():
+...             loss = loss_fn(model(x), y)
+...         guard.backward(loss)
+...         result = guard.step()
+>>> path = ag.report("runs/exp1")   # runs/exp1/report.html
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from ampguard import runlog
+from ampguard.findings import Finding
+from ampguard.rules import _ranges
+from ampguard.telemetry import _layers
+from ampguard.telemetry._records import FIXED as _FIXED
+from ampguard.telemetry._records import LOSS as _LOSS
+from ampguard.telemetry._records import NORM as _NORM
+from ampguard.telemetry._records import SCALE as _SCALE
+from ampguard.telemetry._records import STATUS as _STATUS
+from ampguard.telemetry._records import RowInfo, RunTally, build_records
+from ampguard.telemetry._staging import HostStaging
+
+__all__ = ["Telemetry", "attach"]
+
+# the flush gathers (status, loss, norm) of every row into adjacent columns in this order
+assert (_LOSS, _NORM) == (_STATUS + 1, _STATUS + 2)
+
+_CHUNK = 1 << 20  # range stats flatten at most this many gradient elements at once
+
+
+class _Views(NamedTuple):
+    scale: torch.Tensor
+    status: torch.Tensor
+    loss: torch.Tensor
+    norm: torch.Tensor
+    stats: torch.Tensor  # (layers,): squared gradient norms
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Telemetry {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class Telemetry:
+    """Records what a :class:`ampguard.Guard` does into ``run_dir``, without per-step host syncs.
+
+    Arguments: ``flush_every`` (rows in the device ring buffer; one device-to-host transfer per
+    flush), ``layer_stats`` (per-layer grad norms; False keeps only the total norm),
+    ``layer_every`` (gradient statistics every N steps; 1 = every step), ``range_every``
+    (fp16 range statistics every N steps; 0 = off), ``tensorboard`` (also write ``tb/`` with the
+    ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
+    resume point; False starts the log over), ``sinks`` (extra sinks such as
+    :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
+    ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
+
+    Cost: no host sync between flushes. Per step: one tiny kernel (the scale copy; the step's
+    flags, loss and norm tensors are kept by reference and gathered at the flush); on statistics
+    steps 1 multi-tensor norm plus 3 kernels; on range steps about 8 elementwise kernels (mostly
+    integer ops on the fp32 bits) over the flattened gradients, in chunks of 2**20 elements. A
+    flush is one gather and one device-to-host copy: on CUDA into pinned memory without a host
+    sync, its records written at the next flush (so the cheap reads lag one flush on CUDA);
+    :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, flush_every: int = 100,
+                 layer_stats: bool = True, layer_every: int = 10, range_every: int = 100,
+                 tensorboard: bool = False, *, resume: bool = True,
+                 sinks: Any = ()) -> None:
+        if not isinstance(run_dir, (str, os.PathLike)):
+            raise TypeError(f"Telemetry run_dir must be a path (str or os.PathLike), got "
+                            f"{type(run_dir).__name__}")
+        for name, value in (("layer_stats", layer_stats), ("tensorboard", tensorboard),
+                            ("resume", resume)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Telemetry {name} must be True or False, got {value!r}")
+        self.run_dir = Path(run_dir)
+        self.flush_every = _positive_int("flush_every", flush_every)
+        self.layer_every = _positive_int("layer_every", layer_every)
+        self.range_every = _positive_int("range_every", range_every, minimum=0)
+        self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
+        if tensorboard:
+            from ampguard.telemetry._tensorboard import require_tensorboard
+            require_tensorboard()
+        self._guard: Any = None
+        self._closed = False
+        self._recorded: set[str] = set()  # findings already in the run log
+        self.flushes = 0
+        # --- extra sinks (ampguard.integrations.sinks): start/write/close protocol ---
+        self.sinks = tuple(sinks)
+        for sink in self.sinks:
+            if not all(callable(getattr(sink, m, None)) for m in ("start", "write", "close")):
+                raise TypeError("Telemetry sinks must have start(run_dir, layers), "
+                                f"write(records, skip_rate) and close(); got {type(sink).__name__}")
+        # --- end of extra sinks ---
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments as a plain dict (recorded in ``meta.json``)."""
+        return {"flush_every": self.flush_every, "layer_stats": self.layer_stats,
+                "layer_every": self.layer_every, "range_every": self.range_every,
+                "tensorboard": self.tensorboard}
+
+    # ------------------------------------------------------------------ attach and layout
+    def _attach(self, guard: Any) -> None:
+        if self._guard is not None:
+            raise ValueError("this Telemetry is already attached to a Guard; use one per Guard")
+        self._guard = guard
+        self._device = guard._device
+        layout = _layers.build_layout(guard.model, guard._params)
+        self._layout = layout
+        self.layers = layout.names
+        n_layers = len(layout.names)
+        self._sharded = any(hasattr(p, "to_local") for p in layout.params)
+        self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
+        self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every \
+            else []
+        # histogram row start of each chunk item (int32: the histogram keys are int32)
+        self._offsets = [(ch.layer * _ranges.BINS).to(torch.int32) for ch in self._chunks]
+        self._sizes = [[b - a for _, a, b in ch.items] for ch in self._chunks]
+        self._width = _FIXED + n_layers
+        self._rwidth = n_layers * (1 + _ranges.BINS)
+        self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every \
+            else 0
+        split = self.flush_every * self._width
+        self._buf = torch.zeros(split + self._rrows * self._rwidth, dtype=torch.float32,
+                                device=self._device)
+        self._rows = self._buf[:split].view(self.flush_every, self._width)
+        self._ranges = self._buf[split:].view(self._rrows, self._rwidth)
+        self._views = [_Views(r[_SCALE], r[_STATUS], r[_LOSS], r[_NORM],
+                              r[_FIXED:]) for r in self._rows]
+        self._norms = torch.zeros(len(layout.params), dtype=torch.float32, device=self._device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
+        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        # per row: the step's (status, loss, grad norm) tensors, gathered at the flush
+        self._refs: list[torch.Tensor | None] = [None] * (3 * self.flush_every)
+        # host-side facts of each buffered row, in preallocated columns (no object per step)
+        self._info: list[list[Any]] = [[0] * self.flush_every for _ in RowInfo._fields]
+        self._stage = HostStaging(self._buf.numel(), self._device)
+        self._loss: torch.Tensor | None = None  # this window's loss so far (no device op yet)
+        self._row = self._rslot = self._micro = 0
+        self._this_step: tuple[bool, int, bool] = (False, -1, False)
+        self._scale_carry = float(guard.scaler_config.init_scale) if guard._scaler else 1.0
+        self._tally = RunTally(guard.accumulation_steps)
+        self._open_folder(guard)
+
+    def _open_folder(self, guard: Any) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._meta = _layers.run_meta(guard, self._layout, self.config())
+        self._log: runlog.EventLog | None = None
+        # An existing log is continued only if the Guard resumes from a checkpoint before its
+        # first step (see _on_resume); a run that just starts in the folder starts a new log.
+        self._log_pending = self.resume and self._events.exists() and self._meta_path.exists()
+        if self._log_pending:
+            why = _cannot_continue(self._meta_path, self.layers)
+            if why:
+                warnings.warn(f"{self.run_dir}: {why}; starting a new log", RuntimeWarning,
+                              stacklevel=4)
+                self._log_pending = False
+        if not self._log_pending:
+            self._start_log()
+        self._sink = None
+        if self.tensorboard:
+            from ampguard.telemetry._tensorboard import TensorBoardSink
+            self._sink = TensorBoardSink(self.run_dir / runlog.TB_DIR, self.layers)
+        for sink in self.sinks:  # extra sinks
+            sink.start(self.run_dir, list(self.layers))
+
+    @property
+    def _events(self) -> Path:
+        return self.run_dir / runlog.EVENTS
+
+    @property
+    def _meta_path(self) -> Path:
+        return self.run_dir / runlog.META
+
+    def _start_log(self) -> None:
+        self._log_pending = False
+        if self._events.exists() and self._events.stat().st_size:
+            os.replace(self._events, self._events.with_name(runlog.EVENTS + ".prev"))
+        self._log = runlog.EventLog(self._events, fresh=True)
+        runlog.write_json_atomic(self._meta_path, self._meta)
+
+    # ------------------------------------------------------------------ Guard hooks (hot path)
+    def _on_backward(self, loss: torch.Tensor) -> None:
+        if self._closed:
+            return
+        loss = loss.detach()
+        if loss.dim():
+            loss = loss.reshape(())
+        # the first micro-batch's loss is only kept; it reaches the row with the step's write
+        self._loss = loss if self._loss is None else self._loss + loss
+        self._micro += 1
+
+    def _on_grads(self, grads_scaled: bool) -> None:
+        """Gradients are final for this window (unscaled unless ``grads_scaled``)."""
+        if self._closed:
+            return
+        if self._log_pending:  # the first step came without a resume: a new run
+            self._start_log()
+        if self._this_step[0]:  # the last window raised between its hooks: drop its stats
+            self._views[self._row].stats.zero_()
+        step = self._guard._steps
+        layers = step % self.layer_every == 0
+        ranged = bool(self.range_every) and step % self.range_every == 0
+        slot = -1
+        if layers or ranged:
+            grads = self._grads()
+            if layers:
+                self._grad_stats(grads, self._views[self._row])
+            if ranged:
+                slot = self._this_step[1]  # a re-sample of this window reuses its slot
+                if slot >= 0:
+                    self._ranges[slot].zero_()
+                else:
+                    if self._rslot >= self._rrows:
+                        self._flush(wait=False)
+                    slot = self._rslot
+                    self._rslot += 1
+                self._range_stats(grads, slot, grads_scaled)
+        self._this_step = (layers, slot, grads_scaled)
+
+    def _on_step(self, status: torch.Tensor | None, grad_norm: torch.Tensor | None) -> None:
+        """The window's optimizer step and scale update are done (``status``: packed flags)."""
+        if self._closed:
+            return
+        guard = self._guard
+        row = self._row
+        v = self._views[row]
+        scaler = guard._scaler
+        layers, slot, grads_scaled = self._this_step
+        use_guard_norm = grad_norm is not None and not layers
+        if scaler is not None:  # updated in place by the next step: the step's one device op
+            v.scale.copy_(scaler.scale_tensor)
+        # The flags, loss and norm are new tensors of this step: keep references and write
+        # them into the buffer with one gather at the flush (absent: the row's own cell).
+        refs, k = self._refs, 3 * row
+        refs[k] = v.status if status is None else status.reshape(()) if status.dim() \
+            else status
+        refs[k + 1] = v.loss if self._loss is None else self._loss
+        norm = grad_norm if grad_norm is not None and use_guard_norm else v.norm
+        refs[k + 2] = norm.reshape(()) if norm.dim() else norm
+        info = self._info
+        info[0][row], info[1][row], info[2][row] = guard._steps, self._micro, \
+            scaler is not None
+        info[3][row], info[4][row], info[5][row] = grads_scaled, layers, use_guard_norm
+        info[6][row], info[7][row], info[8][row] = slot, guard._policy.precision, \
+            len(guard.optimizers)
+        self._this_step = (False, -1, False)
+        self._loss = None
+        self._row += 1
+        self._micro = 0
+        if self._row == self.flush_every:
+            self._flush(wait=False)
+
+    def _on_abort(self) -> None:
+        """The window in progress ended without a step (an exception inside ``Guard.step``, or a
+        load mid-window): forget its loss and gradient statistics. Cost: no host sync."""
+        if self._closed or self._guard is None:
+            return
+        v = self._views[self._row]
+        v.loss.zero_()
+        v.stats.zero_()
+        self._loss = None
+        self._micro = 0
+        self._this_step = (False, -1, False)
+
+    def _grads(self) -> list[torch.Tensor]:
+        if self._sharded:  # FSDP2: statistics of this rank's gradient shards
+            return [self._zero.expand(_layers.local(p).shape) if p.grad is None
+                    else _layers.local(p.grad) for p in self._layout.params]
+        out: list[Any] = [p.grad for p in self._layout.params]
+        for i, g in enumerate(out):
+            if g is None:
+                out[i] = self._zero.expand(self._layout.params[i].shape)  # no grad: all zeros
+            elif g.is_sparse:
+                out[i] = g.to_dense()
+        return out
+
+    def _grad_stats(self, grads: list[torch.Tensor], v: _Views) -> None:
+        # one multi-tensor norm, gathered into a preallocated fp32 buffer
+        torch.stack(torch._foreach_norm(grads), out=self._norms)
+        if not self.layer_stats:
+            torch.linalg.vector_norm(self._norms, out=v.norm)
+            return
+        v.stats.index_add_(0, self._layer_idx, self._norms.square_())
+
+    def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
+        row = self._ranges[slot]
+        amax, hist = row[:len(self.layers)], row[len(self.layers):]
+        inv = self._guard._scaler.inv_scale() if grads_scaled else None
+        for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
+            flat = torch.cat([grads[i].reshape(-1)[a:b] for i, a, b in ch.items]).float()
+            if inv is not None:
+                flat.mul_(inv)
+            # fp32 bits with the sign cleared: as a float that is |g| (NaN stays NaN); as an
+            # integer its top bits are the biased exponent, which is all the histogram needs
+            # (integer ops, several times cheaper than frexp on the CPU).
+            bits = flat.view(torch.int32).bitwise_and_(0x7FFFFFFF)
+            peaks = torch.stack(torch._foreach_max(bits.view(torch.float32).split(sizes)))
+            amax.scatter_reduce_(0, ch.layer, peaks, "amax")
+            hist.index_add_(0, _range_keys(bits, offsets, ch), self._one.expand(ch.total))
+
+    # ------------------------------------------------------------------ resume and events
+    def _on_resume(self, scale_reset: bool, saved_scale: float | None) -> float | None:
+        """The Guard resumed from a checkpoint: continue the run log and mark the resume point.
+
+        Returns the loss scale the run had at the resume step before the interruption (from the
+        log), or None. A checkpoint without Guard state restarts the Guard's step count at 0;
+        the step count then continues from the log. Cost: flushes.
+        """
+        if self._closed:
+            return None
+        self.flush()
+        guard = self._guard
+        if self._log_pending:
+            self._log_pending = False
+            self._meta = runlog.read_meta(self._meta_path)
+            self._log = runlog.EventLog(self._events, fresh=False)
+            if guard._steps == 0:
+                last = runlog.last_step_record(self._events)
+                guard._steps = int(last["step"]) if last else 0
+        assert self._log is not None
+        step = guard._steps
+        before = runlog.last_step_record(self._events, at_most=step)
+        previous = before.get("scale") if before else None
+        if guard._scaler is None:
+            scale = 1.0
+        else:
+            scale = guard.scaler_config.init_scale if scale_reset or saved_scale is None \
+                else float(saved_scale)
+        self._scale_carry = scale
+        event = {"kind": "resume", "step": step, "scale": runlog.num(scale),
+                 "previous_scale": previous, "scale_reset": scale_reset,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._log.append([event])
+        self._meta.setdefault("resumes", []).append(event)
+        runlog.write_json_atomic(self._meta_path, self._meta)
+        return previous
+
+    def _on_fallback(self, step: int, old: str, new: str) -> None:
+        if self._closed:
+            return
+        self.flush()
+        if self._log is not None:
+            self._log.append([{"kind": "fallback", "step": step, "from": old, "to": new}])
+
+    # ------------------------------------------------------------------ flush
+    def flush(self) -> None:
+        """Write every recorded step to the run folder.
+
+        Cost: one device-to-host copy, and a host sync on CUDA (waiting for it). The automatic
+        flush every ``flush_every`` steps does not wait: on CUDA it copies into pinned host
+        memory without blocking and its records are written at the next flush (or close).
+        """
+        self._flush(wait=True)
+
+    def _flush(self, wait: bool) -> None:
+        if self._guard is None or self._closed:
+            return
+        self._write_ready(wait=False)  # earlier copies that completed; frees a host buffer
+        n, used = self._row, self._rslot
+        if n or used:
+            split = self.flush_every * self._width
+            end = split + used * self._rwidth if used else n * self._width
+            info = self._info
+            pending = [RowInfo(*(col[i] for col in info)) for i in range(n)]
+            if n:  # the rows' flags, losses and norms: one gather, one strided copy
+                refs = cast("list[torch.Tensor]", self._refs[:3 * n])
+                self._rows[:n, _STATUS:_NORM + 1].copy_(torch.stack(refs).view(n, 3))
+                self._refs[:3 * n] = [None] * (3 * n)
+            self._stage.push(self._buf[:end], (pending, used))  # the one transfer
+            self._rows[:n].zero_()
+            if used:
+                self._ranges[:used].zero_()
+            if self._micro and n:  # a window is half-way: carry its statistics to row 0
+                self._rows[0].copy_(self._rows[n])
+                self._rows[n].zero_()
+            self._row = self._rslot = 0
+        self._write_ready(wait=wait)
+
+    def _write_ready(self, wait: bool) -> None:
+        """Write the records of every completed copy (all of them with ``wait``)."""
+        split = self.flush_every * self._width
+        for host, (pending, used) in self._stage.ready(wait):
+            n = len(pending)
+            rows = host[: n * self._width].reshape(n, self._width)
+            ranges = host[split:].reshape(-1, self._rwidth) if used else host[:0]
+            records, self._scale_carry = build_records(
+                pending, rows, ranges, carry=self._scale_carry, n_layers=len(self.layers),
+                layer_stats=self.layer_stats)
+            assert self._log is not None
+            self._log.append(records)
+            rates = self._tally.add(records)
+            if self._sink is not None:
+                self._sink.write(records, rates)
+            for sink in self.sinks:  # extra sinks
+                sink.write(records, rates)
+            self.flushes += 1
+
+    # ------------------------------------------------------------------ cheap accessors
+    def recent_scales(self, k: int = 32) -> list[tuple[int, float]]:
+        """The last ``k`` (step, scale after the step) pairs up to the last flush. No sync."""
+        return self._tally.recent_scales(k)
+
+    def skip_counts(self) -> dict[str, int]:
+        """Skipped steps by cause (``overflow``, ``dropped_microbatches``, ``collapse``) up to the
+        last flush. No sync."""
+        return dict(self._tally.skips)
+
+    def summary(self) -> dict[str, Any]:
+        """Running totals up to the last flush (steps, scale changes, consecutive skips now,
+        micro-batches dropped, skips by cause, last scales). No sync."""
+        return self._tally.summary()
+
+    # ------------------------------------------------------------------ findings and close
+    def findings(self) -> list[Finding]:
+        """Flush, evaluate the AG1xx rules over the whole run log, write ``findings.json``.
+
+        Cost: one sync (the flush) and a read of the run log.
+        """
+        from ampguard import rules
+
+        self.flush()
+        if self._log is None:  # nothing recorded yet
+            return []
+        self._log.sync()
+        found = rules.evaluate(runlog.load_run(self.run_dir))
+        runlog.write_json_atomic(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
+        return found
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def annotate(self, key: str, value: Any) -> None:
+        """Add a JSON-ready ``value`` under ``key`` to ``meta.json`` (written at close)."""
+        self._meta[key] = value
+
+    def record_findings(self, found: list[Finding]) -> None:
+        """Record findings made during the run (not by the rules) in the run log, so that
+        ``findings.json`` and the report include them. Cost: one sync (the flush)."""
+        fresh = [f for f in found if repr(f.to_dict()) not in self._recorded]
+        if not fresh or self._closed:
+            return
+        self.flush()
+        if self._log is not None:
+            self._log.append([{"kind": runlog.FINDING_EVENT, "step": f.step,
+                               "finding": f.to_dict()} for f in fresh])
+            self._recorded.update(repr(f.to_dict()) for f in fresh)
+
+    def close(self) -> None:
+        """Flush, write ``findings.json`` and close the sinks. Idempotent. Cost: one sync."""
+        if self._guard is None or self._closed:
+            self._closed = True
+            return
+        try:
+            self.findings()
+        finally:
+            self._closed = True
+            if self._sink is not None:
+                self._sink.close()
+            for sink in self.sinks:  # extra sinks
+                sink.close()
+            if self._log is not None:
+                self._log.close()
+                self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                runlog.write_json_atomic(self._meta_path, self._meta)
+
+
+def _range_keys(bits: torch.Tensor, offsets: torch.Tensor, ch: _layers.Chunk) -> torch.Tensor:
+    """Histogram cell of every value from its fp32 bits with the sign cleared (int32).
+
+    floor(log2|g|) = biased exponent - 127 for normal numbers. Bin 0: exact zero; bin k:
+    floor(log2|g|) == E_MIN + k - 1, clamped into [1, BINS - 1] (fp32 subnormals land in bin
+    1 like every value below 2**E_MIN; inf and NaN, an overflowing step whose sample the
+    rules and the report skip, in the top bin). ``min(key, bits)`` is 0 only for an exact zero:
+    any nonzero value has bits >= 1, and a key above 1 needs bits far above BINS.
+    """
+    key = bits.bitwise_right_shift(23).sub_(126 + _ranges.E_MIN).clamp_(1, _ranges.BINS - 1)
+    torch.minimum(key, bits, out=key)
+    return key.add_(torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total))
+
+
+def attach(telemetry: Any, guard: Any) -> Telemetry | None:
+    """Resolve a Guard's ``telemetry=`` argument (None, a run folder, or a Telemetry)."""
+    if telemetry is None:
+        return None
+    if isinstance(telemetry, (str, os.PathLike)):
+        telemetry = Telemetry(telemetry)
+    elif not isinstance(telemetry, Telemetry):
+        raise TypeError("telemetry must be None, a run folder path or an ampguard.Telemetry, got "
+                        f"{type(telemetry).__name__}")
+    telemetry._attach(guard)
+    return telemetry
+
+
+def _cannot_continue(meta_path: Path, layers: list[str]) -> str | None:
+    """Why the run log in the folder cannot be continued by this model, or None."""
+    try:
+        meta = runlog.read_meta(meta_path)
+    except runlog.RunFolderError as exc:
+        return f"the existing run log cannot be continued ({exc})"
+    if (meta.get("layers") or {}).get("names") != layers:
+        return "the existing run log was written for a model with other layers"
+    return None
