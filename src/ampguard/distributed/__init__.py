@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ampguard.distributed._counters import RankCounters
 from ampguard.distributed._peers import Peers, failed_ranks, is_comm_error
 from ampguard.distributed.hooks import hook_state
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 
 __all__ = [
     "ON_DESYNC", "DesyncError", "PeerFailureError", "Topology", "detect",
@@ -70,8 +70,8 @@ class DesyncError(RuntimeError):
 
     @property
     def finding(self) -> Finding:
-        return Finding(
-            code="AG130", severity="error", title="ranks out of sync",
+        return make(
+            "AG130",
             message=str(self).split(" Fix: ")[0],  # the exception text ends with the fix
             step=self.step, evidence={"ranks": self.ranks, "differences": {
                 f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()}},
@@ -467,8 +467,8 @@ class DistributedState:
         if top == 0 or low * 2 > top:
             return out
         hot = sorted(r for r, c in counts.items() if c == top)
-        return out + [Finding(
-            code="AG131", severity="warning", title="overflows start on some ranks only",
+        return out + [make(
+            "AG131",
             message=(f"rank(s) {hot} had non-finite local gradients in {top} windows, other "
                      f"ranks in as few as {low}; every rank skipped those steps together"),
             step=step, evidence={"rank_overflows": {str(r): c for r, c in counts.items()}},

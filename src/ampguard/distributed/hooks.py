@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 
 __all__ = ["NonfiniteSafeState", "nonfinite_safe_allreduce_hook", "register_nonfinite_safe_hook",
            "hook_state"]
@@ -68,8 +68,8 @@ class NonfiniteSafeState:
             return []
         action = ("left out of the all-reduce; the step used the healthy ranks' mean" if self.drop
                   else "spread to every rank through the all-reduce")
-        return [Finding(
-            code="AG132", severity="warning", title="non-finite gradients on some ranks",
+        return [make(
+            "AG132",
             message=f"rank(s) {sorted(bad)} sent non-finite local gradients ({action})",
             step=step, evidence={"dropped_buckets": {str(r): c for r, c in counts.items()}},
             fix=("Inspect the named ranks' data and devices; ampguard.locate on one of their "

@@ -41,7 +41,7 @@ from ampguard.core.scaler import ScalerConfig
 from ampguard.experiments import _fp8 as _f8
 from ampguard.experiments import _verdict as _v
 from ampguard.experiments._timing import StepClock
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 
 __all__ = ["Experiment", "Comparison", "VariantResult", "VARIANTS", "VERDICTS", "compare",
            "seed_all"]
@@ -145,13 +145,12 @@ class Comparison:
 
     def finding(self) -> Finding:
         """The verdict as a :class:`~ampguard.findings.Finding` (AG333-AG336)."""
-        code, severity, title = _v.FINDING[self.verdict]
         evidence: dict[str, Any] = {
             n: {"trained": r.trained, "skipped": r.skipped, "reason": r.reason}
             for n, r in self.variants.items()}
         if self.failing_batch is not None:
             evidence["failing_batch"] = self.failing_batch
-        return Finding(code, severity, title, self.explanation, evidence=evidence, fix=self.fix)
+        return make(_v.CODES[self.verdict], self.explanation, evidence=evidence, fix=self.fix)
 
     def summary(self) -> str:
         """A plain-text table of the variants followed by the verdict."""

@@ -14,7 +14,8 @@ from torch import nn
 
 from ampguard.core.policy import supports_bf16
 from ampguard.experiments._range_probe import FP16_MAX, ModuleRange, ProbeResult
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
+from ampguard.findings.codes import lookup
 
 __all__ = ["probe_findings", "merge_saturation"]
 
@@ -56,8 +57,8 @@ def _nonfinite(probe: ProbeResult) -> Finding | None:
         return None
     where = (f"module {first.name or '<root>'!r} output" if first is not None
              else f"gradients of {grad[0] or '<root>'!r}" if grad else "the loss")
-    return Finding(
-        "AG332", "error", "non-finite values already in fp32",
+    return make(
+        "AG332",
         f"The fp32 probe produced inf/NaN (first at {where}): this is not an AMP problem, and "
         "no precision plan can fix it.",
         evidence={"module": first.name if first else None, "grad_modules": grad[:10],
@@ -99,8 +100,8 @@ def _fp16_ranges(probe: ProbeResult, keep: list[str]) -> list[ModuleRange]:
 def _forward_overflow(names: list[str]) -> Finding | None:
     if not names:
         return None
-    return Finding(
-        "AG326", "error", "fp16 forward overflow predicted",
+    return make(
+        "AG326",
         f"{len(names)} module(s) produce or consume activations beyond fp16's max 65504 in fp32: "
         f"{', '.join(repr(n) for n in names[:8])}. Under fp16 autocast they become inf in the "
         "forward, every step is skipped and the loss scale collapses.",
@@ -116,8 +117,8 @@ def _headroom(probe: ProbeResult, overflow: list[str]) -> Finding | None:
     if not near:
         return None
     amax = {n: probe.modules[n].out_amax for n in near}
-    return Finding(
-        "AG327", "warning", "activations close to fp16's max",
+    return make(
+        "AG327",
         f"{len(near)} module(s) output values within {_HEADROOM:g}x of 65504 "
         f"(largest {max(amax.values()):.4g}); training that grows them will overflow in fp16.",
         evidence={"amax": amax},
@@ -136,8 +137,8 @@ def _grad_overflow(ranges: list[ModuleRange], grad_max: float) -> Finding | None
     if grad_max <= FP16_MAX:
         return None
     names = [r.name for r in ranges if r.grad_amax > FP16_MAX]
-    return Finding(
-        "AG328", "error", "gradients overflow fp16 even at loss scale 1",
+    return make(
+        "AG328",
         f"Unscaled gradients reach {grad_max:.4g} (> 65504) in {', '.join(map(repr, names[:8]))}: "
         "every fp16 step overflows whatever the scale, so the scaler backs off until it collapses.",
         evidence={"grad_amax": grad_max, "modules": names},
@@ -155,8 +156,8 @@ def _grad_underflow(ranges: list[ModuleRange], scale: float, grad_max: float
     if not names:
         return None
     limiter = max(ranges, key=lambda r: r.grad_amax).name
-    return Finding(
-        "AG329", "warning", "gradients flushed to zero in fp16",
+    return make(
+        "AG329",
         f"At loss scale {scale:g} (the largest that keeps the gradients of "
         f"{limiter or '<root>'!r}, max {grad_max:.3g}, finite) fp16 flushes most gradient values "
         f"of {', '.join(map(repr, names[:8]))} to zero: those weights stop learning.",
@@ -171,8 +172,8 @@ def _act_underflow(probe: ProbeResult) -> Finding | None:
     names = _innermost([n for n, f in frac.items() if f > _FLUSH_SHARE])
     if not names:
         return None
-    return Finding(
-        "AG330", "warning", "activations flushed to zero in fp16",
+    return make(
+        "AG330",
         f"{', '.join(f'{n!r} ({frac[n]:.0%})' for n in names[:8])}: that share of the nonzero "
         "outputs is below 2**-25 and becomes exactly 0 in fp16 (no loss scale helps a forward).",
         evidence={"flushed_fraction": {n: round(frac[n], 4) for n in names}},
@@ -191,11 +192,12 @@ def merge_saturation(findings: list[Finding], probe: ProbeResult) -> list[Findin
     if not sat:
         return findings
     out = [f for f in findings if f.code != "AG321"]
-    out.append(Finding(
-        "AG321", "warning", "saturating activations round to 1 in fp16",
+    out.append(make(
+        "AG321",
         f"In the probe, {', '.join(f'{n!r} ({v:.0%})' for n, v in sat.items())} of the outputs "
         "are below 1 in fp32 but round to exactly +-1 in fp16: their gradient is zero there and "
         "log(1 - p) is -inf.",
+        severity="warning", title=lookup("AG321").title + " round to 1 in fp16",
         evidence={"saturated_fraction": sat},
         fix=f"Keep them in fp32 (keep_fp32={sorted(sat)!r}) and compute losses from logits.",
     ))
@@ -227,10 +229,10 @@ def _plan(model: nn.Module, probe: ProbeResult, overflow: list[str], found: list
         scale_text = f"Largest loss scale without gradient overflow: {scale:g}."
         if precision == "fp16" and scale < 2.0**16:
             args.append(f"scaler=ag.ScalerConfig(init_scale={scale:g})")
-    return Finding(
-        "AG331", "info", f"precision plan: {precision}" + (" with keep_fp32" if keep else ""),
+    return make(
+        "AG331",
         f"Recommended {precision}{f' with keep_fp32={keep!r}' if keep else ''}: {why}. "
-        + scale_text,
+        + scale_text, detail=precision + (" with keep_fp32" if keep else ""),
         evidence={"precision": precision, "keep_fp32": keep,
                   "usable_scale": None if probe.loss is None else scale, "bf16_supported": bf16},
         fix=f"ag.Guard(model, optimizer, {', '.join(args)})",

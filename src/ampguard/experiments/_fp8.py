@@ -16,19 +16,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["FP8_VARIANTS", "FP8_VERDICTS", "FP8_FINDING", "make_plan", "judge_fp8", "fp8_lines"]
+__all__ = ["FP8_VARIANTS", "FP8_VERDICTS", "FP8_CODES", "make_plan", "judge_fp8", "fp8_lines"]
 
 FP8_VARIANTS = {
     "fp8": "fp8 (torchao float8) for every eligible Linear, bf16 autocast around it",
     "fp8_planned": "fp8 for the Linear layers ag.fp8_plan finds ready, the rest in bf16",
 }
 FP8_VERDICTS = ("fp8_ok", "fp8_keep_layers", "fp8_fails")
-FP8_FINDING = {
-    "fp8_ok": ("AG337", "info", "fp8 trains like bf16"),
-    "fp8_keep_layers": ("AG338", "warning",
-                        "fp8 trains like bf16 only with some layers kept in bf16"),
-    "fp8_fails": ("AG339", "error", "fp8 does not train like bf16"),
-}
+FP8_CODES = {"fp8_ok": "AG337", "fp8_keep_layers": "AG338", "fp8_fails": "AG339"}  # catalogued
 _FP16 = ("fp16_dynamic", "fp16_fixed", "fp16_noscaler")
 
 
@@ -85,7 +80,7 @@ def judge_fp8(cmp: Any, plan: Any) -> None:
             f"{r.name}: {r.reason}" for r in runs) + f". bf16: {bf16.reason}."
         fix = (f"Keep these layers out of fp8: {names} (the plan's verdicts), and if fp8 still "
                "does not match bf16, train in bf16." if keep else "Train in bf16.")
-    code = FP8_FINDING[verdict][0]
+    code = FP8_CODES[verdict]
     cmp.extra["fp8"] = {"verdict": verdict, "code": code, "explanation": text, "fix": fix,
                         "keep_bf16": keep,
                         "plan": None if plan is None else plan.to_dict()}

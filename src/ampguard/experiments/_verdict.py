@@ -13,21 +13,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampguard.experiments._fp8 import FP8_FINDING as _FP8_FINDING
+from ampguard.experiments._fp8 import FP8_CODES as _FP8_CODES
 from ampguard.experiments._fp8 import fp8_lines
 
-__all__ = ["VERDICTS", "FINDING", "judge", "summary", "explain", "add_diagnosis", "finite",
+__all__ = ["VERDICTS", "CODES", "judge", "summary", "explain", "add_diagnosis", "finite",
            "json_float"]
 
 VERDICTS = ("amp_ok", "dynamic_scale_conflict", "fp16_range", "model_problem",
             "fp8_ok", "fp8_keep_layers", "fp8_fails")  # fp8: ampguard.experiments._fp8
-FINDING = {
-    "amp_ok": ("AG333", "info", "AMP trains like fp32"),
-    "dynamic_scale_conflict": ("AG334", "warning",
-                               "dynamic loss scaling fails where a fixed small scale trains"),
-    "fp16_range": ("AG335", "error", "values leave fp16's range at any loss scale"),
-    "model_problem": ("AG336", "error", "fp32 fails too: not an AMP problem"),
-    **_FP8_FINDING,
+CODES = {  # verdict -> finding code (title and severity: ampguard.findings.codes.CATALOGUE)
+    "amp_ok": "AG333", "dynamic_scale_conflict": "AG334", "fp16_range": "AG335",
+    "model_problem": "AG336", **_FP8_CODES,
 }
 MAX_SKIP_FRACTION = 0.25
 TAIL_RTOL = 0.25
@@ -195,7 +191,7 @@ def summary(cmp: Any) -> str:
                      f"{r.max_rel_dev:.3g}", f"{r.throughput_ratio:.2f}x", f"{tail:.4g}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    code = FINDING[cmp.verdict][0]
+    code = CODES[cmp.verdict]
     lines += ["", f"verdict: {cmp.verdict} ({code})", cmp.explanation]
     if cmp.fix:
         lines.append(f"fix: {cmp.fix}")

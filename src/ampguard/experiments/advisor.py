@@ -25,7 +25,7 @@ from torch import nn
 
 from ampguard.experiments._advisor_probe import merge_saturation, probe_findings
 from ampguard.experiments._range_probe import run_probe
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 
 __all__ = ["inspect_model"]
 
@@ -106,8 +106,8 @@ def _batchnorm_heavy(model: nn.Module) -> Finding | None:
     weighted = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     if len(bns) < 2 or len(bns) < 0.25 * len(weighted):
         return None
-    return Finding(
-        "AG320", "info", "BatchNorm-heavy model",
+    return make(
+        "AG320",
         f"{len(bns)} of {len(weighted)} parameterised modules are BatchNorm. Under fp16 autocast "
         "they normalise fp16 activations; one overflowing batch writes inf/NaN into "
         "running_mean/running_var, which then poisons every eval forward, even after the scaler "
@@ -122,8 +122,8 @@ def _saturating(model: nn.Module) -> Finding | None:
     names = [n for n, m in model.named_modules() if isinstance(m, _SATURATING)]
     if not names:
         return None
-    return Finding(
-        "AG321", "info", "saturating activations",
+    return make(
+        "AG321",
         f"{len(names)} sigmoid/tanh-like modules. fp16 rounds sigmoid(x) to exactly 1 for x > ~8.3 "
         "(tanh for |x| > ~4.5), so log(1 - p) becomes -inf and the gradient vanishes far earlier "
         "than in fp32.",
@@ -142,8 +142,8 @@ def _half_modules(model: nn.Module) -> Finding | None:
             low[name] = sorted(dtypes)
     if not low:
         return None
-    return Finding(
-        "AG325", "warning", "modules already cast to half precision",
+    return make(
+        "AG325",
         f"{len(low)} modules hold fp16/bf16 parameters or buffers (a .half()/.to(dtype) cast). "
         "Autocast already runs their math in low precision; low-precision weights also lose "
         "every update smaller than their rounding step.",
@@ -156,8 +156,8 @@ def _fp16_optimizer_params(optimizer: torch.optim.Optimizer) -> Finding | None:
     n = sum(p.dtype == torch.float16 for g in optimizer.param_groups for p in g["params"])
     if not n:
         return None
-    return Finding(
-        "AG323", "error", "optimizer trains fp16 parameters",
+    return make(
+        "AG323",
         f"The optimizer holds {n} float16 parameters. With the fp16 loss scaler this fails with "
         "'Attempting to unscale FP16 gradients'; without it, gradients underflow unscaled.",
         evidence={"fp16_params": int(n)},
@@ -177,8 +177,8 @@ def _adam_eps(optimizer: torch.optim.Optimizer) -> Finding | None:
             bad.append({"group": i, "eps": eps, "dtype": str(low[0].dtype)})
     if not bad:
         return None
-    return Finding(
-        "AG324", "error", "optimizer eps rounds to zero in half precision",
+    return make(
+        "AG324",
         f"{type(optimizer).__name__} eps={bad[0]['eps']} is below the smallest {bad[0]['dtype']} "
         "value, so sqrt(v) + eps can be exactly 0 and the update divides by zero (inf/NaN).",
         evidence={"groups": bad},
@@ -240,8 +240,8 @@ def _custom_function_finding(functions: dict[Any, list[str]]) -> Finding | None:
     names = [f"{c.__module__}.{c.__qualname__}" for c in bad]
     modules = sorted({m or "<root>" for where in bad.values() for m in where})
     used = f" (called in the forward of {', '.join(map(repr, modules[:8]))})" if modules else ""
-    return Finding(
-        "AG322", "warning", "custom autograd.Function without custom_fwd/custom_bwd",
+    return make(
+        "AG322",
         f"{', '.join(names)}{used} runs its forward under autocast but its backward without it, "
         "so the backward mixes fp16 saved tensors with fp32 gradients ('expected scalar type "
         "Half but found Float') or silently runs in the wrong dtype.",

@@ -7,6 +7,14 @@ table, and a test checks the README's and the docs' code tables against it. Impo
 
 Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 telemetry),
 AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 plan.
+
+Every emitter takes the title and the severity from here (``ampguard.findings.make``, the lint
+rules' ``Rule.from_code``). Where a finding carries detail in its title (the module, the op, which
+way a flag disagrees) the title *starts* with the catalogue's and the detail follows a colon or a
+parenthesis. Where the severity legitimately varies the catalogue holds the default and the
+emitter passes the actual one: AG101 (error at ``min_scale``, warning otherwise), AG103 (info for
+a run too short to judge its skip rate), AG109 (error once the Guard stops on consecutive
+skips), AG321 (warning when the probe saw activations round to 1 in fp16).
 """
 
 from __future__ import annotations
@@ -76,10 +84,10 @@ CATALOGUE: dict[str, Code] = _table(
      "more, or was reset to init_scale",
      "save the Guard's state in checkpoints (ag.save_checkpoint(..., guard=guard)); "
      "ResumeWarmup ramps the LR while the scale finds its level"),
-    ("AG108", "info", "bf16 recommended", "runtime",
+    ("AG108", "warning", "bf16 recommended", "runtime",
      "on bf16_min_samples range samples no fp16 scale held both the small and the large gradients",
      "train in bf16 where the device supports it"),
-    ("AG109", "warning", "non-finite gradients skipped without a loss scaler", "step",
+    ("AG109", "warning", "non-finite gradients skipped", "step",
      "bf16/fp32 windows whose gradients were non-finite were skipped by the Guard; an error once "
      "ScalerConfig.max_nonfinite_skips of them came in a row",
      "find the source with ag.locate (data, loss or a diverging model); lower the LR or clip"),
@@ -95,7 +103,7 @@ CATALOGUE: dict[str, Code] = _table(
      "limit of its output gradient's nonzero values flushed to zero",
      "keep the layer in bf16 (ag.fp8_plan + fp8_plan=)"),
     # -- AG12x: attach mode (ag.watch and the framework integrations) --------------------------
-    ("AG120", "warning", "framework's skipped-step flag disagrees with the scaler", "attach",
+    ("AG120", "warning", "skipped-step flag disagrees with the scaler", "attach",
      "the framework reported skipped steps as applied (or the reverse), e.g. Accelerate or the "
      "HF Trainer with a fused optimizer, so its LR scheduler advanced on skipped steps",
      "step the scheduler only on applied steps, or use a non-fused optimizer with the framework"),
@@ -129,34 +137,34 @@ CATALOGUE: dict[str, Code] = _table(
     ("AG202", "error", "optimizer stepped twice", "lint",
      "optimizer.step() in the same step as scaler.step(optimizer)",
      "call only scaler.step(optimizer)"),
-    ("AG203", "warning", "GradScaler with bf16", "lint",
+    ("AG203", "warning", "GradScaler used with bfloat16", "lint",
      "an enabled GradScaler with bf16 autocast (or precision='bf16-mixed', bf16=True) in the "
      "same scope",
      "drop the scaler for bf16, or GradScaler(enabled=(dtype == torch.float16))"),
-    ("AG204", "error", "scaler.update() missing or repeated", "lint",
+    ("AG204", "error", "scaler.update() missing or mistimed", "lint",
      "scaler.step() repeated in a loop with no scaler.update() in between; update() on every "
      "micro-batch of gradient accumulation",
      "one update() right after each scaler.step()"),
-    ("AG205", "warning", "checkpoint without the scaler's state", "lint",
+    ("AG205", "warning", "checkpoint without GradScaler state", "lint",
      "torch.save of a dict with model and optimizer state but no scaler.state_dict(), in a file "
      "that uses a GradScaler",
      "add 'scaler': scaler.state_dict() and load it on resume"),
     ("AG206", "warning", "deprecated AMP API", "lint",
      "torch.cuda.amp.autocast/GradScaler/custom_fwd/custom_bwd, torch.cpu.amp.*",
      "torch.amp.autocast('cuda', ...), torch.amp.GradScaler('cuda'), torch.amp.custom_fwd"),
-    ("AG207", "warning", "LR scheduler advances on skipped steps", "lint",
+    ("AG207", "warning", "LR scheduler steps on skipped optimizer steps", "lint",
      "scheduler.step() unconditionally right after scaler.step(...)",
      "step the scheduler only when the optimizer stepped (StepResult.applied)"),
-    ("AG208", "warning", "torch.load without weights_only", "lint",
+    ("AG208", "warning", "unsafe checkpoint load", "lint",
      "torch.load(..., weights_only=False), or no weights_only on torch < 2.6",
      "weights_only=True (+ add_safe_globals) or ag.load_checkpoint"),
-    ("AG209", "warning", "log of softmax", "lint",
+    ("AG209", "warning", "log of softmax (numerically fragile loss)", "lint",
      "torch.log(torch.softmax(x)), x.softmax(-1).log(), log(nn.Softmax(dim)(x))",
      "log_softmax, cross_entropy"),
-    ("AG210", "error", "binary_cross_entropy under autocast", "lint",
+    ("AG210", "error", "binary_cross_entropy / BCELoss inside autocast", "lint",
      "binary_cross_entropy / nn.BCELoss inside a (non-CPU) autocast region",
      "binary_cross_entropy_with_logits / BCEWithLogitsLoss on the logits"),
-    ("AG211", "error", "model cast to fp16 with a GradScaler", "lint",
+    ("AG211", "error", "model cast to fp16 while a GradScaler is used", "lint",
      "model.half() / .to(torch.float16) at module level or in the function that uses a GradScaler",
      "keep fp32 parameters; autocast runs the ops in fp16"),
     ("AG212", "warning", "GradScaler in no-grad or evaluation code", "lint",
@@ -171,7 +179,7 @@ CATALOGUE: dict[str, Code] = _table(
      "dedent the backward call out of the with-autocast block: backward ops run in the dtype "
      "their forward chose"),
     # -- AG30x: forensics ---------------------------------------------------------------------
-    ("AG300", "info", "nothing non-finite", "forensics",
+    ("AG300", "info", "no non-finite value", "forensics",
      "ag.locate found the loss and the gradients finite and nothing flushed to zero",
      "none"),
     ("AG301", "error", "fp16 overflow", "forensics",
@@ -180,16 +188,16 @@ CATALOGUE: dict[str, Code] = _table(
     ("AG302", "warning", "fp16 underflow", "forensics",
      "a layer's gradients are all zero in fp16 but not in fp32",
      "a larger loss scale, or bf16"),
-    ("AG303", "error", "non-finite in fp32 too", "forensics",
+    ("AG303", "error", "non-finite in fp32 too (not an AMP problem)", "forensics",
      "fp32 goes non-finite as well (log of a negative, NaN weights): not an AMP problem",
      "fix the model or the learning rate"),
-    ("AG304", "error", "non-finite input", "forensics",
+    ("AG304", "error", "the batch holds NaN/inf", "forensics",
      "the batch holds NaN or inf; the module named is the first that consumed it",
      "filter or repair the data"),
-    ("AG305", "info", "loss scale probe", "forensics",
+    ("AG305", "info", "loss-scale probe overflow (benign)", "forensics",
      "a backward overflow that is gone at loss scale 1: the scaler probing its level",
      "none: the scaler backs off by design"),
-    ("AG306", "info", "module kept in fp32", "forensics",
+    ("AG306", "info", "auto_fallback kept a module in fp32", "forensics",
      "auto_fallback kept a module that overflowed fp16 in fp32",
      "add the module to keep_fp32=[...] for the next run"),
     # -- AG31x: autocast coverage ---------------------------------------------------------------
@@ -238,7 +246,7 @@ CATALOGUE: dict[str, Code] = _table(
      "the fp32 probe itself is non-finite: not an AMP problem", "fix the model or the data"),
     ("AG333", "info", "AMP trains like fp32", "compare",
      "fp16 with dynamic scaling trains like fp32", "none"),
-    ("AG334", "warning", "dynamic loss scaling conflicts with this model", "compare",
+    ("AG334", "warning", "dynamic loss scaling fails where a fixed small scale trains", "compare",
      "dynamic scaling fails while a fixed scale trains",
      "ScalerConfig(init_scale=64, max_scale=64) or a longer growth_interval"),
     ("AG335", "error", "values leave fp16's range at any loss scale", "compare",

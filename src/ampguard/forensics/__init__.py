@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ampguard.core.policy import device_of, resolve_precision
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
 from ampguard.forensics._text import explain, fix_for, title_for
@@ -44,8 +44,6 @@ __all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
 KINDS = ("fp16_overflow", "fp16_underflow", "model_nonfinite", "input_nonfinite", "none")
 CODES = {"none": "AG300", "fp16_overflow": "AG301", "fp16_underflow": "AG302",
          "model_nonfinite": "AG303", "input_nonfinite": "AG304", "probe": "AG305"}
-_SEVERITY = {"AG300": "info", "AG301": "error", "AG302": "warning", "AG303": "error",
-             "AG304": "error", "AG305": "info"}
 _TINY = {"fp16": torch.finfo(torch.float16).tiny, "bf16": torch.finfo(torch.bfloat16).tiny}
 _MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -92,8 +90,8 @@ class Diagnosis:
         """
         fix = fix_for(self)
         message = self.explain().removesuffix(f" Fix: {fix}")
-        return Finding(self.code, _SEVERITY[self.code], title_for(self), message,
-                       step=step, evidence=self.to_dict(), fix=fix)
+        return make(self.code, message, title=title_for(self), step=step,
+                    evidence=self.to_dict(), fix=fix)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; :meth:`from_dict` inverts it."""

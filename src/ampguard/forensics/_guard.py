@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ampguard import runlog
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
@@ -213,12 +213,12 @@ class GuardForensics:
 
 
 def _fallback_finding(change: dict[str, Any]) -> Finding:
-    return Finding(
-        "AG306", "info", f"auto_fallback kept {change['module']!r} in fp32",
-        f"Step {change['step']}: {change['module']!r} overflowed fp16 in the {change['phase']} "
+    module = change["module"]
+    return make(
+        "AG306", f"Step {change['step']}: {module!r} overflowed fp16 in the {change['phase']} "
         f"pass ({change['op']}); auto_fallback runs it outside autocast in fp32 from the next "
-        "step on.", step=change["step"], evidence=dict(change),
-        fix=f"Make it permanent with Guard(..., keep_fp32=[{change['module']!r}]), or bound its "
+        "step on.", detail=repr(module), step=change["step"], evidence=dict(change),
+        fix=f"Make it permanent with Guard(..., keep_fp32=[{module!r}]), or bound its "
             "values (normalisation, smaller init) so it fits fp16.")
 
 

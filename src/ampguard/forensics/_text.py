@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampguard.findings.codes import lookup
+
 __all__ = ["explain", "title_for", "fix_for", "where"]
 
 
@@ -19,17 +21,21 @@ def where(module: str | None) -> str:
 
 
 def title_for(d: Any) -> str:
-    """One line, e.g. ``fp16 overflow in the forward pass at 'blocks.2.fc'``."""
+    """One line that starts with the code's catalogue title, e.g. ``fp16 overflow in the forward
+    pass at 'blocks.2.fc'`` (a bf16 run: ``fp16 overflow (bf16) in ...``)."""
     low = d.precision
     at = f" at {where(d.module)}" if d.module is not None or d.op else ""
+    head = lookup(d.code).title
     if d.benign:
-        return f"loss-scale probe overflow (benign){at}"
-    return {
-        "none": "no non-finite value",
-        "fp16_overflow": f"{low} overflow in the {d.phase or 'training'} pass{at}",
-        "fp16_underflow": f"{low} underflow: gradients flushed to zero{at}",
-        "model_nonfinite": f"non-finite in fp32 too (not an AMP problem){at}",
-        "input_nonfinite": f"the batch holds NaN/inf{at}",
+        return f"{head}{at}"
+    if d.kind in ("fp16_overflow", "fp16_underflow") and low != "fp16":
+        head += f" ({low})"
+    return head + {
+        "none": "",
+        "fp16_overflow": f" in the {d.phase or 'training'} pass{at}",
+        "fp16_underflow": f": gradients flushed to zero{at}",
+        "model_nonfinite": at,
+        "input_nonfinite": at,
     }[d.kind]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ampguard.core.policy import device_of, resolve_precision
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 from ampguard.forensics._optrace import OpEvent
 from ampguard.forensics._replay import Preserved, replay
 from ampguard.forensics.islands import match_modules
@@ -267,21 +267,21 @@ def _escaped_finding(e: dict[str, Any], step: int | None) -> Finding:
            if e["reason"] == "backward_in_fp32" else
            "Call it inside the autocast block (e.g. with guard.autocast():) so its matmuls run "
            "in low precision; if fp32 is intended, declare it with keep_fp32=[...].")
-    return Finding(
-        "AG310", "warning", f"module escaped autocast: {_where(e['module'])}",
+    return make(
+        "AG310",
         f"{_where(e['module'])} ran all {e['heavy_fp32']} of its {_COUNTED[e['phase']]} "
         f"matmul-family ops in fp32: it {_REASONS[e['reason']]}.",
-        step=step, evidence=dict(e), fix=fix,
+        detail=_where(e["module"]), step=step, evidence=dict(e), fix=fix,
     )
 
 
 def _fragile_finding(f: dict[str, Any], step: int | None) -> Finding:
-    return Finding(
-        "AG311", "warning", f"fragile op in {f['dtype']}: {f['op']} in {_where(f['module'])}",
+    return make(
+        "AG311",
         f"{f['op']} ran {f['count']} time(s) in {f['dtype']} in the forward pass of "
         f"{_where(f['module'])} (up to {f['max_numel']} elements per input); its result can "
         f"overflow or lose range in {f['dtype']}.",
-        step=step, evidence=dict(f),
+        detail=f"{f['op']} in {_where(f['module'])} ({f['dtype']})", step=step, evidence=dict(f),
         fix=(f"Compute it in fp32: x.float() before {f['op'].rpartition('.')[2]} inside "
              f"torch.autocast(enabled=False), or keep_fp32=[{f['module']!r}]; or use bf16."),
     )

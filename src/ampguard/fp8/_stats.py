@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 from ampguard.fp8._cast import E4M3, RECIPES, flushed_share, quantize
 
 __all__ = ["Fp8Monitor", "FIELDS"]
@@ -152,14 +152,12 @@ def _drift(name: str, rows: list[tuple[int, dict[str, Any]]], key: str, limit: f
     worst = max(x for _, x in bad)
     what = key.split("_")[0]
     dtype = "e5m2" if key == "grad_flushed" and recipe.grad_dtype == torch.float8_e5m2 else "e4m3"
-    title = ("a layer's output gradient underflows fp8" if code == "AG112" else
-             f"a layer's {what} leaves the e4m3 window")
-    return Finding(
-        code, "warning", title,
+    return make(
+        code,
         f"{name}: on {len(bad)} of {len(seen)} samples more than {limit:.2%} of its {what}'s "
         f"nonzero values flushed to zero in {dtype} (worst {worst:.2%}, first at step "
         f"{bad[0][0]}); its {'updates' if code == 'AG112' else 'outputs'} lose that signal",
-        step=bad[0][0],
+        detail=None if code == "AG112" else what, step=bad[0][0],
         evidence={"layer": name, "field": key, "samples": len(seen), "over_limit": len(bad),
                   "worst": worst, "limit": limit, "recipe": recipe.name},
         fix=(f"keep {name!r} in bf16 (make a plan with ag.fp8_plan and pass fp8_plan=, or "

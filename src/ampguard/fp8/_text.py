@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 
 __all__ = ["plan_table", "plan_findings", "FIX_TEXT"]
 
@@ -27,13 +27,9 @@ FIX_TEXT = {
                "comparable magnitudes (or recipe='rowwise'); until then keep it in bf16",
 }
 
-_CODES = {  # problem -> (code, severity, title)
-    "input": ("AG341", "warning", "outlier features flush a layer's fp8 input"),
-    "grad": ("AG342", "warning", "a layer's output gradient flushes in fp8"),
-    "sqnr": ("AG343", "warning", "a layer's fp8 output is too noisy"),
-    "weight": ("AG344", "warning", "a layer's weight flushes in e4m3"),
-    "shape": ("AG345", "info", "a layer shape fp8 matmuls do not accept"),
-    "unused": ("AG346", "info", "a Linear layer the traced forward never called"),
+_CODES = {  # problem -> code (title and severity: ampguard.findings.codes.CATALOGUE)
+    "input": "AG341", "grad": "AG342", "sqnr": "AG343", "weight": "AG344", "shape": "AG345",
+    "unused": "AG346",
 }
 
 
@@ -75,17 +71,16 @@ def plan_findings(plan: Any) -> list[Finding]:
     for name, info in plan.layers.items():
         if info["ready"]:
             continue
-        code, severity, title = _CODES[info["problem"]]
         label = name or "(root)"
         evidence = {k: v for k, v in info.items() if k not in ("reason", "ready", "problem")}
         evidence["layer"] = label
         evidence["recipe"] = plan.recipe
-        out.append(Finding(code, severity, title, f"{label}: {info['reason']}",
-                           evidence=evidence, fix=f"{label}: {FIX_TEXT[info['fix']]}"))
+        out.append(make(_CODES[info["problem"]], f"{label}: {info['reason']}",
+                        evidence=evidence, fix=f"{label}: {FIX_TEXT[info['fix']]}"))
     ready = plan.ready_layers
     if ready:
-        out.append(Finding(
-            "AG340", "info", "layers ready for fp8",
+        out.append(make(
+            "AG340",
             f"{len(ready)} of {len(plan.layers)} Linear layers are ready for fp8 "
             f"({plan.recipe}): {', '.join(n or '(root)' for n in ready)}",
             evidence={"ready": ready, "recipe": plan.recipe},

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampguard import runlog
-from ampguard.findings import Finding, count
+from ampguard.findings import Finding, count, make
 
 __all__ = ["attach_findings", "fp16_inactive"]
 
@@ -41,9 +41,8 @@ def _skip_flag_mismatch(watch: Any) -> list[Finding]:
     name = watch.framework or "the framework"
     out = []
     if missed:
-        out.append(Finding(
-            code="AG120", severity="warning",
-            title="Skipped steps reported as applied",
+        out.append(make(
+            "AG120", detail="skipped steps reported as applied",
             message=(f"{count(len(missed), 'optimizer step')} "
                      f"{'was' if len(missed) == 1 else 'were'} skipped by the GradScaler "
                      f"(non-finite gradients) but {name} reported "
@@ -58,9 +57,8 @@ def _skip_flag_mismatch(watch: Any) -> list[Finding]:
                  "ampguard's run log and report already count these steps as skipped."),
         ))
     if invented:
-        out.append(Finding(
-            code="AG120", severity="warning",
-            title="Applied steps reported as skipped",
+        out.append(make(
+            "AG120", detail="applied steps reported as skipped",
             message=(f"{count(len(invented), 'optimizer step')} "
                      f"{'was' if len(invented) == 1 else 'were'} applied but {name} reported "
                      f"{'it' if len(invented) == 1 else 'them'} as skipped, so its LR scheduler "
@@ -85,9 +83,8 @@ def _interventions(watch: Any) -> list[Finding]:
         if n:
             parts.append(f"{count(n, noun)} {what}")
     steps = [s for s in first if s > 0]
-    return [Finding(
-        code="AG121", severity="info",
-        title="Attach-mode guard changed the loss scale",
+    return [make(
+        "AG121",
         message=("The scale differs from what the bare GradScaler would have set: "
                  + "; ".join(parts) + ". Parameters stay identical on every other step."),
         step=min(steps) if steps else None,
@@ -102,9 +99,8 @@ def _interventions(watch: Any) -> list[Finding]:
 def fp16_inactive(framework: str, detail: str, actual: str = "fp32") -> Finding:
     """AG122: fp16 requested, but the framework runs without loss scaling/autocast
     (``actual``: the precision it trains in instead)."""
-    return Finding(
-        code="AG122", severity="warning",
-        title="fp16 requested but not active",
+    return make(
+        "AG122",
         message=(f"{framework} was asked for fp16 mixed precision but runs without a loss scaler "
                  f"and without fp16 autocast on this device ({detail}): training is {actual}."),
         evidence={"framework": framework, "detail": detail, "actual": actual},

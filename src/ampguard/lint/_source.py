@@ -16,7 +16,7 @@ import tokenize
 import warnings
 from dataclasses import dataclass
 
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
 
 __all__ = ["Parsed", "MAX_FILE_BYTES", "noqa_codes", "parse", "read_source", "syntax_finding"]
 
@@ -43,8 +43,8 @@ class Parsed:
 
 def syntax_finding(path: str, message: str, line: int | None = 1, col: int | None = 1) -> Finding:
     """The AG200 finding for a file that could not be read or parsed."""
-    return Finding(
-        code="AG200", severity="error", title="file could not be parsed", message=message,
+    return make(
+        "AG200", message,
         fix="fix the syntax or save the file as UTF-8 (or declare its encoding with a coding "
             "comment); the other rules cannot check a file that does not parse",
         path=path, line=max(int(line or 1), 1), col=max(int(col or 1), 1),

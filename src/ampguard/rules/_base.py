@@ -1,4 +1,4 @@
-"""Shared pieces of the AG1xx rules: titles, thresholds, the finding builder."""
+"""Shared pieces of the AG1xx rules: thresholds, the finding builder (titles: the catalogue)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from ampguard.findings import Finding
+from ampguard.findings import Finding, make
+from ampguard.findings.codes import lookup
 
 __all__ = ["TITLES", "RuleConfig", "make_finding", "fp16_mask"]
 
-TITLES = {
-    "AG101": "loss scale collapse",
-    "AG102": "loss scale oscillation",
-    "AG103": "high skipped-step rate",
-    "AG104": "dead layer",
-    "AG105": "fp16 saturation",
-    "AG106": "gradient underflow",
-    "AG107": "loss scale gap after resume",
-    "AG108": "bf16 recommended",
-    "AG109": "non-finite gradients skipped",
-    "AG110": "non-finite gradients applied",
-}
+# The rules' titles, read from the catalogue (kept as a name: ``ampguard.rules.TITLES``).
+TITLES = {code: lookup(code).title for code in (
+    "AG101", "AG102", "AG103", "AG104", "AG105", "AG106", "AG107", "AG108", "AG109", "AG110")}
 
 
 @dataclass(frozen=True)
@@ -65,9 +57,8 @@ class RuleConfig:
 
 def make_finding(code: str, severity: str, message: str, step: int | None,
                  evidence: dict[str, Any], fix: str) -> Finding:
-    """A :class:`Finding` with the code's title and JSON-plain evidence (NaN/inf -> None)."""
-    return Finding(code, severity, TITLES[code], message, step=step,
-                   evidence=_plain(evidence), fix=fix)
+    """A :class:`Finding` with the catalogue's title and JSON-plain evidence (NaN/inf -> None)."""
+    return make(code, message, severity=severity, step=step, evidence=_plain(evidence), fix=fix)
 
 
 def _plain(value: Any) -> Any:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ampguard.findings import SEVERITIES
+from ampguard.findings.codes import CATALOGUE
 
 __all__ = [
     "RunFolderError", "MAX_WARNINGS", "LineWarnings", "STEP_FIELDS", "EVENT_FIELDS",
@@ -331,8 +332,9 @@ def _finding(data: dict[str, Any], prefix: str) -> str | None:
     if bad is None and data["severity"] not in SEVERITIES:
         bad = f"field {prefix}'severity' must be one of {', '.join(SEVERITIES)}, got " \
               f"{_short(data['severity'])}"
-    if bad is None and not data["code"].startswith("AG"):
-        bad = f"field {prefix}'code' must be an 'AGnnn' string, got {_short(data['code'])}"
+    if bad is None and data["code"] not in CATALOGUE:
+        bad = f"field {prefix}'code' must be a catalogued 'AGnnn' code, got " \
+              f"{_short(data['code'])}"
     return bad
 
 

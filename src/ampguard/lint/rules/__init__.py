@@ -16,8 +16,8 @@ from ampguard.lint.rules.update import AG204
 
 __all__ = ["RULES", "Context", "Rule"]
 
-AG200 = Rule(
-    code="AG200", severity="error", title="file could not be parsed",
+AG200 = Rule.from_code(
+    "AG200",
     fix="fix the syntax error or save the file as UTF-8 (or declare its encoding)", triggers=(),
 )
 

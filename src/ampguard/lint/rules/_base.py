@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampguard.findings import Finding
+from ampguard.findings.codes import lookup
 from ampguard.lint._model import FileModel
 
 __all__ = ["Context", "Rule"]
@@ -39,7 +40,8 @@ class Rule:
 
     ``triggers`` are substrings of the source; a file that contains none of them cannot fire the
     rule, so the rule is not run on it (this keeps the linter fast on large trees). A file must
-    also contain one of ``requires``, when given.
+    also contain one of ``requires``, when given. :meth:`from_code` takes the severity and the
+    title from the catalogue of finding codes (every rule is declared that way).
     """
 
     code: str
@@ -49,3 +51,14 @@ class Rule:
     triggers: tuple[str, ...]
     check: Callable[[Context], Iterable[Finding]] | None = None
     requires: tuple[str, ...] = ()
+
+    @classmethod
+    def from_code(cls, code: str, *, triggers: tuple[str, ...],
+                  check: Callable[[Context], Iterable[Finding]] | None = None,
+                  requires: tuple[str, ...] = (), fix: str | None = None) -> Rule:
+        """The rule of catalogued ``code``: severity and title from the catalogue; ``fix``
+        (the longer advice lint prints) defaults to the catalogue's."""
+        entry = lookup(code)
+        return cls(code=code, severity=entry.severity, title=entry.title,
+                   fix=entry.fix if fix is None else fix, triggers=triggers, check=check,
+                   requires=requires)

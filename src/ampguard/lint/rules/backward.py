@@ -54,8 +54,8 @@ def _check(ctx: Context) -> Iterator[Finding]:
             "block", autocast_line=line)
 
 
-AG214 = Rule(
-    code="AG214", severity="warning", title="backward inside autocast",
+AG214 = Rule.from_code(
+    "AG214",
     fix="dedent the backward call (scaler.scale(loss).backward()) out of the "
         "'with torch.autocast(...)' block; backward ops already run in the dtype autocast chose "
         "for their forward ops",

@@ -141,14 +141,14 @@ def _check_load(ctx: Context) -> Iterator[Finding]:
                               torch_version=version)
 
 
-AG205 = Rule(
-    code="AG205", severity="warning", title="checkpoint without GradScaler state",
+AG205 = Rule.from_code(
+    "AG205",
     fix="add 'scaler': scaler.state_dict() to the checkpoint and call "
         "scaler.load_state_dict(ckpt['scaler']) when resuming",
     triggers=("GradScaler", "unscale_", ".scale(", "caler"), check=_check_checkpoint,
 )
-AG208 = Rule(
-    code="AG208", severity="warning", title="unsafe checkpoint load",
+AG208 = Rule.from_code(
+    "AG208",
     fix="load with torch.load(path, weights_only=True) (register extra types with "
         "torch.serialization.add_safe_globals) or use ampguard.load_checkpoint",
     triggers=("weights_only", "torch.load", "import load", "serialization"), check=_check_load,

@@ -35,8 +35,8 @@ def _report(ctx: Context, node: ast.AST, qual: str | None) -> Iterator[Finding]:
     )
 
 
-AG206 = Rule(
-    code="AG206", severity="warning", title="deprecated AMP API",
+AG206 = Rule.from_code(
+    "AG206",
     fix="replace torch.cuda.amp.X(...) with torch.amp.X('cuda', ...) and torch.cpu.amp.X(...) "
         "with torch.amp.X('cpu', ...) (for autocast: torch.amp.autocast(device_type=...))",
     triggers=("cuda.amp", "cpu.amp", "import amp"), check=_check,

@@ -32,8 +32,8 @@ def _check(ctx: Context) -> Iterator[Finding]:
             "belongs to the training step", context=where)
 
 
-AG212 = Rule(
-    code="AG212", severity="warning", title="GradScaler in no-grad or evaluation code",
+AG212 = Rule.from_code(
+    "AG212",
     fix="compute evaluation losses without the scaler (plain loss.item() or a metric), and create "
         "and use the GradScaler only in the training step",
     triggers=("GradScaler", ".scale("), check=_check,

@@ -82,14 +82,14 @@ def _check_bce(ctx: Context) -> Iterator[Finding]:
             "on the logits", loss=what, autocast_line=region.call.lineno)
 
 
-AG209 = Rule(
-    code="AG209", severity="warning", title="log of softmax (numerically fragile loss)",
+AG209 = Rule.from_code(
+    "AG209",
     fix="use torch.log_softmax(x, dim), or F.cross_entropy / F.nll_loss(F.log_softmax(x)) for a "
         "loss, instead of taking the log of softmax probabilities",
     triggers=("softmax",), check=_check_log,
 )
-AG210 = Rule(
-    code="AG210", severity="error", title="binary_cross_entropy / BCELoss inside autocast",
+AG210 = Rule.from_code(
+    "AG210",
     fix="feed the logits to F.binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss (they are "
         "autocast-safe), instead of sigmoid + BCE",
     triggers=("binary_cross_entropy", "BCELoss"), check=_check_bce,

@@ -121,14 +121,14 @@ def _check_double(ctx: Context) -> Iterator[Finding]:
     return _run(ctx, _DoubleStepAnalysis(ctx), (frozenset(), frozenset()))
 
 
-AG201 = Rule(
-    code="AG201", severity="error", title="gradient clipping on scaled gradients",
+AG201 = Rule.from_code(
+    "AG201",
     fix="call scaler.unscale_(optimizer) after scaler.scale(loss).backward() and before "
         "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
     triggers=("clip_grad",), check=_check_clip,  # also needs a scaler: cheap to find out
 )
-AG202 = Rule(
-    code="AG202", severity="error", title="optimizer stepped twice",
+AG202 = Rule.from_code(
+    "AG202",
     fix="call only scaler.step(optimizer); it runs optimizer.step() itself unless the gradients "
         "overflowed",
     triggers=("caler", "unscale_", ".scale("), check=_check_double,

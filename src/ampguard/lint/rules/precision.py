@@ -154,14 +154,14 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
                 "gradients') and small updates round away", model=what)
 
 
-AG203 = Rule(
-    code="AG203", severity="warning", title="GradScaler used with bfloat16",
+AG203 = Rule.from_code(
+    "AG203",
     fix="drop the GradScaler for bf16 (or build it with enabled=(dtype == torch.float16)); "
         "scaling is only needed for float16",
     triggers=("GradScaler", "caler"), check=_check_bf16,  # "caler": a project scaler factory
 )
-AG211 = Rule(
-    code="AG211", severity="error", title="model cast to fp16 while a GradScaler is used",
+AG211 = Rule.from_code(
+    "AG211",
     fix="keep the parameters in float32 and let autocast run the ops in fp16; remove "
         "model.half() / model.to(torch.float16)",
     triggers=("GradScaler", "unscale_", ".scale("), check=_check_half,

@@ -60,8 +60,8 @@ def _scheduler_steps(ctx: Context, stmts: list[ast.stmt]) -> Iterator[ast.Call]:
             yield value
 
 
-AG207 = Rule(
-    code="AG207", severity="warning", title="LR scheduler steps on skipped optimizer steps",
+AG207 = Rule.from_code(
+    "AG207",
     fix="step the scheduler only when the optimizer stepped, e.g. compare scaler.get_scale() "
         "before and after scaler.update() (a lower scale means the step was skipped), or use "
         "ampguard's Guard, whose StepResult.applied says so",

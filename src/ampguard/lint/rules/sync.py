@@ -178,8 +178,8 @@ def _inside_log(ctx: Context, node: ast.AST) -> bool:
     return False
 
 
-AG213 = Rule(
-    code="AG213", severity="info", title="per-step host sync only for logging",
+AG213 = Rule.from_code(
+    "AG213",
     fix="log every N steps (if step % N == 0: print(loss.item())), or accumulate on the device "
         "(running += loss.detach()) and read it once per N steps",
     triggers=(".item()", "get_scale", ".backward("), check=_check,

@@ -180,8 +180,8 @@ def _values(node: ast.AST) -> list[ast.AST]:
     return list(node.elts)
 
 
-AG204 = Rule(
-    code="AG204", severity="error", title="scaler.update() missing or mistimed",
+AG204 = Rule.from_code(
+    "AG204",
     fix="call scaler.update() exactly once per optimizer step, right after scaler.step(optimizer) "
         "(inside the same accumulation branch)",
     triggers=("caler", "unscale_", ".scale("), check=_check,
