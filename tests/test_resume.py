@@ -52,7 +52,7 @@ def test_plain_checkpoint_into_a_bf16_guard_does_not_warn_about_a_scale(tmp_path
 def test_a_running_warmup_ramp_survives_save_and_resume(tmp_path):
     warmup = ag.ResumeWarmup(steps=6, lr_factor=0.25)
     model, opt, guard = _setup(warmup)
-    guard._restart_scale()  # as after a plain checkpoint: the ramp starts
+    guard.restart_scale()  # as after a plain checkpoint: the ramp starts
     _train(model, guard, 2)
     ag.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, guard=guard)
     seen_uninterrupted = []

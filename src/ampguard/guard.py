@@ -415,14 +415,14 @@ class Guard:
         values = torch.stack([status for _, status in pending]).tolist()
         collapsed, scaled = [], self._scaler is not None
         for (result, _), value in zip(pending, values, strict=True):
-            result._decoded = results.decode(int(value), len(self.optimizers), scaled)
+            flags = result.settle(results.decode(int(value), len(self.optimizers), scaled))
             if not act:
                 continue
-            self._record(result.step, result._decoded)  # count every step before any raise
+            self._record(result.step, flags)  # count every step before any raise
             bound = _nonfinite.over_bound(self)  # bf16/fp32: too many non-finite skips in a row
-            if (result._decoded.collapse or bound) and self.scaler_config.on_collapse == "warn":
+            if (flags.collapse or bound) and self.scaler_config.on_collapse == "warn":
                 self._on_collapse(result.step)  # in order: an applied step ends an episode
-            elif result._decoded.collapse or bound:
+            elif flags.collapse or bound:
                 collapsed.append(result.step)
         if collapsed:
             self._on_collapse(collapsed[0])
@@ -565,22 +565,6 @@ class Guard:
         """
         _guard_state.apply(self, _guard_state.check(self, state))
 
-    def _restart_scale(self) -> None:
-        """A checkpoint without scaler state: the scale starts again from ``init_scale``."""
-        if self._scaler is not None:
-            self._scaler = self._make_scaler()
-            self._history.reset(self.scaler_config.init_scale)
-        self._mark_resume(scale_reset=self._scaler is not None)
-
-    def _adopt_torch_scaler_state(self, state: dict[str, Any]) -> None:
-        """Take over a ``torch.amp.GradScaler.state_dict()`` (scale and growth tracker)."""
-        assert self._scaler is not None
-        self._scaler.load_state_dict(
-            {"scale": state["scale"], "growth_tracker": state.get("_growth_tracker", 0)}
-        )
-        self._history.reset(float(state["scale"]))  # not init_scale: no spurious scale change
-        self._mark_resume(scale_reset=False, saved_scale=float(state["scale"]))
-
     def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
         # telemetry continues the run log (and the step count, for a checkpoint without Guard
         # state) and returns the scale the run had before the interruption
@@ -697,6 +681,64 @@ class Guard:
             return contextlib.nullcontext()
         return no_sync()
 
+    # ------------------------------------------------------------------ for ampguard's own modules
+    # The Guard's surface for the modules that act on a Guard from outside this class (the
+    # checkpoint loader, the cross-rank audit, forensics, StepResult): they use these, never
+    # the Guard's private attributes (issue 14; tests/test_privates.py checks it).
+    def settle_pending(self) -> None:
+        """Decode, count and act on the pending step flags of fused optimizers (what reading
+        ``StepResult.applied`` or :attr:`skipped_steps` does). Cost: one host sync for all
+        pending windows; none when nothing is pending."""
+        self._drain()
+
+    @property
+    def applied_steps(self) -> int:
+        """Windows whose step was applied, as counted so far: pending fused-optimizer flags are
+        not settled (read :attr:`skipped_steps` first for settled totals). Cost: no host sync."""
+        return self._counts.applied
+
+    def scale_used_at(self, step: int) -> float:
+        """The loss scale window ``step`` ran with (one of the last 32 windows: the scale history);
+        1.0 without a loss scaler. Cost: one host sync with a scaler, none without."""
+        if self._scaler is None:
+            return 1.0
+        return self._history.used_at(step)
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        """The loss scaler's ``state_dict()`` (``scale``, ``growth_tracker``,
+        ``hysteresis_tracker``...), or None without a scaler (bf16, fp32, after a fallback).
+        Cost: one host sync with a scaler."""
+        return None if self._scaler is None else self._scaler.state_dict()
+
+    def restore_counts(self, *, steps: int, applied: int, skipped: int,
+                       scaler_state: dict[str, Any] | None = None) -> None:
+        """Set the window counters (and, with a scaler, its state) to another rank's: the
+        audit's repair (``on_desync="repair"``). ``scaler_state`` is ignored without a scaler.
+        Cost: no host sync."""
+        if self._scaler is not None and scaler_state is not None:
+            self._scaler.load_state_dict(scaler_state)
+        self._steps = steps
+        self._counts.applied = applied
+        self._counts.skipped = skipped
+
+    def restart_scale(self) -> None:
+        """A checkpoint without scaler state: the scale starts again from ``init_scale`` (a
+        resume is recorded, see :attr:`resume`). Cost: none beyond the resume check."""
+        if self._scaler is not None:
+            self._scaler = self._make_scaler()
+            self._history.reset(self.scaler_config.init_scale)
+        self._mark_resume(scale_reset=self._scaler is not None)
+
+    def adopt_torch_scaler_state(self, state: dict[str, Any]) -> None:
+        """Take over a ``torch.amp.GradScaler.state_dict()`` (scale and growth tracker; torch
+        names the tracker ``_growth_tracker`` in that dict). Needs a loss scaler."""
+        assert self._scaler is not None
+        self._scaler.load_state_dict(
+            {"scale": state["scale"], "growth_tracker": state.get("_growth_tracker", 0)}
+        )
+        self._history.reset(float(state["scale"]))  # not init_scale: no spurious scale change
+        self._mark_resume(scale_reset=False, saved_scale=float(state["scale"]))
+
 
 # ---------------------------------------------------------------------- helpers
 def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -704,6 +746,7 @@ def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _is_fused(opt: torch.optim.Optimizer) -> bool:
+    # torch private: the flag torch's GradScaler reads to pass found_inf to a fused step
     return bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 

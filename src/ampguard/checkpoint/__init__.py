@@ -240,9 +240,9 @@ def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
         if kind == "state":
             _guard_state.apply(guard, value)
         elif kind == "restart":
-            guard._restart_scale()
+            guard.restart_scale()
         elif kind == "adopt":
-            guard._adopt_torch_scaler_state(value)
+            guard.adopt_torch_scaler_state(value)
             warnings.warn(f"{target}: no ampguard Guard state; adopted the torch GradScaler "
                           f"state (scale {value['scale']:g})", RuntimeWarning, stacklevel=4)
         elif kind == "restart warn":
@@ -252,7 +252,7 @@ def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
                 f"{guard.scaler_config.init_scale:g} and will probe its level again (AG107). "
                 "Consider a lower learning rate for a few hundred steps.",
                 RuntimeWarning, stacklevel=4)
-            guard._restart_scale()
+            guard.restart_scale()
     except OSError as exc:  # the Guard's run log (telemetry) could not be continued
         raise CheckpointError(f"{target}: loaded, but the Guard's run log could not record the "
                               f"resume: {exc}") from exc

@@ -161,4 +161,5 @@ def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _is_fused(opt: torch.optim.Optimizer) -> bool:
+    # torch private: the flag torch's GradScaler reads to pass found_inf to a fused step
     return bool(getattr(opt, "_step_supports_amp_scaling", False))

@@ -116,9 +116,15 @@ class StepResult:
     def in_window(cls, step: int, n_optimizers: int = 1) -> StepResult:
         return cls(step, False, None, Decoded((False,) * n_optimizers, False, 0))
 
+    def settle(self, decoded: Decoded) -> Decoded:
+        """Fill in the flags of a pending window (its owner, the Guard, calls this once it has
+        read them from the device); returns ``decoded``. Cost: no host sync."""
+        self._decoded = decoded
+        return decoded
+
     def _flags(self) -> Decoded:
         if self._decoded is None:
-            self._owner._drain()  # fills self._decoded
+            self._owner.settle_pending()  # the owning Guard: calls settle() on this result
         assert self._decoded is not None
         return self._decoded
 

@@ -209,7 +209,7 @@ class _Pending:
         """Agreed ``(found flags, dropped micro-batches or None)``. Cost: no host sync."""
         with self.state.collectives("the found_inf consensus", self.step):
             self.work.wait()
-        return self.state._settle(self.buf, self.n, self.has_dropped, self.step)
+        return self.state.settle(self.buf, self.n, self.has_dropped, self.step)
 
 
 class DistributedState:
@@ -270,6 +270,8 @@ class DistributedState:
             return grads
         from torch.distributed.tensor import DTensor
 
+        # torch private (DTensor._local_tensor): the shard itself, no copy; to_local() is the
+        # public spelling but goes through autograd
         return [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
 
     def plain_tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -288,6 +290,7 @@ class DistributedState:
         A comm hook registered on the DDP model (any: it may change the reduction) brings the
         consensus back, checked every window (hooks may be registered after the Guard).
         """
+        # torch private: DDP keeps its registered comm hooks in ``_comm_hooks`` (no public query)
         return not self._redundant or bool(getattr(self.model, "_comm_hooks", None))
 
     def note_loss(self, loss: torch.Tensor) -> None:
@@ -319,8 +322,12 @@ class DistributedState:
             raise self.peer_failure("the found_inf consensus", step, exc) from exc
         return _Pending(self, buf, work, n, dropped is not None, step)
 
-    def _settle(self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
-                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def settle(self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
+               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Agreed ``(found flags, dropped micro-batches or None)`` from a finished consensus
+        all-reduce ``buf`` (``world x (n + 1)``); records every rank's row in the per-rank
+        counters. Called by the pending consensus once its all-reduce is done. Cost: no host
+        sync."""
         self.last_rows = buf
         self.counters.add_rows(buf, step)
         # column maxima: overflow anywhere -> every rank skips. With containment, DDP syncs

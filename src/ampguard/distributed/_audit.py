@@ -56,15 +56,14 @@ def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
 def local_row(guard: Any, state: Any, device: torch.device) -> torch.Tensor:
     """This rank's audit row (int64 on ``device``). Cost: one host sync (scaler state, flags)."""
     skipped = guard.skipped_steps  # settles pending fused-optimizer flags first
-    scaler = guard._scaler
-    if scaler is not None:
-        sd = scaler.state_dict()
+    sd = guard.scaler_state()
+    if sd is not None:
         scale, growth, budget = sd["scale"], sd["growth_tracker"], sd["hysteresis_tracker"]
     else:
         scale, growth, budget = 1.0, 0, 0
     values = [
         struct.unpack("<i", struct.pack("<f", scale))[0], growth, budget, guard.steps,
-        guard._counts.applied, skipped, precision_code(guard.precision), 0,
+        guard.applied_steps, skipped, precision_code(guard.precision), 0,
     ]
     row = torch.tensor(values, dtype=torch.int64, device=device)
     params = state.replicated_params()
@@ -109,15 +108,13 @@ def repair(guard: Any, state: Any, reference: Sequence[int], params_differ: bool
     match up. The caller refuses to repair a precision mismatch.
     """
     fields = dict(zip(AUDIT_FIELDS, reference, strict=True))
-    if guard._scaler is not None:
-        guard._scaler.load_state_dict({
+    guard.restore_counts(
+        steps=fields["steps"], applied=fields["applied_steps"], skipped=fields["skipped_steps"],
+        scaler_state={
             "scale": scale_from_bits(fields["scale"]),
             "growth_tracker": fields["growth_tracker"],
             "hysteresis_tracker": fields["hysteresis_tracker"],
         })
-    guard._steps = fields["steps"]
-    guard._counts.applied = fields["applied_steps"]
-    guard._counts.skipped = fields["skipped_steps"]
     if params_differ:
         top = state.topology
         with torch.no_grad(), state.collectives("the audit's repair broadcast", guard.steps):

@@ -62,7 +62,7 @@ def _own_group(ranks: tuple[int, ...], backend_of: Any, timeout: float) -> Any:
     c10d = dist.distributed_c10d
     group = dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=max(timeout, _CREATE)),
                            backend=dist.get_backend(backend_of), use_local_synchronization=True)
-    setter = getattr(c10d, "_set_pg_timeout", None)
+    setter = getattr(c10d, "_set_pg_timeout", None)  # torch private, absent on old versions
     if setter is not None:
         setter(timedelta(seconds=timeout), group)
     return group
@@ -164,7 +164,7 @@ def failed_ranks(answers: dict[int, str | None] | None) -> list[int]:
 
 def _default_store() -> Any:
     try:
-        return dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._get_default_store()  # torch private: no public getter
     except Exception:  # noqa: BLE001 - no default group (a group without a store)
         return None
 

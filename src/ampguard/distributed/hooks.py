@@ -47,7 +47,9 @@ class NonfiniteSafeState:
         self.dropped_buckets: torch.Tensor | None = None
         self.last_flags: torch.Tensor | None = None
 
-    def _record(self, flags: torch.Tensor) -> None:
+    def record(self, flags: torch.Tensor) -> None:
+        """Count the ranks ``flags`` (``world``, nonzero where a rank's bucket was non-finite)
+        marks; called by the hook for every bucket. Cost: no host sync."""
         counts = (flags > 0).long()
         if self.dropped_buckets is None:
             self.dropped_buckets = torch.zeros_like(counts)
@@ -100,7 +102,7 @@ def nonfinite_safe_allreduce_hook(state: NonfiniteSafeState,
     def finish(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = done.value()[0]
         flags = out[buf.numel():]
-        state._record(flags)
+        state.record(flags)
         if not state.drop:
             return out[: buf.numel()].div_(world)
         # 0 healthy ranks: 0/0 = NaN, so the Guard sees an overflow and skips the step

@@ -146,7 +146,7 @@ class _Recorder:
             for t in _tensors(output):
                 self._record_output(module, r, t)
                 if t.requires_grad:
-                    t.register_hook(lambda g, r=r: self._record_grad(r, g))
+                    t.register_hook(lambda g, r=r: self.record_grad(r, g))
 
     @staticmethod
     def _record_output(module: nn.Module, r: ModuleRange, t: torch.Tensor) -> None:
@@ -166,7 +166,9 @@ class _Recorder:
             r.saturating_total += a.numel()
 
     @staticmethod
-    def _record_grad(r: ModuleRange, grad: torch.Tensor) -> None:
+    def record_grad(r: ModuleRange, grad: torch.Tensor) -> None:
+        """Fold one gradient's magnitudes into ``r`` (from an output's grad hook, or a parameter's
+        ``.grad`` after backward). Cost: host syncs; the probe runs outside training."""
         with torch.no_grad():
             a = grad.detach().abs().float()
             finite = torch.isfinite(a)
@@ -188,7 +190,7 @@ def _custom_functions(loss: torch.Tensor) -> list[type]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        cls = getattr(node, "_forward_cls", None)
+        cls = getattr(node, "_forward_cls", None)  # torch private: a custom Function's class
         if isinstance(cls, type) and cls not in found:
             found.append(cls)
         stack.extend(fn for fn, _ in node.next_functions)
@@ -257,7 +259,7 @@ def _record_param_grads(model: nn.Module, recorder: _Recorder) -> None:
             continue
         for p in module.parameters(recurse=False):
             if p.grad is not None:
-                recorder._record_grad(r, p.grad)
+                recorder.record_grad(r, p.grad)
 
 
 def _device_type(model: nn.Module) -> str:

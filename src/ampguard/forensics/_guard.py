@@ -137,10 +137,7 @@ class GuardForensics:
         return not self._seen_applied and self._overflows_in_a_row <= 1
 
     def _scale_used(self) -> float:
-        guard = self.guard
-        if guard._scaler is None:
-            return 1.0
-        return guard._history.used_at(guard.steps)
+        return self.guard.scale_used_at(self.guard.steps)
 
     def _handle(self, step: int, diag: Diagnosis, via: str) -> None:
         if diag.ok:
