@@ -474,7 +474,7 @@ def test_bf16_runs_are_recorded_without_a_scaler(tmp_path):
 # ---------------------------------------------------------------------- the producer contract
 def test_guard_and_watch_are_telemetry_sources_and_telemetry_never_writes_them(tmp_path):
     from ampguard.integrations.watch import WatchSource
-    from ampguard.telemetry.source import ScaleSource, ScalerDescription, TelemetrySource
+    from ampguard.telemetry.source import ScalerDescription, ScaleSource, TelemetrySource
 
     model = nn.Linear(4, 4)
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
