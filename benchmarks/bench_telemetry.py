@@ -99,7 +99,7 @@ class HookClock:
         self.calls = 0
         self._depth = 0
         self.overhead = self._calibrate()
-        for name in ("_on_backward", "_on_grads", "_on_step", "flush", "_flush"):
+        for name in ("on_backward", "on_grads", "on_step", "flush", "_flush"):
             if hasattr(tel, name):
                 setattr(tel, name, self._wrap(getattr(tel, name)))
 
@@ -116,7 +116,7 @@ class HookClock:
 
     def _wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            if self._depth:  # a flush inside _on_step: already on the clock
+            if self._depth:  # a flush inside on_step: already on the clock
                 return fn(*args, **kwargs)
             self._depth += 1
             self.calls += 1
@@ -129,7 +129,7 @@ class HookClock:
         return timed
 
 
-_PARTS = ("_on_backward", "_on_grads", "_grad_stats", "_range_stats", "_on_step", "_flush",
+_PARTS = ("on_backward", "on_grads", "_grad_stats", "_range_stats", "on_step", "_flush",
           "flush")
 
 

@@ -469,3 +469,29 @@ def test_bf16_runs_are_recorded_without_a_scaler(tmp_path):
     assert run.precision == ["bf16"] * 4 and run.scale.tolist() == [1.0] * 4
     assert run.applied.all() and run.range_steps.tolist() == [2, 4]
     assert (run.underflow > 0.5).all()  # what fp16 at scale 1 would do to them
+
+
+# ---------------------------------------------------------------------- the producer contract
+def test_guard_and_watch_are_telemetry_sources_and_telemetry_never_writes_them(tmp_path):
+    from ampguard.integrations.watch import WatchSource
+    from ampguard.telemetry.source import ScalerDescription, ScaleSource, TelemetrySource
+
+    model = nn.Linear(4, 4)
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+                     telemetry=tmp_path / "g")
+    assert isinstance(guard, TelemetrySource)
+    assert isinstance(guard.loss_scaler, ScaleSource)
+    assert isinstance(guard.scaler_config, ScalerDescription)
+    assert guard.params == list(model.parameters()) and guard.device == torch.device("cpu")
+    assert guard.requested_precision == "fp16"
+    scaler = torch.amp.GradScaler("cpu")
+    with ag.watch(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  telemetry=tmp_path / "w") as handle:
+        assert isinstance(handle.source, WatchSource)
+        assert isinstance(handle.source, TelemetrySource)
+        assert isinstance(handle.source.loss_scaler, ScaleSource)
+    # on_resume hands the step count back instead of setting it on the producer
+    tel = guard.telemetry
+    resumed = tel.on_resume(7, False, None)
+    assert resumed.step == 7 and guard.steps == 0
+    guard.close()

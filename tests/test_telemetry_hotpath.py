@@ -50,7 +50,7 @@ def test_a_plain_step_costs_one_device_op(tmp_path):
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
                      telemetry=tel)
     seen = _Ops()
-    for name in ("_on_backward", "_on_grads", "_on_step"):
+    for name in ("on_backward", "on_grads", "on_step"):
         hook = getattr(tel, name)
 
         def traced(*a, _hook=hook, **k):

@@ -202,6 +202,33 @@ class Guard:
         self._drain()
         return self._counts.skipped
 
+    # ------------------------------------------------------------------ telemetry source
+    # What Telemetry reads (ampguard.telemetry.source.TelemetrySource; with model, optimizers,
+    # precision, scaler_config, accumulation_steps, clip_grad_norm and
+    # contain_nonfinite_microbatches above). No sync.
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters (where the scaler and telemetry tensors live)."""
+        return self._device
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the optimizers update, in optimizer and group order (do not modify
+        the list)."""
+        return self._params
+
+    @property
+    def requested_precision(self) -> str:
+        """The ``precision=`` argument as given (e.g. "auto"); :attr:`precision` is what it
+        resolved to."""
+        return self._requested_precision
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The live :class:`LossScaler` (its ``scale_tensor`` and ``inv_scale()`` read without a
+        sync), or None when no scaler is in use (bf16/fp32, or after a fallback)."""
+        return self._scaler
+
     # ------------------------------------------------------------------ the training step
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -228,7 +255,7 @@ class Guard:
             )
         check_backward(self._micro, self.accumulation_steps)
         if self._telemetry is not None:
-            self._telemetry._on_backward(loss)
+            self._telemetry.on_backward(loss)
         if self._dist is not None and self._scaler is not None:
             self._dist.note_loss(loss)  # plain DDP: this rank's overflow origin, no collective
         if self.accumulation_steps > 1:
@@ -272,7 +299,7 @@ class Guard:
                     _nonfinite.step_unscaled(self, kwargs)
         except BaseException:
             if self._telemetry is not None:  # the failed window's loss must not join the next
-                self._telemetry._on_abort()
+                self._telemetry.on_abort()
             raise
         finally:
             self._resume.after_step(self._steps)
@@ -324,7 +351,8 @@ class Guard:
         agree = None if self._dist is None else self._dist.start_consensus(found, dropped,
                                                                            self._steps)
         if self._telemetry is not None:
-            self._telemetry._on_grads(not unscale_now)  # fused, no clip: grads still scaled
+            # fused, no clip: the gradients are still scaled
+            self._telemetry.on_grads(self._steps, not unscale_now)
         grad_norm = self._clip(found)
         if agree is not None:
             found, dropped = agree.wait()
@@ -342,14 +370,14 @@ class Guard:
             status = results.add_collapse(status, scaler.update(signal, skipped), len(found))
             self._remember_scale()
             if self._telemetry is not None:
-                self._telemetry._on_step(status, grad_norm)
+                self._telemetry.on_step(self._steps, status, grad_norm)
             result = StepResult(self._steps, True, grad_norm, None, owner=self)
             self._pending.append((result, status))
             return result
         status = results.add_collapse(status, scaler.update(signal, skipped), len(found))
         self._remember_scale()
         if self._telemetry is not None:
-            self._telemetry._on_step(status, grad_norm)
+            self._telemetry.on_step(self._steps, status, grad_norm)
         flags = results.decode(int(status.item()), len(found))  # the sync torch has in step()
         for opt, f, ok, is_fused in zip(self.optimizers, found, flags.applied_per_optimizer,
                                         fused, strict=True):
@@ -478,7 +506,7 @@ class Guard:
         self._pending.clear()
         self._fallback = {"step": step, "from": old, "to": target}
         if self._telemetry is not None:
-            self._telemetry._on_fallback(step, old, target)
+            self._telemetry.on_fallback(step, old, target)
         warnings.warn(
             f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
             "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
@@ -568,8 +596,10 @@ class Guard:
     def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
         # telemetry continues the run log (and the step count, for a checkpoint without Guard
         # state) and returns the scale the run had before the interruption
-        previous = None if self._telemetry is None else \
-            self._telemetry._on_resume(scale_reset, saved_scale)
+        previous = None
+        if self._telemetry is not None:
+            resumed = self._telemetry.on_resume(self._steps, scale_reset, saved_scale)
+            self._steps, previous = resumed.step, resumed.previous_scale
         self._resume.mark(self._steps, scale_reset=scale_reset, saved_scale=saved_scale)
         if previous is not None:
             self.check_resume(previous)

@@ -68,7 +68,7 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
     agree = None if guard._dist is None else guard._dist.start_consensus(found, dropped,
                                                                          guard._steps)
     if guard._telemetry is not None:
-        guard._telemetry._on_grads(False)
+        guard._telemetry.on_grads(guard._steps, False)
     grad_norm = guard._clip(found)
     if agree is not None:
         found, dropped = agree.wait()
@@ -76,7 +76,7 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
     status = results.pack(found, dropped)
     fused = [_is_fused(opt) for opt in guard.optimizers]
     if guard._telemetry is not None:
-        guard._telemetry._on_step(status, grad_norm)
+        guard._telemetry.on_step(guard._steps, status, grad_norm)
     if all(fused):  # no host sync: the kernels skip themselves on found_inf
         for opt, f in zip(guard.optimizers, found, strict=True):
             _fused_step(opt, f, kwargs)
@@ -102,7 +102,7 @@ def _step_unchecked(guard: Any, kwargs: dict[str, Any], dropped: torch.Tensor | 
     n = len(guard.optimizers)
     status = None if all_dropped is None else results.pack([all_dropped] * n, dropped)
     if guard._telemetry is not None:
-        guard._telemetry._on_grads(False)
+        guard._telemetry.on_grads(guard._steps, False)
     grad_norm = guard._clip(None)
     if guard._dist is not None:
         grad_norm = guard._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
@@ -112,7 +112,7 @@ def _step_unchecked(guard: Any, kwargs: dict[str, Any], dropped: torch.Tensor | 
         for opt in guard.optimizers:
             opt.step(**kwargs)
     if guard._telemetry is not None:
-        guard._telemetry._on_step(status, grad_norm)
+        guard._telemetry.on_step(guard._steps, status, grad_norm)
     guard._counts.record(flags)
     return StepResult(guard._steps, True, grad_norm, flags)
 

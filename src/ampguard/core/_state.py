@@ -220,7 +220,7 @@ def apply(guard: Any, plan: Plan) -> None:
             opt.zero_grad(set_to_none=True)
         guard._contain = None  # containment buffer: rebuilt on the next backward
         if guard._telemetry is not None:
-            guard._telemetry._on_abort()
+            guard._telemetry.on_abort()
     guard._micro = 0
     guard._drain(act=False)  # results still pending stay readable
     if plan.policy.precision != guard._policy.precision:

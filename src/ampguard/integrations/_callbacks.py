@@ -44,7 +44,7 @@ class WatchingCallback:
 
         Cost: while the run is open, one flush of the run log (a host sync).
         """
-        if self.watch is not None and not self.watch._closed:
+        if self.watch is not None and not self.watch.closed:
             return self.watch.findings()
         return list(self._findings)
 
@@ -53,5 +53,5 @@ class WatchingCallback:
 
     def _close(self) -> None:
         self._detach()
-        if self.watch is not None and not self.watch._closed:
+        if self.watch is not None and not self.watch.closed:
             self._findings = close_and_report(self.watch, self.report)

@@ -23,20 +23,21 @@ _MAX_STEPS = 20  # steps listed in evidence
 
 def attach_findings(watch: Any) -> list[Finding]:
     """Findings of one :class:`Watch` (after the telemetry was flushed). Cost: one host sync."""
-    out = list(watch._notes)
-    if watch._framework_flags:
-        out.extend(_skip_flag_mismatch(watch))
+    out = watch.added_findings
+    flags = watch.framework_skip_flags
+    if flags:
+        out.extend(_skip_flag_mismatch(watch, flags))
     if watch.policy.active:
         out.extend(_interventions(watch))
     return out
 
 
-def _skip_flag_mismatch(watch: Any) -> list[Finding]:
+def _skip_flag_mismatch(watch: Any, flags: dict[int, bool]) -> list[Finding]:
     run = runlog.load_run(watch.run_dir)
     truth = {int(s): not bool(a) for s, a in zip(run.steps, run.applied, strict=True)}
-    missed = sorted(s for s, skipped in watch._framework_flags.items()
+    missed = sorted(s for s, skipped in flags.items()
                     if truth.get(s) is True and not skipped)
-    invented = sorted(s for s, skipped in watch._framework_flags.items()
+    invented = sorted(s for s, skipped in flags.items()
                       if truth.get(s) is False and skipped)
     name = watch.framework or "the framework"
     out = []
@@ -71,7 +72,7 @@ def _skip_flag_mismatch(watch: Any) -> list[Finding]:
 
 
 def _interventions(watch: Any) -> list[Finding]:
-    counts, first = (watch._interventions.tolist(), watch._first_intervention.tolist())
+    counts, first = watch.interventions()
     if not any(counts):
         return []
     pol = watch.policy

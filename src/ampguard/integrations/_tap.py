@@ -25,12 +25,12 @@ _MARK = "__ampguard_tap__"
 class TapListener(Protocol):
     """What a tap reports to (the Watch)."""
 
-    def _on_loss(self, loss: torch.Tensor) -> None: ...
+    def on_scaler_loss(self, loss: torch.Tensor) -> None: ...
 
-    def _on_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_scaler_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
 
-    def _on_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
-                  scale_before: torch.Tensor, manual: bool) -> None: ...
+    def on_scaler_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
+                         scale_before: torch.Tensor, manual: bool) -> None: ...
 
 
 def is_grad_scaler(obj: Any) -> bool:
@@ -86,7 +86,7 @@ class ScalerTap:
     def _scale(self, outputs: Any) -> Any:
         result = self._originals["scale"](outputs)
         if self.active and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            self.listener._on_loss(outputs.detach())
+            self.listener.on_scaler_loss(outputs.detach())
         return result
 
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
@@ -112,7 +112,7 @@ class ScalerTap:
         result = self._originals["update"](new_scale)
         self._seen.clear()
         found = {k: v for k, v in per_opt.items() if k in self.watched}
-        self.listener._on_update(found, found_all, before, new_scale is not None)
+        self.listener.on_scaler_update(found, found_all, before, new_scale is not None)
         return result
 
     def _observe(self, optimizer: torch.optim.Optimizer) -> None:
@@ -123,7 +123,7 @@ class ScalerTap:
                 or scaler_stage(scaler, optimizer) != "READY":
             return  # already unscaled (or stepped) this iteration: observed then
         self._seen.add(id(optimizer))
-        self.listener._on_grads(optimizer)  # the gradients still carry the scale
+        self.listener.on_scaler_grads(optimizer)  # the gradients still carry the scale
 
 
 def _marked(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -60,7 +60,7 @@ def watch_accelerator(accelerator: Any, model: torch.nn.Module, optimizer: Any, 
                    policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
                                        on_collapse))
     if note is not None:
-        handle._notes.append(note)
+        handle.add_finding(note)
     _record_backward_loss(handle, accelerator)
     observe_skip_flags(handle, optimizer)
     return handle
@@ -101,11 +101,11 @@ def _wrap_step(handle: Watch, opt: AcceleratedOptimizer) -> None:
         before = handle.steps
         result = original(*args, **kwargs)
         if handle.steps != before:  # a real step (not an accumulation micro-batch)
-            handle._note_framework_skip(opt.step_was_skipped)
+            handle.note_framework_skip(opt.step_was_skipped)
         return result
 
     opt.__dict__["step"] = step
-    handle._on_close.append(lambda: opt.__dict__.get("step") is step and opt.__dict__.pop("step"))
+    handle.on_close(lambda: opt.__dict__.get("step") is step and opt.__dict__.pop("step"))
 
 
 def _record_backward_loss(handle: Watch, accelerator: Any) -> None:
@@ -116,6 +116,6 @@ def _record_backward_loss(handle: Watch, accelerator: Any) -> None:
         return original(loss, **kwargs)
 
     accelerator.__dict__["backward"] = backward
-    handle._on_close.append(
+    handle.on_close(
         lambda: accelerator.__dict__.get("backward") is backward
         and accelerator.__dict__.pop("backward"))

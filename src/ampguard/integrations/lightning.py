@@ -73,11 +73,12 @@ class AmpGuardCallback(WatchingCallback, Callback):
             self.watch.record_loss(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.watch is None or self.watch._closed:
+        if self.watch is None or self.watch.closed:
             self._attach(trainer, pl_module)  # e.g. a callback added after on_fit_start
+        assert self.watch is not None
         # Without a scaler the gradients are final here; Lightning runs the closure (forward and
         # backward) inside optimizer.step, after the optimizer's own pre-step hooks.
-        self.watch._observe_grads()
+        self.watch.observe_grads()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()
@@ -97,7 +98,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
                            framework="lightning", grads_from_optimizer_hooks=False)
         actual = str(getattr(plugin, "precision", "32-true"))
         if self.requested_precision == "16-mixed" and self.watch.scaler is None:
-            self.watch._notes.append(fp16_inactive(
+            self.watch.add_finding(fp16_inactive(
                 "lightning", f"precision='16-mixed' became {actual!r} on "
                 f"{type(trainer.accelerator).__name__}", actual=_PRECISIONS.get(actual, "fp32")))
 

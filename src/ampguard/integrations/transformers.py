@@ -59,7 +59,7 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
         self.watch = Watch(scaler, model, optimizer, telemetry, precision=precision,
                            policy=self.policy, framework="transformers")
         if note is not None:
-            self.watch._notes.append(note)
+            self.watch.add_finding(note)
         observe_skip_flags(self.watch, optimizer)
         if self.watch.scaler is None:
             self._loss_hook = model.register_forward_hook(self._record_output_loss)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
 from ampguard.integrations._tap import ScalerTap, is_grad_scaler, is_watched
 
-__all__ = ["watch", "Watch", "PRECISIONS"]
+__all__ = ["watch", "Watch", "WatchSource", "PRECISIONS"]
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 
@@ -119,17 +119,17 @@ class Watch:
         self._framework_flags: dict[int, bool] = {}
         self._collapses_seen = 0
         self._collapsing = False
-        self._view = _RunView(model, self.optimizers, self.scaler, self.precision, self.policy,
-                              framework)
+        self.source = WatchSource(model, self.optimizers, self.scaler, self.precision,
+                                  self.policy, framework)
         self.telemetry = _resolve_telemetry(telemetry)
-        _telemetry.attach(self.telemetry, self._view)
+        _telemetry.attach(self.telemetry, self.source)
         self._tap: ScalerTap | None = None
         self._hooks: list[Any] = []
         self._notes: list[Finding] = []  # findings an integration adds (e.g. AG122)
         self._on_close: list[Any] = []  # integrations' undo callbacks (remove their wrappers)
         self._persisted: list[dict[str, Any]] = []  # findings already in the event log
         self._state = PolicyState(self.policy) if self.policy.active else None
-        dev = self._view._device
+        dev = self.source.device
         self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
         self._first_intervention = torch.zeros(3, dtype=torch.int64, device=dev)
         self._backward_end: BackwardEnd | None = None
@@ -140,12 +140,18 @@ class Watch:
             self._hooks = [primary.register_step_pre_hook(self._pre_step),
                            primary.register_step_post_hook(self._post_step)]
             # the gradient sample is taken when backward ends: before the loop clips them
-            self._backward_end = BackwardEnd(self._view._params, self._sample_after_backward)
+            self._backward_end = BackwardEnd(self.source.params, self._sample_after_backward)
 
     # ------------------------------------------------------------------ public
     @property
     def run_dir(self) -> Path:
+        """The run folder (the telemetry's)."""
         return self.telemetry.run_dir
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
 
     @property
     def steps(self) -> int:
@@ -166,7 +172,7 @@ class Watch:
         """
         if not self._loss_from_scaler and not self._closed and isinstance(loss, torch.Tensor) \
                 and loss.numel() == 1:
-            self.telemetry._on_backward(loss.detach())
+            self.telemetry.on_backward(loss.detach())
 
     def findings(self) -> list[Finding]:
         """The AG1xx findings over the run so far (rules + attach mode); writes findings.json.
@@ -219,22 +225,67 @@ class Watch:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ tap callbacks (hot path)
-    def _on_loss(self, loss: torch.Tensor) -> None:
-        if self._loss_from_scaler:
-            self.telemetry._on_backward(loss)
+    # ------------------------------------------------------------------ for integrations
+    # What the framework integrations (ampguard.integrations.*) tell a Watch. No sync.
+    def add_finding(self, finding: Finding) -> None:
+        """Report ``finding`` with the run's (e.g. AG122, made by an integration that knows
+        what precision was requested)."""
+        self._notes.append(finding)
 
-    def _on_grads(self, optimizer: torch.optim.Optimizer) -> None:
+    @property
+    def added_findings(self) -> list[Finding]:
+        """The findings given to :meth:`add_finding` (a copy)."""
+        return list(self._notes)
+
+    def note_framework_skip(self, skipped: bool) -> None:
+        """A framework's own skipped-step flag for the step just recorded (a host bool; AG120
+        compares it with what the scaler did)."""
+        self._framework_flags[self._done] = bool(skipped)
+
+    @property
+    def framework_skip_flags(self) -> dict[int, bool]:
+        """Step -> the framework's skipped flag, as given to :meth:`note_framework_skip` (a
+        copy)."""
+        return dict(self._framework_flags)
+
+    def on_close(self, undo: Callable[[], Any]) -> None:
+        """Call ``undo()`` when this Watch closes (an integration removing its wrappers; last
+        registered, first called)."""
+        self._on_close.append(undo)
+
+    def observe_grads(self) -> None:
+        """Sample the (unscaled) gradients of a scaler-free step once (an integration calls it
+        where they are final). Cost: no host sync."""
+        if self._tap is None and not self._closed and not self._grads_seen:
+            self._grads_seen = True
+            self.telemetry.on_grads(self._done + 1, False)
+
+    def interventions(self) -> tuple[list[int], list[int]]:
+        """Attach-mode guard interventions: counts of (absorbed overflows, floored backoffs,
+        capped growths) and the first step of each (0: none). Cost: one host sync."""
+        return self._interventions.tolist(), self._first_intervention.tolist()
+
+    # ------------------------------------------------------------------ tap callbacks (hot path)
+    # The TapListener side (ampguard.integrations._tap): the ScalerTap calls these.
+    def on_scaler_loss(self, loss: torch.Tensor) -> None:
+        """``scaler.scale(loss)`` was called with this (unscaled) loss."""
+        if self._loss_from_scaler:
+            self.telemetry.on_backward(loss)
+
+    def on_scaler_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients of ``optimizer`` are final and still scaled (before ``unscale_``)."""
         if self._grads_seen:
             return  # one gradient sample per step, taken before the first unscale_
         self._grads_seen = True
-        self._view._steps = self._done + 1
-        self.telemetry._on_grads(True)
+        self.telemetry.on_grads(self._done + 1, True)
 
-    def _on_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
-                   scale_before: torch.Tensor, manual: bool) -> None:
+    def on_scaler_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
+                         scale_before: torch.Tensor, manual: bool) -> None:
+        """``scaler.update`` is about to consume ``found`` (per optimizer id) and ``found_all``;
+        ``scale_before`` is the scale the step used; ``manual``: update(new_scale)."""
         scaler = self.scaler
-        self._view._steps = step = self._done + 1
+        assert scaler is not None
+        step = self._done + 1
         zero = torch.zeros((), dtype=torch.float32, device=scale_before.device)
         status = results.pack([found.get(id(o), zero) for o in self.optimizers], None)
         if self._state is not None and not manual:
@@ -252,47 +303,33 @@ class Watch:
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._grads_from_hooks:
-            self._observe_grads()
+            self.observe_grads()
 
-    def _observe_grads(self) -> None:
-        """Sample the (unscaled) gradients of a scaler-free step once. Cost: no host sync."""
-        if self._tap is None and not self._closed and not self._grads_seen:
-            self._grads_seen = True
-            self._view._steps = self._done + 1
-            self.telemetry._on_grads(False)
 
     def _sample_after_backward(self) -> None:
         """A backward pass ended: (re-)sample the gradients, unscaled and not yet clipped; the
         window's last backward leaves the sample. Cost: no host sync."""
         if not self._closed:
             self._grads_seen = True
-            self._view._steps = self._done + 1
-            self.telemetry._on_grads(False)
+            self.telemetry.on_grads(self._done + 1, False)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._closed:
-            self._view._steps = self._done + 1
             # the framework owns this step and applied whatever it got: record non-finite
             # gradients, change nothing (one multi-tensor check, no sync)
-            found = nonfinite_flag(self._view._params, self._view._device)
+            found = nonfinite_flag(self.source.params, self.source.device)
             self._record_step(results.observed(found, len(self.optimizers)))
 
     def _record_step(self, status: torch.Tensor | None) -> None:
         tel = self.telemetry
-        if tel._log_pending:  # no gradient sample opened the log yet: this is a new run
-            tel._start_log()
         flushes = tel.flushes
-        tel._on_step(status, None)
+        tel.on_step(self._done + 1, status, None)
         self._done += 1
         self._grads_seen = False
         if tel.flushes != flushes:
             self._check_collapse(in_step=True)
 
-    # ------------------------------------------------------------------ framework reports
-    def _note_framework_skip(self, skipped: bool) -> None:
-        """A framework's own skipped-step flag for the step just recorded (host bool)."""
-        self._framework_flags[self._done] = bool(skipped)
-
+    # ------------------------------------------------------------------ collapse
     def _check_collapse(self, in_step: bool) -> None:
         """Act on collapses found by the last flush: raise (only from inside a step, where the
         policy asks for it) or warn once per episode."""
@@ -329,7 +366,7 @@ class Watch:
         return merged
 
 
-# ---------------------------------------------------------------------- the Guard-shaped view
+# ---------------------------------------------------------------------- the telemetry source
 class _ScaleView:
     """The scaler's live scale tensor, shaped like :class:`ampguard.LossScaler` for Telemetry."""
 
@@ -367,11 +404,12 @@ class _ScalerInfo:
         return dict(self._data)
 
 
-class _RunView:
-    """The attributes :class:`ampguard.Telemetry` reads from a Guard, for a loop it does not run.
+class WatchSource:
+    """The :class:`ampguard.telemetry.source.TelemetrySource` of a watched loop: what
+    :class:`ampguard.Telemetry` reads about a loop that ampguard observes but does not run.
 
-    Keep in step with what ``telemetry.py`` and ``_layers.run_meta`` read from ``guard``
-    (tests/test_watch.py and tests/test_integrations.py run Telemetry through this view).
+    Fixed for the run (a watched loop has one precision and one scaler); the step numbers travel
+    with the telemetry hooks. Cost: one host sync when made (the scale at attach time).
     """
 
     def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -379,15 +417,13 @@ class _RunView:
                  framework: str | None) -> None:
         self.model = model
         self.optimizers = optimizers
-        self._params = params_of(optimizers)
-        self._device = device_of(self._params)
-        self.precision = self._requested_precision = precision
-        self._policy = SimpleNamespace(precision=precision)
-        self._scaler = _ScaleView(scaler) if scaler is not None else None
+        self.params = params_of(optimizers)
+        self.device = device_of(self.params)
+        self.precision = self.requested_precision = precision
+        self.loss_scaler = _ScaleView(scaler) if scaler is not None else None
         self.scaler_config = _ScalerInfo(scaler, policy, framework)
-        self._steps = 0
-        self.accumulation_steps = 1
-        self.clip_grad_norm = None
+        self.accumulation_steps = 1  # the loop's own accumulation is invisible: one per step
+        self.clip_grad_norm: float | None = None
         self.contain_nonfinite_microbatches = False
 
 

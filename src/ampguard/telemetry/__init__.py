@@ -42,13 +42,21 @@ from ampguard.telemetry._records import SCALE as _SCALE
 from ampguard.telemetry._records import STATUS as _STATUS
 from ampguard.telemetry._records import RowInfo, RunTally, build_records
 from ampguard.telemetry._staging import HostStaging
+from ampguard.telemetry.source import TelemetrySource
 
-__all__ = ["Telemetry", "attach"]
+__all__ = ["Resumed", "Telemetry", "TelemetrySource", "attach"]
 
 # the flush gathers (status, loss, norm) of every row into adjacent columns in this order
 assert (_LOSS, _NORM) == (_STATUS + 1, _STATUS + 2)
 
 _CHUNK = 1 << 20  # range stats flatten at most this many gradient elements at once
+
+
+class Resumed(NamedTuple):
+    """What :meth:`Telemetry.on_resume` hands back to the producer."""
+
+    step: int  # the step count the run continues from (the producer adopts it)
+    previous_scale: float | None  # the scale the log had at that step before the interruption
 
 
 class _Views(NamedTuple):
@@ -67,6 +75,9 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 class Telemetry:
     """Records what a :class:`ampguard.Guard` does into ``run_dir``, without per-step host syncs.
+
+    The producer (a Guard, or :func:`ampguard.watch`) is a :class:`TelemetrySource` that calls
+    the ``on_*`` hooks (see :mod:`ampguard.telemetry.source` for the whole contract).
 
     Arguments: ``flush_every`` (rows in the device ring buffer; one device-to-host transfer per
     flush), ``layer_stats`` (per-layer grad norms; False keeps only the total norm),
@@ -105,7 +116,7 @@ class Telemetry:
         if tensorboard:
             from ampguard.telemetry._tensorboard import require_tensorboard
             require_tensorboard()
-        self._guard: Any = None
+        self._source: TelemetrySource | None = None
         self._closed = False
         self._recorded: set[str] = set()  # findings already in the run log
         self.flushes = 0
@@ -124,12 +135,13 @@ class Telemetry:
                 "tensorboard": self.tensorboard}
 
     # ------------------------------------------------------------------ attach and layout
-    def _attach(self, guard: Any) -> None:
-        if self._guard is not None:
+    def _attach(self, source: TelemetrySource) -> None:
+        if self._source is not None:
             raise ValueError("this Telemetry is already attached to a Guard; use one per Guard")
-        self._guard = guard
-        self._device = guard._device
-        layout = _layers.build_layout(guard.model, guard._params)
+        self._source = source
+        self._device = source.device
+        self._n_optimizers = len(source.optimizers)
+        layout = _layers.build_layout(source.model, source.params)
         self._layout = layout
         self.layers = layout.names
         n_layers = len(layout.names)
@@ -162,16 +174,17 @@ class Telemetry:
         self._loss: torch.Tensor | None = None  # this window's loss so far (no device op yet)
         self._row = self._rslot = self._micro = 0
         self._this_step: tuple[bool, int, bool] = (False, -1, False)
-        self._scale_carry = float(guard.scaler_config.init_scale) if guard._scaler else 1.0
-        self._tally = RunTally(guard.accumulation_steps)
-        self._open_folder(guard)
+        self._scale_carry = float(source.scaler_config.init_scale) \
+            if source.loss_scaler is not None else 1.0
+        self._tally = RunTally(source.accumulation_steps)
+        self._open_folder(source)
 
-    def _open_folder(self, guard: Any) -> None:
+    def _open_folder(self, source: TelemetrySource) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._meta = _layers.run_meta(guard, self._layout, self.config())
+        self._meta = _layers.run_meta(source, self._layout, self.config())
         self._log: runlog.EventLog | None = None
         # An existing log is continued only if the Guard resumes from a checkpoint before its
-        # first step (see _on_resume); a run that just starts in the folder starts a new log.
+        # first step (see on_resume); a run that just starts in the folder starts a new log.
         self._log_pending = self.resume and self._events.exists() and self._meta_path.exists()
         if self._log_pending:
             why = _cannot_continue(self._meta_path, self.layers)
@@ -203,8 +216,12 @@ class Telemetry:
         self._log = runlog.EventLog(self._events, fresh=True)
         runlog.write_json_atomic(self._meta_path, self._meta)
 
-    # ------------------------------------------------------------------ Guard hooks (hot path)
-    def _on_backward(self, loss: torch.Tensor) -> None:
+    # ------------------------------------------------------------------ producer hooks (hot path)
+    # The producer side of the contract (ampguard.telemetry.source): a Guard or a Watch calls
+    # on_backward per micro-batch, then on_grads and on_step (or on_abort) once per window.
+    def on_backward(self, loss: torch.Tensor) -> None:
+        """A micro-batch's (unscaled, undivided) loss: summed over the window. Cost: no device
+        op until the step's row is written."""
         if self._closed:
             return
         loss = loss.detach()
@@ -214,15 +231,17 @@ class Telemetry:
         self._loss = loss if self._loss is None else self._loss + loss
         self._micro += 1
 
-    def _on_grads(self, grads_scaled: bool) -> None:
-        """Gradients are final for this window (unscaled unless ``grads_scaled``)."""
+    def on_grads(self, step: int, grads_scaled: bool) -> None:
+        """Gradients of window ``step`` (1-based) are final (unscaled unless ``grads_scaled``,
+        then ``loss_scaler.inv_scale()`` unscales the range sample). Called at most once per
+        window before :meth:`on_step` (a repeat re-samples). Cost: no host sync; device work
+        only on statistics steps."""
         if self._closed:
             return
         if self._log_pending:  # the first step came without a resume: a new run
             self._start_log()
         if self._this_step[0]:  # the last window raised between its hooks: drop its stats
             self._views[self._row].stats.zero_()
-        step = self._guard._steps
         layers = step % self.layer_every == 0
         ranged = bool(self.range_every) and step % self.range_every == 0
         slot = -1
@@ -242,14 +261,21 @@ class Telemetry:
                 self._range_stats(grads, slot, grads_scaled)
         self._this_step = (layers, slot, grads_scaled)
 
-    def _on_step(self, status: torch.Tensor | None, grad_norm: torch.Tensor | None) -> None:
-        """The window's optimizer step and scale update are done (``status``: packed flags)."""
+    def on_step(self, step: int, status: torch.Tensor | None,
+                grad_norm: torch.Tensor | None) -> None:
+        """Window ``step``'s optimizer step and scale update are done (``status``: the packed
+        flags of :func:`ampguard.core.results.pack`, or None; ``grad_norm``: the unscaled total
+        norm the producer computed, or None). Reads the source's ``loss_scaler`` and
+        ``precision``. Cost: one device op (the scale copy), no host sync."""
         if self._closed:
             return
-        guard = self._guard
+        if self._log_pending:  # no gradient sample opened the log yet: this is a new run
+            self._start_log()
+        source = self._source
+        assert source is not None
         row = self._row
         v = self._views[row]
-        scaler = guard._scaler
+        scaler = source.loss_scaler
         layers, slot, grads_scaled = self._this_step
         use_guard_norm = grad_norm is not None and not layers
         if scaler is not None:  # updated in place by the next step: the step's one device op
@@ -263,11 +289,9 @@ class Telemetry:
         norm = grad_norm if grad_norm is not None and use_guard_norm else v.norm
         refs[k + 2] = norm.reshape(()) if norm.dim() else norm
         info = self._info
-        info[0][row], info[1][row], info[2][row] = guard._steps, self._micro, \
-            scaler is not None
+        info[0][row], info[1][row], info[2][row] = step, self._micro, scaler is not None
         info[3][row], info[4][row], info[5][row] = grads_scaled, layers, use_guard_norm
-        info[6][row], info[7][row], info[8][row] = slot, guard._policy.precision, \
-            len(guard.optimizers)
+        info[6][row], info[7][row], info[8][row] = slot, source.precision, self._n_optimizers
         self._this_step = (False, -1, False)
         self._loss = None
         self._row += 1
@@ -275,10 +299,10 @@ class Telemetry:
         if self._row == self.flush_every:
             self._flush(wait=False)
 
-    def _on_abort(self) -> None:
+    def on_abort(self) -> None:
         """The window in progress ended without a step (an exception inside ``Guard.step``, or a
         load mid-window): forget its loss and gradient statistics. Cost: no host sync."""
-        if self._closed or self._guard is None:
+        if self._closed or self._source is None:
             return
         v = self._views[self._row]
         v.loss.zero_()
@@ -310,7 +334,8 @@ class Telemetry:
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
         row = self._ranges[slot]
         amax, hist = row[:len(self.layers)], row[len(self.layers):]
-        inv = self._guard._scaler.inv_scale() if grads_scaled else None
+        scaler = self._source.loss_scaler if grads_scaled and self._source is not None else None
+        inv = scaler.inv_scale() if scaler is not None else None
         for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
             flat = torch.cat([grads[i].reshape(-1)[a:b] for i, a, b in ch.items]).float()
             if inv is not None:
@@ -324,32 +349,33 @@ class Telemetry:
             hist.index_add_(0, _range_keys(bits, offsets, ch), self._one.expand(ch.total))
 
     # ------------------------------------------------------------------ resume and events
-    def _on_resume(self, scale_reset: bool, saved_scale: float | None) -> float | None:
-        """The Guard resumed from a checkpoint: continue the run log and mark the resume point.
+    def on_resume(self, step: int, scale_reset: bool, saved_scale: float | None) -> Resumed:
+        """The producer resumed from a checkpoint at step count ``step``: continue the run log
+        and mark the resume point.
 
-        Returns the loss scale the run had at the resume step before the interruption (from the
-        log), or None. A checkpoint without Guard state restarts the Guard's step count at 0;
-        the step count then continues from the log. Cost: flushes.
+        Returns :class:`Resumed`: the step count to continue from (``step``, or, for a checkpoint
+        without Guard state, ``step == 0``, the last step in the log: the producer adopts it) and
+        the loss scale the run had at that step before the interruption (from the log), or
+        None. Cost: flushes.
         """
-        if self._closed:
-            return None
+        if self._closed or self._source is None:
+            return Resumed(step, None)
         self.flush()
-        guard = self._guard
+        source = self._source
         if self._log_pending:
             self._log_pending = False
             self._meta = runlog.read_meta(self._meta_path)
             self._log = runlog.EventLog(self._events, fresh=False)
-            if guard._steps == 0:
+            if step == 0:
                 last = runlog.last_step_record(self._events)
-                guard._steps = int(last["step"]) if last else 0
+                step = int(last["step"]) if last else 0
         assert self._log is not None
-        step = guard._steps
         before = runlog.last_step_record(self._events, at_most=step)
         previous = before.get("scale") if before else None
-        if guard._scaler is None:
+        if source.loss_scaler is None:
             scale = 1.0
         else:
-            scale = guard.scaler_config.init_scale if scale_reset or saved_scale is None \
+            scale = source.scaler_config.init_scale if scale_reset or saved_scale is None \
                 else float(saved_scale)
         self._scale_carry = scale
         event = {"kind": "resume", "step": step, "scale": runlog.num(scale),
@@ -358,9 +384,11 @@ class Telemetry:
         self._log.append([event])
         self._meta.setdefault("resumes", []).append(event)
         runlog.write_json_atomic(self._meta_path, self._meta)
-        return previous
+        return Resumed(step, previous)
 
-    def _on_fallback(self, step: int, old: str, new: str) -> None:
+    def on_fallback(self, step: int, old: str, new: str) -> None:
+        """The producer switched precision ``old`` -> ``new`` at ``step`` (a collapse fallback;
+        its ``loss_scaler`` is None from now on). Cost: flushes (one sync)."""
         if self._closed:
             return
         self.flush()
@@ -378,7 +406,7 @@ class Telemetry:
         self._flush(wait=True)
 
     def _flush(self, wait: bool) -> None:
-        if self._guard is None or self._closed:
+        if self._source is None or self._closed:
             return
         self._write_ready(wait=False)  # earlier copies that completed; frees a host buffer
         n, used = self._row, self._rslot
@@ -474,7 +502,7 @@ class Telemetry:
 
     def close(self) -> None:
         """Flush, write ``findings.json`` and close the sinks. Idempotent. Cost: one sync."""
-        if self._guard is None or self._closed:
+        if self._source is None or self._closed:
             self._closed = True
             return
         try:
@@ -505,8 +533,9 @@ def _range_keys(bits: torch.Tensor, offsets: torch.Tensor, ch: _layers.Chunk) ->
     return key.add_(torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total))
 
 
-def attach(telemetry: Any, guard: Any) -> Telemetry | None:
-    """Resolve a Guard's ``telemetry=`` argument (None, a run folder, or a Telemetry)."""
+def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
+    """Resolve a Guard's ``telemetry=`` argument (None, a run folder, or a Telemetry) and attach
+    it to ``source`` (the Guard, or a watched loop)."""
     if telemetry is None:
         return None
     if isinstance(telemetry, (str, os.PathLike)):
@@ -514,7 +543,7 @@ def attach(telemetry: Any, guard: Any) -> Telemetry | None:
     elif not isinstance(telemetry, Telemetry):
         raise TypeError("telemetry must be None, a run folder path or an ampguard.Telemetry, got "
                         f"{type(telemetry).__name__}")
-    telemetry._attach(guard)
+    telemetry._attach(source)
     return telemetry
 
 

@@ -10,9 +10,12 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ampguard.telemetry.source import TelemetrySource
 
 __all__ = ["Layout", "Chunk", "build_layout", "plan_chunks", "run_meta", "local"]
 
@@ -109,11 +112,12 @@ def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list
     return chunks
 
 
-def run_meta(guard: Any, layout: Layout, telemetry_config: dict[str, Any]) -> dict[str, Any]:
-    """The ``meta.json`` content of a new run."""
+def run_meta(source: TelemetrySource, layout: Layout,
+             telemetry_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``meta.json`` content of a new run of ``source`` (a Guard or a watched loop)."""
     from ampguard import __version__
 
-    model = guard.model
+    model = source.model
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "format": 1,
@@ -122,7 +126,7 @@ def run_meta(guard: Any, layout: Layout, telemetry_config: dict[str, Any]) -> di
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "device": str(guard._device),
+        "device": str(source.device),
         "model": {
             "class": type(model).__name__,
             "parameters": n_params,
@@ -130,14 +134,14 @@ def run_meta(guard: Any, layout: Layout, telemetry_config: dict[str, Any]) -> di
             "layers": len(layout.names),
         },
         "layers": {"names": layout.names, "numel": layout.numel, "tensors": layout.tensors},
-        "precision": guard.precision,
-        "requested_precision": guard._requested_precision,
-        "scaler": guard.scaler_config.to_dict(),
+        "precision": source.precision,
+        "requested_precision": source.requested_precision,
+        "scaler": source.scaler_config.to_dict(),
         "guard": {
-            "accumulation_steps": guard.accumulation_steps,
-            "clip_grad_norm": guard.clip_grad_norm,
-            "optimizers": [type(o).__name__ for o in guard.optimizers],
-            "contain_nonfinite_microbatches": guard.contain_nonfinite_microbatches,
+            "accumulation_steps": source.accumulation_steps,
+            "clip_grad_norm": source.clip_grad_norm,
+            "optimizers": [type(o).__name__ for o in source.optimizers],
+            "contain_nonfinite_microbatches": source.contain_nonfinite_microbatches,
         },
         "telemetry": telemetry_config,
         "resumes": [],
