@@ -35,24 +35,8 @@ THIRD_PARTY = {
 # defines, as methods of the class would; nothing else may.
 GUARD_BODY = {"core/_nonfinite.py", "core/_state.py", "fp8/_guard.py", "fp8/_stats.py"}
 
-# issue 14: removed by the protocol branch (the typed Guard <-> Telemetry <-> Watch <->
-# integrations contract). Delete this whole dict once it has landed; the test must then pass.
-PENDING: dict[str, set[str]] = {
-    "guard.py": {"_on_abort", "_on_backward", "_on_fallback", "_on_grads", "_on_resume",
-                 "_on_step"},
-    "core/_nonfinite.py": {"_on_grads", "_on_step"},
-    "core/_state.py": {"_on_abort"},
-    "fp8/_stats.py": {"_log"},
-    "telemetry/__init__.py": {"_params", "_policy", "_scaler", "_steps"},
-    "telemetry/_layers.py": {"_device", "_requested_precision"},
-    "integrations/_callbacks.py": {"_closed"},
-    "integrations/_findings.py": {"_first_intervention", "_framework_flags", "_interventions",
-                                  "_notes"},
-    "integrations/accelerate.py": {"_note_framework_skip", "_notes", "_on_close"},
-    "integrations/lightning.py": {"_closed", "_notes", "_observe_grads"},
-    "integrations/transformers.py": {"_notes"},
-    "integrations/watch.py": {"_log_pending", "_on_backward", "_on_step", "_start_log"},
-}
+# Names still pending removal, per file (empty: the contract is public everywhere).
+PENDING: dict[str, set[str]] = {}
 
 
 def _is_private(name: str) -> bool:

@@ -109,11 +109,7 @@ class Fp8Monitor:
                 k += 1
             records.append({"kind": "fp8", "step": step, "layers": layers})
         self.samples.extend(records)
-        tel = self.telemetry
-        if not tel.closed:
-            tel.flush()
-            if tel._log is not None:
-                tel._log.append(records)
+        self.telemetry.append_events(records)
 
     def last(self) -> dict[str, Any]:
         """The latest sample of each layer (step and figures)."""

@@ -395,6 +395,16 @@ class Telemetry:
         if self._log is not None:
             self._log.append([{"kind": "fallback", "step": step, "from": old, "to": new}])
 
+    def append_events(self, records: list[dict[str, Any]]) -> None:
+        """Append non-step records (e.g. ``{"kind": "fp8", ...}``) to the run log after the steps
+        recorded so far. Nothing is written before the log has started or after close.
+        Cost: flushes (one sync)."""
+        if self._closed:
+            return
+        self.flush()
+        if self._log is not None:
+            self._log.append(records)
+
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
         """Write every recorded step to the run folder.
