@@ -326,7 +326,7 @@ class Guard:
         if self._telemetry is not None:
             self._telemetry._on_grads(not unscale_now)  # fused, no clip: grads still scaled
         grad_norm = self._clip(found)
-        if agree is not None:
+        if agree is not None and self._dist is not None:  # agree implies _dist
             found, dropped = agree.wait()
             grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
         signal = found[0] if len(found) == 1 else torch.stack(found).sum()

@@ -77,6 +77,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
             self._attach(trainer, pl_module)  # e.g. a callback added after on_fit_start
         # Without a scaler the gradients are final here; Lightning runs the closure (forward and
         # backward) inside optimizer.step, after the optimizer's own pre-step hooks.
+        assert self.watch is not None  # _attach always sets one
         self.watch._observe_grads()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
