@@ -22,6 +22,11 @@ FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 _SKIP_FIELDS = frozenset({"ctx", "op", "ops"})
 _PARENT = "_ag_parent"
+# node types ``FileModel._collect`` records something for
+_COLLECTED = frozenset({
+    ast.Call, ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.AugAssign, ast.Import, ast.ImportFrom,
+    *_SCOPES, ast.ClassDef, ast.For, ast.AsyncFor, ast.While, ast.comprehension, ast.withitem,
+    ast.ExceptHandler})
 
 # What ``FileModel.top_unit`` returns: a module-level def or class, or the module itself.
 TopUnit = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module
@@ -73,7 +78,9 @@ class FileModel(ScalerFacts):
         while stack:
             node, parent, scope = pop()
             setattr(node, _PARENT, parent)
-            if isinstance(node, ast.Call):
+            if type(node) not in _COLLECTED:  # most nodes: a set lookup, no isinstance chain
+                pass
+            elif isinstance(node, ast.Call):
                 self.calls.append(node)
                 name = terminal(node.func)
                 if name is not None:
