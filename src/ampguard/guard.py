@@ -354,7 +354,7 @@ class Guard:
             # fused, no clip: the gradients are still scaled
             self._telemetry.on_grads(self._steps, not unscale_now)
         grad_norm = self._clip(found)
-        if agree is not None:
+        if agree is not None and self._dist is not None:  # agree implies _dist
             found, dropped = agree.wait()
             grad_norm = self._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
         signal = found[0] if len(found) == 1 else torch.stack(found).sum()

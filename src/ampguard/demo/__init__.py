@@ -44,7 +44,7 @@ class DemoResult:
     extra_lines: list[str] = field(default_factory=list)
 
 
-def build_model(data: DemoData, seed: int) -> torch.nn.Module:
+def build_model(data: DemoData, seed: int) -> torch.nn.Sequential:
     """The student: a 3-layer GELU MLP with named layers (findings name them), seeded."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(OrderedDict(

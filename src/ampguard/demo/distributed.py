@@ -83,8 +83,11 @@ def _run(kind: str, steps: int, seed: int, run_dir: Path, precision: str, progre
     checkpoint = run_dir / ("checkpoint.pt" if kind == "ddp" else "checkpoint")
     save_distributed_checkpoint(checkpoint, model=model, optimizer=optimizer, guard=guard,
                                 scheduler=schedule, extra={"seed": seed})
-    summary = guard.distributed.summary()
-    findings = guard.distributed.findings(guard.steps)
+    state = guard.distributed
+    if state is None:  # not reached: a DDP or fully_shard model always has a topology
+        raise RuntimeError("the distributed demo needs an initialised process group")
+    summary = state.summary()
+    findings = state.findings(guard.steps)
     result = {
         "kind": kind, "world_size": world, "steps": steps, "precision": guard.precision,
         "skipped": skipped, "spike_steps": list(data.spike_steps), "scale_end": guard.scale,
@@ -100,7 +103,7 @@ def _run(kind: str, steps: int, seed: int, run_dir: Path, precision: str, progre
     return result
 
 
-def _wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+def _wrap(model: torch.nn.Sequential, kind: str) -> torch.nn.Module:
     if kind == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         # drop=False: DDP's numerics unchanged; the hook only records which rank's local
@@ -112,7 +115,8 @@ def _wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
-    return fully_shard(model)
+    fully_shard(model)  # shards in place and returns ``model`` itself (typed as an FSDPModule)
+    return model
 
 
 def _train(guard: Guard, model: torch.nn.Module, data: DemoData, rank: int, world: int,

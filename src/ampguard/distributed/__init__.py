@@ -35,7 +35,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -152,7 +152,8 @@ def detect(model: torch.nn.Module, process_group: Any = None) -> Topology | None
     elif fsdp_modules(model):
         kind, group = "fsdp2", _mesh_group(model)
     else:
-        kind, group = "process_group", dist.group.WORLD
+        # WORLD is typed Optional: it is set once is_initialized() (checked above)
+        kind, group = "process_group", cast(dist.ProcessGroup, dist.group.WORLD)
         if dist.get_world_size(process_group or group) < 2:
             return None
     group = process_group if process_group is not None else group
@@ -254,7 +255,7 @@ class DistributedState:
         sync = final or containment
         kind = self.topology.kind
         if kind == "ddp" and not sync:
-            return self.model.no_sync()
+            return self.model.no_sync()  # type: ignore[operator]  # kind "ddp": a DDP model
         if kind == "fsdp2" and sync is not self._sync_flag:
             for m in self._fsdp:
                 m.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]

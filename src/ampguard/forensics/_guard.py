@@ -123,7 +123,7 @@ class GuardForensics:
             if not self._warming_up():
                 self._handle(result.step, locate(self.guard.model, loss_fn, batch,
                                                  self.guard.precision, scale), "replay")
-        elif armed:
+        elif armed and trace is not None:  # armed implies a trace; said for the checker
             floor = self.guard.scaler_config.min_scale
             self._handle(result.step, diagnose_trace(trace, losses, scale, self.guard.precision,
                                                      floor), "trace")

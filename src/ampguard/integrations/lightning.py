@@ -78,6 +78,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
         assert self.watch is not None
         # Without a scaler the gradients are final here; Lightning runs the closure (forward and
         # backward) inside optimizer.step, after the optimizer's own pre-step hooks.
+        assert self.watch is not None  # _attach always sets one
         self.watch.observe_grads()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:

@@ -288,7 +288,7 @@ class Watch:
         step = self._done + 1
         zero = torch.zeros((), dtype=torch.float32, device=scale_before.device)
         status = results.pack([found.get(id(o), zero) for o in self.optimizers], None)
-        if self._state is not None and not manual:
+        if self._state is not None and scaler is not None and not manual:  # _on_update: a scaler
             collapse, kinds = self._state.apply(scaler._scale, scaler._growth_tracker,
                                                 scale_before, found_all)
             status = results.add_collapse(status, collapse, len(self.optimizers))

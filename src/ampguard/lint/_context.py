@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import AUTOCASTS, NO_GRAD, dotted, terminal
@@ -16,7 +17,8 @@ __all__ = [
 ]
 
 # default autocast dtype per device type when none is given
-_DEFAULT_DTYPE = {"cuda": "fp16", "cpu": "bf16", "xpu": "bf16", "mps": "fp16", "hpu": "bf16"}
+_DEFAULT_DTYPE: dict[str | None, str] = {
+    "cuda": "fp16", "cpu": "bf16", "xpu": "bf16", "mps": "fp16", "hpu": "bf16"}
 _EVAL_WORDS = frozenset({
     "eval", "evaluate", "evaluation", "validate", "validation", "valid", "val", "predict",
     "prediction", "infer", "inference",
@@ -31,7 +33,7 @@ _MODULE_WORDS = frozenset({
 class Autocast:
     """An autocast region: dtype ``"fp16"``/``"bf16"``/``None`` (unknown), device, enabled flag."""
 
-    call: ast.AST
+    call: ast.Call
     dtype: str | None
     device: str | None
     enabled: bool | None  # None: an expression we cannot evaluate
@@ -121,9 +123,11 @@ def _helper_autocast(model: FileModel, call: ast.Call, depth: int) -> Autocast |
     """``with amp_context(args):`` where the project's own helper returns an autocast region
     (``return torch.autocast(...)``, or a ``@contextmanager`` that yields inside one)."""
     found = resolve_def(model, call.func)
-    if found is None or not isinstance(found[1], FUNCS):
+    if found is None:
         return None
     owner, func = found
+    if not isinstance(func, FUNCS):
+        return None
     for node in owner.statements(func.body):
         if isinstance(node, ast.Return) and node.value is not None:
             info = autocast_info(owner, node.value, depth + 1)
@@ -203,7 +207,8 @@ def grad_disabled(model: FileModel, node: ast.AST) -> bool:
     return False
 
 
-def is_eval_function(func: ast.AST | None) -> bool:
+def is_eval_function(
+        func: ast.AST | None) -> TypeGuard[ast.FunctionDef | ast.AsyncFunctionDef]:
     """A ``def`` whose name says it evaluates (``evaluate``, ``validate``, ``val_step``, ...)."""
     if not isinstance(func, FUNCS):
         return False

@@ -105,22 +105,28 @@ def lint_bytes(source: str | bytes, path: str, options: Options,
     parsed = parse(source, path)
     if isinstance(parsed, Finding):
         return [parsed] if "AG200" in options.codes else []
-    raw = 1 if isinstance(source, bytes) else 0
-    rules = [RULES[c] for c in sorted(options.codes)
-             if RULES[c].check is not None and any(t in source for t in _TRIGGERS[c][raw])
-             and (not _REQUIRES[c][raw] or any(t in source for t in _REQUIRES[c][raw]))]
-    if not rules:
+    checks = [check for c in sorted(options.codes)
+              if (check := RULES[c].check) is not None and _mentions(source, _TRIGGERS[c])
+              and (not _REQUIRES[c][0] or _mentions(source, _REQUIRES[c]))]
+    if not checks:
         return []
     try:
         model = FileModel(parsed.tree, path, project)
         if project is not None:
             project.begin(path, model)
         ctx = Context(model, path, options.torch_version)
-        findings = [f for rule in rules for f in rule.check(ctx)]
+        findings = [f for check in checks for f in check(ctx)]
     except RecursionError:
         message = "cannot analyse: the code is nested too deeply"
         return [syntax_finding(path, message)] if "AG200" in options.codes else []
     return _finish(findings, parsed)
+
+
+def _mentions(source: str | bytes, texts: tuple[tuple[str, ...], tuple[bytes, ...]]) -> bool:
+    """Whether ``source`` contains one of ``texts`` (given both as text and as UTF-8 bytes)."""
+    if isinstance(source, bytes):
+        return any(t in source for t in texts[1])
+    return any(t in source for t in texts[0])
 
 
 def _finish(findings: list[Finding], parsed: Parsed) -> list[Finding]:

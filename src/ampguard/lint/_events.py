@@ -112,7 +112,8 @@ class Events:
             return None if ctor is not None and scaler_state(self.model, ctor) == "off" else key
         return None
 
-    def _helper(self, call: ast.Call) -> tuple[ast.AST | None, FileModel | None]:
+    def _helper(self, call: ast.Call) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef | None,
+                                               FileModel | None]:
         """The ``def`` a call runs: same file, a method of ``self``, or (project mode) a
         function of another linted file."""
         func = call.func
@@ -168,7 +169,8 @@ def _calls_in(roots: list[ast.AST]) -> list[ast.Call]:
     return out
 
 
-def _mapping(helper: ast.AST, call: ast.Call) -> tuple[tuple[str, str], ...]:
+def _mapping(helper: ast.FunctionDef | ast.AsyncFunctionDef,
+             call: ast.Call) -> tuple[tuple[str, str], ...]:
     params = [a.arg for a in (*helper.args.posonlyargs, *helper.args.args)]
     if params and params[0] in ("self", "cls") and isinstance(call.func, ast.Attribute):
         params = params[1:]

@@ -16,7 +16,7 @@ import ast
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from ampguard.lint._events import Event, Events, header
 from ampguard.lint._paths import MAX_PATHS, condition, heads, stored_heads
@@ -40,6 +40,11 @@ class Env:
     rename_map: dict[str, str] = field(default_factory=dict)
     active: tuple[ast.AST, ...] = ()
     events: Events | None = None
+
+    @overload
+    def rename(self, key: str) -> str: ...
+    @overload
+    def rename(self, key: None) -> None: ...
 
     def rename(self, key: str | None) -> str | None:
         """The caller's spelling of a key used inside an inlined helper."""

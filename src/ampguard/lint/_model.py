@@ -8,8 +8,8 @@ Names are resolved the way a reader would: through imports (``from torch.cuda im
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 from ampguard.lint._names import canonical, dotted, terminal
 from ampguard.lint._scalers import ScalerFacts
@@ -18,8 +18,20 @@ __all__ = ["FUNCS", "FileModel", "Scope", "branch_of"]
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
+# ``try``/``except*`` (3.11+) hold handlers and an ``else`` alike; typeshed for 3.10 has no TryStar.
+_TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 _SKIP_FIELDS = frozenset({"ctx", "op", "ops"})
 _PARENT = "_ag_parent"
+# node types ``FileModel._collect`` records something for
+_COLLECTED = frozenset({
+    ast.Call, ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.AugAssign, ast.Import, ast.ImportFrom,
+    *_SCOPES, ast.ClassDef, ast.For, ast.AsyncFor, ast.While, ast.comprehension, ast.withitem,
+    ast.ExceptHandler})
+
+# What ``FileModel.top_unit`` returns: a module-level def or class, or the module itself.
+TopUnit = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module
+# What a name is bound to: ``("import", qualname)`` or ``("values", [value or None, ...])``.
+Binding = tuple[Literal["import"], str] | tuple[Literal["values"], list[ast.AST | None]]
 
 
 class Scope:
@@ -50,8 +62,8 @@ class FileModel(ScalerFacts):
         self.scopes: dict[ast.AST, Scope] = {}
         self.attr_bindings: dict[str, list[ast.AST | None]] = {}
         self.subscript_sets: list[tuple[ast.Subscript, ast.AST]] = []
-        self.functions: dict[str, list[ast.AST]] = {}
-        self.loops: list[ast.AST] = []
+        self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
         self._qual: dict[int, str | None] = {}
         self._calls_to: dict[frozenset[str], list[ast.Call]] = {}
         self._collect()
@@ -66,36 +78,37 @@ class FileModel(ScalerFacts):
         while stack:
             node, parent, scope = pop()
             setattr(node, _PARENT, parent)
-            kind = type(node)
-            if kind is ast.Call:
+            if type(node) not in _COLLECTED:  # most nodes: a set lookup, no isinstance chain
+                pass
+            elif isinstance(node, ast.Call):
                 self.calls.append(node)
                 name = terminal(node.func)
                 if name is not None:
                     self.by_terminal.setdefault(name, []).append(node)
-            elif kind is ast.Assign:
+            elif isinstance(node, ast.Assign):
                 for target in node.targets:
                     self._bind(target, node.value, scope)
-            elif kind in (ast.AnnAssign, ast.NamedExpr):
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
                 if node.value is not None:
                     self._bind(node.target, node.value, scope)
-            elif kind is ast.AugAssign:
+            elif isinstance(node, ast.AugAssign):
                 self._bind(node.target, None, scope)
-            elif kind in (ast.Import, ast.ImportFrom):
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._import(node, scope)
-            elif kind in _SCOPES:
+            elif isinstance(node, _SCOPES):
                 scope = self._enter(node, scope)
-            elif kind is ast.ClassDef:
+            elif isinstance(node, ast.ClassDef):
                 scope.bind(node.name, node)
-            elif kind in for_types:
+            elif isinstance(node, for_types):
                 self.loops.append(node)
-                if kind is not ast.While:
+                if not isinstance(node, ast.While):
                     self._bind(node.target, None, scope)
-            elif kind is ast.comprehension:
+            elif isinstance(node, ast.comprehension):
                 self._bind(node.target, None, scope)
-            elif kind is ast.withitem:
+            elif isinstance(node, ast.withitem):
                 if node.optional_vars is not None:
                     self._bind(node.optional_vars, None, scope)
-            elif kind is ast.ExceptHandler and node.name:
+            elif isinstance(node, ast.ExceptHandler) and node.name:
                 scope.bind(node.name, None)
             for field in node._fields:
                 if field in _SKIP_FIELDS:
@@ -108,7 +121,8 @@ class FileModel(ScalerFacts):
                 elif isinstance(value, ast.AST):
                     push((value, node, scope))
 
-    def _enter(self, node: ast.AST, scope: Scope) -> Scope:
+    def _enter(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda,
+               scope: Scope) -> Scope:
         if not isinstance(node, ast.Lambda):
             scope.bind(node.name, node)
             self.functions.setdefault(node.name, []).append(node)
@@ -165,10 +179,10 @@ class FileModel(ScalerFacts):
 
     def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
         """Parents of ``node`` from the nearest outwards."""
-        node = getattr(node, _PARENT, None)
-        while node is not None:
-            yield node
-            node = getattr(node, _PARENT, None)
+        anc: ast.AST | None = getattr(node, _PARENT, None)
+        while anc is not None:
+            yield anc
+            anc = getattr(anc, _PARENT, None)
 
     def scope_of(self, node: ast.AST) -> Scope:
         """The function (or module) scope whose names ``node`` sees."""
@@ -177,7 +191,7 @@ class FileModel(ScalerFacts):
                 return self.scopes[anc]
         return self.scopes[self.tree]
 
-    def function_of(self, node: ast.AST) -> ast.AST | None:
+    def function_of(self, node: ast.AST) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
         """The nearest enclosing ``def`` (``None`` at module level)."""
         for anc in self.ancestors(node):
             if isinstance(anc, FUNCS):
@@ -191,7 +205,7 @@ class FileModel(ScalerFacts):
                 return anc
         return None
 
-    def top_unit(self, node: ast.AST) -> ast.AST:
+    def top_unit(self, node: ast.AST) -> TopUnit:
         """The module-level ``def``/``class`` that holds ``node``, or the module itself."""
         last = node
         for anc in self.ancestors(node):
@@ -217,9 +231,9 @@ class FileModel(ScalerFacts):
         seen = dict(self.branch_path(a))
         return any(key in seen and seen[key] != branch for key, branch in self.branch_path(b))
 
-    def statements(self, body: list[ast.stmt]) -> Iterator[ast.AST]:
+    def statements(self, body: Sequence[ast.AST]) -> Iterator[ast.AST]:
         """Every node under ``body`` in source order, not entering nested def/class/lambda."""
-        stack = list(reversed(body))
+        stack: list[ast.AST] = list(reversed(body))
         while stack:
             node = stack.pop()
             yield node
@@ -229,7 +243,7 @@ class FileModel(ScalerFacts):
             stack.extend(reversed(children))
 
     # ----------------------------------------------------------------- names
-    def binding(self, name: str, scope: Scope) -> tuple[str, object] | None:
+    def binding(self, name: str, scope: Scope) -> Binding | None:
         """``("import", qualname)`` or ``("values", [values])`` for ``name`` seen from ``scope``."""
         s: Scope | None = scope
         while s is not None:
@@ -266,7 +280,7 @@ class FileModel(ScalerFacts):
         if found is None:
             return None
         if found[0] == "import":
-            base = str(found[1])
+            base = found[1]
         else:
             values = found[1]
             if len(values) != 1 or values[0] is None:
@@ -276,9 +290,10 @@ class FileModel(ScalerFacts):
                 value = value.args[0]
             if not isinstance(value, (ast.Name, ast.Attribute)):
                 return None
-            base = self.qualname(value, depth + 1)
-            if base is None:
+            resolved = self.qualname(value, depth + 1)
+            if resolved is None:
                 return None
+            base = resolved
         for attr in reversed(attrs):
             base = f"{base}.{attr}"
         return canonical(base)
@@ -346,24 +361,23 @@ class FileModel(ScalerFacts):
 
 def branch_of(anc: ast.AST, child: ast.AST) -> object | None:
     """Which conditional branch of ``anc`` holds its child ``child`` (``None``: not conditional)."""
-    kind = type(anc)
-    if kind is ast.If or kind is ast.IfExp:
+    if isinstance(anc, (ast.If, ast.IfExp)):
         if child is anc.test:
             return None
-        return 0 if (child in anc.body if kind is ast.If else child is anc.body) else 1
-    if kind is ast.BoolOp:
+        return 0 if (child in anc.body if isinstance(anc, ast.If) else child is anc.body) else 1
+    if isinstance(anc, ast.BoolOp):
         index = next(i for i, v in enumerate(anc.values) if v is child)
         return index if index > 0 else None
-    if kind in (ast.Try, getattr(ast, "TryStar", ast.Try)):
+    if isinstance(anc, _TRIES):
         if child in anc.handlers:
             return "handler"
         if child in anc.orelse:
             return "else"
         return None
-    if kind in (ast.For, ast.AsyncFor, ast.While):
+    if isinstance(anc, (ast.For, ast.AsyncFor, ast.While)):
         return "else" if child in anc.orelse else None
-    if kind is ast.comprehension:
+    if isinstance(anc, ast.comprehension):
         return "if" if child in anc.ifs else None
-    if kind is getattr(ast, "Match", None):
+    if isinstance(anc, ast.Match):
         return next((i for i, c in enumerate(anc.cases) if c is child), None)
     return None

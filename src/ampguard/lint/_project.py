@@ -28,7 +28,7 @@ MAX_FILE_BYTES = 1 << 20  # a larger file is not followed (it is still linted on
 MAX_HOPS = 4  # re-exports followed (``from .utils import save`` in ``__init__.py``)
 _MAX_CACHED = 32  # followed files kept parsed between linted files
 _MAX_UP = 6  # folders above the importing file searched for an absolute import
-_Resolved = tuple[FileModel, ast.AST]
+_Resolved = tuple[FileModel, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef]
 
 
 def _key(path: str) -> str:

@@ -16,7 +16,7 @@ __all__ = ["Reaching", "reaching_assignment"]
 _INDEX = "_ag_assign_index"
 _UNIT_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 # (line, col, statement, value or None when the value cannot be known)
-_Entry = tuple[int, int, ast.AST, ast.AST | None]
+_Entry = tuple[int, int, ast.stmt, ast.AST | None]
 
 
 class Reaching:
@@ -24,7 +24,7 @@ class Reaching:
 
     __slots__ = ("stmt", "value")
 
-    def __init__(self, stmt: ast.AST, value: ast.AST | None) -> None:
+    def __init__(self, stmt: ast.stmt, value: ast.AST | None) -> None:
         self.stmt = stmt
         self.value = value
 
@@ -46,8 +46,9 @@ def _index(model: FileModel, unit: ast.AST) -> dict[str, list[_Entry]]:
             _add(out, node.target, None, node)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             _add(out, node.target, None, node)
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            _add(out, node.optional_vars, None, model.parent(node) or node)
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None \
+                and isinstance(with_ := model.parent(node), (ast.With, ast.AsyncWith)):
+            _add(out, node.optional_vars, None, with_)
     for entries in out.values():
         entries.sort(key=lambda e: (e[0], e[1]))
     setattr(unit, _INDEX, out)
@@ -55,7 +56,7 @@ def _index(model: FileModel, unit: ast.AST) -> dict[str, list[_Entry]]:
 
 
 def _add(out: dict[str, list[_Entry]], target: ast.AST, value: ast.AST | None,
-         stmt: ast.AST) -> None:
+         stmt: ast.stmt) -> None:
     if isinstance(target, ast.Name):
         out.setdefault(target.id, []).append(
             (getattr(stmt, "lineno", 0), getattr(stmt, "col_offset", 0), stmt, value))

@@ -15,6 +15,7 @@ import stat
 import tokenize
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 from ampguard.findings import Finding, make
 
@@ -138,7 +139,7 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def noqa_codes(line: str) -> frozenset[str] | None | bool:
+def noqa_codes(line: str) -> frozenset[str] | None | Literal[False]:
     """Codes a ``# noqa`` on ``line`` silences: ``None`` for all, ``False`` for no comment."""
     if "#" not in line:
         return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,13 +25,17 @@ from ampguard.reporting._thin import (
 )
 from ampguard.runlog import RunLog
 
+if TYPE_CHECKING:  # matplotlib is imported lazily (the ``plots`` extra)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 __all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "FIGURES"]
 
 _MAX_LABELS = 40
 _MAX_STEP_TICKS = 30
 
 
-def _figure(width: float = 9.0, height: float = 3.2):  # noqa: ANN202 - matplotlib types
+def _figure(width: float = 9.0, height: float = 3.2) -> Figure:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -39,7 +44,7 @@ def _figure(width: float = 9.0, height: float = 3.2):  # noqa: ANN202 - matplotl
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def _png(fig) -> bytes:  # noqa: ANN001
+def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
@@ -48,7 +53,7 @@ def _png(fig) -> bytes:  # noqa: ANN001
 _MAX_EVENTS = 50  # resume / fallback markers drawn (a log with more is not a training run)
 
 
-def _markers(ax, run: RunLog) -> None:  # noqa: ANN001
+def _markers(ax: Axes, run: RunLog) -> None:
     for r in run.resumes[:_MAX_EVENTS]:
         ax.axvline(int(r["step"]), color="#7b2cbf", ls="--", lw=1.2)
         ax.annotate("resume", (int(r["step"]), 1.0), xycoords=("data", "axes fraction"),
@@ -96,7 +101,7 @@ def scale_plot(run: RunLog) -> bytes | None:
     return _png(fig)
 
 
-def _scale_line(ax, steps: np.ndarray, scale: np.ndarray) -> None:  # noqa: ANN001
+def _scale_line(ax: Axes, steps: np.ndarray, scale: np.ndarray) -> None:
     """The scale as a step line through its change points (exact), or, when even those are too
     many, the min-max band per bucket with the bucket's highest scale as the line."""
     keep = changes(scale)
@@ -144,7 +149,7 @@ def loss_plot(run: RunLog) -> bytes | None:
     return _png(fig)
 
 
-def _plain_log_labels(ax) -> None:  # noqa: ANN001
+def _plain_log_labels(ax: Axes) -> None:
     """Tick labels on a log axis as plain numbers ("7", "6.9", "1e+04"), not "6.94x10^0"."""
     from matplotlib.ticker import LogFormatter
 
@@ -166,7 +171,7 @@ def _column_edges(steps: np.ndarray) -> np.ndarray:
     return np.concatenate([[s[0] - (mid[0] - s[0])], mid, [s[-1] + (s[-1] - mid[-1])]])
 
 
-def _layer_ticks(ax, names: list[str], axis: str = "y") -> None:  # noqa: ANN001
+def _layer_ticks(ax: Axes, names: list[str], axis: str = "y") -> None:
     every = max(1, math.ceil(len(names) / _MAX_LABELS))
     ticks = list(range(0, len(names), every))
     labels = [plain_text(names[i]) for i in ticks]

@@ -21,12 +21,12 @@ def events(ctx: Context) -> Events:
     return ctx.cache["events"]
 
 
-def flow_units(ctx: Context) -> list[ast.AST]:
+def flow_units(ctx: Context) -> list[ast.FunctionDef | ast.AsyncFunctionDef | ast.Module]:
     """Functions (and the module) that run AMP-protocol calls directly or through local helpers."""
     if "units" in ctx.cache:
         return ctx.cache["units"]
     model = ctx.model
-    units: dict[int, ast.AST] = {}
+    units: dict[int, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module] = {}
     if model.scaler_keys:
         names: tuple[str, ...] = _PROTOCOL
         for _ in range(4):

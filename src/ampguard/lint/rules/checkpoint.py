@@ -53,7 +53,9 @@ def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call,
         return literal
     model = ctx.model
     reach = reaching_assignment(model, obj.id, obj)
-    literal = _literal(reach.value) if reach is not None else None
+    if reach is None:
+        return None
+    literal = _literal(reach.value)
     if literal is None:
         return None
     start = reach.stmt.lineno

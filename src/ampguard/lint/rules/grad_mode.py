@@ -23,8 +23,8 @@ def _check(ctx: Context) -> Iterator[Finding]:
     for call, what in candidates:
         if grad_disabled(model, call):
             where = "under torch.no_grad()/inference_mode()"
-        elif is_eval_function(model.function_of(call)):
-            where = f"in evaluation code ({model.function_of(call).name})"
+        elif is_eval_function(unit := model.function_of(call)):
+            where = f"in evaluation code ({unit.name})"
         else:
             continue
         yield ctx.finding(

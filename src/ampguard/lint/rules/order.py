@@ -71,7 +71,7 @@ class _DoubleStepAnalysis:
         if kind in ("bwd", "bwd_scaled", "zero"):
             return frozenset(), frozenset()
         if kind == "sstep" and event.arg is not None:
-            opt = env.rename(event.arg)
+            opt: str | None = env.rename(event.arg)
             if self._earlier(state, "plain", opt, event.node):
                 self._report(event, env, opt, f"{env.rename(event.key)}.step({opt}) after {opt}"
                              f".step() in the same step: the optimizer steps twice")
@@ -84,7 +84,7 @@ class _DoubleStepAnalysis:
             return may | {("plain", opt, event.node)}, must | {("plain", opt)}
         return state
 
-    def _earlier(self, state: tuple, kind: str, opt: str, node: ast.AST) -> bool:
+    def _earlier(self, state: tuple, kind: str, opt: str | None, node: ast.AST) -> bool:
         may, must = state
         if (kind, opt) in must:
             return True
@@ -97,7 +97,7 @@ class _DoubleStepAnalysis:
                 return True
         return False
 
-    def _report(self, event: Event, env: Env, opt: str, message: str) -> None:
+    def _report(self, event: Event, env: Env, opt: str | None, message: str) -> None:
         if env.record and id(event.node) not in self.found:
             self.found[id(event.node)] = self.ctx.finding(AG202, event.node, message, optimizer=opt)
 

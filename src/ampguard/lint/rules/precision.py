@@ -16,6 +16,7 @@ from ampguard.lint._context import (
     keyword,
     scaler_state,
 )
+from ampguard.lint._model import TopUnit
 from ampguard.lint._names import AUTOCASTS, dotted
 from ampguard.lint.rules._base import Context, Rule
 
@@ -61,7 +62,7 @@ def _check_bf16(ctx: Context) -> Iterator[Finding]:
             break
 
 
-def _same_scope(ctx: Context, ctor: ast.AST, source: ast.AST) -> bool:
+def _same_scope(ctx: Context, ctor: ast.Call, source: ast.AST) -> bool:
     """Same module-level def/class (or both at module level), and the scaler exists whenever
     the bf16 region runs: its branch conditions are a prefix of the region's."""
     model = ctx.model
@@ -76,13 +77,12 @@ def _ctor_key(ctx: Context, ctor: ast.Call) -> str | None:
     return next((k for k, c in ctx.model.ctor_targets.items() if c is ctor), None)
 
 
-def _mentions(ctx: Context, unit: ast.AST, key: str | None) -> bool:
+def _mentions(ctx: Context, unit: TopUnit, key: str | None) -> bool:
     """A module-level scaler is used inside ``unit`` (a module-level def or class)."""
     if key is None:
         return False
-    body = [unit] if not hasattr(unit, "body") else unit.body
     return any(isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == key
-               for n in ctx.model.statements(body))
+               for n in ctx.model.statements(unit.body))
 
 
 def _fp16_cast(ctx: Context, call: ast.Call) -> bool:
@@ -102,7 +102,8 @@ def _cast_back(ctx: Context, call: ast.Call) -> bool:
     """``model.half().float()``: the fp16 copy is cast straight back, so parameters stay fp32."""
     attr = ctx.model.parent(call)
     outer = ctx.model.parent(attr) if isinstance(attr, ast.Attribute) else None
-    if not (isinstance(outer, ast.Call) and outer.func is attr):
+    if not (isinstance(attr, ast.Attribute) and isinstance(outer, ast.Call)
+            and outer.func is attr):
         return False
     if attr.attr == "float":
         return not outer.args and not outer.keywords
@@ -137,7 +138,9 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
     users = _scaler_users(ctx)
     for name in ("half", "to", "type"):
         for call in model.by_terminal.get(name, ()):
-            if not _fp16_cast(ctx, call) or not is_model_like(model, call.func.value):
+            cast = call.func
+            if not isinstance(cast, ast.Attribute) or not _fp16_cast(ctx, call) \
+                    or not is_model_like(model, cast.value):
                 continue
             func = model.function_of(call)
             if is_eval_function(func) or (func is not None and _NOT_TRAINING & set(
@@ -147,7 +150,7 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
             same = users if func is None else [u for u in users if model.function_of(u) is func]
             if not same or all(model.exclusive(call, u) for u in same):
                 continue
-            what = dotted(call.func.value) or "the model"
+            what = dotted(cast.value) or "the model"
             yield ctx.finding(
                 AG211, call, f"{what} is cast to float16 while a GradScaler is used: fp16 "
                 "master weights make scaler.unscale_ fail ('Attempting to unscale FP16 "

@@ -25,17 +25,17 @@ def _check(ctx: Context) -> Iterator[Finding]:
         if not (isinstance(func, ast.Attribute) and call.args
                 and dotted(func.value) in model.scaler_keys):
             continue
-        for sched in _later_scheduler_steps(ctx, call):
+        for sched, name in _later_scheduler_steps(ctx, call):
             if id(sched) not in seen:
                 seen.add(id(sched))
-                name = dotted(sched.func.value)
                 yield ctx.finding(
                     AG207, sched, f"{name}.step() runs even when {dotted(func.value)}.step() "
                     "skipped the optimizer step (inf/NaN gradients): the schedule advances "
                     "without training", scheduler=name, step_line=call.lineno)
 
 
-def _later_scheduler_steps(ctx: Context, call: ast.Call) -> Iterator[ast.Call]:
+def _later_scheduler_steps(ctx: Context,
+                           call: ast.Call) -> Iterator[tuple[ast.Call, str | None]]:
     """Scheduler ``.step()`` statements after the one holding ``call``, at each block level."""
     child: ast.AST = call
     for anc in ctx.model.ancestors(call):
@@ -50,14 +50,16 @@ def _later_scheduler_steps(ctx: Context, call: ast.Call) -> Iterator[ast.Call]:
         child = anc
 
 
-def _scheduler_steps(ctx: Context, stmts: list[ast.stmt]) -> Iterator[ast.Call]:
+def _scheduler_steps(ctx: Context,
+                     stmts: list[ast.stmt]) -> Iterator[tuple[ast.Call, str | None]]:
+    """Scheduler ``.step()`` calls among ``stmts``, each with the scheduler's text."""
     for stmt in stmts:
         value = stmt.value if isinstance(stmt, ast.Expr) else None
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
                 and value.func.attr == "step" and not value.args and not value.keywords \
                 and dotted(value.func.value) not in ctx.model.scaler_keys \
                 and is_scheduler_like(ctx.model, value.func.value):
-            yield value
+            yield value, dotted(value.func.value)
 
 
 AG207 = Rule.from_code(

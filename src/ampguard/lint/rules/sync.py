@@ -41,8 +41,8 @@ def _check(ctx: Context) -> Iterator[Finding]:
         yield ctx.finding(
             AG213, node, f"{what} runs on every training step ({found[0]}) only to be logged: "
             "each call waits for the device (a host sync); log every N steps or accumulate on "
-            "the device", sync=what, unit=model.function_of(node).name
-            if model.function_of(node) is not None else "<module>")
+            "the device", sync=what, unit=unit.name
+            if (unit := model.function_of(node)) is not None else "<module>")
 
 
 def _syncs(ctx: Context) -> Iterator[tuple[ast.AST, str]]:
@@ -81,7 +81,7 @@ def _per_step(ctx: Context, node: ast.AST) -> tuple[str, ast.AST] | None:
 
 def _trains(ctx: Context, body: list[ast.stmt], depth: int) -> bool:
     """``body`` (not its nested loops) runs backward() or an optimizer/scaler step."""
-    stack = list(body)
+    stack: list[ast.AST] = list(body)
     while stack:
         node = stack.pop()
         if isinstance(node, _STOP) or (depth == 0 and isinstance(node, _LOOPS)):
@@ -143,7 +143,7 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
     child: ast.AST = node
     anc: ast.AST = node
     for anc in model.ancestors(node):
-        if _is_log_call(ctx, anc) and child is not anc.func:
+        if isinstance(anc, ast.Call) and _is_log_call(ctx, anc) and child is not anc.func:
             return True
         if isinstance(anc, ast.stmt):
             break
@@ -170,7 +170,7 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
 def _inside_log(ctx: Context, node: ast.AST) -> bool:
     child = node
     for anc in ctx.model.ancestors(node):
-        if _is_log_call(ctx, anc) and child is not anc.func:
+        if isinstance(anc, ast.Call) and _is_log_call(ctx, anc) and child is not anc.func:
             return True
         if isinstance(anc, ast.stmt):
             return False

@@ -13,6 +13,8 @@ from ampguard.lint.rules._units import events, flow_units
 
 __all__ = ["AG204"]
 
+_Loop = ast.For | ast.AsyncFor | ast.While
+
 _EMPTY: tuple[frozenset, frozenset] = (frozenset(), frozenset())
 
 
@@ -60,7 +62,7 @@ class _LoopAnalysis:
                 return True
         return False
 
-    def _missing(self, node: ast.AST, key: str) -> None:
+    def _missing(self, node: ast.AST, key: str | None) -> None:
         if id(node) not in self.found:
             self.found[id(node)] = self.ctx.finding(
                 AG204, node, f"{key}.step() runs again on the next loop iteration with no "
@@ -83,7 +85,7 @@ def _check(ctx: Context) -> Iterator[Finding]:
     yield from _never_updated(ctx, set(analysis.found))
 
 
-def _loop(ctx: Context, loop: ast.AST, interp: Interpreter, analysis: _LoopAnalysis) -> None:
+def _loop(ctx: Context, loop: _Loop, interp: Interpreter, analysis: _LoopAnalysis) -> None:
     analysis.armed = False
     out, cont = interp.body(loop.body, _EMPTY, record=False)
     back = interp.join(out, cont)
@@ -108,9 +110,9 @@ def _loop(ctx: Context, loop: ast.AST, interp: Interpreter, analysis: _LoopAnaly
                     f"after {key}.step()", scaler=key)
 
 
-def _direct_step(ctx: Context, loop: ast.AST, key: str) -> bool:
+def _direct_step(ctx: Context, loop: _Loop, key: str) -> bool:
     """``key.step(...)`` sits in ``loop``'s own body (maybe under an ``if``, not a nested loop)."""
-    stack = list(loop.body)
+    stack: list[ast.AST] = list(loop.body)
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef,
@@ -123,7 +125,7 @@ def _direct_step(ctx: Context, loop: ast.AST, key: str) -> bool:
     return False
 
 
-def _steps_outside(ctx: Context, loop: ast.AST, key: str) -> bool:
+def _steps_outside(ctx: Context, loop: _Loop, key: str) -> bool:
     model = ctx.model
     unit = model.function_of(loop)
     for call in model.by_terminal.get("step", ()):
@@ -133,7 +135,7 @@ def _steps_outside(ctx: Context, loop: ast.AST, key: str) -> bool:
     return False
 
 
-def _first_update(ctx: Context, loop: ast.AST, key: str) -> ast.AST | None:
+def _first_update(ctx: Context, loop: _Loop, key: str) -> ast.AST | None:
     for node in ctx.model.statements(loop.body):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr == "update" and dotted(node.func.value) == key:
@@ -172,7 +174,8 @@ def _escapes(ctx: Context, key: str) -> bool:
     return False
 
 
-def _values(node: ast.AST) -> list[ast.AST]:
+def _values(node: ast.Return | ast.Yield | ast.Assign | ast.Dict | ast.List | ast.Tuple,
+            ) -> list[ast.AST]:
     if isinstance(node, (ast.Return, ast.Yield, ast.Assign)):
         return [node.value] if node.value is not None else []
     if isinstance(node, ast.Dict):
