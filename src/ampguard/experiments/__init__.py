@@ -207,7 +207,7 @@ def compare(factory: Callable[[], Experiment], steps: int = 300,
     finally:
         if bar is not None:
             bar.close()
-    cmp = _v.judge(results, steps)
+    cmp = Comparison(results, *_v.judge(results, steps), steps)
     _f8.judge_fp8(cmp, plan)
     if cmp.verdict == "fp16_range" and "batch" in capture:
         cmp.failing_batch = capture["index"]

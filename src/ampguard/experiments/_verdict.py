@@ -103,10 +103,9 @@ def _judge_amp(r: Any, base: Any, steps: int) -> None:
     r.throughput_ratio = base.step_seconds / r.step_seconds if ok else math.nan
 
 
-def judge(results: dict[str, Any], steps: int) -> Any:
-    """Fill in each variant's ``trained``/``reason``/ratios and build the Comparison."""
-    from ampguard.experiments import Comparison
-
+def judge(results: dict[str, Any], steps: int) -> tuple[str, str, str]:
+    """Fill in each variant's ``trained``/``reason``/ratios; return the verdict, its
+    explanation and its fix (the caller builds the Comparison from them)."""
     base = results["fp32"]
     _judge_fp32(base)
     for name, r in results.items():
@@ -114,7 +113,7 @@ def judge(results: dict[str, Any], steps: int) -> Any:
             _judge_amp(r, base, steps)
     verdict = _verdict(results)
     explanation, fix = _explain(verdict, results)
-    return Comparison(results, verdict, explanation, fix, steps)
+    return verdict, explanation, fix
 
 
 def _verdict(results: dict[str, Any]) -> str:
