@@ -11,13 +11,12 @@ import ast
 from collections.abc import Iterator
 from typing import Any
 
-from ampguard.lint._names import canonical, dotted, terminal
+from ampguard.lint._names import FUNCS, canonical, dotted, terminal
 from ampguard.lint._scalers import ScalerFacts
 
 __all__ = ["FUNCS", "FileModel", "Scope", "branch_of"]
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _SKIP_FIELDS = frozenset({"ctx", "op", "ops"})
 _PARENT = "_ag_parent"
 
