@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ampguard._util.checks import check_int
 from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._counters import RankCounters
 from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX  # noqa: F401 - tests read it here
@@ -436,9 +437,7 @@ def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | N
 
     Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
     """
-    if audit_every is not None and (isinstance(audit_every, bool)
-                                    or not isinstance(audit_every, int) or audit_every < 1):
-        raise ValueError(f"audit_every must be None or an integer >= 1, got {audit_every!r}")
+    check_int("audit_every", audit_every, optional=True)
     if on_desync not in ON_DESYNC:
         raise ValueError(f"on_desync must be one of {ON_DESYNC}, got {on_desync!r}")
     topology = detect(model, process_group)

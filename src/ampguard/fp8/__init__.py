@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard._util.checks import check_finite
 from ampguard.core.policy import device_of
 from ampguard.findings import Finding
 from ampguard.fp8._cast import E4M3, RECIPES, Recipe, flushed_share, quantize, sqnr_db
@@ -63,9 +64,7 @@ class Fp8Thresholds:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ValueError(f"Fp8Thresholds.{name} must be a finite number, got {value!r}")
+            check_finite(f"Fp8Thresholds.{name}", value)
             if name.startswith("max_") and not 0 <= value <= 1:
                 raise ValueError(f"Fp8Thresholds.{name} must be a share in [0, 1], got {value!r}")
 
