@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampguard._util.jsonnum import finite_or_none as json_float
 from ampguard.experiments._fp8 import FP8_FINDING as _FP8_FINDING
 from ampguard.experiments._fp8 import fp8_lines
 
@@ -36,10 +37,6 @@ DIVERGE_FACTOR = 100.0
 
 def finite(x: float) -> bool:
     return math.isfinite(x)
-
-
-def json_float(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def _window(losses: list[float]) -> int:

@@ -26,7 +26,6 @@ A layer is *ready* when it is eligible and no figure crosses its :class:`Fp8Thre
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from ampguard._util.checks import check_finite
+from ampguard._util.jsonnum import finite_or_none
 from ampguard.core.policy import device_of
 from ampguard.findings import Finding
 from ampguard.fp8._cast import E4M3, RECIPES, Recipe, flushed_share, quantize, sqnr_db
@@ -118,12 +118,9 @@ class Fp8Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become None)."""
-        def clean(v: Any) -> Any:
-            return None if isinstance(v, float) and not math.isfinite(v) else v
-
         return {"recipe": self.recipe, "thresholds": asdict(self.thresholds),
                 "seconds": self.seconds,
-                "layers": {n: {k: clean(v) for k, v in info.items()}
+                "layers": {n: {k: finite_or_none(v) for k, v in info.items()}
                            for n, info in self.layers.items()}}
 
 
