@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ampguard._util.tensors import is_fused as _is_fused
+from ampguard._util.tensors import params_of as _params_of
 from ampguard.core import _nonfinite, results
 from ampguard.core import _state as _guard_state
 from ampguard.core._args import (
@@ -771,14 +773,5 @@ class Guard:
 
 
 # ---------------------------------------------------------------------- helpers
-def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _is_fused(opt: torch.optim.Optimizer) -> bool:
-    # torch private: the flag torch's GradScaler reads to pass found_inf to a fused step
-    return bool(getattr(opt, "_step_supports_amp_scaling", False))
-
-
 def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)

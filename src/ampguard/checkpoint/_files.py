@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from ampguard._util import atomic as _atomic
+
 __all__ = ["CheckpointError", "atomic_write", "stale_temporaries", "verify_zip", "temp_name"]
 
 # a temporary of another host may belong to a live writer there; after this long without a write
@@ -110,31 +112,24 @@ def atomic_write(target: Path, write: Callable[[IO[bytes]], Any]) -> None:
     A crash at any moment leaves the previous ``target`` intact; stale temporaries of earlier
     killed saves of ``target`` are removed first. The new file's mode follows the umask (like
     ``torch.save``), or stays that of the file it replaces. Any failure, including an OS error
-    (the cause is chained), is a :class:`CheckpointError` naming ``target``.
+    (the cause is chained), is a :class:`CheckpointError` naming ``target``. The writing itself
+    is :func:`ampguard._util.atomic.atomic_write` with this module's temporary names.
     """
     target = Path(target)
-    folder = target.parent if str(target.parent) else Path(".")
-    tmp: Path | None = None
     out: _Recording | None = None
+
+    def recorded(f: IO[bytes]) -> None:
+        nonlocal out
+        out = _Recording(f)
+        write(out)  # type: ignore[arg-type]
+
     try:
-        _make_folder(folder, target)
+        _make_folder(target.parent, target)
         for old in stale_temporaries(target):
             with contextlib.suppress(OSError):
                 old.unlink()
-        tmp, fd = _create_temp(folder, target)
-        with os.fdopen(fd, "wb") as f:
-            _keep_mode(target, f.fileno())
-            out = _Recording(f)
-            write(out)  # type: ignore[arg-type]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        tmp = None
-        _fsync_dir(folder)
+        _atomic.atomic_write(target, recorded, temp_name=temp_name)
     except BaseException as exc:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
             raise
         # torch.save may wrap the OS error of a failed write in its own RuntimeError
@@ -183,44 +178,11 @@ def _make_folder(folder: Path, target: Path) -> None:
                               "folder") from exc
 
 
-def _create_temp(folder: Path, target: Path) -> tuple[Path, int]:
-    # os.open with 0o666: the kernel applies the umask, as for torch.save's open(path, "wb")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    for _ in range(100):
-        tmp = folder / temp_name(target)
-        try:
-            return tmp, os.open(tmp, flags, 0o666)
-        except FileExistsError:
-            continue
-    raise CheckpointError(f"{target}: could not be written: no free temporary name")
-
-
-def _keep_mode(target: Path, fd: int) -> None:
-    """Overwriting keeps the old file's mode, as ``torch.save`` (open + truncate) does."""
-    try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except OSError:
-        return
-    if hasattr(os, "fchmod"):  # POSIX
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, mode)
-
-
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{exc.strerror} [errno {exc.errno}]{where}"
     return str(exc) or type(exc).__name__
-
-
-def _fsync_dir(folder: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------- integrity

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ampguard._util.atomic import fsync_dir
 from ampguard.checkpoint import _dist_checks as _dc
 from ampguard.checkpoint import _load, _save_with_crc, save_checkpoint
 from ampguard.checkpoint import _validate as _v
@@ -209,11 +210,7 @@ def _swap_in(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
     if old.exists():
         shutil.rmtree(old)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(target.parent)
 
 
 def _resolve(target: Path) -> Path:

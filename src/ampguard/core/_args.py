@@ -7,6 +7,8 @@ from typing import Any, cast
 
 import torch
 
+from ampguard._util.checks import check_bool, check_int, is_number
+
 __all__ = ["as_optimizers", "check_window", "check_model", "check_backward", "check_flag",
            "scheduler_callback"]
 
@@ -29,12 +31,9 @@ def as_optimizers(
 
 
 def check_window(accumulation_steps: Any, clip_grad_norm: Any) -> None:
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-            or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
+    check_int("accumulation_steps", accumulation_steps)
     if clip_grad_norm is not None and (
-        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-        or not clip_grad_norm > 0
+        not is_number(clip_grad_norm) or not clip_grad_norm > 0
     ):
         raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip_grad_norm!r}")
 
@@ -79,6 +78,4 @@ def check_backward(micro: int, accumulation_steps: int) -> None:
 
 
 def check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+    return check_bool(name, value)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ampguard._util.tensors import is_fused as _is_fused
+from ampguard._util.tensors import params_of as _params_of
 from ampguard.core import results
 from ampguard.core.results import StepResult
 from ampguard.core.scaler import ScaleCollapseError, collect_grads
@@ -155,11 +157,3 @@ def on_bound(guard: Any, step: int) -> None:
         return
     raise ScaleCollapseError(msg)
 
-
-def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _is_fused(opt: torch.optim.Optimizer) -> bool:
-    # torch private: the flag torch's GradScaler reads to pass found_inf to a fused step
-    return bool(getattr(opt, "_step_supports_amp_scaling", False))

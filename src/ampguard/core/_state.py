@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ampguard._util.checks import is_int, is_number
 from ampguard.core import results
 from ampguard.core.policy import PrecisionPolicy, resolve_precision
 
@@ -51,7 +52,7 @@ def _bad(field: str, rule: str, value: Any) -> ValueError:
 
 def _int(state: dict[str, Any], key: str, *, minimum: int = 0) -> int:
     value = state.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise _bad(key, f"must be an int >= {minimum}", value)
     return value
 
@@ -65,8 +66,7 @@ def _dict(value: Any, field: str, *, optional: bool = True) -> dict[str, Any] | 
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
+    return is_number(value) and math.isfinite(value) and value > 0
 
 
 # ---------------------------------------------------------------------- check

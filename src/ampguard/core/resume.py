@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ampguard._util.checks import check_int
+
 __all__ = ["ResumeWarmup", "ResumeTracker", "WarmupRamp", "scale_gap_bits"]
 
 
@@ -32,15 +34,10 @@ class ResumeWarmup:
     min_gap_bits: int = 4
 
     def __post_init__(self) -> None:
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"ResumeWarmup.steps must be an integer >= 1, got {self.steps!r}")
+        check_int("ResumeWarmup.steps", self.steps)
         if not (isinstance(self.lr_factor, (int, float)) and 0 < self.lr_factor <= 1):
             raise ValueError(f"ResumeWarmup.lr_factor must be in (0, 1], got {self.lr_factor!r}")
-        if isinstance(self.min_gap_bits, bool) or not isinstance(self.min_gap_bits, int) \
-                or self.min_gap_bits < 1:
-            raise ValueError(
-                f"ResumeWarmup.min_gap_bits must be an integer >= 1, got {self.min_gap_bits!r}"
-            )
+        check_int("ResumeWarmup.min_gap_bits", self.min_gap_bits)
 
     def triggered(self, scale_reset: bool, gap_bits: float | None) -> bool:
         """Whether a resume with this scale reset / gap (in powers of two) warrants the ramp."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ampguard._util.checks import is_int
+
 __all__ = ["ScalerConfig", "LossScaler", "ScaleCollapseError", "COLLAPSE_POLICIES", "collect_grads"]
 
 COLLAPSE_POLICIES = ("raise", "warn", "fallback")
@@ -76,7 +78,7 @@ class ScalerConfig:
                 object.__setattr__(self, name, float(value))
         for name in ("growth_interval", "hysteresis", "max_nonfinite_skips"):
             value = getattr(self, name)
-            _check(_is_int(value) and 1 <= value <= _INT32_MAX, name,
+            _check(is_int(value) and 1 <= value <= _INT32_MAX, name,
                    f"must be an integer in [1, {_INT32_MAX}]", value)
         for name in ("consecutive_hysteresis", "dynamic"):
             _check(isinstance(getattr(self, name), bool), name, "must be a bool",
@@ -106,10 +108,6 @@ _INT32_MAX = 2**31 - 1  # growth and hysteresis trackers are int32 tensors
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ampguard._util.checks import check_int
 from ampguard.checkpoint import save_checkpoint
 from ampguard.core.scaler import ScalerConfig
 from ampguard.demo.data import DemoData, make_data
@@ -57,8 +58,7 @@ def build_model(data: DemoData, seed: int) -> torch.nn.Sequential:
 def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo",
              precision: str = "fp16", progress: bool = True, quiet: bool = False) -> DemoResult:
     """Train, checkpoint, report; print a summary ending with the report path; return it."""
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_int("steps", steps)
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     data = make_data(seed=seed, steps=steps)

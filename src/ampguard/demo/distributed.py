@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ampguard._util.checks import check_int
 from ampguard.checkpoint.distributed import save_distributed_checkpoint
 from ampguard.core.scaler import ScalerConfig
 from ampguard.demo import build_model
@@ -41,8 +42,7 @@ def run_distributed_demo(kind: str = "ddp", steps: int = 300, seed: int = 0,
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_int("steps", steps)
     owns_group = _init_group()
     try:
         return _run(kind, steps, seed, Path(out), precision, progress, quiet)

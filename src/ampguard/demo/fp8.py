@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ampguard._util.checks import check_int
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.fp8_model import OUTLIER_LAYER, OutlierNet, OutlierTask, loss_fn, make_task
 from ampguard.fp8 import Fp8Plan, fp8_plan
@@ -47,8 +48,7 @@ class Fp8DemoResult:
 def run_fp8_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo-fp8",
                  progress: bool = True, quiet: bool = False) -> Fp8DemoResult:
     """Plan, train in fp8, checkpoint, report; print a summary ending with the report path."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_int("steps", steps)
     require_torchao()  # before anything is printed or written
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)

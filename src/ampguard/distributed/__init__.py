@@ -40,7 +40,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from ampguard._util.checks import check_int
+from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._counters import RankCounters
+from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX  # noqa: F401 - tests read it here
+from ampguard.distributed._errors import DesyncError, PeerFailureError
 from ampguard.distributed._peers import Peers, failed_ranks, is_comm_error
 from ampguard.distributed.hooks import hook_state
 from ampguard.findings import Finding, make
@@ -51,55 +55,6 @@ __all__ = [
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
-
-
-class DesyncError(RuntimeError):
-    """Ranks disagree on the loss-scale state, step counts or parameters.
-
-    ``step``: the window at which the audit ran; ``differences``: field -> {rank: value};
-    ``ranks``: the (global) ranks whose values differ from the majority (ties: from rank 0).
-    ``finding`` is the same as an ampguard :class:`~ampguard.findings.Finding` (AG130).
-    """
-
-    def __init__(self, message: str, *, step: int, differences: dict[str, dict[int, Any]],
-                 ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.step = step
-        self.differences = differences
-        self.ranks = list(ranks)
-
-    @property
-    def finding(self) -> Finding:
-        return make(
-            "AG130",
-            message=str(self).split(" Fix: ")[0],  # the exception text ends with the fix
-            step=self.step, evidence={"ranks": self.ranks, "differences": {
-                f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()}},
-            fix=_DESYNC_FIX,
-        )
-
-
-class PeerFailureError(RuntimeError):
-    """A collective of the Guard failed: another rank crashed, exited or timed out.
-
-    ``ranks``: the global ranks that did not answer the roll call after the failure (empty when
-    every rank answered or they could not be determined); ``step``: the window; ``what``: the
-    collective that failed.
-    """
-
-    def __init__(self, message: str, *, ranks: Sequence[int] = (), step: int | None = None,
-                 what: str = "") -> None:
-        super().__init__(message)
-        self.ranks = list(ranks)
-        self.step = step
-        self.what = what
-
-
-_DESYNC_FIX = (
-    "Find what the named ranks do differently (rank-dependent code around the Guard, a scale or "
-    "state loaded on some ranks only, a step() skipped on one rank); resume all ranks from the "
-    "same checkpoint, or use Guard(..., on_desync='repair') to copy rank 0's scaler state."
-)
 
 
 @dataclass(frozen=True)
@@ -174,26 +129,6 @@ def _mesh_group(model: torch.nn.Module) -> Any:
         if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
             return p.device_mesh.get_group()
     return dist.group.WORLD  # HSDP / 2-D meshes: every rank of the job takes part
-
-
-def param_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Exact, order-independent checksum of the parameters' bits (0-dim int64 on their device).
-
-    Each tensor's bits are summed as integers (no rounding, so equal parameters give equal sums
-    whatever the reduction order) and weighted by the tensor's position. Cost: one read of the
-    parameters; no host sync.
-    """
-    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-    total = None
-    for i, p in enumerate(params):
-        t = p.detach()
-        if not t.is_floating_point():
-            continue
-        s = t.contiguous().view(ints[t.element_size()]).sum(dtype=torch.int64) * (2 * i + 1)
-        total = s if total is None else total + s
-    if total is None:
-        return torch.zeros((), dtype=torch.int64)
-    return total
 
 
 class _Pending:
@@ -510,9 +445,7 @@ def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | N
 
     Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
     """
-    if audit_every is not None and (isinstance(audit_every, bool)
-                                    or not isinstance(audit_every, int) or audit_every < 1):
-        raise ValueError(f"audit_every must be None or an integer >= 1, got {audit_every!r}")
+    check_int("audit_every", audit_every, optional=True)
     if on_desync not in ON_DESYNC:
         raise ValueError(f"on_desync must be one of {ON_DESYNC}, got {on_desync!r}")
     topology = detect(model, process_group)

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard.distributed import _DESYNC_FIX, DesyncError, param_checksum
+from ampguard.distributed._checksum import param_checksum
+from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX
+from ampguard.distributed._errors import DesyncError
 
 __all__ = ["AUDIT_FIELDS", "run_audit", "local_row", "compare_rows", "repair"]
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ampguard._util.checks import is_number
+
 __all__ = ["DEFAULT_PEER_TIMEOUT", "ROLL_CALL_CAP", "check_peer_timeout", "is_comm_error",
            "Peers", "failed_ranks"]
 
@@ -39,7 +41,7 @@ _MARKERS = ("gloo", "Connection closed by peer", "Connection reset by peer", "Ti
 
 def check_peer_timeout(value: Any) -> float:
     """``peer_timeout`` as float seconds; ``ValueError`` naming the argument otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+    if not is_number(value) or not 0 < value <= 86400:
         raise ValueError(f"peer_timeout must be a number of seconds > 0 and <= 86400, got "
                          f"{value!r}")
     return float(value)

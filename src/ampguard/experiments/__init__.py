@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard._util.checks import check_int
 from ampguard.core.scaler import ScalerConfig
 from ampguard.experiments import _fp8 as _f8
 from ampguard.experiments import _verdict as _v
@@ -206,7 +207,7 @@ def compare(factory: Callable[[], Experiment], steps: int = 300,
     finally:
         if bar is not None:
             bar.close()
-    cmp = _v.judge(results, steps)
+    cmp = Comparison(results, *_v.judge(results, steps), steps)
     _f8.judge_fp8(cmp, plan)
     if cmp.verdict == "fp16_range" and "batch" in capture:
         cmp.failing_batch = capture["index"]
@@ -220,8 +221,7 @@ def _check_args(factory: Any, steps: Any, variants: Any, scaler: Any) -> list[st
     if not callable(factory):
         raise TypeError(f"factory must be a callable returning an ampguard.Experiment, got "
                         f"{type(factory).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_int("steps", steps)
     if scaler is not None and not isinstance(scaler, ScalerConfig):
         raise TypeError(f"scaler must be an ampguard.ScalerConfig or None, got "
                         f"{type(scaler).__name__}")

@@ -12,10 +12,10 @@ import html
 import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ampguard._util.atomic import write_text
 
 __all__ = ["write_report", "plots"]
 
@@ -29,17 +29,6 @@ table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:
 text-align:right}th{background:#f4f4f4}.t{text-align:left}
 .verdict{padding:1em;border-radius:6px;margin:1em 0}.no{color:#b00020;font-weight:600}
 code,pre{background:#f6f6f6;padding:2px 4px;white-space:pre-wrap}img{max-width:100%}"""
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _png(fig: Any) -> str:
@@ -154,7 +143,7 @@ def write_report(cmp: Any, directory: Path) -> Path:
     """Write ``comparison.json`` and ``comparison.html`` atomically; return the HTML path."""
     directory.mkdir(parents=True, exist_ok=True)
     data = json.dumps(cmp.to_dict(), indent=2, allow_nan=False)
-    _atomic_write(directory / "comparison.json", data)
+    write_text(directory / "comparison.json", data)
     page = directory / "comparison.html"
-    _atomic_write(page, render(cmp))
+    write_text(page, render(cmp))
     return page

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard._util.tensors import device_type as _device_type
+
 __all__ = ["ModuleRange", "ProbeResult", "run_probe", "FP16_MAX", "FP16_FLUSH_LOG2"]
 
 FP16_MAX = 65504.0
@@ -260,9 +262,3 @@ def _record_param_grads(model: nn.Module, recorder: _Recorder) -> None:
         for p in module.parameters(recurse=False):
             if p.grad is not None:
                 recorder.record_grad(r, p.grad)
-
-
-def _device_type(model: nn.Module) -> str:
-    for p in model.parameters():
-        return p.device.type
-    return "cpu"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampguard._util.jsonnum import finite_or_none as json_float
 from ampguard.experiments._fp8 import FP8_CODES as _FP8_CODES
 from ampguard.experiments._fp8 import fp8_lines
 
@@ -32,10 +33,6 @@ DIVERGE_FACTOR = 100.0
 
 def finite(x: float) -> bool:
     return math.isfinite(x)
-
-
-def json_float(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def _window(losses: list[float]) -> int:
@@ -99,10 +96,9 @@ def _judge_amp(r: Any, base: Any, steps: int) -> None:
     r.throughput_ratio = base.step_seconds / r.step_seconds if ok else math.nan
 
 
-def judge(results: dict[str, Any], steps: int) -> Any:
-    """Fill in each variant's ``trained``/``reason``/ratios and build the Comparison."""
-    from ampguard.experiments import Comparison
-
+def judge(results: dict[str, Any], steps: int) -> tuple[str, str, str]:
+    """Fill in each variant's ``trained``/``reason``/ratios; return the verdict, its
+    explanation and its fix (the caller builds the Comparison from them)."""
     base = results["fp32"]
     _judge_fp32(base)
     for name, r in results.items():
@@ -110,7 +106,7 @@ def judge(results: dict[str, Any], steps: int) -> Any:
             _judge_amp(r, base, steps)
     verdict = _verdict(results)
     explanation, fix = _explain(verdict, results)
-    return Comparison(results, verdict, explanation, fix, steps)
+    return verdict, explanation, fix
 
 
 def _verdict(results: dict[str, Any]) -> str:

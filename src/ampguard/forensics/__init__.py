@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.checks import check_finite
 from ampguard.core.policy import device_of, resolve_precision
 from ampguard.findings import Finding, make
 from ampguard.forensics._optrace import OpEvent, is_new
@@ -191,9 +192,7 @@ def _check_args(model: Any, loss_fn: Any, precision: Any, scale: Any) -> tuple[A
     policy = resolve_precision(precision, device_of(model.parameters()))
     if scale is None:
         scale = 2.0**16 if policy.needs_scaler else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-            math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+    check_finite("scale", scale, positive=True, optional=True)  # None was replaced above
     return policy, float(scale)
 
 

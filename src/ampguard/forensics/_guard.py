@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ampguard import runlog
+from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
@@ -46,11 +47,8 @@ def attach(guard: Any, *, keep_fp32: Any = None, forensics: Any = False,
            auto_fallback: Any = False, coverage_step: Any = None) -> GuardForensics | None:
     """Validate the Guard arguments; None when none of them is in use (zero cost)."""
     for name, value in (("forensics", forensics), ("auto_fallback", auto_fallback)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if coverage_step is not None and (isinstance(coverage_step, bool) or
-                                      not isinstance(coverage_step, int) or coverage_step < 1):
-        raise ValueError(f"coverage_step must be None or an integer >= 1, got {coverage_step!r}")
+        check_bool(name, value)
+    check_int("coverage_step", coverage_step, optional=True)
     if not (keep_fp32 or forensics or auto_fallback or coverage_step):
         return None
     return GuardForensics(guard, keep_fp32, forensics or auto_fallback, auto_fallback,

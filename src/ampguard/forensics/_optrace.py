@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ampguard._util.tensors import device_type as _device_type
+
 __all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "HUNT_BATCH", "flatten_tensors", "op_name",
            "is_new", "LOW"]
 
@@ -467,9 +469,3 @@ def _upcast(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _upcast(v) for k, v in value.items()}
     return value
-
-
-def _device_type(model: torch.nn.Module) -> str:
-    for p in model.parameters():
-        return p.device.type
-    return "cpu"

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.checks import check_int
 from ampguard.core.policy import device_of, resolve_precision
 from ampguard.findings import Finding, make
 from ampguard.forensics._optrace import OpEvent
@@ -140,9 +141,7 @@ def coverage(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], t
     allowed = ("fp16", "bf16", "auto")
     if precision not in allowed:
         raise ValueError(f"precision must be one of {allowed}, got {precision!r}")
-    if not isinstance(large_reduction, int) or isinstance(large_reduction, bool) \
-            or large_reduction < 1:
-        raise ValueError(f"large_reduction must be an integer >= 1, got {large_reduction!r}")
+    check_int("large_reduction", large_reduction)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got "
                         f"{type(loss_fn).__name__}")

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ampguard._util.tensors import device_type
+
 __all__ = ["Fp32Islands", "keep_fp32", "match_modules"]
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -155,6 +157,4 @@ def _device_type(module: torch.nn.Module, inputs: Any) -> str:
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
-    for p in module.parameters():
-        return p.device.type
-    return "cpu"
+    return device_type(module)

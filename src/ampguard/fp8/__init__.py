@@ -26,7 +26,6 @@ A layer is *ready* when it is eligible and no figure crosses its :class:`Fp8Thre
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard._util.checks import check_finite
+from ampguard._util.jsonnum import finite_or_none
 from ampguard.core.policy import device_of
 from ampguard.findings import Finding
 from ampguard.fp8._cast import E4M3, RECIPES, Recipe, flushed_share, quantize, sqnr_db
@@ -63,9 +64,7 @@ class Fp8Thresholds:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ValueError(f"Fp8Thresholds.{name} must be a finite number, got {value!r}")
+            check_finite(f"Fp8Thresholds.{name}", value)
             if name.startswith("max_") and not 0 <= value <= 1:
                 raise ValueError(f"Fp8Thresholds.{name} must be a share in [0, 1], got {value!r}")
 
@@ -119,12 +118,9 @@ class Fp8Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become None)."""
-        def clean(v: Any) -> Any:
-            return None if isinstance(v, float) and not math.isfinite(v) else v
-
         return {"recipe": self.recipe, "thresholds": asdict(self.thresholds),
                 "seconds": self.seconds,
-                "layers": {n: {k: clean(v) for k, v in info.items()}
+                "layers": {n: {k: finite_or_none(v) for k, v in info.items()}
                            for n, info in self.layers.items()}}
 
 

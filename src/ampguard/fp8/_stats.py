@@ -15,12 +15,12 @@ AG112 warning   on at least half of its samples, more than ``max_grad_flushed`` 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from ampguard._util.jsonnum import finite_or_none
 from ampguard.findings import Finding, make
 from ampguard.fp8._cast import E4M3, RECIPES, flushed_share, quantize
 
@@ -104,7 +104,7 @@ class Fp8Monitor:
         for (step, _), layer_names in zip(pending, names, strict=True):
             layers = {}
             for n in layer_names:
-                layers[n] = {f: (v if math.isfinite(v) else None)  # JSON: no NaN/inf
+                layers[n] = {f: finite_or_none(v)  # JSON: no NaN/inf
                              for f, v in zip(FIELDS, values[k], strict=True)}
                 k += 1
             records.append({"kind": "fp8", "step": step, "layers": layers})

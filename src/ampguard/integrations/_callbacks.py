@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ampguard._util.checks import check_bool
 from ampguard.findings import Finding
 from ampguard.integrations._finish import close_and_report
 from ampguard.integrations._policy import AttachPolicy
@@ -25,8 +26,7 @@ class WatchingCallback:
                  min_scale: float | None = None, max_scale: float | None = None,
                  hysteresis: int = 1, consecutive_hysteresis: bool = False,
                  on_collapse: str = "warn") -> None:
-        if not isinstance(report, bool):
-            raise TypeError(f"report must be True or False, got {report!r}")
+        check_bool("report", report)
         self.telemetry = telemetry
         self.report = report
         self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,

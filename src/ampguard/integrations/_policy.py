@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ampguard._util.checks import is_int, is_number
+
 __all__ = ["AttachPolicy", "PolicyState", "COLLAPSE_POLICIES", "grad_scaler", "guard_options"]
 
 COLLAPSE_POLICIES = ("warn", "raise")
@@ -53,15 +55,15 @@ class AttachPolicy:
     def __post_init__(self) -> None:
         lo, hi = self.min_scale, self.max_scale
         if lo is not None:
-            _check(_is_number(lo) and math.isfinite(lo) and lo > 0, "min_scale",
+            _check(is_number(lo) and math.isfinite(lo) and lo > 0, "min_scale",
                    "must be None or a finite number > 0", lo)
         if hi is not None:
-            _check(_is_number(hi) and math.isfinite(hi) and hi > 0, "max_scale",
+            _check(is_number(hi) and math.isfinite(hi) and hi > 0, "max_scale",
                    "must be None or a finite number > 0", hi)
         if lo is not None and hi is not None:
             _check(hi >= lo, "max_scale", f"must be >= min_scale ({lo})", hi)
-        _check(isinstance(self.hysteresis, int) and not isinstance(self.hysteresis, bool)
-               and self.hysteresis >= 1, "hysteresis", "must be an integer >= 1", self.hysteresis)
+        _check(is_int(self.hysteresis) and self.hysteresis >= 1, "hysteresis",
+               "must be an integer >= 1", self.hysteresis)
         _check(isinstance(self.consecutive_hysteresis, bool), "consecutive_hysteresis",
                "must be a bool", self.consecutive_hysteresis)
         _check(self.on_collapse in COLLAPSE_POLICIES, "on_collapse",
@@ -77,10 +79,6 @@ class AttachPolicy:
                 "hysteresis": self.hysteresis,
                 "consecutive_hysteresis": self.consecutive_hysteresis,
                 "on_collapse": self.on_collapse}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from ampguard._util.checks import check_bool
 from ampguard.findings import Finding
 from ampguard.lint._engine import (
     DEFAULT_EXCLUDES,
@@ -74,8 +75,7 @@ def lint_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *, select
             raise TypeError(f"paths must hold str or os.PathLike items, got {path!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
-    if not isinstance(project, bool):
-        raise TypeError(f"project must be True or False, got {project!r}")
+    check_bool("project", project)
     options = make_options(select, ignore, torch_version)
     findings: list[Finding] = []
     files = list(iter_python_files(paths, tuple(exclude)))

@@ -6,9 +6,11 @@ import ast
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from ampguard.lint._calls import argument_for, keyword, resolve_def
+from ampguard.lint._calls import constant as _constant
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import AUTOCASTS, NO_GRAD, dotted, terminal
-from ampguard.lint._project import argument_for, resolve_def
+from ampguard.lint._scalers import scaler_state
 
 __all__ = [
     "Autocast", "autocast_info", "bf16_precision", "dtype_kind", "enclosing_autocast",
@@ -39,21 +41,6 @@ class Autocast:
     enabled: bool | None  # None: an expression we cannot evaluate
     enabled_text: str | None
     maybe: bool = False  # the context may also be something else (``nullcontext() if ... else``)
-
-
-def keyword(call: ast.Call, name: str, position: int | None = None) -> ast.AST | None:
-    """Argument ``name`` of ``call``, by keyword or at ``position``."""
-    for kw in call.keywords:
-        if kw.arg == name:
-            return kw.value
-    if position is not None and position < len(call.args):
-        arg = call.args[position]
-        return None if isinstance(arg, ast.Starred) else arg
-    return None
-
-
-def _constant(node: ast.AST | None) -> object:
-    return node.value if isinstance(node, ast.Constant) else ...
 
 
 def dtype_kind(model: FileModel, expr: ast.AST | None, depth: int = 0) -> str | None:
@@ -216,40 +203,6 @@ def is_eval_function(
     if not words:
         return False
     return words[0] in _EVAL_WORDS or func.name in ("test_step", "test_epoch", "test_loop")
-
-
-def scaler_state(model: FileModel, call: ast.Call) -> str:
-    """``"on"``, ``"off"``, ``"gated"`` (switched on only for fp16) or ``"unknown"``."""
-    factory = model.factory_of(call)
-    if factory is not None:  # scaler = create_grad_scaler(enabled=...) from the project
-        owner, ctor, func = factory
-        state = scaler_state(owner, ctor)
-        node = keyword(ctor, "enabled")
-        if state == "unknown" and isinstance(node, ast.Name):
-            arg = argument_for(func, call, node.id)
-            return _enabled_state(model, arg) if arg is not None else state
-        return state
-    qual = model.call_name(call) or ""
-    position = 4 if qual.startswith(("torch.cuda.", "torch.cpu.")) else 5
-    return _enabled_state(model, keyword(call, "enabled", position))
-
-
-def _enabled_state(model: FileModel, node: ast.AST | None) -> str:
-    if node is None:
-        return "on"
-    value = _constant(node)
-    if value is True:
-        return "on"
-    if value is False:
-        return "off"
-    text = ast.unparse(node).lower()
-    if isinstance(node, (ast.Name, ast.Attribute)):
-        bound = model.single_value(node)
-        if bound is not None:
-            text += " " + ast.unparse(bound).lower()
-    if any(word in text for word in ("float16", "fp16", "half", "'16'", '"16"', "== 16")):
-        return "gated"
-    return "unknown"
 
 
 def bf16_precision(model: FileModel, call: ast.Call) -> bool:

@@ -11,13 +11,12 @@ import ast
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from ampguard.lint._names import canonical, dotted, terminal
+from ampguard.lint._names import FUNCS, canonical, dotted, terminal
 from ampguard.lint._scalers import ScalerFacts
 
 __all__ = ["FUNCS", "FileModel", "Scope", "branch_of"]
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 # ``try``/``except*`` (3.11+) hold handlers and an ``else`` alike; typeshed for 3.10 has no TryStar.
 _TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 _SKIP_FIELDS = frozenset({"ctx", "op", "ops"})

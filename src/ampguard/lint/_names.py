@@ -6,9 +6,10 @@ import ast
 
 __all__ = [
     "AUTOCASTS", "BCE_FUNCTIONS", "BCE_MODULES", "CLIPS", "DEPRECATED", "GRAD_SCALERS", "NO_GRAD",
-    "SOFTMAXES", "canonical", "dotted", "terminal",
+    "SOFTMAXES", "FUNCS", "canonical", "dotted", "terminal",
 ]
 
+FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)  # a ``def`` of either kind
 GRAD_SCALERS = frozenset({
     "torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
     "torch.distributed.fsdp.ShardedGradScaler",

@@ -16,8 +16,8 @@ import ast
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
 
+from ampguard.lint._calls import argument_for, resolve_def
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._source import Parsed, parse, read_source
 
@@ -142,55 +142,3 @@ class Project:
                 if isinstance(stmt, FUNCS) and stmt.name == attrs[1]:
                     return model, stmt
         return None
-
-
-def resolve_def(model: FileModel, func: ast.AST) -> _Resolved | None:
-    """The ``def``/``class`` a call's function names: in this file, or (project mode) in another
-    file of the linted tree. ``None`` when it cannot be known (torch names are never followed)."""
-    if isinstance(func, ast.Name):
-        found = model.binding(func.id, model.scope_of(func))
-        if found is not None and found[0] == "values":
-            values: Any = found[1]
-            if len(values) == 1 and isinstance(values[0], (*FUNCS, ast.ClassDef)):
-                return model, values[0]
-            return None
-    elif not isinstance(func, ast.Attribute):
-        return None
-    project = model.project
-    if project is None:
-        return None
-    qual = model.qualname(func)
-    if qual is None or qual.split(".", 1)[0] == "torch":
-        return None
-    return project.resolve(qual, model.path)
-
-
-def argument_for(func: Any, call: ast.Call, name: str) -> ast.AST | None:
-    """The caller's argument for parameter ``name`` of ``func`` (a ``def`` or a class, whose
-    ``__init__`` takes the arguments), by keyword or position, else the parameter's default;
-    ``None`` when neither is known."""
-    if isinstance(func, ast.ClassDef):
-        init = next((s for s in func.body if isinstance(s, FUNCS) and s.name == "__init__"), None)
-        if init is None:
-            return None
-        func = init
-    for kw in call.keywords:
-        if kw.arg == name:
-            return kw.value
-    positional = [*func.args.posonlyargs, *func.args.args]
-    params = [a.arg for a in positional]
-    skip = 1 if params[:1] in (["self"], ["cls"]) else 0
-    if name in params[skip:]:
-        index = params.index(name) - skip
-        if any(isinstance(a, ast.Starred) for a in call.args[: index + 1]):
-            return None
-        if index < len(call.args):
-            return call.args[index]
-        defaults = func.args.defaults  # not passed: the default, if it has one
-        offset = len(positional) - len(defaults)
-        at = params.index(name) - offset
-        return defaults[at] if 0 <= at < len(defaults) else None
-    for arg, default in zip(func.args.kwonlyargs, func.args.kw_defaults, strict=True):
-        if arg.arg == name:
-            return default
-    return None

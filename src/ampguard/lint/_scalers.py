@@ -10,9 +10,11 @@ import ast
 from functools import cached_property
 from typing import Any
 
+from ampguard.lint._calls import argument_for, keyword, resolve_def
+from ampguard.lint._calls import constant as _constant
 from ampguard.lint._names import GRAD_SCALERS, dotted, terminal
 
-__all__ = ["ScalerFacts"]
+__all__ = ["ScalerFacts", "scaler_state"]
 
 _CTOR_NAMES = ("GradScaler", "ShardedGradScaler")
 
@@ -26,6 +28,7 @@ class ScalerFacts:
     scope_of: Any
     ancestors: Any
     calls_to: Any
+    single_value: Any
 
     @cached_property
     def scaler_ctors(self) -> list[ast.Call]:
@@ -48,12 +51,10 @@ class ScalerFacts:
         builds the GradScaler: the call stands for the construction."""
         if getattr(self, "project", None) is None:
             return []
-        from ampguard.lint._project import resolve_def
-
         self._factories: dict[int, tuple[Any, ast.Call, ast.AST]] = {}
         out: list[ast.Call] = []
         for call in self._scaler_named_calls():
-            found = resolve_def(self, call.func)  # type: ignore[arg-type]
+            found = resolve_def(self, call.func)
             if found is None or found[0] is self:
                 continue
             owner, func = found
@@ -142,13 +143,43 @@ class ScalerFacts:
     @cached_property
     def uses_grad_scaler(self) -> bool:
         """The file constructs a GradScaler that is not switched off, or uses one unmistakably."""
-        from ampguard.lint._context import scaler_state
-
-        # The mixin is only ever a FileModel, which the checker cannot know from here.
-        if any(scaler_state(self, call) != "off"  # type: ignore[arg-type]
-               for call in self.scaler_ctors):
+        if any(scaler_state(self, call) != "off" for call in self.scaler_ctors):
             return True
         return bool(self._evidence_keys)
+
+
+def scaler_state(model: ScalerFacts, call: ast.Call) -> str:
+    """``"on"``, ``"off"``, ``"gated"`` (switched on only for fp16) or ``"unknown"``."""
+    factory = model.factory_of(call)
+    if factory is not None:  # scaler = create_grad_scaler(enabled=...) from the project
+        owner, ctor, func = factory
+        state = scaler_state(owner, ctor)
+        node = keyword(ctor, "enabled")
+        if state == "unknown" and isinstance(node, ast.Name):
+            arg = argument_for(func, call, node.id)
+            return _enabled_state(model, arg) if arg is not None else state
+        return state
+    qual = model.call_name(call) or ""
+    position = 4 if qual.startswith(("torch.cuda.", "torch.cpu.")) else 5
+    return _enabled_state(model, keyword(call, "enabled", position))
+
+
+def _enabled_state(model: ScalerFacts, node: ast.AST | None) -> str:
+    if node is None:
+        return "on"
+    value = _constant(node)
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    text = ast.unparse(node).lower()
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        bound = model.single_value(node)
+        if bound is not None:
+            text += " " + ast.unparse(bound).lower()
+    if any(word in text for word in ("float16", "fp16", "half", "'16'", '"16"', "== 16")):
+        return "gated"
+    return "unknown"
 
 
 def _scaler_word(key: str) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ampguard import rules, runlog
+from ampguard._util.atomic import write_text
 from ampguard.findings import Finding
 from ampguard.reporting.html import render
 from ampguard.reporting.summary import run_facts, summary_text
@@ -64,12 +65,7 @@ def _write(run: runlog.RunLog, found: list[Finding], causes: dict[str, list[int]
         figures = [(title, make(run)) for _, title, make in FIGURES]
     page = render(run, found, facts, causes, figures)
     target = run.run_dir / runlog.REPORT
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text(target, page)
     return target
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ampguard._util.checks import check_int
 from ampguard.findings import Finding, make
 from ampguard.findings.codes import lookup
 
@@ -42,9 +43,7 @@ class RuleConfig:
         for name in ("warmup_clean_steps", "warmup_max_steps", "collapse_halvings",
                      "collapse_window", "osc_min_cycles", "skip_window", "skip_min_steps",
                      "dead_steps", "resume_gap_bits", "bf16_min_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RuleConfig.{name} must be an integer >= 1, got {value!r}")
+            check_int(f"RuleConfig.{name}", getattr(self, name))
         for name in ("collapse_floor_factor", "saturation_factor"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"RuleConfig.{name} must be a number >= 1, got "

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ampguard._util import atomic
 from ampguard.runlog._files import read_findings, read_json_file, read_meta
 from ampguard.runlog._read import read_columns
 from ampguard.runlog._schema import RunFolderError, check_record, parse_line
@@ -75,18 +76,7 @@ def floats(values: Any) -> list[float | None]:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps(obj, indent=1, allow_nan=False, default=str)
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # nothing half-written left behind
-        raise
+    atomic.write_text(path, json.dumps(obj, indent=1, allow_nan=False, default=str))
 
 
 def read_json(path: str | os.PathLike) -> Any:

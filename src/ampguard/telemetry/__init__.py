@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from ampguard import runlog
+from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
 from ampguard.rules import _ranges
 from ampguard.telemetry import _layers
@@ -68,9 +69,7 @@ class _Views(NamedTuple):
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Telemetry {name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(f"Telemetry {name}", value, minimum)
 
 
 class Telemetry:
@@ -106,8 +105,7 @@ class Telemetry:
                             f"{type(run_dir).__name__}")
         for name, value in (("layer_stats", layer_stats), ("tensorboard", tensorboard),
                             ("resume", resume)):
-            if not isinstance(value, bool):
-                raise TypeError(f"Telemetry {name} must be True or False, got {value!r}")
+            check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
         self.flush_every = _positive_int("flush_every", flush_every)
         self.layer_every = _positive_int("layer_every", layer_every)
