@@ -7,25 +7,13 @@ on every rank.
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 
 import _distributed_scenarios as S
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import ampguard as ag
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def live(wrap, seed=0, model=None):

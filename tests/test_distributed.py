@@ -13,13 +13,11 @@ import os
 import pickle
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import _distributed_scenarios as S
 import pytest
 import torch
-import torch.distributed as dist
 
 import ampguard as ag
 from ampguard.checkpoint import CheckpointError
@@ -454,16 +452,6 @@ def test_param_checksum_sees_a_one_bit_change():
         w = model.weight.view(-1)
         w[5] = torch.nextafter(w[5], torch.tensor(float("inf")))
     assert not torch.equal(before, param_checksum(list(model.parameters())))
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _RunsCode:
