@@ -13,12 +13,26 @@ import torch.nn.functional as F
 
 from ampguard.testing import SyncCounter, count_syncs
 
-__all__ = ["SyncCounter", "count_syncs", "syncs_per_step", "mlp", "bare_step", "guard_step",
-           "Timing", "interleaved_rounds", "medians", "interleaved_medians"]
+__all__ = [
+    "SyncCounter",
+    "count_syncs",
+    "syncs_per_step",
+    "mlp",
+    "bare_step",
+    "guard_step",
+    "Timing",
+    "interleaved_rounds",
+    "medians",
+    "interleaved_medians",
+]
 
 
-def mlp(width: int, depth: int, activation: type[torch.nn.Module] = torch.nn.ReLU,
-        layer_norm: bool = False) -> torch.nn.Sequential:
+def mlp(
+    width: int,
+    depth: int,
+    activation: type[torch.nn.Module] = torch.nn.ReLU,
+    layer_norm: bool = False,
+) -> torch.nn.Sequential:
     """``depth`` x (Linear(width, width), activation[, LayerNorm]) and a Linear(width, 8) head,
     seeded with 0 so every copy starts from the same weights."""
     torch.manual_seed(0)
@@ -30,8 +44,14 @@ def mlp(width: int, depth: int, activation: type[torch.nn.Module] = torch.nn.ReL
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8))
 
 
-def bare_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-              x: torch.Tensor, y: torch.Tensor, clip: bool = False) -> None:
+def bare_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    clip: bool = False,
+) -> None:
     """One step of the plain torch loop: fp16 autocast on CPU + ``GradScaler`` (clip at 1.0)."""
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.mse_loss(model(x).float(), y)
@@ -69,8 +89,9 @@ class Timing(NamedTuple):
     cpu: float
 
 
-def interleaved_rounds(loops: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
-                       *, warmup: int = 0) -> list[dict[str, Timing]]:
+def interleaved_rounds(
+    loops: dict[str, Callable[[], None]], rounds: int, steps_per_round: int, *, warmup: int = 0
+) -> list[dict[str, Timing]]:
     """Per round, each loop's seconds per step; loops timed round-robin to cancel machine noise,
     after ``warmup`` untimed steps of each (allocations, first fp16 kernels, first flush).
 
@@ -87,19 +108,23 @@ def interleaved_rounds(loops: dict[str, Callable[[], None]], rounds: int, steps_
             w0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps_per_round):
                 step()
-            took[name] = Timing((time.perf_counter() - w0) / steps_per_round,
-                                (time.process_time() - c0) / steps_per_round)
+            took[name] = Timing(
+                (time.perf_counter() - w0) / steps_per_round,
+                (time.process_time() - c0) / steps_per_round,
+            )
         out.append(took)
     return out
 
 
 def medians(per_round: list[dict[str, Timing]], clock: str = "wall") -> dict[str, float]:
     """Median over rounds of each loop's ``clock`` ("wall" or "cpu") seconds per step."""
-    return {name: statistics.median(getattr(r[name], clock) for r in per_round)
-            for name in per_round[0]}
+    return {
+        name: statistics.median(getattr(r[name], clock) for r in per_round) for name in per_round[0]
+    }
 
 
-def interleaved_medians(loops: dict[str, Callable[[], None]], rounds: int, steps_per_round: int,
-                        *, warmup: int = 0) -> dict[str, float]:
+def interleaved_medians(
+    loops: dict[str, Callable[[], None]], rounds: int, steps_per_round: int, *, warmup: int = 0
+) -> dict[str, float]:
     """Median wall seconds per step of each loop (see :func:`interleaved_rounds`)."""
     return medians(interleaved_rounds(loops, rounds, steps_per_round, warmup=warmup))

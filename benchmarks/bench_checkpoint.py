@@ -60,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         plain, ours = Path(tmp) / "torch.pt", Path(tmp) / "ampguard.pt"
         loops: dict[str, Callable[[], object]] = {
-            "save torch": lambda: torch.save({"model": model.state_dict(),
-                                              "optimizer": opt.state_dict()}, plain),
-            "save ampguard": lambda: ag.save_checkpoint(ours, model=model, optimizer=opt,
-                                                        rng=False),
+            "save torch": lambda: torch.save(
+                {"model": model.state_dict(), "optimizer": opt.state_dict()}, plain
+            ),
+            "save ampguard": lambda: ag.save_checkpoint(
+                ours, model=model, optimizer=opt, rng=False
+            ),
             "load torch": lambda: load_plain(plain, model, opt),
-            "load ampguard": lambda: ag.load_checkpoint(ours, model=model, optimizer=opt,
-                                                        rng=False),
+            "load ampguard": lambda: ag.load_checkpoint(
+                ours, model=model, optimizer=opt, rng=False
+            ),
             "crc-32 only": lambda: verify_zip(ours),
             "field checks only": lambda: checks_only(ours, model, opt),
         }
@@ -78,15 +81,23 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(timed(fn))
         gb = ours.stat().st_size / 1e9
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"checkpoint {gb:.3f} GB (torch {args.mb} MB of parameters + AdamW state), "
-          f"{args.rounds} interleaved rounds, medians, torch {torch.__version__}")
-    print(f"  save: torch.save {med['save torch']:.3f} s, ag.save_checkpoint "
-          f"{med['save ampguard']:.3f} s = {med['save ampguard'] / med['save torch']:.2f}x")
-    print(f"  load: torch.load + load_state_dict {med['load torch']:.3f} s, ag.load_checkpoint "
-          f"{med['load ampguard']:.3f} s = {med['load ampguard'] / med['load torch']:.2f}x")
-    print(f"  of which CRC-32 of every member {med['crc-32 only']:.3f} s = "
-          f"{med['crc-32 only'] / gb:.3f} s/GB ({med['crc-32 only'] / med['load torch']:.2f}x "
-          f"of the torch load); field checks {med['field checks only'] * 1e3:.1f} ms")
+    print(
+        f"checkpoint {gb:.3f} GB (torch {args.mb} MB of parameters + AdamW state), "
+        f"{args.rounds} interleaved rounds, medians, torch {torch.__version__}"
+    )
+    print(
+        f"  save: torch.save {med['save torch']:.3f} s, ag.save_checkpoint "
+        f"{med['save ampguard']:.3f} s = {med['save ampguard'] / med['save torch']:.2f}x"
+    )
+    print(
+        f"  load: torch.load + load_state_dict {med['load torch']:.3f} s, ag.load_checkpoint "
+        f"{med['load ampguard']:.3f} s = {med['load ampguard'] / med['load torch']:.2f}x"
+    )
+    print(
+        f"  of which CRC-32 of every member {med['crc-32 only']:.3f} s = "
+        f"{med['crc-32 only'] / gb:.3f} s/GB ({med['crc-32 only'] / med['load torch']:.2f}x "
+        f"of the torch load); field checks {med['field checks only'] * 1e3:.1f} ms"
+    )
     return 0
 
 

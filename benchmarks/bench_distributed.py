@@ -60,24 +60,32 @@ def _loops(args: argparse.Namespace) -> dict:
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu")
     loops["ddp + GradScaler"] = partial(bare_step, bare, bare_opt, scaler, x, y)
-    settings = {"guard, not distributed": {"process_group": "local"},
-                "guard, audit every 100": {"audit_every": 100},
-                "guard, audit every step": {"audit_every": 1}}
+    settings = {
+        "guard, not distributed": {"process_group": "local"},
+        "guard, audit every 100": {"audit_every": 100},
+        "guard, audit every step": {"audit_every": 1},
+    }
     settings["guard + comm hook, audit 100"] = {"audit_every": 100, "hook": True}
     for name, kwargs in settings.items():
         model = _model(args.width, args.depth)
         if kwargs.pop("hook", False):
             model.register_comm_hook(None, allreduce_hook)
-        guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                         precision="fp16", **kwargs)
+        guard = ag.Guard(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16", **kwargs
+        )
         loops[name] = partial(guard_step, model, guard, x, y)
     return loops
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         loops = _loops(args)
         # Warm-up and rounds make the same calls on every rank (collectives). CPU time leaves
@@ -102,18 +110,25 @@ def _lone_allreduce_us(world: int, n: int = 500) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def _print(med: dict, cpu: dict, syncs: dict, lone: float, world: int,
-           args: argparse.Namespace) -> None:
+def _print(
+    med: dict, cpu: dict, syncs: dict, lone: float, world: int, args: argparse.Namespace
+) -> None:
     base, cbase = med["ddp + GradScaler"], cpu["ddp + GradScaler"]
-    print(f"torch {torch.__version__}, {world} CPU ranks (gloo), width {args.width} x depth "
-          f"{args.depth}, batch {args.batch} per rank, {args.threads} thread(s) per rank")
+    print(
+        f"torch {torch.__version__}, {world} CPU ranks (gloo), width {args.width} x depth "
+        f"{args.depth}, batch {args.batch} per rank, {args.threads} thread(s) per rank"
+    )
     print(f"{'loop':30} {'wall ms':>8} {'ratio':>6} {'cpu ms':>7} {'ratio':>6} {'syncs':>6}")
     for name, t in med.items():
-        print(f"{name:30} {t * 1e3:8.3f} {t / base:6.3f} {cpu[name] * 1e3:7.3f} "
-              f"{cpu[name] / cbase:6.3f} {syncs[name]:6.2f}")
+        print(
+            f"{name:30} {t * 1e3:8.3f} {t / base:6.3f} {cpu[name] * 1e3:7.3f} "
+            f"{cpu[name] / cbase:6.3f} {syncs[name]:6.2f}"
+        )
     extra = med["guard, audit every 100"] - med["guard, not distributed"]
-    print(f"audit/100 (no consensus under plain DDP): {extra * 1e6:+.0f} us/step wall over the "
-          f"non-distributed Guard; a lone {world}x2-float all_reduce takes {lone:.0f} us here")
+    print(
+        f"audit/100 (no consensus under plain DDP): {extra * 1e6:+.0f} us/step wall over the "
+        f"non-distributed Guard; a lone {world}x2-float all_reduce takes {lone:.0f} us here"
+    )
 
 
 def main() -> None:

@@ -110,13 +110,17 @@ def main() -> None:
         fn()
     timed = {**med, **{name: _per_call(fn, args.rounds) for name, fn in calls.items()}}
     syncs = count_syncs(loops["guard, forensics armed"], 3)
-    print(f"torch {torch.__version__}, MLP width {args.width} x depth {args.depth}, "
-          f"batch {args.batch}, fp16 autocast on CPU, {args.threads} thread(s)")
+    print(
+        f"torch {torch.__version__}, MLP width {args.width} x depth {args.depth}, "
+        f"batch {args.batch}, fp16 autocast on CPU, {args.threads} thread(s)"
+    )
     print(f"{'':40} {'ms':>9} {'x bare step':>12}")
     for name, seconds in timed.items():
         print(f"{name:40} {seconds * 1e3:9.2f} {seconds / base:12.2f}")
-    print(f"host syncs per armed step: {syncs:.0f} (one read per {HUNT_BATCH} fp16 ops until the "
-          "first non-finite one and at the end of each pass, plus one read of the trace)")
+    print(
+        f"host syncs per armed step: {syncs:.0f} (one read per {HUNT_BATCH} fp16 ops until the "
+        "first non-finite one and at the end of each pass, plus one read of the trace)"
+    )
 
 
 if __name__ == "__main__":

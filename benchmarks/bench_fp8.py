@@ -27,8 +27,9 @@ from ampguard.demo.fp8_model import OutlierNet, loss_fn, make_task
 OUTLIER = 1e5  # the planted feature's value (--outlier)
 
 
-def _train(precision: str, plan: ag.Fp8Plan | None, task: object, seed: int,
-           device: str) -> tuple[float, float]:
+def _train(
+    precision: str, plan: ag.Fp8Plan | None, task: object, seed: int, device: str
+) -> tuple[float, float]:
     """(final train loss: mean of the last tenth, eval loss) after training ``task``."""
     torch.manual_seed(seed)
     model = OutlierNet(outlier=OUTLIER).to(device)
@@ -41,7 +42,7 @@ def _train(precision: str, plan: ag.Fp8Plan | None, task: object, seed: int,
         guard.backward(loss)
         guard.step()
         losses.append(loss.detach())
-    tail = torch.stack(losses[-max(1, len(losses) // 10):]).mean().item()
+    tail = torch.stack(losses[-max(1, len(losses) // 10) :]).mean().item()
     with torch.no_grad(), guard.autocast():
         ev = loss_fn(model, (task.eval_x.to(device), task.eval_y.to(device))).item()
     return tail, ev
@@ -87,8 +88,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--outlier", type=float, default=1e5,
-                    help="value of the planted outlier feature (default 1e5)")
+    ap.add_argument(
+        "--outlier",
+        type=float,
+        default=1e5,
+        help="value of the planted outlier feature (default 1e5)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     global OUTLIER
@@ -99,8 +104,10 @@ def main() -> None:
 
     emulated = not has_fp8_matmul(torch.device(args.device))
     mark = " (EMULATED fp8)" if emulated else ""
-    print(f"torch {torch.__version__}, device {args.device}{mark}, {args.steps} steps, "
-          f"seed {args.seed}, outlier feature {args.outlier:g}")
+    print(
+        f"torch {torch.__version__}, device {args.device}{mark}, {args.steps} steps, "
+        f"seed {args.seed}, outlier feature {args.outlier:g}"
+    )
     task = make_task(seed=args.seed, steps=args.steps)
     torch.manual_seed(args.seed)
     probe = OutlierNet(outlier=OUTLIER).to(args.device)
@@ -108,21 +115,30 @@ def main() -> None:
     print(plan.summary())
     print()
     rows = {}
-    for name, precision, p in (("fp32", "fp32", None), ("bf16", "bf16", None),
-                               ("fp8 naive (all Linear)", "fp8", None),
-                               ("fp8 planned", "fp8", plan)):
+    for name, precision, p in (
+        ("fp32", "fp32", None),
+        ("bf16", "bf16", None),
+        ("fp8 naive (all Linear)", "fp8", None),
+        ("fp8 planned", "fp8", plan),
+    ):
         rows[name] = _train(precision, p, task, args.seed, args.device)
     base_tail, base_eval = rows["bf16"]
-    print(f"{'variant':24} {'final train loss':>16} {'gap to bf16':>12} {'eval loss':>10} "
-          f"{'gap to bf16':>12}")
+    print(
+        f"{'variant':24} {'final train loss':>16} {'gap to bf16':>12} {'eval loss':>10} "
+        f"{'gap to bf16':>12}"
+    )
     for name, (tail, ev) in rows.items():
         star = mark if name.startswith("fp8") else ""
-        print(f"{name:24} {tail:16.4f} {tail - base_tail:+12.4f} {ev:10.4f} "
-              f"{ev - base_eval:+12.4f}{star}")
+        print(
+            f"{name:24} {tail:16.4f} {tail - base_tail:+12.4f} {ev:10.4f} "
+            f"{ev - base_eval:+12.4f}{star}"
+        )
     p, s, ratio = _plan_cost(task, args.seed, args.rounds, args.device)
-    print(f"\nplan cost: {p * 1e3:.1f} ms = {ratio:.2f}x one planned-fp8 training step "
-          f"({s * 1e3:.1f} ms{', emulated' if emulated else ''}), median of {args.rounds} "
-          "interleaved rounds")
+    print(
+        f"\nplan cost: {p * 1e3:.1f} ms = {ratio:.2f}x one planned-fp8 training step "
+        f"({s * 1e3:.1f} ms{', emulated' if emulated else ''}), median of {args.rounds} "
+        "interleaved rounds"
+    )
 
 
 if __name__ == "__main__":

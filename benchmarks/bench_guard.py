@@ -25,8 +25,9 @@ from _common import bare_step, count_syncs, guard_step, interleaved_medians, mlp
 import ampguard as ag  # noqa: E402
 
 
-def bench(width: int, depth: int, batch: int, rounds: int, steps: int, fused: bool,
-          clip: bool) -> dict[str, float]:
+def bench(
+    width: int, depth: int, batch: int, rounds: int, steps: int, fused: bool, clip: bool
+) -> dict[str, float]:
     x, y = torch.randn(batch, width), torch.randn(batch, 8)
     m1, m2 = mlp(width, depth), mlp(width, depth)
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-4, fused=fused)
@@ -39,15 +40,17 @@ def bench(width: int, depth: int, batch: int, rounds: int, steps: int, fused: bo
     }
     med = interleaved_medians(loops, rounds, steps, warmup=5)
     return {
-        "bare_ms": med["bare"] * 1e3, "guard_ms": med["guard"] * 1e3,
+        "bare_ms": med["bare"] * 1e3,
+        "guard_ms": med["guard"] * 1e3,
         "ratio": med["guard"] / med["bare"],
         "bare_syncs": count_syncs(loops["bare"], 20),
         "guard_syncs": count_syncs(loops["guard"], 20),
     }
 
 
-def bare_bf16_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                   y: torch.Tensor, clip: bool) -> None:
+def bare_bf16_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, clip: bool
+) -> None:
     """One step of the plain bf16 loop: autocast, backward, (clip), step; no scaler, no check."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.mse_loss(model(x).float(), y)
@@ -58,8 +61,9 @@ def bare_bf16_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.
     opt.zero_grad(set_to_none=True)
 
 
-def bench_bf16(width: int, depth: int, batch: int, rounds: int, steps: int, fused: bool,
-               clip: bool) -> dict[str, float]:
+def bench_bf16(
+    width: int, depth: int, batch: int, rounds: int, steps: int, fused: bool, clip: bool
+) -> dict[str, float]:
     x, y = torch.randn(batch, width), torch.randn(batch, 8)
     models = [mlp(width, depth) for _ in range(3)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused) for m in models]
@@ -72,9 +76,13 @@ def bench_bf16(width: int, depth: int, batch: int, rounds: int, steps: int, fuse
         "off": partial(guard_step, models[2], unchecked, x, y),
     }
     med = interleaved_medians(loops, rounds, steps, warmup=5)
-    return {"bare_ms": med["bare"] * 1e3, "on": med["on"] / med["bare"],
-            "off": med["off"] / med["bare"], "on_syncs": count_syncs(loops["on"], 20),
-            "off_syncs": count_syncs(loops["off"], 20)}
+    return {
+        "bare_ms": med["bare"] * 1e3,
+        "on": med["on"] / med["bare"],
+        "off": med["off"] / med["bare"],
+        "on_syncs": count_syncs(loops["on"], 20),
+        "off_syncs": count_syncs(loops["off"], 20),
+    }
 
 
 def main() -> None:
@@ -90,23 +98,27 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, width {args.width} x depth {args.depth}, batch {args.batch}")
     if not args.bf16_only:
-        print(f"{'setting':24} {'bare ms':>8} {'guard ms':>9} {'ratio':>6} "
-              f"{'syncs bare/guard':>17}")
+        print(
+            f"{'setting':24} {'bare ms':>8} {'guard ms':>9} {'ratio':>6} {'syncs bare/guard':>17}"
+        )
     for fused in () if args.bf16_only else (False, True):
         for clip in (False, True):
             r = bench(args.width, args.depth, args.batch, args.rounds, args.steps, fused, clip)
             name = f"AdamW{' fused' if fused else ''}{' + clip' if clip else ''}"
-            print(f"{name:24} {r['bare_ms']:8.3f} {r['guard_ms']:9.3f} {r['ratio']:6.3f} "
-                  f"{r['bare_syncs']:8.1f}/{r['guard_syncs']:.1f}")
+            print(
+                f"{name:24} {r['bare_ms']:8.3f} {r['guard_ms']:9.3f} {r['ratio']:6.3f} "
+                f"{r['bare_syncs']:8.1f}/{r['guard_syncs']:.1f}"
+            )
     print("\nbf16 (no scaler): Guard / bare bf16 loop, non-finite check on vs off")
     print(f"{'setting':24} {'bare ms':>8} {'check on':>9} {'check off':>10} {'syncs on/off':>13}")
     for fused in (False, True):
         for clip in (False, True):
-            r = bench_bf16(args.width, args.depth, args.batch, args.rounds, args.steps, fused,
-                           clip)
+            r = bench_bf16(args.width, args.depth, args.batch, args.rounds, args.steps, fused, clip)
             name = f"AdamW{' fused' if fused else ''}{' + clip' if clip else ''}"
-            print(f"{name:24} {r['bare_ms']:8.3f} {r['on']:9.3f} {r['off']:10.3f} "
-                  f"{r['on_syncs']:8.1f}/{r['off_syncs']:.1f}")
+            print(
+                f"{name:24} {r['bare_ms']:8.3f} {r['on']:9.3f} {r['off']:10.3f} "
+                f"{r['on_syncs']:8.1f}/{r['off_syncs']:.1f}"
+            )
 
 
 if __name__ == "__main__":

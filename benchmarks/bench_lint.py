@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         lint_t.append(_cpu(lambda: lint_all(True)))
     parse_s, single_s, lint_s = min(parse_t), min(single_t), min(lint_t)
     result = {
-        "root": root, "files": len(files), "lines": lines, "findings": len(findings),
-        "lint_cpu_seconds": round(lint_s, 2), "lint_lines_per_s": round(lines / lint_s),
+        "root": root,
+        "files": len(files),
+        "lines": lines,
+        "findings": len(findings),
+        "lint_cpu_seconds": round(lint_s, 2),
+        "lint_lines_per_s": round(lines / lint_s),
         "single_file_findings": single_findings,
         "single_file_lines_per_s": round(lines / single_s),
-        "parse_cpu_seconds": round(parse_s, 2), "parse_lines_per_s": round(lines / parse_s),
+        "parse_cpu_seconds": round(parse_s, 2),
+        "parse_lines_per_s": round(lines / parse_s),
         "lint_over_parse": round(lint_s / parse_s, 2),
         "python": sys.version.split()[0],
     }

@@ -62,18 +62,32 @@ def many_tensors(tensors: int) -> torch.nn.Module:
     return Chain()
 
 
-def loops(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
-          variants: dict[str, dict | None], root: Path) -> dict[str, Callable[[], None]]:
+def loops(
+    make_model: Callable[[], torch.nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    variants: dict[str, dict | None],
+    root: Path,
+) -> dict[str, Callable[[], None]]:
     """The bare loop plus one Guard loop per variant (None: no telemetry)."""
     model = make_model()
-    out = {"bare": partial(bare_step, model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                           torch.amp.GradScaler("cpu"), x, y)}
+    out = {
+        "bare": partial(
+            bare_step,
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-4),
+            torch.amp.GradScaler("cpu"),
+            x,
+            y,
+        )
+    }
     for name, kwargs in variants.items():
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tel = None if kwargs is None else ag.Telemetry(root / name.replace(" ", "_"), **kwargs)
-        out[name] = partial(guard_step, model,
-                            ag.Guard(model, opt, precision="fp16", telemetry=tel), x, y)
+        out[name] = partial(
+            guard_step, model, ag.Guard(model, opt, precision="fp16", telemetry=tel), x, y
+        )
     return out
 
 
@@ -82,8 +96,7 @@ def ratios(run: dict[str, Callable[[], None]], rounds: int, steps: int) -> dict[
     median over rounds. CPU time of this (single-threaded) process, so other processes on a
     shared machine do not count; on an idle machine it equals the wall time."""
     per_round = interleaved_rounds(run, rounds, steps, warmup=steps)  # warm-up: first flush too
-    out = {name: statistics.median(r[name].cpu / r["bare"].cpu for r in per_round)
-           for name in run}
+    out = {name: statistics.median(r[name].cpu / r["bare"].cpu for r in per_round) for name in run}
     out["bare_ms"] = statistics.median(r["bare"].cpu * 1e3 for r in per_round)
     return out
 
@@ -126,21 +139,28 @@ class HookClock:
             finally:
                 self.seconds += time.process_time() - t0
                 self._depth -= 1
+
         return timed
 
 
-_PARTS = ("on_backward", "on_grads", "_grad_stats", "_range_stats", "on_step", "_flush",
-          "flush")
+_PARTS = ("on_backward", "on_grads", "_grad_stats", "_range_stats", "on_step", "_flush", "flush")
 
 
-def breakdown(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
-              kwargs: dict, root: Path, steps: int) -> dict[str, float]:
+def breakdown(
+    make_model: Callable[[], torch.nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    kwargs: dict,
+    root: Path,
+    steps: int,
+) -> dict[str, float]:
     """Microseconds per step inside each telemetry method (nested ones included in their
     callers' too), less the CPU clock's own cost (calibrated on an empty wrapped call)."""
     model = make_model()
     tel = ag.Telemetry(root, **kwargs)
-    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
-                     telemetry=tel)
+    guard = ag.Guard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16", telemetry=tel
+    )
     for _ in range(10):
         guard_step(model, guard, x, y)
     spent = {name: 0.0 for name in _PARTS}
@@ -154,6 +174,7 @@ def breakdown(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: tor
             finally:
                 spent[name] += time.process_time() - t0
                 calls[name] += 1
+
         return timed
 
     probe = wrap("flush", lambda: None)
@@ -167,17 +188,27 @@ def breakdown(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: tor
             setattr(tel, name, wrap(name, getattr(tel, name)))
     for _ in range(steps):
         guard_step(model, guard, x, y)
-    return {name: max(0.0, spent[name] - calls[name] * cost) / steps * 1e6 for name in _PARTS
-            if calls[name]}
+    return {
+        name: max(0.0, spent[name] - calls[name] * cost) / steps * 1e6
+        for name in _PARTS
+        if calls[name]
+    }
 
 
-def hook_share(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor,
-               kwargs: dict, root: Path, steps: int) -> float:
+def hook_share(
+    make_model: Callable[[], torch.nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    kwargs: dict,
+    root: Path,
+    steps: int,
+) -> float:
     """Telemetry's own CPU time per step (hooks + flushes, ``steps`` steps) in milliseconds."""
     model = make_model()
     tel = ag.Telemetry(root, **kwargs)
-    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16",
-                     telemetry=tel)
+    guard = ag.Guard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16", telemetry=tel
+    )
     for _ in range(10):  # warm-up, outside the clock
         guard_step(model, guard, x, y)
     clock = HookClock(tel)
@@ -194,32 +225,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=100, help="steps per round (default 100)")
     p.add_argument("--quick", action="store_true", help="3 rounds, smaller sweep")
-    p.add_argument("--breakdown", action="store_true",
-                   help="only print where telemetry's own time goes (us/step per method)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only print where telemetry's own time goes (us/step per method)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rounds = 3 if args.quick else args.rounds
     root = Path(tempfile.mkdtemp(prefix="ampguard-bench-telemetry-"))
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 8)
 
-    variants = {"guard": None, "(a) telemetry default": {},
-                "(b) per-layer stats every step": {"layer_every": 1},
-                "(c) range stats every 50 steps": {"range_every": 50}}
+    variants = {
+        "guard": None,
+        "(a) telemetry default": {},
+        "(b) per-layer stats every step": {"layer_every": 1},
+        "(c) range stats every 50 steps": {"range_every": 50},
+    }
     make = lambda: mlp(args.width, args.depth, torch.nn.GELU)  # noqa: E731
     if args.breakdown:
         for name, kwargs in variants.items():
             if kwargs is not None:
                 parts = breakdown(make, x, y, kwargs, root / f"parts{len(name)}", 300)
-                print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
-                      + " us/step")
+                print(
+                    f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + " us/step"
+                )
         return 0
     r = ratios(loops(make, x, y, variants, root), rounds, args.steps)
-    print(f"MLP width {args.width} depth {args.depth} batch {args.batch}: bare step "
-          f"{r['bare_ms']:.2f} ms CPU; {rounds} interleaved rounds x {args.steps} steps, median")
+    print(
+        f"MLP width {args.width} depth {args.depth} batch {args.batch}: bare step "
+        f"{r['bare_ms']:.2f} ms CPU; {rounds} interleaved rounds x {args.steps} steps, median"
+    )
     print(f"  {'loop':34s} {'ratio vs bare':>14s} {'telemetry ms/step':>18s} {'share':>7s}")
     for name, kwargs in variants.items():
-        own = "" if kwargs is None else hook_share(make, x, y, kwargs, root / f"clock{len(name)}",
-                                                   300)
+        own = (
+            ""
+            if kwargs is None
+            else hook_share(make, x, y, kwargs, root / f"clock{len(name)}", 300)
+        )
         share = "" if kwargs is None else f"{own / r['bare_ms']:.1%}"
         own = "" if kwargs is None else f"{own:.3f}"
         print(f"  {name:34s} {r[name]:13.3f}x {own:>18s} {share:>7s}")
@@ -231,27 +274,34 @@ def main(argv: list[str] | None = None) -> int:
     xs, ys = torch.randn(32, 16), torch.randn(32, 8)
     for n in (50, 500) if args.quick else (50, 500, 2000):
         chain = lambda n=n: many_tensors(n)  # noqa: E731
-        s = ratios(loops(chain, xs, ys, {"guard": None, "telemetry": full}, root / f"n{n}"),
-                   {50: 9, 500: 5, 2000: 3}[n] if not args.quick else 3, 10)
+        s = ratios(
+            loops(chain, xs, ys, {"guard": None, "telemetry": full}, root / f"n{n}"),
+            {50: 9, 500: 5, 2000: 3}[n] if not args.quick else 3,
+            10,
+        )
         own = hook_share(chain, xs, ys, full, root / f"n{n}clock", 20)
-        print(f"  {n:5d} tensors: bare {s['bare_ms']:7.1f} ms/step | guard {s['guard']:.3f}x, "
-              f"guard+telemetry {s['telemetry']:.3f}x bare | telemetry's own time "
-              f"{own / s['bare_ms']:.1%} of the bare step")
+        print(
+            f"  {n:5d} tensors: bare {s['bare_ms']:7.1f} ms/step | guard {s['guard']:.3f}x, "
+            f"guard+telemetry {s['telemetry']:.3f}x bare | telemetry's own time "
+            f"{own / s['bare_ms']:.1%} of the bare step"
+        )
 
     model = mlp(args.width, args.depth, torch.nn.GELU)
-    bare = partial(bare_step, model, torch.optim.AdamW(model.parameters()),
-                   torch.amp.GradScaler("cpu"), x, y)
+    bare = partial(
+        bare_step, model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu"), x, y
+    )
     model = mlp(args.width, args.depth, torch.nn.GELU)
     tel = ag.Telemetry(root / "syncs", range_every=50)
-    guard = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision="fp16",
-                     telemetry=tel)
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision="fp16", telemetry=tel)
     tstep = partial(guard_step, model, guard, x, y)
     n = 200
     b, t = syncs_per_step(bare, n), syncs_per_step(tstep, n)
     extra = [i + 1 for i in range(n) if t[i] != b[i]]
-    print(f"host syncs per step over {n} steps: bare {sum(b) / n:.2f}, Guard+telemetry "
-          f"{sum(t) / n:.2f}; steps where they differ: {extra or 'none'}; telemetry flushes "
-          f"(one device-to-host copy each): {tel.flushes} (steps 100, 200)")
+    print(
+        f"host syncs per step over {n} steps: bare {sum(b) / n:.2f}, Guard+telemetry "
+        f"{sum(t) / n:.2f}; steps where they differ: {extra or 'none'}; telemetry flushes "
+        f"(one device-to-host copy each): {tel.flushes} (steps 100, 200)"
+    )
     return 0
 
 

@@ -25,8 +25,9 @@ from _common import bare_step, interleaved_medians, mlp, syncs_per_step  # noqa:
 import ampguard as ag  # noqa: E402
 
 
-def loop(width: int, depth: int, fused: bool, run_dir: Path | None,
-         x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def loop(
+    width: int, depth: int, fused: bool, run_dir: Path | None, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], None]:
     """One training step of the user's loop; under ag.watch when ``run_dir`` is given."""
     model = mlp(width, depth, torch.nn.GELU)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
@@ -54,17 +55,21 @@ def main(argv: list[str] | None = None) -> int:
         loops[f"bare {kind}"] = loop(args.width, args.depth, fused, None, x, y)
         loops[f"watch {kind}"] = loop(args.width, args.depth, fused, root / kind, x, y)
     med = interleaved_medians(loops, rounds, steps, warmup=steps)  # warm-up: first flush too
-    print(f"MLP width {args.width} depth {args.depth} batch {args.batch}, fp16 autocast on CPU; "
-          f"{rounds} interleaved rounds x {steps} steps, median")
+    print(
+        f"MLP width {args.width} depth {args.depth} batch {args.batch}, fp16 autocast on CPU; "
+        f"{rounds} interleaved rounds x {steps} steps, median"
+    )
     for kind in ("plain", "fused"):
         bare, watched = med[f"bare {kind}"], med[f"watch {kind}"]
         n = 200
         b = syncs_per_step(loops[f"bare {kind}"], n)
         w = syncs_per_step(loops[f"watch {kind}"], n)
         extra = sum(wi - bi for wi, bi in zip(w, b, strict=True))
-        print(f"  {kind:5s} AdamW: bare {bare * 1e3:.2f} ms/step, watch {watched * 1e3:.2f} "
-              f"ms/step, ratio {watched / bare:.3f}x; host syncs/step bare {sum(b) / n:.2f}, "
-              f"watch {sum(w) / n:.2f} (extra syncs over {n} steps: {extra}, at flushes)")
+        print(
+            f"  {kind:5s} AdamW: bare {bare * 1e3:.2f} ms/step, watch {watched * 1e3:.2f} "
+            f"ms/step, ratio {watched / bare:.3f}x; host syncs/step bare {sum(b) / n:.2f}, "
+            f"watch {sum(w) / n:.2f} (extra syncs over {n} steps: {extra}, at flushes)"
+        )
     return 0
 
 

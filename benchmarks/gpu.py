@@ -111,8 +111,9 @@ def adamw(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
 
 
-def bare_loop(cfg: Config, device: torch.device, dtype: torch.dtype | None, batch: Any,
-              fused: bool = False) -> Callable[[], None]:
+def bare_loop(
+    cfg: Config, device: torch.device, dtype: torch.dtype | None, batch: Any, fused: bool = False
+) -> Callable[[], None]:
     """Plain torch: autocast to ``dtype`` (None: fp32), GradScaler for fp16, AdamW."""
     model = make_model(cfg, device)
     opt = adamw(model, fused)
@@ -134,13 +135,21 @@ def bare_loop(cfg: Config, device: torch.device, dtype: torch.dtype | None, batc
     return step
 
 
-def guard_loop(cfg: Config, device: torch.device, precision: str, batch: Any, *,
-               fused: bool = False, telemetry: Any = None,
-               armed: bool = False) -> Callable[[], None]:
+def guard_loop(
+    cfg: Config,
+    device: torch.device,
+    precision: str,
+    batch: Any,
+    *,
+    fused: bool = False,
+    telemetry: Any = None,
+    armed: bool = False,
+) -> Callable[[], None]:
     """The same step through ``ag.Guard`` (``armed``: forensics kept armed, every op traced)."""
     model = make_model(cfg, device)
-    guard = ag.Guard(model, adamw(model, fused), precision=precision, telemetry=telemetry,
-                     forensics=armed)
+    guard = ag.Guard(
+        model, adamw(model, fused), precision=precision, telemetry=telemetry, forensics=armed
+    )
     x, y = batch
 
     def step() -> None:
@@ -154,17 +163,23 @@ def guard_loop(cfg: Config, device: torch.device, precision: str, batch: Any, *,
     return step
 
 
-def loops_for(cfg: Config, device: torch.device, precision: str, batch: Any, root: Path,
-              fused_ok: bool) -> dict[str, Callable[[], None]]:
+def loops_for(
+    cfg: Config, device: torch.device, precision: str, batch: Any, root: Path, fused_ok: bool
+) -> dict[str, Callable[[], None]]:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     out = {
         "bare": bare_loop(cfg, device, dtype, batch),
         "guard": guard_loop(cfg, device, precision, batch),
-        "guard + telemetry": guard_loop(cfg, device, precision, batch,
-                                        telemetry=ag.Telemetry(root / f"{precision}-tel")),
+        "guard + telemetry": guard_loop(
+            cfg, device, precision, batch, telemetry=ag.Telemetry(root / f"{precision}-tel")
+        ),
         "guard + layer stats": guard_loop(
-            cfg, device, precision, batch,
-            telemetry=ag.Telemetry(root / f"{precision}-layers", layer_every=1)),
+            cfg,
+            device,
+            precision,
+            batch,
+            telemetry=ag.Telemetry(root / f"{precision}-layers", layer_every=1),
+        ),
         "armed forensics": guard_loop(cfg, device, precision, batch, armed=True),
     }
     if fused_ok:
@@ -188,8 +203,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_rounds(loops: dict[str, Callable[[], None]], device: torch.device, rounds: int,
-                steps: int, warmup: int) -> dict[str, float]:
+def time_rounds(
+    loops: dict[str, Callable[[], None]], device: torch.device, rounds: int, steps: int, warmup: int
+) -> dict[str, float]:
     """Median seconds per step of each loop over interleaved rounds."""
     for step in loops.values():
         for _ in range(warmup):
@@ -240,48 +256,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="ampguard-gpu-bench-"))
     fused_ok = fused_supported(device)
     rows: list[dict[str, Any]] = []
-    fp32 = time_rounds({"fp32": bare_loop(cfg, device, None, batch)}, device, rounds, steps,
-                       warmup)["fp32"]
-    rows.append({"precision": "fp32", "loop": "bare", "ms": fp32 * 1e3, "ratio": 1.0,
-                 "vs_fp32": 1.0})
+    fp32 = time_rounds(
+        {"fp32": bare_loop(cfg, device, None, batch)}, device, rounds, steps, warmup
+    )["fp32"]
+    rows.append(
+        {"precision": "fp32", "loop": "bare", "ms": fp32 * 1e3, "ratio": 1.0, "vs_fp32": 1.0}
+    )
     for precision in ("fp16", "bf16"):
         loops = loops_for(cfg, device, precision, batch, root / precision, fused_ok)
         med = time_rounds(loops, device, rounds, steps, warmup)
         for name, step in loops.items():
-            rows.append({"precision": precision, "loop": name, "ms": med[name] * 1e3,
-                         "ratio": med[name] / med["bare"], "vs_fp32": med[name] / fp32,
-                         **count_syncs(step, device, 1 if dry else 5)})
+            rows.append(
+                {
+                    "precision": precision,
+                    "loop": name,
+                    "ms": med[name] * 1e3,
+                    "ratio": med[name] / med["bare"],
+                    "vs_fp32": med[name] / fp32,
+                    **count_syncs(step, device, 1 if dry else 5),
+                }
+            )
         del loops
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__, "ampguard": ag.__version__, "python": platform.python_version(),
-        "config": asdict(cfg), "rounds": rounds, "steps_per_round": steps,
-        "fused_adamw": fused_ok, "rows": rows,
+        "torch": torch.__version__,
+        "ampguard": ag.__version__,
+        "python": platform.python_version(),
+        "config": asdict(cfg),
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "fused_adamw": fused_ok,
+        "rows": rows,
     }
 
 
 def table(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    lines = [f"{result['device']}, torch {result['torch']}, ampguard {result['ampguard']}; "
-             f"{cfg['layers']} blocks x width {cfg['width']}, batch {cfg['batch']} x "
-             f"{cfg['seq']} tokens; median of {result['rounds']} interleaved rounds x "
-             f"{result['steps_per_round']} steps",
-             f"{'precision':9s} {'loop':22s} {'ms/step':>9s} {'x bare':>7s} {'x fp32':>7s} "
-             f"{'syncs/step':>10s} {'cuda syncs':>10s}"]
+    lines = [
+        f"{result['device']}, torch {result['torch']}, ampguard {result['ampguard']}; "
+        f"{cfg['layers']} blocks x width {cfg['width']}, batch {cfg['batch']} x "
+        f"{cfg['seq']} tokens; median of {result['rounds']} interleaved rounds x "
+        f"{result['steps_per_round']} steps",
+        f"{'precision':9s} {'loop':22s} {'ms/step':>9s} {'x bare':>7s} {'x fp32':>7s} "
+        f"{'syncs/step':>10s} {'cuda syncs':>10s}",
+    ]
     for r in result["rows"]:
         cuda = r.get("cuda_sync_warnings")
-        lines.append(f"{r['precision']:9s} {r['loop']:22s} {r['ms']:9.2f} {r['ratio']:7.3f} "
-                     f"{r['vs_fp32']:7.3f} {r.get('sync_counter', math.nan):10.1f} "
-                     f"{'' if cuda is None else f'{cuda:.1f}':>10s}")
+        lines.append(
+            f"{r['precision']:9s} {r['loop']:22s} {r['ms']:9.2f} {r['ratio']:7.3f} "
+            f"{r['vs_fp32']:7.3f} {r.get('sync_counter', math.nan):10.1f} "
+            f"{'' if cuda is None else f'{cuda:.1f}':>10s}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dry-run", action="store_true",
-                   help="tiny model on the CPU, one round: checks that the script works")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny model on the CPU, one round: checks that the script works",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")

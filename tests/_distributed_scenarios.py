@@ -33,9 +33,13 @@ ROWS = 4  # rows per rank per micro-batch
 
 
 # ---------------------------------------------------------------------- process plumbing
-def run_group(world: int, scenarios: list[str], timeout: float = 100.0,
-              tmp: str | None = None, pg_timeout: float = 30.0
-              ) -> dict[str, dict[int, tuple[str, Any]]]:
+def run_group(
+    world: int,
+    scenarios: list[str],
+    timeout: float = 100.0,
+    tmp: str | None = None,
+    pg_timeout: float = 30.0,
+) -> dict[str, dict[int, tuple[str, Any]]]:
     """Run ``scenarios`` on ``world`` gloo ranks; ``{scenario: {rank: (status, value)}}``.
 
     ``pg_timeout``: the default group's timeout (what bounds a hang in DDP's own all-reduce).
@@ -44,9 +48,10 @@ def run_group(world: int, scenarios: list[str], timeout: float = 100.0,
     queue = ctx.Queue()
     port = _free_port()
     tmp = tmp or tempfile.mkdtemp(prefix="ampguard-dist-")
-    procs = [ctx.Process(target=_rank_main,
-                         args=(r, world, port, scenarios, queue, tmp, pg_timeout))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, scenarios, queue, tmp, pg_timeout))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[str, dict[int, tuple[str, Any]]] = {name: {} for name in scenarios}
@@ -89,19 +94,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, scenarios: list[str], queue: Any,
-               tmp: str, pg_timeout: float = 30.0) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    scenarios: list[str],
+    queue: Any,
+    tmp: str,
+    pg_timeout: float = 30.0,
+) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", FutureWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=pg_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+    )
     try:
         for name in scenarios:
             try:
                 value = SCENARIOS[name](rank, world, tmp)
             except BaseException as exc:
-                queue.put((name, rank, "error", f"{type(exc).__name__}: {exc}\n"
-                           + traceback.format_exc(limit=4)))
+                queue.put(
+                    (
+                        name,
+                        rank,
+                        "error",
+                        f"{type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=4),
+                    )
+                )
                 raise
             queue.put((name, rank, "ok", _plain(value)))
     finally:
@@ -113,8 +136,9 @@ def _rank_main(rank: int, world: int, port: int, scenarios: list[str], queue: An
 # ---------------------------------------------------------------------- models and data
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+    )
 
 
 def batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,11 +148,17 @@ def batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def shard(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * ROWS:(rank + 1) * ROWS]
+    return t[rank * ROWS : (rank + 1) * ROWS]
 
 
-def window(guard: ag.Guard, model: nn.Module, step: int, rank: int | None, world: int,
-           inject: Callable[[], None] | None = None) -> ag.StepResult:
+def window(
+    guard: ag.Guard,
+    model: nn.Module,
+    step: int,
+    rank: int | None,
+    world: int,
+    inject: Callable[[], None] | None = None,
+) -> ag.StepResult:
     """One accumulation window on this rank's shard (``rank=None``: the whole global batch)."""
     result = None
     for micro in range(guard.accumulation_steps):
@@ -172,6 +202,7 @@ def _poison(model: nn.Module, value: float = float("inf")) -> Callable[[], None]
         g = next(model.parameters()).grad
         local = g._local_tensor if isinstance(g, DTensor) else g
         local.view(-1)[0] = value
+
     return inject
 
 
@@ -181,24 +212,34 @@ def inf_on_one_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     are non-finite BEFORE DDP's all-reduce, which carries them to every rank. No consensus runs;
     the end-of-run audit gathers the overflow origin (each rank's own loss)."""
     model = ddp(make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=SCALE
+    )
     victim = world - 1
     applied, scales = [], []
     with _counting_allreduce(guard) as calls:
         for step in range(1, 5):
-            applied.append(_bad_sample_window(guard, model, step, rank, world,
-                                              bad=step == 2 and rank == victim).applied)
+            applied.append(
+                _bad_sample_window(
+                    guard, model, step, rank, world, bad=step == 2 and rank == victim
+                ).applied
+            )
             scales.append(guard.scale)
     consensus_calls = len(calls)
     guard.audit()
-    return {"applied": applied, "scales": scales, "params": flat(model),
-            "summary": guard.distributed.summary(), "consensus_calls": consensus_calls,
-            "needed": guard.distributed.consensus_needed}
+    return {
+        "applied": applied,
+        "scales": scales,
+        "params": flat(model),
+        "summary": guard.distributed.summary(),
+        "consensus_calls": consensus_calls,
+        "needed": guard.distributed.consensus_needed,
+    }
 
 
-def _bad_sample_window(guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int,
-                       bad: bool) -> ag.StepResult:
+def _bad_sample_window(
+    guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int, bad: bool
+) -> ag.StepResult:
     x, y = batch(step, 0, ROWS * world)
     x, y = shard(x, rank), shard(y, rank)
     if bad:
@@ -239,15 +280,24 @@ def inf_after_reduce(rank: int, world: int, tmp: str) -> dict[str, Any]:
         model = make_model() if kind == "plain" else ddp(make_model())
         if kind != "plain":
             register_nonfinite_safe_hook(model, drop=kind == "ddp_safe_hook")
-        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                         scaler=SCALE, audit_every=None)
+        guard = ag.Guard(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            precision="fp16",
+            scaler=SCALE,
+            audit_every=None,
+        )
         applied = []
         with _counting_allreduce(guard) as calls:
             for step in range(1, 4):
                 hit = _poison(model) if (step == 2 and rank == world - 1) else None
                 applied.append(window(guard, model, step, rank, world, hit).applied)
-        out[kind] = {"applied": applied, "consensus_calls": len(calls), "params": flat(model),
-                     "rank_overflows": guard.distributed.summary()["rank_overflows"]}
+        out[kind] = {
+            "applied": applied,
+            "consensus_calls": len(calls),
+            "params": flat(model),
+            "rank_overflows": guard.distributed.summary()["rank_overflows"],
+        }
     return out
 
 
@@ -255,8 +305,13 @@ def fault_after_reduce_plain_ddp(rank: int, world: int, tmp: str) -> dict[str, A
     """The trade: under plain DDP a rank-local fault AFTER the all-reduce is not agreed on (no
     consensus); the last rank skips alone and the next audit names it (DesyncError)."""
     model = ddp(make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, audit_every=3)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        audit_every=3,
+    )
     for step in range(1, 5):
         hit = _poison(model) if (step == 2 and rank == world - 1) else None
         try:
@@ -266,20 +321,32 @@ def fault_after_reduce_plain_ddp(rank: int, world: int, tmp: str) -> dict[str, A
     return {"step": None}
 
 
-def _accumulation_run(rank: int, world: int, wrap: Callable[[nn.Module], nn.Module],
-                      windows: int = 3, inject_window: int | None = None) -> nn.Module:
+def _accumulation_run(
+    rank: int,
+    world: int,
+    wrap: Callable[[nn.Module], nn.Module],
+    windows: int = 3,
+    inject_window: int | None = None,
+) -> nn.Module:
     model = wrap(make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, accumulation_steps=2)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        accumulation_steps=2,
+    )
     for step in range(1, windows + 1):
-        faulty_window(guard, model, step, rank, world,
-                      bad=step == inject_window and rank == world - 1)
+        faulty_window(
+            guard, model, step, rank, world, bad=step == inject_window and rank == world - 1
+        )
     model.guard = guard  # for the caller
     return model
 
 
-def faulty_window(guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int,
-                  bad: bool) -> ag.StepResult:
+def faulty_window(
+    guard: ag.Guard, model: nn.Module, step: int, rank: int, world: int, bad: bool
+) -> ag.StepResult:
     """:func:`window`; when ``bad``, one of this rank's gradients is inf.
 
     Plain DDP (no consensus): the fault comes BEFORE the all-reduce, as a real one would (a
@@ -325,8 +392,13 @@ def ddp_accumulation(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def single_process(world: int) -> torch.Tensor:
     """Reference (run in the test process): one process, the global batch, the same windows."""
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, accumulation_steps=2)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        accumulation_steps=2,
+    )
     for step in range(1, 4):
         window(guard, model, step, None, world)
     return flat(model)
@@ -337,19 +409,26 @@ def fsdp2_vs_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
     sharded = _accumulation_run(rank, world, fsdp2, inject_window=2)
     replicated = _accumulation_run(rank, world, ddp, inject_window=2)
     g = sharded.guard
-    return {"max_diff": float((flat(sharded) - flat(replicated)).abs().max()),
-            "moved": float((flat(replicated) - flat(make_model())).abs().max()),
-            "kind": g.distributed.topology.kind, "skipped": g.skipped_steps,
-            "scale": g.scale, "ddp_scale": replicated.guard.scale,
-            "rank_overflows": g.distributed.summary()["rank_overflows"]}
+    return {
+        "max_diff": float((flat(sharded) - flat(replicated)).abs().max()),
+        "moved": float((flat(replicated) - flat(make_model())).abs().max()),
+        "kind": g.distributed.topology.kind,
+        "skipped": g.skipped_steps,
+        "scale": g.scale,
+        "ddp_scale": replicated.guard.scale,
+        "rank_overflows": g.distributed.summary()["rank_overflows"],
+    }
 
 
 def ddp_containment(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Micro-batch containment under DDP: the last rank's first micro-batch of window 2 is NaN."""
     model = ddp(make_model())
     guard, results = _containment(model, rank, world)
-    return {"results": results, "params": flat(model),
-            "rank_dropped": guard.distributed.summary()["rank_dropped_microbatches"]}
+    return {
+        "results": results,
+        "params": flat(model),
+        "rank_dropped": guard.distributed.summary()["rank_dropped_microbatches"],
+    }
 
 
 def single_containment(world: int) -> torch.Tensor:
@@ -359,16 +438,23 @@ def single_containment(world: int) -> torch.Tensor:
     return flat(model)
 
 
-def _containment(model: nn.Module, rank: int | None, world: int
-                 ) -> tuple[ag.Guard, list[tuple[bool, int]]]:
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, accumulation_steps=2, contain_nonfinite_microbatches=True)
+def _containment(
+    model: nn.Module, rank: int | None, world: int
+) -> tuple[ag.Guard, list[tuple[bool, int]]]:
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        accumulation_steps=2,
+        contain_nonfinite_microbatches=True,
+    )
     results = []
     for step in range(1, 4):
         for micro in range(2):
             x, y = batch(step, micro, ROWS * world)
             if step == 2 and micro == 0:
-                x[(world - 1) * ROWS:] = float("nan")  # the last rank's rows
+                x[(world - 1) * ROWS :] = float("nan")  # the last rank's rows
             if rank is not None:
                 x, y = shard(x, rank), shard(y, rank)
             with guard.autocast():
@@ -382,14 +468,24 @@ def _containment(model: nn.Module, rank: int | None, world: int
 def desync_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """The last rank's scale is changed at window 2; the audit runs every 3 windows."""
     model = ddp(make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, audit_every=3)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        audit_every=3,
+    )
     for step in range(1, 7):
         try:
             window(guard, model, step, rank, world)
         except ag.DesyncError as exc:
-            return {"step": step, "ranks": exc.ranks, "message": str(exc),
-                    "differences": exc.differences, "code": exc.finding.code}
+            return {
+                "step": step,
+                "ranks": exc.ranks,
+                "message": str(exc),
+                "differences": exc.differences,
+                "code": exc.finding.code,
+            }
         if step == 2 and rank == world - 1:
             guard._scaler.fill_(64.0)
     return {"step": None}
@@ -406,8 +502,14 @@ def desync_warns(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def _desync_policy(rank: int, world: int, policy: str) -> dict[str, Any]:
     """Rank 1's scale and first weight change after window 1; the audit runs every 2 windows."""
     model = ddp(make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, audit_every=2, on_desync=policy)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        audit_every=2,
+        on_desync=policy,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, 4):
@@ -416,26 +518,32 @@ def _desync_policy(rank: int, world: int, policy: str) -> dict[str, Any]:
                 guard._scaler.fill_(64.0)
                 with torch.no_grad():
                     model.module[0].weight.add_(1.0)
-    return {"scale": guard.scale, "params": flat(model),
-            "warnings": [str(w.message) for w in caught if "out of sync" in str(w.message)]}
+    return {
+        "scale": guard.scale,
+        "params": flat(model),
+        "warnings": [str(w.message) for w in caught if "out of sync" in str(w.message)],
+    }
 
 
-def _resume_case(rank: int, world: int, tmp: str, wrap: Callable[[nn.Module], nn.Module],
-                 folder: str) -> dict[str, Any]:
+def _resume_case(
+    rank: int, world: int, tmp: str, wrap: Callable[[nn.Module], nn.Module], folder: str
+) -> dict[str, Any]:
     path = os.path.join(tmp, folder)
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, ag.Guard]:
         model = wrap(make_model(seed))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, opt, ag.Guard(model, opt, precision="fp16", scaler=SCALE,
-                                    accumulation_steps=2)
+        return (
+            model,
+            opt,
+            ag.Guard(model, opt, precision="fp16", scaler=SCALE, accumulation_steps=2),
+        )
 
     model, opt, guard = build(0)
     for step in range(1, 4):
         faulty_window(guard, model, step, rank, world, bad=step == 2 and rank == 0)
     torch.manual_seed(100 + rank)  # each rank's own RNG stream must come back on resume
-    save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard,
-                                extra={"step": 3})
+    save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard, extra={"step": 3})
     rng_after_save = torch.rand(3)
     for step in range(4, 7):
         window(guard, model, step, rank, world)
@@ -446,10 +554,16 @@ def _resume_case(rank: int, world: int, tmp: str, wrap: Callable[[nn.Module], nn
     loaded_scale = guard2.scale
     for step in range(4, 7):
         window(guard2, model2, step, rank, world)
-    return {"equal": bool(torch.equal(uninterrupted, flat(model2))), "extra": extra,
-            "scale": guard2.scale, "loaded_scale": loaded_scale, "skipped": guard2.skipped_steps,
-            "rng_restored": rng_restored, "rng": rng_after_save,
-            "files": sorted(os.listdir(tmp))}
+    return {
+        "equal": bool(torch.equal(uninterrupted, flat(model2))),
+        "extra": extra,
+        "scale": guard2.scale,
+        "loaded_scale": loaded_scale,
+        "skipped": guard2.skipped_steps,
+        "rng_restored": rng_restored,
+        "rng": rng_after_save,
+        "files": sorted(os.listdir(tmp)),
+    }
 
 
 def ddp_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -464,8 +578,9 @@ def hook_drops_nan_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """The last rank's batch is NaN; the hook leaves it out and the step is applied."""
     model = ddp(make_model())
     register_nonfinite_safe_hook(model)
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=SCALE
+    )
     x, y = batch(1, 0, ROWS * world)
     x, y = shard(x, rank), shard(y, rank)
     if rank == world - 1:
@@ -474,20 +589,25 @@ def hook_drops_nan_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
         loss = nn.functional.mse_loss(model(x).float(), y)
     guard.backward(loss)
     applied = guard.step().applied
-    return {"applied": applied, "params": flat(model),
-            "hook": guard.distributed.summary()["hook"],
-            "codes": [f.code for f in guard.distributed.findings()]}
+    return {
+        "applied": applied,
+        "params": flat(model),
+        "hook": guard.distributed.summary()["hook"],
+        "codes": [f.code for f in guard.distributed.findings()],
+    }
 
 
 def healthy_ranks_step(world: int) -> torch.Tensor:
     """Reference (run in the test process): one step on the healthy ranks' rows only."""
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=SCALE
+    )
     x, y = batch(1, 0, ROWS * world)
     with guard.autocast():
-        loss = nn.functional.mse_loss(model(x[: ROWS * (world - 1)]).float(),
-                                      y[: ROWS * (world - 1)])
+        loss = nn.functional.mse_loss(
+            model(x[: ROWS * (world - 1)]).float(), y[: ROWS * (world - 1)]
+        )
     guard.backward(loss)
     guard.step()
     return flat(model)
@@ -496,8 +616,13 @@ def healthy_ranks_step(world: int) -> torch.Tensor:
 def rank_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """The last rank raises between backward and step; the others must fail fast, not hang."""
     model = ddp(make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, peer_timeout=PEER)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        peer_timeout=PEER,
+    )
 
     def crash() -> None:
         raise RuntimeError("simulated crash on the last rank")
@@ -508,8 +633,12 @@ def rank_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
         window(guard, model, 2, rank, world, crash if rank == world - 1 else None)
         window(guard, model, 3, rank, world)  # plain DDP: no consensus; the backward fails
     except PeerFailureError as exc:
-        return {"error": type(exc).__name__, "message": str(exc), "ranks": exc.ranks,
-                "seconds": time.monotonic() - started}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "ranks": exc.ranks,
+            "seconds": time.monotonic() - started,
+        }
     return {"error": None}
 
 
@@ -520,8 +649,14 @@ SLEEP = 7.0  # a hung rank's pause: longer than the survivors' timeout + roll ca
 
 def _failing(kind: str, rank: int, world: int, **kwargs: Any) -> tuple[nn.Module, ag.Guard]:
     model = {"ddp": ddp, "fsdp2": fsdp2, "plain": lambda m: m}[kind](make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=SCALE, peer_timeout=PEER, **kwargs)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=SCALE,
+        peer_timeout=PEER,
+        **kwargs,
+    )
     return model, guard
 
 
@@ -530,8 +665,12 @@ def _until_failure(run: Callable[[], None]) -> dict[str, Any]:
     try:
         run()
     except PeerFailureError as exc:
-        return {"error": "PeerFailureError", "ranks": exc.ranks, "message": str(exc),
-                "seconds": time.monotonic() - started}
+        return {
+            "error": "PeerFailureError",
+            "ranks": exc.ranks,
+            "message": str(exc),
+            "seconds": time.monotonic() - started,
+        }
     return {"error": None, "seconds": time.monotonic() - started}
 
 
@@ -540,12 +679,14 @@ def _sleep_before_step(kind: str, rank: int, world: int) -> dict[str, Any]:
     model, guard = _failing(kind, rank, world, audit_every=None)
     window(guard, model, 1, rank, world)
     if rank == world - 1:
-        return _until_failure(lambda: window(guard, model, 2, rank, world,
-                                             lambda: time.sleep(SLEEP)))
+        return _until_failure(
+            lambda: window(guard, model, 2, rank, world, lambda: time.sleep(SLEEP))
+        )
 
     def survivor() -> None:
         for step in range(2, 5):
             window(guard, model, step, rank, world)
+
     return _until_failure(survivor)
 
 
@@ -560,6 +701,7 @@ def _sleep_in_audit(kind: str, rank: int, world: int) -> dict[str, Any]:
     def run() -> None:
         for step in range(1, 4):
             window(guard, model, step, rank, world)
+
     return _until_failure(run)
 
 
@@ -607,17 +749,37 @@ def crash_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from ampguard.demo.distributed import run_distributed_demo
 
-    return run_distributed_demo("fsdp2", steps=40, out=os.path.join(tmp, "demo-fsdp2"),
-                                progress=False, quiet=True)
+    return run_distributed_demo(
+        "fsdp2", steps=40, out=os.path.join(tmp, "demo-fsdp2"), progress=False, quiet=True
+    )
 
 
 SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
-    f.__name__: f for f in (inf_on_one_rank, ddp_accumulation, ddp_containment, fsdp2_vs_ddp,
-                            desync_raises, desync_repairs, desync_warns, ddp_resume, fsdp2_resume,
-                            hook_drops_nan_rank, rank_raises, demo_fsdp2, inf_after_reduce,
-                            fault_after_reduce_plain_ddp, sleep_before_step_ddp,
-                            sleep_before_step_fsdp2, sleep_before_step_plain, sleep_in_audit_ddp,
-                            sleep_in_audit_fsdp2, sleep_in_audit_plain, crash_ddp, crash_fsdp2)
+    f.__name__: f
+    for f in (
+        inf_on_one_rank,
+        ddp_accumulation,
+        ddp_containment,
+        fsdp2_vs_ddp,
+        desync_raises,
+        desync_repairs,
+        desync_warns,
+        ddp_resume,
+        fsdp2_resume,
+        hook_drops_nan_rank,
+        rank_raises,
+        demo_fsdp2,
+        inf_after_reduce,
+        fault_after_reduce_plain_ddp,
+        sleep_before_step_ddp,
+        sleep_before_step_fsdp2,
+        sleep_before_step_plain,
+        sleep_in_audit_ddp,
+        sleep_in_audit_fsdp2,
+        sleep_in_audit_plain,
+        crash_ddp,
+        crash_fsdp2,
+    )
 }
 
 
@@ -626,15 +788,20 @@ def fsdp2_bf16_nonfinite(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """FSDP2 in bf16; at window 2 one rank's local gradient shard gets a NaN: every rank must
     skip that window (the check is rank-local, the consensus makes it global)."""
     model = fsdp2(make_model())
-    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision="bf16",
-                     clip_grad_norm=1.0)
+    guard = ag.Guard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision="bf16", clip_grad_norm=1.0
+    )
     applied = []
     for step in range(1, 5):
         hit = _poison(model, float("nan")) if (step == 2 and rank == world - 1) else None
         applied.append(window(guard, model, step, rank, world, hit).applied)
     params = flat(model)
-    return {"applied": applied, "params": params, "finite": bool(torch.isfinite(params).all()),
-            "nonfinite": guard.diagnostics()["skipped_by_cause"]["nonfinite"]}
+    return {
+        "applied": applied,
+        "params": params,
+        "finite": bool(torch.isfinite(params).all()),
+        "nonfinite": guard.diagnostics()["skipped_by_cause"]["nonfinite"],
+    }
 
 
 SCENARIOS[fsdp2_bf16_nonfinite.__name__] = fsdp2_bf16_nonfinite

@@ -23,8 +23,9 @@ def data(seed: int = 0, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mlp(width: int = 32, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                         nn.Linear(width, OUT))
+    return nn.Sequential(
+        nn.Linear(IN, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, OUT)
+    )
 
 
 class DeadBranch(nn.Module):
@@ -79,8 +80,15 @@ class WideRange(nn.Module):
         return self.main(x) + tiny + huge
 
 
-def train(guard: ag.Guard, model: nn.Module, steps: int, *, amp: float = 1.0, seed: int = 0,
-          inject: set[int] | None = None) -> list[ag.StepResult]:
+def train(
+    guard: ag.Guard,
+    model: nn.Module,
+    steps: int,
+    *,
+    amp: float = 1.0,
+    seed: int = 0,
+    inject: set[int] | None = None,
+) -> list[ag.StepResult]:
     """``steps`` windows on fixed data; ``amp`` multiplies the loss; ``inject`` lists the
     (1-based) steps whose first gradient is set to inf after backward."""
     x, y = data(seed)
@@ -91,44 +99,63 @@ def train(guard: ag.Guard, model: nn.Module, steps: int, *, amp: float = 1.0, se
                 loss = nn.functional.mse_loss(model(x).float(), y) * amp
             guard.backward(loss)
         if inject and guard.steps + 1 in inject:
-            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = \
-                float("inf")
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float(
+                "inf"
+            )
         out.append(guard.step())
     return out
 
 
-def run(run_dir: Path, model: nn.Module, steps: int, *, scaler: ag.ScalerConfig | None = None,
-        amp: float = 1.0, inject: set[int] | None = None, lr: float = 1e-3,
-        layer_every: int = 1, range_every: int = 5, **guard_kwargs) -> Path:
+def run(
+    run_dir: Path,
+    model: nn.Module,
+    steps: int,
+    *,
+    scaler: ag.ScalerConfig | None = None,
+    amp: float = 1.0,
+    inject: set[int] | None = None,
+    lr: float = 1e-3,
+    layer_every: int = 1,
+    range_every: int = 5,
+    **guard_kwargs,
+) -> Path:
     """Train ``model`` in fp16 with telemetry into ``run_dir``; returns ``run_dir``."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    tel = ag.Telemetry(run_dir, flush_every=16, layer_every=layer_every,
-                       range_every=range_every)
-    with ag.Guard(model, opt, precision="fp16", scaler=scaler, telemetry=tel,
-                  **guard_kwargs) as guard:
+    tel = ag.Telemetry(run_dir, flush_every=16, layer_every=layer_every, range_every=range_every)
+    with ag.Guard(
+        model, opt, precision="fp16", scaler=scaler, telemetry=tel, **guard_kwargs
+    ) as guard:
         train(guard, model, steps, amp=amp, inject=inject)
     return run_dir
 
 
-def resumed(run_dir: Path, *, restore_guard: bool, before: int = 30, after: int = 20,
-            range_every: int = 100) -> Path:
+def resumed(
+    run_dir: Path, *, restore_guard: bool, before: int = 30, after: int = 20, range_every: int = 100
+) -> Path:
     """Train, checkpoint (with or without the Guard's state), then resume in a new process-like
     setup (new model, optimizer, Guard, Telemetry on the same folder) and train on."""
     scaler = ag.ScalerConfig(growth_interval=1000)
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = run_dir / "ckpt.pt"
-    with ag.Guard(model, opt, precision="fp16", scaler=scaler,
-                  telemetry=ag.Telemetry(run_dir, flush_every=8,
-                                         range_every=range_every)) as guard:
+    with ag.Guard(
+        model,
+        opt,
+        precision="fp16",
+        scaler=scaler,
+        telemetry=ag.Telemetry(run_dir, flush_every=8, range_every=range_every),
+    ) as guard:
         train(guard, model, before, amp=1e3)  # the scale backs off from 65536
-        ag.save_checkpoint(ckpt, model=model, optimizer=opt,
-                           guard=guard if restore_guard else None)
+        ag.save_checkpoint(ckpt, model=model, optimizer=opt, guard=guard if restore_guard else None)
     model = mlp(seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with ag.Guard(model, opt, precision="fp16", scaler=scaler,
-                  telemetry=ag.Telemetry(run_dir, flush_every=8,
-                                         range_every=range_every)) as guard:
+    with ag.Guard(
+        model,
+        opt,
+        precision="fp16",
+        scaler=scaler,
+        telemetry=ag.Telemetry(run_dir, flush_every=8, range_every=range_every),
+    ) as guard:
         ag.load_checkpoint(ckpt, model=model, optimizer=opt, guard=guard)
         train(guard, model, after, amp=1e3)
     return run_dir

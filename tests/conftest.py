@@ -17,8 +17,13 @@ def _seed():
 @pytest.fixture
 def world_of_one(tmp_path):
     """A one-rank gloo process group for the test (file store in tmp_path), destroyed after."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+    )
     try:
         yield
     finally:

@@ -194,8 +194,14 @@ def test_healthy_probe_gives_only_an_fp16_plan(batch):
 
 
 def test_batchnorm_heavy_model_is_flagged():
-    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
-                          nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.BatchNorm1d(32),
+        nn.Linear(32, 4),
+    )
     f = one(ag.inspect_model(model), "AG320")
     assert f.evidence["modules"] == ["1", "4"]
 
@@ -247,8 +253,7 @@ def test_custom_function_found_in_the_autograd_graph(batch):
 
 def test_optimizer_with_fp16_parameters_is_an_error():
     model = mlp().half()
-    f = one(ag.inspect_model(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
-            "AG323")
+    f = one(ag.inspect_model(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), "AG323")
     assert f.severity == "error" and f.evidence["fp16_params"] == 4
 
 
@@ -300,8 +305,13 @@ def test_the_plan_stops_overflow_in_a_real_guard(batch):
     for plan in ([], keep):
         m = Deep()
         m.load_state_dict(model.state_dict())
-        guard = ag.Guard(m, torch.optim.SGD(m.parameters(), lr=0.01), precision="fp16",
-                         keep_fp32=plan, scaler=ag.ScalerConfig(on_collapse="warn"))
+        guard = ag.Guard(
+            m,
+            torch.optim.SGD(m.parameters(), lr=0.01),
+            precision="fp16",
+            keep_fp32=plan,
+            scaler=ag.ScalerConfig(on_collapse="warn"),
+        )
         overflowed[tuple(plan)] = []
         for _ in range(4):
             with guard.autocast():
@@ -312,8 +322,9 @@ def test_the_plan_stops_overflow_in_a_real_guard(batch):
 
 
 def test_consumer_of_a_big_fp32_value_is_kept_in_fp32_too(batch):
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
     with torch.no_grad():
         model[2].bias.fill_(1e5)
     plan = one(ag.inspect_model(model, batch, mse), "AG331")
@@ -339,7 +350,8 @@ def test_activations_near_fp16_max_warn(batch):
 def test_gradient_overflow_at_scale_one_recommends_bf16(batch):
     model = mlp()
     findings = ag.inspect_model(
-        model, batch, lambda m, b: 1e7 * F.mse_loss(m(b[0]), b[1], reduction="sum"))
+        model, batch, lambda m, b: 1e7 * F.mse_loss(m(b[0]), b[1], reduction="sum")
+    )
     assert one(findings, "AG328").severity == "error"
     assert one(findings, "AG331").evidence["precision"] == "bf16"
 
@@ -401,8 +413,7 @@ def test_experiment_supplies_batch_loss_and_optimizer(batch):
 
 def test_findings_are_json_serialisable(batch):
     model = Deep()
-    findings = ag.inspect_model(model, batch, mse,
-                                optimizer=torch.optim.Adam(model.parameters()))
+    findings = ag.inspect_model(model, batch, mse, optimizer=torch.optim.Adam(model.parameters()))
     assert json.loads(json.dumps([f.to_dict() for f in findings]))
 
 
@@ -410,8 +421,7 @@ def test_findings_are_json_serialisable(batch):
 
 
 def test_probe_restores_buffers_grads_and_rng(batch):
-    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5),
-                          nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
     mse(model, batch).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     stats = model[1].running_mean.clone(), model[1].num_batches_tracked.clone()

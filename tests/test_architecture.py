@@ -70,9 +70,13 @@ def imports_of(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> s
             for alias in node.names:
                 sub = f"{module}.{alias.name}"
                 out.add(sub if sub in known else _top_or_ours(module))
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", None) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             out.add(_top_or_ours(node.args[0].value))
     out.discard(name)
     return {m for m in out if m == "torch" or m.startswith("ampguard")}
@@ -203,8 +207,11 @@ def lint_violations(graph: Graph) -> list[str]:
     bad = []
     for src, targets in sorted(graph.items()):
         if unit(src) == "lint":
-            bad += [f"{src} -> {t}" for t in sorted(targets - {"torch"})
-                    if unit(t) not in LINT_MAY_IMPORT]
+            bad += [
+                f"{src} -> {t}"
+                for t in sorted(targets - {"torch"})
+                if unit(t) not in LINT_MAY_IMPORT
+            ]
     return bad
 
 
@@ -231,16 +238,22 @@ def test_a_clean_synthetic_graph_passes_every_check():
 def test_an_injected_upward_import_fails():
     graph = {**SYNTHETIC, "ampguard.core.scaler": {"torch", "ampguard.guard"}}
     assert arrows_against(graph) == [
-        "ampguard.core.scaler -> ampguard.guard: core (layer 1) may not import guard (layer 4)"]
+        "ampguard.core.scaler -> ampguard.guard: core (layer 1) may not import guard (layer 4)"
+    ]
     assert cycles(unit_edges(graph)) == [{"core", "guard", "telemetry"}]
 
 
 def test_a_sideways_import_and_an_unplaced_unit_fail():
-    graph = {**SYNTHETIC, "ampguard.telemetry": {"ampguard.forensics"},
-             "ampguard.newthing": {"ampguard.findings"}}
+    graph = {
+        **SYNTHETIC,
+        "ampguard.telemetry": {"ampguard.forensics"},
+        "ampguard.newthing": {"ampguard.findings"},
+    }
     bad = arrows_against(graph)
-    assert "ampguard.telemetry -> ampguard.forensics: telemetry (layer 3) may not import " \
-           "forensics (layer 3)" in bad
+    assert (
+        "ampguard.telemetry -> ampguard.forensics: telemetry (layer 3) may not import "
+        "forensics (layer 3)" in bad
+    )
     assert "ampguard.newthing -> ampguard.findings: unit 'newthing' is not in LAYERS" in bad
 
 
@@ -248,7 +261,8 @@ def test_lint_reaching_torch_or_core_fails():
     graph = {**SYNTHETIC, "ampguard.lint": {"ampguard.findings", "ampguard.core.scaler"}}
     assert lint_violations(graph) == ["ampguard.lint -> ampguard.core.scaler"]
     assert reaches_torch(graph, ["ampguard.lint"]) == {
-        "ampguard.lint": ["ampguard.lint", "ampguard.core.scaler", "torch"]}
+        "ampguard.lint": ["ampguard.lint", "ampguard.core.scaler", "torch"]
+    }
 
 
 def test_imports_inside_functions_type_checking_and_import_module_are_read():
@@ -263,12 +277,16 @@ def test_imports_inside_functions_type_checking_and_import_module_are_read():
     )
     known = {"ampguard.runlog", "ampguard.core._x"}
     found = imports_of(ast.parse(source), "ampguard.core.y", False, known)
-    assert found == {"ampguard.guard", "ampguard.runlog", "torch", "ampguard.forensics",
-                     "ampguard.core._x"}
+    assert found == {
+        "ampguard.guard",
+        "ampguard.runlog",
+        "torch",
+        "ampguard.forensics",
+        "ampguard.core._x",
+    }
 
 
 # ---- the real package --------------------------------------------------------------------------
-
 
 
 def test_every_import_points_down_the_layers():
@@ -323,17 +341,20 @@ def test_type_checking_block_names_every_export():
     assert seen == ampguard._EXPORTS
 
 
-@pytest.mark.parametrize("path, name", [
-    ("ampguard.fp32_islands", "keep_fp32"),  # README: Forensics
-    ("ampguard.distributed_hooks", "register_nonfinite_safe_hook"),  # README: Distributed
-    ("ampguard.distributed", "PeerFailureError"),
-    ("ampguard.rules", "RuleConfig"),
-    ("ampguard.integrations.transformers", "AmpGuardCallback"),
-    ("ampguard.integrations.lightning", "AmpGuardCallback"),
-    ("ampguard.integrations.accelerate", "watch_accelerator"),
-    ("ampguard.integrations.sinks", "WandbSink"),
-    ("ampguard.integrations", "grad_scaler"),
-])
+@pytest.mark.parametrize(
+    "path, name",
+    [
+        ("ampguard.fp32_islands", "keep_fp32"),  # README: Forensics
+        ("ampguard.distributed_hooks", "register_nonfinite_safe_hook"),  # README: Distributed
+        ("ampguard.distributed", "PeerFailureError"),
+        ("ampguard.rules", "RuleConfig"),
+        ("ampguard.integrations.transformers", "AmpGuardCallback"),
+        ("ampguard.integrations.lightning", "AmpGuardCallback"),
+        ("ampguard.integrations.accelerate", "watch_accelerator"),
+        ("ampguard.integrations.sinks", "WandbSink"),
+        ("ampguard.integrations", "grad_scaler"),
+    ],
+)
 def test_import_paths_the_readme_documents_still_work(path, name):
     import importlib
 

@@ -65,8 +65,10 @@ def problems(text: str) -> list[str]:
         if code not in CATALOGUE:
             bad.append(f"line {line}: {code} is not in the catalogue")
         elif stated and CATALOGUE[code].severity not in stated:
-            bad.append(f"line {line}: {code} is {'/'.join(sorted(stated))} here but "
-                       f"{CATALOGUE[code].severity} in the catalogue")
+            bad.append(
+                f"line {line}: {code} is {'/'.join(sorted(stated))} here but "
+                f"{CATALOGUE[code].severity} in the catalogue"
+            )
     return bad
 
 
@@ -75,19 +77,40 @@ def _pages() -> list[Path]:
 
 
 def test_scanner_reads_the_table_forms() -> None:
-    text = "\n".join([
-        "| code | severity | title |", "|---|---|---|",
-        "| AG101 | error | x |", "| `AG102` | warning | x |", "| [AG103](#ag103) | warning | x |",
-        "| AG999 | info | x |", "", "| verdict | code |", "| --- | --- |", "| `amp_ok` | AG333 |",
-        "", "| code | catches |", "|---|---|", "| AG213 (warning) | x |", "| AG201 | x |",
-        "| not a code | AG2010 |",
-    ])
+    text = "\n".join(
+        [
+            "| code | severity | title |",
+            "|---|---|---|",
+            "| AG101 | error | x |",
+            "| `AG102` | warning | x |",
+            "| [AG103](#ag103) | warning | x |",
+            "| AG999 | info | x |",
+            "",
+            "| verdict | code |",
+            "| --- | --- |",
+            "| `amp_ok` | AG333 |",
+            "",
+            "| code | catches |",
+            "|---|---|",
+            "| AG213 (warning) | x |",
+            "| AG201 | x |",
+            "| not a code | AG2010 |",
+        ]
+    )
     rows = [(code, stated) for _, code, stated in table_rows(text)]
-    assert rows == [("AG101", {"error"}), ("AG102", {"warning"}), ("AG103", {"warning"}),
-                    ("AG999", {"info"}), ("AG333", set()), ("AG213", {"warning"}),
-                    ("AG201", set())]
-    assert problems(text) == ["line 6: AG999 is not in the catalogue",
-                              "line 14: AG213 is warning here but info in the catalogue"]
+    assert rows == [
+        ("AG101", {"error"}),
+        ("AG102", {"warning"}),
+        ("AG103", {"warning"}),
+        ("AG999", {"info"}),
+        ("AG333", set()),
+        ("AG213", {"warning"}),
+        ("AG201", set()),
+    ]
+    assert problems(text) == [
+        "line 6: AG999 is not in the catalogue",
+        "line 14: AG213 is warning here but info in the catalogue",
+    ]
 
 
 def test_docs_code_tables_match_the_catalogue() -> None:
@@ -100,8 +123,13 @@ def test_docs_code_tables_match_the_catalogue() -> None:
     # the scan finds the tables: the generated catalogue lists every code, README the verdicts
     assert seen >= set(CATALOGUE)
     # ... and each capability page holds its own table (the README links to them)
-    for page, code in (("telemetry", "AG101"), ("lint", "AG201"), ("forensics", "AG301"),
-                       ("compare", "AG333"), ("fp8", "AG340")):
+    for page, code in (
+        ("telemetry", "AG101"),
+        ("lint", "AG201"),
+        ("forensics", "AG301"),
+        ("compare", "AG333"),
+        ("fp8", "AG340"),
+    ):
         text = (ROOT / "docs" / f"{page}.md").read_text("utf-8")
         assert code in {c for _, c, _ in table_rows(text)}, (page, code)
 
@@ -186,13 +214,15 @@ def test_verdict_and_plan_codes_are_catalogued() -> None:
 def test_forensics_titles_start_with_the_catalogue_title() -> None:
     from ampguard.forensics import Diagnosis
 
-    cases = [Diagnosis("none", None, None, None),
-             Diagnosis("fp16_overflow", "forward", "fc1", "aten.mm"),
-             Diagnosis("fp16_overflow", "backward", "fc1", "aten.mm", precision="bf16"),
-             Diagnosis("fp16_underflow", "backward", "fc1", None),
-             Diagnosis("model_nonfinite", "forward", "fc1", "aten.log"),
-             Diagnosis("input_nonfinite", "forward", "fc1", "aten.mm"),
-             Diagnosis("none", "backward", "fc1", "aten.mm", benign=True)]
+    cases = [
+        Diagnosis("none", None, None, None),
+        Diagnosis("fp16_overflow", "forward", "fc1", "aten.mm"),
+        Diagnosis("fp16_overflow", "backward", "fc1", "aten.mm", precision="bf16"),
+        Diagnosis("fp16_underflow", "backward", "fc1", None),
+        Diagnosis("model_nonfinite", "forward", "fc1", "aten.log"),
+        Diagnosis("input_nonfinite", "forward", "fc1", "aten.mm"),
+        Diagnosis("none", "backward", "fc1", "aten.mm", benign=True),
+    ]
     for d in cases:
         f = d.to_finding(step=3)
         assert f.severity == CATALOGUE[f.code].severity

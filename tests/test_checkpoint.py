@@ -54,8 +54,9 @@ def temp_files(folder: Path) -> list[Path]:
 # ---------------------------------------------------------------------- round trips
 def test_checkpoint_file_loads_with_plain_torch_weights_only(tmp_path):
     model, opt, guard = trained()
-    ag.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, guard=guard,
-                       extra={"epoch": 3})
+    ag.save_checkpoint(
+        tmp_path / "c.pt", model=model, optimizer=opt, guard=guard, extra={"epoch": 3}
+    )
     data = torch.load(tmp_path / "c.pt", weights_only=True)
     assert data["guard"] == guard.state_dict() and data["extra"] == {"epoch": 3}
 
@@ -67,8 +68,11 @@ def test_round_trip_restores_model_optimizer_guard_and_extra(tmp_path):
     model2, opt2, guard2 = fresh()
     got = ag.load_checkpoint(tmp_path / "c.pt", model=model2, optimizer=opt2, guard=guard2)
     assert got.keys() == extra.keys() and torch.equal(got["t"], extra["t"])
-    assert {k: got[k] for k in ("epoch", "name", "best")} == {"epoch": 3, "name": "run",
-                                                             "best": [0.5, None]}
+    assert {k: got[k] for k in ("epoch", "name", "best")} == {
+        "epoch": 3,
+        "name": "run",
+        "best": [0.5, None],
+    }
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
     assert guard2.state_dict() == guard.state_dict()
@@ -91,8 +95,10 @@ def test_scheduler_and_rng_state_round_trip(tmp_path):
 
 def test_optimizer_count_mismatch_is_a_checkpoint_error(tmp_path):
     model = make_model()
-    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
-            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    opts = [
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    ]
     ag.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opts)
     with pytest.raises(ag.CheckpointError, match=r"holds 2 optimizer state\(s\), 1 optimizer"):
         ag.load_checkpoint(tmp_path / "c.pt", model=model, optimizer=opts[0])
@@ -106,13 +112,16 @@ def test_model_that_does_not_fit_is_a_checkpoint_error_naming_the_path(tmp_path)
 
 
 # ---------------------------------------------------------------------- extra validation
-@pytest.mark.parametrize(("extra", "where"), [
-    ({"obj": object()}, r"extra\['obj'\] holds a object"),
-    ({"run": {"dir": Path("/tmp")}}, r"extra\['run'\]\['dir'\] holds a PosixPath"),
-    ({"steps": [1, 2, {3, 4}]}, r"extra\['steps'\]\[2\] holds a set"),
-    ({(1, 2): 3}, "extra has a key of type tuple"),
-    ("epoch=3", "extra must be a dict or None"),
-])
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"obj": object()}, r"extra\['obj'\] holds a object"),
+        ({"run": {"dir": Path("/tmp")}}, r"extra\['run'\]\['dir'\] holds a PosixPath"),
+        ({"steps": [1, 2, {3, 4}]}, r"extra\['steps'\]\[2\] holds a set"),
+        ({(1, 2): 3}, "extra has a key of type tuple"),
+        ("epoch=3", "extra must be a dict or None"),
+    ],
+)
 def test_non_plain_extra_is_a_type_error_at_save_time(tmp_path, extra, where):
     target = tmp_path / "c.pt"
     ag.save_checkpoint(target, model=make_model(), extra={"i": 1})
@@ -165,15 +174,21 @@ def kill_writer_at(folder: Path, moment: str) -> tuple[list[str], list[Path]]:
     """Run the writer, SIGKILL it at ``moment``; return the logged saves and stray temp files."""
     script, log, target = folder / "writer.py", folder / "saved.log", folder / "ckpt.pt"
     script.write_text(WRITER)
-    proc = subprocess.Popen([sys.executable, str(script), str(target), str(log)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(target), str(log)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(lambda: log.exists() and log.read_text().count("\n") >= 2, 60, "first saves")
         if moment == "temp file created":
             wait_for(lambda: temp_files(folder), 20, moment)
         elif moment == "temp file half written":
-            wait_for(lambda: any(p.stat().st_size > 2**21 for p in temp_files(folder)
-                                 if p.exists()), 20, moment)
+            wait_for(
+                lambda: any(p.stat().st_size > 2**21 for p in temp_files(folder) if p.exists()),
+                20,
+                moment,
+            )
         else:
             time.sleep(float(moment))
         os.kill(proc.pid, signal.SIGKILL)
@@ -248,15 +263,23 @@ def write_truncated(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize(("make", "reason"), [
-    (write_truncated, "corrupt or truncated"),
-    (lambda p: p.write_bytes(random.Random(0).randbytes(4096)), "corrupt"),
-    (lambda p: p.write_bytes(b""), "corrupt or truncated"),
-    (lambda p: torch.save([1, 2, 3], p), "top level is list"),
-    (lambda p: torch.save({"weights": torch.ones(2)}, p), "not a checkpoint ampguard understands"),
-    (lambda p: torch.save({"format": "ampguard.checkpoint", "version": 99, "model": {}}, p),
-     "unsupported ampguard checkpoint version 99"),
-])
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (write_truncated, "corrupt or truncated"),
+        (lambda p: p.write_bytes(random.Random(0).randbytes(4096)), "corrupt"),
+        (lambda p: p.write_bytes(b""), "corrupt or truncated"),
+        (lambda p: torch.save([1, 2, 3], p), "top level is list"),
+        (
+            lambda p: torch.save({"weights": torch.ones(2)}, p),
+            "not a checkpoint ampguard understands",
+        ),
+        (
+            lambda p: torch.save({"format": "ampguard.checkpoint", "version": 99, "model": {}}, p),
+            "unsupported ampguard checkpoint version 99",
+        ),
+    ],
+)
 def test_bad_file_is_a_checkpoint_error_naming_the_path(tmp_path, make, reason):
     path = tmp_path / "bad.pt"
     make(path)
@@ -290,11 +313,13 @@ def test_plain_loop_checkpoint_loads_with_a_scale_restart_warning(tmp_path):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "c.pt")
     model2, opt2, guard2 = fresh()
     with pytest.warns(RuntimeWarning, match="restarts at init_scale=65536"):
-        assert ag.load_checkpoint(tmp_path / "c.pt", model=model2, optimizer=opt2,
-                                  guard=guard2) == {}
+        assert (
+            ag.load_checkpoint(tmp_path / "c.pt", model=model2, optimizer=opt2, guard=guard2) == {}
+        )
     assert guard2.scale == 2.0**16 and guard2.resume["scale_reset"] is True
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(),
-                                                  strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True)
+    )
     assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
@@ -303,12 +328,18 @@ def test_plain_loop_grad_scaler_state_is_adopted_and_training_continues_bitwise(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     torch_loop(model, opt, scaler, range(4))
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scaler": scaler.state_dict()}, tmp_path / "c.pt")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict()},
+        tmp_path / "c.pt",
+    )
     model2 = make_model(seed=5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    guard2 = ag.Guard(model2, opt2, precision="fp16", scaler=ag.ScalerConfig(
-        init_scale=2.0**10, growth_interval=2))
+    guard2 = ag.Guard(
+        model2,
+        opt2,
+        precision="fp16",
+        scaler=ag.ScalerConfig(init_scale=2.0**10, growth_interval=2),
+    )
     with pytest.warns(RuntimeWarning, match="adopted the torch GradScaler state"):
         ag.load_checkpoint(tmp_path / "c.pt", model=model2, optimizer=opt2, guard=guard2)
     assert guard2.scale == scaler.get_scale()
@@ -320,5 +351,6 @@ def test_plain_loop_grad_scaler_state_is_adopted_and_training_continues_bitwise(
         guard2.backward(loss)
         guard2.step()
     assert guard2.scale == scaler.get_scale()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(),
-                                                  strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True)
+    )

@@ -62,8 +62,9 @@ def snapshot(model, opt, sched, guard):
     return {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
         "opt": copy.deepcopy(opt.state_dict()),
-        "param_groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
-                                       for g in opt.param_groups]),
+        "param_groups": copy.deepcopy(
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        ),
         "sched": copy.deepcopy(sched.state_dict()) if sched is not None else None,
         "guard": guard.state_dict() if guard is not None else None,
         "precision": guard.precision if guard is not None else None,
@@ -90,8 +91,9 @@ def assert_unchanged(before, model, opt, sched, guard):
 def saved(tmp_path, name="c.pt", **kw) -> Path:
     model, opt, sched, guard = run(**kw)
     path = tmp_path / name
-    ag.save_checkpoint(path, model=model, optimizer=opt, guard=guard, scheduler=sched,
-                       extra={"epoch": 3})
+    ag.save_checkpoint(
+        path, model=model, optimizer=opt, guard=guard, scheduler=sched, extra={"epoch": 3}
+    )
     return path
 
 
@@ -166,14 +168,22 @@ def test_no_flipped_byte_anywhere_loads_different_content(tmp_path):
 def test_a_checkpoint_from_plain_torch_save_still_loads_verified(tmp_path):
     # ampguard 0.1 wrote exactly this: torch.save of the payload dict, no digest of its own
     model, opt, sched, guard = run()
-    payload = {"format": "ampguard.checkpoint", "version": 1, "torch_version": "2.5.0",
-               "model": model.state_dict(), "optimizer": opt.state_dict(),
-               "guard": guard.state_dict(), "scheduler": sched.state_dict(),
-               "extra": {"epoch": 1}, "rng": {"cpu": torch.get_rng_state()}}
+    payload = {
+        "format": "ampguard.checkpoint",
+        "version": 1,
+        "torch_version": "2.5.0",
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "guard": guard.state_dict(),
+        "scheduler": sched.state_dict(),
+        "extra": {"epoch": 1},
+        "rng": {"cpu": torch.get_rng_state()},
+    }
     torch.save(payload, tmp_path / "v01.pt")
     live = run(seed=1)
-    assert ag.load_checkpoint(tmp_path / "v01.pt", model=live[0], optimizer=live[1],
-                              scheduler=live[2], guard=live[3]) == {"epoch": 1}
+    assert ag.load_checkpoint(
+        tmp_path / "v01.pt", model=live[0], optimizer=live[1], scheduler=live[2], guard=live[3]
+    ) == {"epoch": 1}
     assert same(live[0].state_dict(), model.state_dict())
     name, start, size = member_span(tmp_path / "v01.pt", "data/1")
     flip(tmp_path / "v01.pt", start + 1)
@@ -209,10 +219,16 @@ def test_save_writes_crcs_even_when_torch_is_told_not_to(tmp_path):
 
 
 # ---------------------------------------------------------------------- 2-3. models that do not fit
-@pytest.mark.parametrize(("live_kw", "match"), [
-    ({"hidden": 32}, r"'0.weight' has shape \(16, 8\) in the checkpoint, \(32, 8\) in the model"),
-    ({"extra_layer": True}, r"missing from the checkpoint: '3.bias', '3.weight'"),
-])
+@pytest.mark.parametrize(
+    ("live_kw", "match"),
+    [
+        (
+            {"hidden": 32},
+            r"'0.weight' has shape \(16, 8\) in the checkpoint, \(32, 8\) in the model",
+        ),
+        ({"extra_layer": True}, r"missing from the checkpoint: '3.bias', '3.weight'"),
+    ],
+)
 def test_a_model_that_does_not_fit_is_refused_and_nothing_is_loaded(tmp_path, live_kw, match):
     refused(saved(tmp_path), run(seed=1, **live_kw), match)
 
@@ -231,8 +247,9 @@ def test_a_tensor_of_another_dtype_is_refused(tmp_path):
 def test_a_mismatched_optimizer_leaves_the_model_unloaded(tmp_path):
     path = saved(tmp_path)
     model, _, _, guard = run(seed=1)
-    opt = torch.optim.AdamW([{"params": model[0].parameters()},
-                             {"params": model[2].parameters(), "lr": 1e-3}], lr=1e-2)
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 1e-3}], lr=1e-2
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     refused(path, (model, opt, sched, guard), r"1 parameter group\(s\) in the checkpoint, 2 in")
 
@@ -240,8 +257,12 @@ def test_a_mismatched_optimizer_leaves_the_model_unloaded(tmp_path):
 def test_optimizer_state_that_does_not_fit_the_parameters_is_refused(tmp_path):
     def swap(d):  # exp_avg of the first weight replaced by one of another shape
         d["optimizer"]["state"][0]["exp_avg"] = torch.zeros(4, 16)
-    refused(craft(saved(tmp_path), swap), run(seed=1),
-            r"'exp_avg' has shape \(4, 16\) in the checkpoint, the parameter needs \(16, 8\)")
+
+    refused(
+        craft(saved(tmp_path), swap),
+        run(seed=1),
+        r"'exp_avg' has shape \(4, 16\) in the checkpoint, the parameter needs \(16, 8\)",
+    )
 
 
 def test_an_optimizer_count_mismatch_leaves_everything(tmp_path):
@@ -257,35 +278,55 @@ def test_an_optimizer_count_mismatch_leaves_everything(tmp_path):
 # ---------------------------------------------------------------------- 5. crafted fields
 CRAFTED = {
     "rng is a string": (lambda d: d.update(rng="abc"), r"'rng' field is a str"),
-    "rng cpu is short": (lambda d: d["rng"].update(cpu=torch.zeros(3, dtype=torch.uint8)),
-                         r"rng\['cpu'\] is a torch.uint8 tensor of shape \(3,\)"),
+    "rng cpu is short": (
+        lambda d: d["rng"].update(cpu=torch.zeros(3, dtype=torch.uint8)),
+        r"rng\['cpu'\] is a torch.uint8 tensor of shape \(3,\)",
+    ),
     "rng cpu is float": (lambda d: d["rng"].update(cpu=torch.zeros(5056)), r"rng\['cpu'\]"),
     "rng cuda not a list": (lambda d: d["rng"].update(cuda=7), r"rng\['cuda'\] must be a list"),
     "optimizer is an int": (lambda d: d.update(optimizer=5), "not an optimizer state dict"),
-    "optimizer state is an int": (lambda d: d["optimizer"].update(state=3),
-                                  "not an optimizer state dict"),
-    "optimizer lr is a string": (lambda d: d["optimizer"]["param_groups"][0].update(lr="fast"),
-                                 r"'lr' is 'fast' in the checkpoint"),
-    "optimizer params not ints": (lambda d: d["optimizer"]["param_groups"][0].update(
-        params=["a"] * 4), "not a parameter group"),
-    "optimizer state for no parameter": (lambda d: d["optimizer"]["state"].update({99: {}}),
-                                         "parameter id 99, which no group holds"),
+    "optimizer state is an int": (
+        lambda d: d["optimizer"].update(state=3),
+        "not an optimizer state dict",
+    ),
+    "optimizer lr is a string": (
+        lambda d: d["optimizer"]["param_groups"][0].update(lr="fast"),
+        r"'lr' is 'fast' in the checkpoint",
+    ),
+    "optimizer params not ints": (
+        lambda d: d["optimizer"]["param_groups"][0].update(params=["a"] * 4),
+        "not a parameter group",
+    ),
+    "optimizer state for no parameter": (
+        lambda d: d["optimizer"]["state"].update({99: {}}),
+        "parameter id 99, which no group holds",
+    ),
     "guard is an int": (lambda d: d.update(guard=5), "not an ampguard Guard state"),
     "guard has no fields": (lambda d: d.update(guard={"version": 1}), "missing field"),
     "guard steps is a string": (lambda d: d["guard"].update(steps="7"), r"'steps' must be an int"),
-    "guard scale is negative": (lambda d: d["guard"]["scaler"].update(scale=-1.0),
-                                r"'scaler.scale' must be a finite number > 0"),
+    "guard scale is negative": (
+        lambda d: d["guard"]["scaler"].update(scale=-1.0),
+        r"'scaler.scale' must be a finite number > 0",
+    ),
     "guard precision unknown": (lambda d: d["guard"].update(precision="fp4"), r"'precision'"),
     "guard counters bad": (lambda d: d["guard"]["counters"].update(applied="x"), "'applied'"),
-    "guard history short": (lambda d: d["guard"]["scale_history"].update(values=[1.0]),
-                            "scale_history.values"),
-    "scheduler injects an attribute": (lambda d: d["scheduler"].update(optimizer={}),
-                                       r"unexpected field\(s\) 'optimizer'"),
-    "scheduler last_epoch is a string": (lambda d: d["scheduler"].update(last_epoch="x"),
-                                         "'last_epoch'"),
+    "guard history short": (
+        lambda d: d["guard"]["scale_history"].update(values=[1.0]),
+        "scale_history.values",
+    ),
+    "scheduler injects an attribute": (
+        lambda d: d["scheduler"].update(optimizer={}),
+        r"unexpected field\(s\) 'optimizer'",
+    ),
+    "scheduler last_epoch is a string": (
+        lambda d: d["scheduler"].update(last_epoch="x"),
+        "'last_epoch'",
+    ),
     "model is a list": (lambda d: d.update(model=[1]), "'model' field is a list"),
-    "model value is a string": (lambda d: d["model"].update({"0.bias": "x"}),
-                                "'0.bias' is a str in the checkpoint"),
+    "model value is a string": (
+        lambda d: d["model"].update({"0.bias": "x"}),
+        "'0.bias' is a str in the checkpoint",
+    ),
     "extra is an int": (lambda d: d.update(extra=5), "'extra' field is a int"),
 }
 
@@ -310,22 +351,46 @@ def test_a_plain_loop_checkpoint_with_its_own_rng_format_loads_without_touching_
 
 def test_a_plain_loop_scaler_with_a_bad_scale_is_refused(tmp_path):
     model, opt, sched, _ = run()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scaler": {"scale": float("nan"), "_growth_tracker": 0}}, tmp_path / "p.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scaler": {"scale": float("nan"), "_growth_tracker": 0},
+        },
+        tmp_path / "p.pt",
+    )
     live = run(seed=1)
-    refused(tmp_path / "p.pt", (live[0], live[1], None, live[3]),
-            r"scaler\['scale'\] must be a finite number > 0")
+    refused(
+        tmp_path / "p.pt",
+        (live[0], live[1], None, live[3]),
+        r"scaler\['scale'\] must be a finite number > 0",
+    )
 
 
 # ---------------------------------------------------------------------- 6. precision on resume
-@pytest.mark.parametrize(("saved_in", "live_in", "match"), [
-    ("bf16", "fp16", r"saved in bf16, this Guard was given precision='fp16' \(fp16\); training "
-                     r"continues in fp16 .* loss scale starts at init_scale=65536.*AG107"),
-    ("fp32", "fp16", r"saved in fp32, .*continues in fp16 .*init_scale=65536.*AG107"),
-    ("fp16", "bf16", r"saved in fp16, .*continues in bf16 .*saved fp16 loss scale \(\d+\) is "
-                     r"dropped"),
-    ("bf16", "fp32", r"saved in bf16, .*continues in fp32 .*neither precision uses a loss scale"),
-])
+@pytest.mark.parametrize(
+    ("saved_in", "live_in", "match"),
+    [
+        (
+            "bf16",
+            "fp16",
+            r"saved in bf16, this Guard was given precision='fp16' \(fp16\); training "
+            r"continues in fp16 .* loss scale starts at init_scale=65536.*AG107",
+        ),
+        ("fp32", "fp16", r"saved in fp32, .*continues in fp16 .*init_scale=65536.*AG107"),
+        (
+            "fp16",
+            "bf16",
+            r"saved in fp16, .*continues in bf16 .*saved fp16 loss scale \(\d+\) is "
+            r"dropped",
+        ),
+        (
+            "bf16",
+            "fp32",
+            r"saved in bf16, .*continues in fp32 .*neither precision uses a loss scale",
+        ),
+    ],
+)
 def test_the_constructors_precision_wins_with_a_warning(tmp_path, saved_in, live_in, match):
     path = saved(tmp_path, precision=saved_in)
     model, opt, sched, guard = run(seed=1, precision=live_in, steps=3)
@@ -364,8 +429,11 @@ def test_a_recorded_fallback_from_the_same_precision_is_resumed_with_a_warning(t
     model = make_model(seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = ag.Guard(model, opt, precision="fp16", scaler=COLLAPSING)
-    with pytest.warns(RuntimeWarning, match=r"automatic fallback fp16 -> bf16 at step \d+ .*"
-                                            r"precision='fp16'.*resumes in bf16"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"automatic fallback fp16 -> bf16 at step \d+ .*"
+        r"precision='fp16'.*resumes in bf16",
+    ):
         ag.load_checkpoint(path, model=model, optimizer=opt, guard=guard)
     assert guard.precision == "bf16" and not guard.uses_scaler
     assert guard.fallback is not None and guard.fallback["from"] == "fp16"
@@ -376,8 +444,11 @@ def test_a_recorded_fallback_from_another_precision_is_not_resumed(tmp_path):
     model = make_model(seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = ag.Guard(model, opt, precision="fp32", scaler=COLLAPSING)
-    with pytest.warns(RuntimeWarning, match=r"saved in bf16, .*precision='fp32'.*continues in "
-                                            "fp32"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"saved in bf16, .*precision='fp32'.*continues in "
+        "fp32",
+    ):
         ag.load_checkpoint(path, model=model, optimizer=opt, guard=guard)
     assert guard.precision == "fp32" and guard.fallback is None
 
@@ -385,12 +456,14 @@ def test_a_recorded_fallback_from_another_precision_is_not_resumed(tmp_path):
 # ---------------------------------------------------------------------- 7. Guard.load_state_dict
 BAD_GUARD_STATES = {
     "forensics names a module the model lacks": lambda s: s.update(
-        forensics={"keep_fp32": ["nope"], "changes": []}),
+        forensics={"keep_fp32": ["nope"], "changes": []}
+    ),
     "scaler missing in fp16": lambda s: s.update(scaler=None),
     "history too short": lambda s: s["scale_history"].update(values=[2.0] * 3),
     "resume ramp not an int": lambda s: s.update(resume={"ramp_start": "x"}),
     "fallback names an unknown precision": lambda s: s.update(
-        fallback={"step": 1, "from": "fp16", "to": "fp4"}),
+        fallback={"step": 1, "from": "fp16", "to": "fp4"}
+    ),
     "counters not a dict": lambda s: s.update(counters=[1]),
     "steps negative": lambda s: s.update(steps=-1),
 }
@@ -400,8 +473,9 @@ BAD_GUARD_STATES = {
 def test_a_guard_state_that_raises_leaves_the_guard_unchanged(case):
     model, opt, sched, guard = run(steps=3)
     model2 = make_model(seed=1)
-    guard2 = ag.Guard(model2, torch.optim.SGD(model2.parameters(), lr=0.1), precision="fp16",
-                      keep_fp32=["0"])
+    guard2 = ag.Guard(
+        model2, torch.optim.SGD(model2.parameters(), lr=0.1), precision="fp16", keep_fp32=["0"]
+    )
     train(model2, guard2.optimizers[0], guard2, 2)
     state = guard.state_dict()
     BAD_GUARD_STATES[case](state)
@@ -455,8 +529,14 @@ def save_in_subprocess(tmp_path, mode, target) -> str:
     script.write_text(SAVER)
     os.chmod(script, 0o644)
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), mode, str(target)], capture_output=True,
-                          text=True, timeout=120, env=env, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip().splitlines()[-1]
 
@@ -533,12 +613,15 @@ WRITER = textwrap.dedent("""
 def test_a_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
     target = tmp_path / "ckpt.pt"
     (tmp_path / "writer.py").write_text(WRITER)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "writer.py"), str(target)],
-                            env=dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "writer.py"), str(target)],
+        env=dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1"),
+    )
     try:
         deadline = time.monotonic() + 90
-        while not any(p.stat().st_size > 2**20 for p in tmp_path.glob(".ckpt.pt.*.tmp")
-                      if p.exists()):
+        while not any(
+            p.stat().st_size > 2**20 for p in tmp_path.glob(".ckpt.pt.*.tmp") if p.exists()
+        ):
             assert time.monotonic() < deadline and proc.poll() is None, "no temp file seen"
             time.sleep(0.001)
         os.kill(proc.pid, signal.SIGKILL)
@@ -548,12 +631,22 @@ def test_a_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
     orphans = list(tmp_path.glob(".ckpt.pt.*.tmp"))
     assert orphans, "the kill did not land mid-save"
     # files that are not this save's own stale temporaries
-    keep = [tmp_path / n for n in (".ckpt.pt.notes.tmp", ".other.pt.abcd1234.tmp",
-                                   "ckpt.pt.tmp", ".ckpt.pt.abcd1234.tmp.bak", "ckpt.pt.old")]
+    keep = [
+        tmp_path / n
+        for n in (
+            ".ckpt.pt.notes.tmp",
+            ".other.pt.abcd1234.tmp",
+            "ckpt.pt.tmp",
+            ".ckpt.pt.abcd1234.tmp.bak",
+            "ckpt.pt.old",
+        )
+    ]
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        alive = tmp_path / f".ckpt.pt.{temp_name(target).split('.')[3].rsplit('-', 2)[0]}-" \
-                           f"{live.pid}-0123abcd.tmp"
+        alive = (
+            tmp_path / f".ckpt.pt.{temp_name(target).split('.')[3].rsplit('-', 2)[0]}-"
+            f"{live.pid}-0123abcd.tmp"
+        )
         keep.append(alive)  # a writer that is still running
         for p in keep:
             p.write_text("keep me")
@@ -596,8 +689,9 @@ def test_a_valid_checkpoint_round_trips_bitwise_after_all_the_checks(tmp_path):
     path = saved(tmp_path)
     original = torch.load(path, weights_only=True)
     model, opt, sched, guard = run(seed=1)
-    assert ag.load_checkpoint(path, model=model, optimizer=opt, scheduler=sched,
-                              guard=guard) == {"epoch": 3}
+    assert ag.load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, guard=guard) == {
+        "epoch": 3
+    }
     assert same(model.state_dict(), original["model"])
     assert same(opt.state_dict(), original["optimizer"])
     assert sched.state_dict() == original["scheduler"] and guard.state_dict() == original["guard"]

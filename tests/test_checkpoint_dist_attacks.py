@@ -30,12 +30,18 @@ def local(t):
 
 
 def snapshot(model, opt, guard):
-    return {"model": {k: local(v).clone() for k, v in model.state_dict().items()},
-            "opt": {id(p): {k: local(v).clone() if isinstance(v, torch.Tensor) else v
-                            for k, v in s.items()} for p, s in opt.state.items()},
-            "groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
-                                     for g in opt.param_groups]),
-            "guard": guard.state_dict(), "rng": torch.get_rng_state()}
+    return {
+        "model": {k: local(v).clone() for k, v in model.state_dict().items()},
+        "opt": {
+            id(p): {k: local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in opt.state.items()
+        },
+        "groups": copy.deepcopy(
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        ),
+        "guard": guard.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
 
 
 def assert_unchanged(before, model, opt, guard):
@@ -52,14 +58,14 @@ def assert_unchanged(before, model, opt, guard):
 
 def wider() -> nn.Module:
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 32), nn.GELU(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 32), nn.GELU(), nn.Linear(32, 4)
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wrap", [S.fsdp2, S.ddp], ids=["fsdp2", "ddp"])
-def test_a_model_that_does_not_fit_is_refused_and_nothing_is_loaded(world_of_one, tmp_path,
-                                                                     wrap):
+def test_a_model_that_does_not_fit_is_refused_and_nothing_is_loaded(world_of_one, tmp_path, wrap):
     model, opt, guard = live(wrap)
     path = tmp_path / ("ckpt" if wrap is S.fsdp2 else "ckpt.pt")
     ag.save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
@@ -118,26 +124,31 @@ def test_a_crafted_rng_state_in_a_replicated_checkpoint_changes_nothing(world_of
 
 
 @pytest.mark.timeout(60)
-def test_a_sharded_save_under_a_file_is_a_checkpoint_error_with_the_os_error(world_of_one,
-                                                                            tmp_path):
+def test_a_sharded_save_under_a_file_is_a_checkpoint_error_with_the_os_error(
+    world_of_one, tmp_path
+):
     model, opt, guard = live(S.ddp)
     (tmp_path / "blocker").write_text("a file")
     with pytest.raises(ag.CheckpointError, match="not a folder") as info:
-        ag.save_distributed_checkpoint(tmp_path / "blocker" / "ckpt.pt", model=model,
-                                       optimizer=opt, guard=guard)
+        ag.save_distributed_checkpoint(
+            tmp_path / "blocker" / "ckpt.pt", model=model, optimizer=opt, guard=guard
+        )
     assert isinstance(info.value.__cause__, OSError)
 
 
-
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("damage", "match"), [
-    (lambda path, meta: next(path.glob("*.distcp")).unlink(), r"__0_0.distcp is missing"),
-    (lambda path, meta: meta["files"].update({"../../etc/passwd": [1, 2]}),
-     r"lists '../../etc/passwd', which is not a file of this checkpoint"),
-    (lambda path, meta: meta["files"].update({"__0_0.distcp": "fine"}), r"not \[size, crc32\]"),
-])
-def test_a_damaged_shard_list_is_refused_and_changes_nothing(world_of_one, tmp_path, damage,
-                                                             match):
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda path, meta: next(path.glob("*.distcp")).unlink(), r"__0_0.distcp is missing"),
+        (
+            lambda path, meta: meta["files"].update({"../../etc/passwd": [1, 2]}),
+            r"lists '../../etc/passwd', which is not a file of this checkpoint",
+        ),
+        (lambda path, meta: meta["files"].update({"__0_0.distcp": "fine"}), r"not \[size, crc32\]"),
+    ],
+)
+def test_a_damaged_shard_list_is_refused_and_changes_nothing(world_of_one, tmp_path, damage, match):
     model, opt, guard = live(S.fsdp2)
     path = tmp_path / "ckpt"
     ag.save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)

@@ -13,7 +13,7 @@ import pytest
 
 from ampguard import cli
 
-USER_CODE = '''
+USER_CODE = """
 import torch
 
 def boom():
@@ -40,7 +40,7 @@ def broken_experiment():
     batches = [(torch.randn(2, 4), torch.randn(2, 4))]
     return ag.Experiment(model, torch.optim.SGD(model.parameters(), lr=0.1), batches,
                          lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
-'''
+"""
 
 
 @pytest.fixture
@@ -64,34 +64,63 @@ def place(tmp_path, monkeypatch) -> Path:
 
 
 USAGE_ERRORS = [
-    [], ["bogus"], ["--bogus"],
+    [],
+    ["bogus"],
+    ["--bogus"],
     # demo
-    ["demo", "--out", "afile"], ["demo", "--out", "afile/sub"], ["demo", "--steps", "0"],
-    ["demo", "--steps", "abc"], ["demo", "--seed", "-1"], ["demo", "--seed", str(2**40)],
-    ["demo", "--precision", "fp64"], ["demo", "--distributed"],
-    ["demo", "--distributed", "fsdp2", "--steps", "2"], ["demo", "--distributed", "bogus"],
+    ["demo", "--out", "afile"],
+    ["demo", "--out", "afile/sub"],
+    ["demo", "--steps", "0"],
+    ["demo", "--steps", "abc"],
+    ["demo", "--seed", "-1"],
+    ["demo", "--seed", str(2**40)],
+    ["demo", "--precision", "fp64"],
+    ["demo", "--distributed"],
+    ["demo", "--distributed", "fsdp2", "--steps", "2"],
+    ["demo", "--distributed", "bogus"],
     ["demo", "--out", "meta_dir", "--steps", "2", "--no-progress"],
     # report
-    ["report"], ["report", "missing"], ["report", "afile"], ["report", "."],
-    ["report", "meta_list"], ["report", "events_dir"], ["report", "meta_dir"],
-    ["report", "meta_list", "--fail-on", "bogus"], ["report", "meta_list", "--no-html"],
+    ["report"],
+    ["report", "missing"],
+    ["report", "afile"],
+    ["report", "."],
+    ["report", "meta_list"],
+    ["report", "events_dir"],
+    ["report", "meta_dir"],
+    ["report", "meta_list", "--fail-on", "bogus"],
+    ["report", "meta_list", "--no-html"],
     # lint
-    ["lint"], ["lint", "missing.py"], ["lint", "--select", "ZZ", "usercode.py"],
-    ["lint", "--ignore", "AG9", "usercode.py"], ["lint", "--torch-version", "abc", "usercode.py"],
+    ["lint"],
+    ["lint", "missing.py"],
+    ["lint", "--select", "ZZ", "usercode.py"],
+    ["lint", "--ignore", "AG9", "usercode.py"],
+    ["lint", "--torch-version", "abc", "usercode.py"],
     ["lint", "--format", "xml", "usercode.py"],
     # compare
-    ["compare"], ["compare", "usercode:model", "--out", "afile"],
-    ["compare", "pkg.mod:missing"], ["compare", "nonexistent_module_xyz:f"],
-    ["compare", "no_colon"], ["compare", ":f"], ["compare", "usercode:"],
-    ["compare", "usercode:missing"], ["compare", "usercode:NOT_CALLABLE"],
-    ["compare", "missing.py:f"], ["compare", "afile/x.py:f"], ["compare", ".rel:f"],
-    ["compare", "usercode:model", "--steps", "0"], ["compare", "usercode:model", "--seed", "x"],
+    ["compare"],
+    ["compare", "usercode:model", "--out", "afile"],
+    ["compare", "pkg.mod:missing"],
+    ["compare", "nonexistent_module_xyz:f"],
+    ["compare", "no_colon"],
+    ["compare", ":f"],
+    ["compare", "usercode:"],
+    ["compare", "usercode:missing"],
+    ["compare", "usercode:NOT_CALLABLE"],
+    ["compare", "missing.py:f"],
+    ["compare", "afile/x.py:f"],
+    ["compare", ".rel:f"],
+    ["compare", "usercode:model", "--steps", "0"],
+    ["compare", "usercode:model", "--seed", "x"],
     ["compare", "usercode:model", "--variants", "bogus", "--steps", "2"],
     ["compare", "usercode:model", "--steps", "2", "--no-progress"],  # returns a model
     # inspect
-    ["inspect"], ["inspect", "pkg.mod:missing"], ["inspect", "nonexistent_module_xyz:f"],
-    ["inspect", "usercode:missing"], ["inspect", "usercode:NOT_CALLABLE"],
-    ["inspect", "usercode:model", "--seed", "-5"], ["inspect", "missing.py:f"],
+    ["inspect"],
+    ["inspect", "pkg.mod:missing"],
+    ["inspect", "nonexistent_module_xyz:f"],
+    ["inspect", "usercode:missing"],
+    ["inspect", "usercode:NOT_CALLABLE"],
+    ["inspect", "usercode:model", "--seed", "-5"],
+    ["inspect", "missing.py:f"],
 ]
 
 
@@ -139,29 +168,44 @@ def test_demo_over_a_broken_meta_json_starts_a_new_log(place, capsys):
     assert (folder / "events.jsonl.prev").exists() and not list(folder.glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("argv,where", [
-    (["inspect", "usercode:boom"], 'usercode.py", line 5, in boom'),
-    (["compare", "usercode:boom", "--steps", "2", "--no-progress"],
-     'usercode.py", line 5, in boom'),
-    (["inspect", "import_fails.py:f"], 'import_fails.py", line 1, in <module>'),
-    (["compare", "usercode:broken_experiment", "--steps", "2", "--no-progress"],
-     'usercode.py", line 19, in forward'),
-])
+@pytest.mark.parametrize(
+    "argv,where",
+    [
+        (["inspect", "usercode:boom"], 'usercode.py", line 5, in boom'),
+        (
+            ["compare", "usercode:boom", "--steps", "2", "--no-progress"],
+            'usercode.py", line 5, in boom',
+        ),
+        (["inspect", "import_fails.py:f"], 'import_fails.py", line 1, in <module>'),
+        (
+            ["compare", "usercode:broken_experiment", "--steps", "2", "--no-progress"],
+            'usercode.py", line 19, in forward',
+        ),
+    ],
+)
 def test_the_users_own_exception_is_shown_as_theirs(place, argv, where, capsys):
     code, err = run_cli(argv, capsys)
     assert code == 1
     first, *rest = err.strip().splitlines()
-    assert first.startswith(f"ampguard {argv[0]}: error: ") and "in your code, not in ampguard" \
-        in first
+    assert (
+        first.startswith(f"ampguard {argv[0]}: error: ")
+        and "in your code, not in ampguard" in first
+    )
     assert rest[0] == "Traceback (most recent call last):" and where in err
     assert "ampguard/" not in "\n".join(rest)  # only the user's frames
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("argv", [["report", "missing"], ["demo", "--out", "afile"],
-                                  ["bogus"], ["report", "meta_list"]])
+@pytest.mark.parametrize(
+    "argv", [["report", "missing"], ["demo", "--out", "afile"], ["bogus"], ["report", "meta_list"]]
+)
 def test_the_console_entry_point_prints_no_traceback(place, argv):
-    out = subprocess.run([sys.executable, "-m", "ampguard", *argv], capture_output=True,
-                         text=True, timeout=100, cwd=place)
+    out = subprocess.run(
+        [sys.executable, "-m", "ampguard", *argv],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=place,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -61,8 +61,11 @@ def test_lint_names_a_non_utf8_file_without_declaration_as_such():
 def test_cli_output_piped_into_an_early_exit_reader_ends_without_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n")
-    proc = subprocess.Popen([sys.executable, "-m", "ampguard", "lint", str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampguard", "lint", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()  # the reader is gone before any output, like `| head -0`
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and b"Traceback" not in err and b"BrokenPipe" not in err

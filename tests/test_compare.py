@@ -24,8 +24,9 @@ STEPS = 24
 
 def data(n=4, batch=8, d=16, out=4, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, d, generator=g), torch.randn(batch, out, generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(batch, d, generator=g), torch.randn(batch, out, generator=g)) for _ in range(n)
+    ]
 
 
 def mse(model, batch):
@@ -72,8 +73,9 @@ def l1_loss(model, batch):
 def probing():
     model = nn.Linear(16, 4, bias=False)
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.rand(8, 16, generator=g) * 0.1, torch.randn(8, 4, generator=g))
-               for _ in range(4)]
+    batches = [
+        (torch.rand(8, 16, generator=g) * 0.1, torch.randn(8, 4, generator=g)) for _ in range(4)
+    ]
     return ag.Experiment(model, torch.optim.SGD(model.parameters(), lr=1e-6), batches, l1_loss)
 
 
@@ -233,8 +235,10 @@ def test_progress_bar_is_shown(capsys):
 
 def test_save_writes_strict_json(range_cmp, tmp_path):
     range_cmp.save(tmp_path)
-    data = json.loads((tmp_path / "comparison.json").read_text(),
-                      parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    data = json.loads(
+        (tmp_path / "comparison.json").read_text(),
+        parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"),
+    )
     assert data["verdict"] == "fp16_range" and data["finding"]["code"] == "AG335"
     assert data["variants"]["fp16_noscaler"]["losses"][0] is None  # NaN -> null
 
@@ -262,13 +266,16 @@ def test_summary_lists_every_variant_and_the_verdict(healthy_cmp):
 # ------------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"steps": 0}, ValueError, "steps must be an integer >= 1"),
-    ({"variants": ["fp4"]}, ValueError, "variants must be names from"),
-    ({"variants": ["fp32"]}, ValueError, "at least one variant besides"),
-    ({"variants": "bf16"}, TypeError, "sequence of variant names"),
-    ({"scaler": {"init_scale": 64}}, TypeError, "scaler must be an ampguard.ScalerConfig"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"steps": 0}, ValueError, "steps must be an integer >= 1"),
+        ({"variants": ["fp4"]}, ValueError, "variants must be names from"),
+        ({"variants": ["fp32"]}, ValueError, "at least one variant besides"),
+        ({"variants": "bf16"}, TypeError, "sequence of variant names"),
+        ({"scaler": {"init_scale": 64}}, TypeError, "scaler must be an ampguard.ScalerConfig"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         ag.compare(healthy, progress=False, **kwargs)
@@ -320,8 +327,19 @@ def factory_file(tmp_path):
 
 def test_cli_compare_writes_the_report(factory_file, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["compare", f"{factory_file}:make", "--steps", "4", "--out", str(out),
-               "--variants", "bf16", "--no-progress"])
+    rc = main(
+        [
+            "compare",
+            f"{factory_file}:make",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            "--variants",
+            "bf16",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert (out / "comparison.html").is_file() and (out / "comparison.json").is_file()
     assert "verdict: amp_ok" in capsys.readouterr().out
@@ -347,12 +365,15 @@ def test_cli_reports_a_bad_reference_with_exit_2(capsys):
     assert "cannot import module 'no_such_module_xyz'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("ref, error, match", [
-    ("no_colon", ValueError, "expected 'pkg.module:factory'"),
-    ("json:", ValueError, "expected 'pkg.module:factory'"),
-    ("json:nope", ValueError, "'json' has no attribute 'nope'"),
-    ("/no/such/file.py:make", ValueError, "no such file"),
-])
+@pytest.mark.parametrize(
+    "ref, error, match",
+    [
+        ("no_colon", ValueError, "expected 'pkg.module:factory'"),
+        ("json:", ValueError, "expected 'pkg.module:factory'"),
+        ("json:nope", ValueError, "'json' has no attribute 'nope'"),
+        ("/no/such/file.py:make", ValueError, "no such file"),
+    ],
+)
 def test_loader_errors_say_what_is_wrong(ref, error, match):
     with pytest.raises(error, match=match):
         load_factory(ref)

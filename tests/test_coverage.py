@@ -155,8 +155,14 @@ class Fragile(nn.Module):
 # ---------------------------------------------------------------------- AG310
 def test_submodel_under_autocast_disabled_escapes():
     cov = ag.coverage(SubModelOutside(), mse, make_batch())
-    assert cov.escaped == [{"module": "critic", "phase": "forward",
-                            "reason": "called_without_autocast", "heavy_fp32": 6}]
+    assert cov.escaped == [
+        {
+            "module": "critic",
+            "phase": "forward",
+            "reason": "called_without_autocast",
+            "heavy_fp32": 6,
+        }
+    ]
     assert codes(cov) == ["AG310"]
 
 
@@ -169,7 +175,8 @@ def test_manual_float_island_escapes_and_names_the_island_module():
 def test_custom_function_without_custom_bwd_escapes_in_backward():
     cov = ag.coverage(CustomNet(_PlainMatmul), mse, make_batch())
     assert [(e["module"], e["phase"], e["reason"]) for e in cov.escaped] == [
-        ("custom", "backward", "backward_in_fp32")]
+        ("custom", "backward", "backward_in_fp32")
+    ]
     assert "custom_bwd" in cov.findings()[0].fix
 
 
@@ -193,8 +200,9 @@ def test_keep_fp32_modules_are_not_findings_nor_their_parents():
 # ---------------------------------------------------------------------- AG311
 def test_exp_in_fp16_is_a_fragile_op_naming_module_and_op():
     cov = ag.coverage(Fragile(), mse, make_batch())
-    assert cov.fragile == [{"module": "", "op": "aten.exp", "dtype": "fp16", "count": 1,
-                            "max_numel": 8 * W}]
+    assert cov.fragile == [
+        {"module": "", "op": "aten.exp", "dtype": "fp16", "count": 1, "max_numel": 8 * W}
+    ]
     (finding,) = cov.findings()
     assert finding.code == "AG311" and "aten.exp" in finding.title
 

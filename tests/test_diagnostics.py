@@ -47,8 +47,9 @@ def test_consecutive_skips_now():
 
 
 def test_fallback_is_listed():
-    model, guard = _guard(scaler=ag.ScalerConfig(init_scale=2.0, min_scale=1.0,
-                                                 on_collapse="fallback"))
+    model, guard = _guard(
+        scaler=ag.ScalerConfig(init_scale=2.0, min_scale=1.0, on_collapse="fallback")
+    )
     import warnings
 
     with warnings.catch_warnings():
@@ -66,8 +67,9 @@ def test_close_records_diagnostics_for_the_report_header(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with ag.Guard(model, opt, precision="fp16", telemetry=tmp_path,
-                  scaler=ag.ScalerConfig(init_scale=1024.0)) as guard:
+    with ag.Guard(
+        model, opt, precision="fp16", telemetry=tmp_path, scaler=ag.ScalerConfig(init_scale=1024.0)
+    ) as guard:
         _run(model, guard, 6, bad={5, 6})
         expected = guard.diagnostics()
     meta = json.loads((tmp_path / "meta.json").read_text())

@@ -24,15 +24,31 @@ from ampguard.checkpoint import CheckpointError
 from ampguard.distributed import param_checksum
 from ampguard.testing import SyncCounter
 
-TWO = ["inf_on_one_rank", "inf_after_reduce", "fault_after_reduce_plain_ddp",
-       "ddp_accumulation", "ddp_containment", "fsdp2_vs_ddp", "desync_raises",
-       "desync_repairs", "desync_warns", "ddp_resume", "fsdp2_resume", "hook_drops_nan_rank",
-       "demo_fsdp2"]
+TWO = [
+    "inf_on_one_rank",
+    "inf_after_reduce",
+    "fault_after_reduce_plain_ddp",
+    "ddp_accumulation",
+    "ddp_containment",
+    "fsdp2_vs_ddp",
+    "desync_raises",
+    "desync_repairs",
+    "desync_warns",
+    "ddp_resume",
+    "fsdp2_resume",
+    "hook_drops_nan_rank",
+    "demo_fsdp2",
+]
 FOUR = ["inf_on_one_rank", "desync_raises", "rank_raises"]
 GROUP_TIMEOUT = 150
 # a rank that pauses in ampguard's own collectives; the default group keeps its 30 s timeout
-HANGS = ["sleep_in_audit_ddp", "sleep_in_audit_fsdp2", "sleep_in_audit_plain",
-         "sleep_before_step_fsdp2", "sleep_before_step_plain"]
+HANGS = [
+    "sleep_in_audit_ddp",
+    "sleep_in_audit_fsdp2",
+    "sleep_in_audit_plain",
+    "sleep_before_step_fsdp2",
+    "sleep_before_step_plain",
+]
 
 
 @pytest.fixture(scope="module")
@@ -340,14 +356,31 @@ def test_distributed_demo_under_fsdp2_skips_the_outlier_steps_on_every_rank(two)
 @pytest.mark.timeout(120)
 def test_torchrun_launches_the_ddp_demo(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(S._free_port()), "-m", "ampguard", "demo", "--distributed",
-           "--steps", "30", "--no-progress", "--out", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(S._free_port()),
+        "-m",
+        "ampguard",
+        "demo",
+        "--distributed",
+        "--steps",
+        "30",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ampguard demo: 30 steps in fp16 on 2 CPU ranks (ddp") == 1
-    assert "overflow origin:   buckets non-finite BEFORE the all-reduce: rank 0: 0, rank 1: 3" \
+    assert (
+        "overflow origin:   buckets non-finite BEFORE the all-reduce: rank 0: 0, rank 1: 3"
         in proc.stdout
+    )
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
     assert (tmp_path / "run" / "events.jsonl").is_file()
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
@@ -385,8 +418,9 @@ def test_a_user_error_inside_the_guarded_block_is_not_a_peer_failure():
 
     assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_comm_error(ValueError("gloo"))
-    assert is_comm_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by "
-                                      "peer [127.0.0.1]:7914"))
+    assert is_comm_error(
+        RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7914")
+    )
 
 
 def test_bad_on_desync_is_a_value_error_naming_the_choices():
@@ -461,7 +495,8 @@ class _RunsCode:
 
 @pytest.mark.timeout(60)
 def test_sharded_checkpoint_with_code_in_its_metadata_is_refused_without_running_it(
-        world_of_one, tmp_path):
+    world_of_one, tmp_path
+):
     model = S.fsdp2(S.make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = ag.Guard(model, opt, precision="fp16", scaler=S.SCALE)
@@ -477,8 +512,13 @@ def test_sharded_checkpoint_with_code_in_its_metadata_is_refused_without_running
 @pytest.mark.timeout(60)
 def test_fsdp2_guard_records_a_run_log_of_its_shards(world_of_one, tmp_path):
     model = S.fsdp2(S.make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=S.SCALE, telemetry=tmp_path / "run")
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=S.SCALE,
+        telemetry=tmp_path / "run",
+    )
     for step in range(1, 4):
         S.window(guard, model, step, 0, 1)
     guard.close()
@@ -487,8 +527,7 @@ def test_fsdp2_guard_records_a_run_log_of_its_shards(world_of_one, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_sharded_checkpoint_without_its_ampguard_file_is_a_checkpoint_error(
-        world_of_one, tmp_path):
+def test_sharded_checkpoint_without_its_ampguard_file_is_a_checkpoint_error(world_of_one, tmp_path):
     model = S.fsdp2(S.make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "ckpt"
@@ -504,8 +543,14 @@ def test_consensus_adds_no_host_sync(world_of_one, fused):
     def syncs(process_group: str | None) -> int:
         model = torch.nn.parallel.DistributedDataParallel(S.make_model())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-        guard = ag.Guard(model, opt, precision="fp16", scaler=S.SCALE, audit_every=None,
-                         process_group=process_group)
+        guard = ag.Guard(
+            model,
+            opt,
+            precision="fp16",
+            scaler=S.SCALE,
+            audit_every=None,
+            process_group=process_group,
+        )
         assert (guard.distributed is None) == (process_group == "local")
         with SyncCounter() as reads:
             for step in range(1, 4):
@@ -518,8 +563,12 @@ def test_consensus_adds_no_host_sync(world_of_one, fused):
 def test_desync_finding_states_the_fix_once():
     from ampguard.distributed import _DESYNC_FIX, DesyncError
 
-    err = DesyncError(f"audit at step 3: rank 1 differs. scale: 0=1.0, 1=2.0. Fix: {_DESYNC_FIX}",
-                      step=3, differences={"scale": {0: 1.0, 1: 2.0}}, ranks=[1])
+    err = DesyncError(
+        f"audit at step 3: rank 1 differs. scale: 0=1.0, 1=2.0. Fix: {_DESYNC_FIX}",
+        step=3,
+        differences={"scale": {0: 1.0, 1: 2.0}},
+        ranks=[1],
+    )
     finding = err.finding
     assert finding.code == "AG130"
     assert "Fix:" not in finding.message
@@ -539,8 +588,9 @@ def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(wor
             module.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
             ddp._set_params_and_buffers_to_ignore_for_model(module, ["extra"])
         model = ddp(module)
-        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                         **kwargs)
+        guard = ag.Guard(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", **kwargs
+        )
         return guard.distributed.consensus_needed
 
     assert not needed()  # plain DDP: every rank's own check agrees
@@ -556,8 +606,13 @@ def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(wor
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
     model = torch.nn.parallel.DistributedDataParallel(S.make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
-                     scaler=S.SCALE if precision == "fp16" else None, audit_every=None)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision=precision,
+        scaler=S.SCALE if precision == "fp16" else None,
+        audit_every=None,
+    )
     for step in range(1, 4):
         S.window(guard, model, step, 0, 1)
     state = guard.distributed
@@ -568,8 +623,9 @@ def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
 @pytest.mark.timeout(60)
 def test_only_communication_errors_inside_the_guard_become_peer_failures(world_of_one):
     model = torch.nn.parallel.DistributedDataParallel(S.make_model())
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     peer_timeout=3)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", peer_timeout=3
+    )
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         with guard.autocast():
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")

@@ -50,8 +50,9 @@ def test_the_generated_pages_are_up_to_date():
 
 def test_every_catalogue_code_has_a_section_on_the_findings_page():
     page = (DOCS / "findings.md").read_text(encoding="utf-8")
-    missing = [c for c in CATALOGUE
-               if f"### {c}: " not in page or f"{{ #{c.lower()} }}" not in page]
+    missing = [
+        c for c in CATALOGUE if f"### {c}: " not in page or f"{{ #{c.lower()} }}" not in page
+    ]
     assert not missing
 
 
@@ -62,8 +63,9 @@ def test_every_code_the_source_emits_is_in_the_catalogue():
             emitted.setdefault(code, str(path.relative_to(ROOT)))
     assert len(emitted) > 40  # the grep finds the codes at all
     unknown = {c: where for c, where in emitted.items() if c not in CATALOGUE}
-    assert not unknown, ("codes used in src but missing from "
-                         f"ampguard.findings.codes.CATALOGUE: {unknown}")
+    assert not unknown, (
+        f"codes used in src but missing from ampguard.findings.codes.CATALOGUE: {unknown}"
+    )
 
 
 @pytest.mark.parametrize("code", sorted(EXAMPLES))
@@ -84,8 +86,11 @@ def test_the_type_checking_imports_mirror_the_lazy_exports():
 
 # ---------------------------------------------------------------------- README
 def _relative_links(text: str) -> list[str]:
-    return [t.split("#")[0] for t in LINK.findall(text)
-            if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+    return [
+        t.split("#")[0]
+        for t in LINK.findall(text)
+        if not re.match(r"[a-z]+:", t) and not t.startswith("#")
+    ]
 
 
 def test_readme_links_resolve():
@@ -96,6 +101,7 @@ def test_readme_links_resolve():
 
 def test_readme_run_folders_match_the_demo_default():
     from ampguard.demo import run_demo
+
     default = inspect.signature(run_demo).parameters["out"].default
     texts = [p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *DOCS.glob("*.md")]]
     folders = [f for t in texts for f in re.findall(r"^ +run folder: +(\S+)", t, re.M)]
@@ -108,8 +114,9 @@ def split_copy(tmp_path_factory) -> Path:
     """A scratch copy of what the docs need, with the README split into pages."""
     root = tmp_path_factory.mktemp("split")
     for name in ("docs", "src", "tools"):
-        shutil.copytree(ROOT / name, root / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "site"))
+        shutil.copytree(
+            ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "site")
+        )
     for name in ("README.md", "CHANGELOG.md", "mkdocs.yml"):
         shutil.copy2(ROOT / name, root / name)
     short = root / "README.md"
@@ -144,17 +151,27 @@ def test_the_split_pages_keep_their_code_blocks_whole(split_copy):
         assert page.read_text(encoding="utf-8").count("```") % 2 == 0, page.name
 
 
-@pytest.mark.skipif(shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
-                    reason="mkdocs is not installed (pip install -e '.[docs]')")
+@pytest.mark.skipif(
+    shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
+    reason="mkdocs is not installed (pip install -e '.[docs]')",
+)
 def test_mkdocs_build_strict_passes_on_the_split_docs(split_copy, tmp_path):
     (split_copy / "docs" / "img").mkdir(exist_ok=True)
     if not (split_copy / "docs" / "img" / "report.png").exists():  # made by screenshot_report
         shutil.copy2(ROOT / "docs" / "img" / "report.png", split_copy / "docs" / "img")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                           str(tmp_path / "site")], cwd=split_copy, capture_output=True,
-                          text=True, timeout=600,
-                          env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1",
-                               "PYTHONPATH": str(split_copy / "src"), "HOME": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=split_copy,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "NO_MKDOCS_2_WARNING": "1",
+            "PYTHONPATH": str(split_copy / "src"),
+            "HOME": str(tmp_path),
+        },
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = (tmp_path / "site" / "reference" / "index.html").read_text(encoding="utf-8")
     assert all(f'id="ampguard.{n}"' in reference for n in _public())
@@ -163,17 +180,23 @@ def test_mkdocs_build_strict_passes_on_the_split_docs(split_copy, tmp_path):
 def test_doctest_blocks_become_code_fences():
     fence = _tool("griffe_doctest").fence_doctests
     text = "Summary.\n\n>>> x = f()\n>>> [c for c in x]\n['AG310']\n\nAfter."
-    assert fence(text) == ("Summary.\n\n```python\n>>> x = f()\n>>> [c for c in x]\n"
-                           "['AG310']\n```\n\nAfter.")
+    assert fence(text) == (
+        "Summary.\n\n```python\n>>> x = f()\n>>> [c for c in x]\n['AG310']\n```\n\nAfter."
+    )
 
 
 # ---------------------------------------------------------------------- the example
 def test_the_quickstart_example_runs_and_writes_the_report(tmp_path):
     script = DOCS / "examples" / "quickstart.py"
     assert len(script.read_text(encoding="utf-8").splitlines()) <= 20
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps skipped, loss scale" in proc.stdout
     assert (tmp_path / "ampguard-runs" / "quickstart" / "report.html").exists()

@@ -53,21 +53,35 @@ def _modules_with_examples() -> list[str]:
 
 def _namespace() -> dict[str, object]:
     torch.manual_seed(0)
-    model = nn.Sequential(OrderedDict(body=nn.Linear(8, 16), act=nn.ReLU(),
-                                      head=nn.Linear(16, 2)))
+    model = nn.Sequential(OrderedDict(body=nn.Linear(8, 16), act=nn.ReLU(), head=nn.Linear(16, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
 
     def make_experiment() -> ag.Experiment:
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-        return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.01), [(x, y)] * 2,
-                             lambda mm, b: F.mse_loss(mm(b[0]), b[1]))
+        return ag.Experiment(
+            m,
+            torch.optim.SGD(m.parameters(), lr=0.01),
+            [(x, y)] * 2,
+            lambda mm, b: F.mse_loss(mm(b[0]), b[1]),
+        )
 
     ns: dict[str, object] = {
-        "torch": torch, "F": F, "nn": nn, "ag": ag, "ampguard": ag, "model": model,
-        "optimizer": optimizer, "opt": optimizer, "x": x, "y": y, "data": [(x, y)] * 3,
-        "batch": (x, y), "loss_fn": _loss_fn, "make_experiment": make_experiment,
+        "torch": torch,
+        "F": F,
+        "nn": nn,
+        "ag": ag,
+        "ampguard": ag,
+        "model": model,
+        "optimizer": optimizer,
+        "opt": optimizer,
+        "x": x,
+        "y": y,
+        "data": [(x, y)] * 3,
+        "batch": (x, y),
+        "loss_fn": _loss_fn,
+        "make_experiment": make_experiment,
     }
     return ns
 

@@ -157,16 +157,19 @@ class MaskedAttention(nn.Module):
 # ---------------------------------------------------------------------- kinds, passes, modules
 def test_forward_overflow_nested_three_deep_names_the_inner_linear():
     d = ag.locate(DeepForward(), mse, make_batch())
-    assert (d.kind, d.phase, d.module, d.op) == ("fp16_overflow", "forward", "enc.1.1",
-                                                  "aten.addmm")
+    assert (d.kind, d.phase, d.module, d.op) == (
+        "fp16_overflow",
+        "forward",
+        "enc.1.1",
+        "aten.addmm",
+    )
     assert d.stats["max_abs_fp32"] > 65504 and d.stats["inf_count"] > 0
     assert d.code == "AG301"
 
 
 def test_functional_overflow_names_the_parent_not_its_child():
     d = ag.locate(FunctionalParent(), mse, make_batch())
-    assert (d.kind, d.phase, d.module, d.op) == ("fp16_overflow", "forward", "blocks.1",
-                                                  "aten.mul")
+    assert (d.kind, d.phase, d.module, d.op) == ("fp16_overflow", "forward", "blocks.1", "aten.mul")
 
 
 def test_overflow_after_several_finite_layers_names_the_first_overflowing_layer():
@@ -202,8 +205,12 @@ def test_underflow_names_the_dead_layer_and_the_flushing_op():
 
 def test_nan_in_fp32_too_is_model_nonfinite():
     d = ag.locate(LogOfNegative(), mse, make_batch())
-    assert (d.kind, d.phase, d.module, d.op) == ("model_nonfinite", "forward", "norm.1",
-                                                  "aten.sqrt")
+    assert (d.kind, d.phase, d.module, d.op) == (
+        "model_nonfinite",
+        "forward",
+        "norm.1",
+        "aten.sqrt",
+    )
     assert d.stats["nan_count"] == 8 * W
 
 

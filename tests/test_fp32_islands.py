@@ -49,8 +49,11 @@ def fp16():
 
 def output_dtypes(model, x):
     seen = {}
-    hooks = [m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.dtype))
-             for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hooks = [
+        m.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, o.dtype))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
     with fp16():
         model(x)
     for h in hooks:
@@ -80,8 +83,13 @@ def test_low_precision_inputs_are_cast_up_positional_keyword_and_nested():
 
     class Probe(nn.Module):
         def forward(self, x, pair, *, extra):
-            seen.update(x=x.dtype, a=pair.a.dtype, b=pair.b[0].dtype, extra=extra["t"].dtype,
-                        idx=pair.b[1].dtype)
+            seen.update(
+                x=x.dtype,
+                a=pair.a.dtype,
+                b=pair.b[0].dtype,
+                extra=extra["t"].dtype,
+                idx=pair.b[1].dtype,
+            )
             return x
 
     model = nn.Sequential()
@@ -89,8 +97,9 @@ def test_low_precision_inputs_are_cast_up_positional_keyword_and_nested():
     keep_fp32(model, ["probe"])
     h = torch.ones(2, dtype=torch.float16)
     model.probe(h, Pair(h, [h.bfloat16(), torch.ones(2, dtype=torch.long)]), extra={"t": h})
-    assert seen == dict(x=torch.float32, a=torch.float32, b=torch.float32, extra=torch.float32,
-                        idx=torch.long)
+    assert seen == dict(
+        x=torch.float32, a=torch.float32, b=torch.float32, extra=torch.float32, idx=torch.long
+    )
 
 
 def test_output_stays_fp32_so_a_large_value_survives_the_boundary():

@@ -40,8 +40,7 @@ class Planted(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.healthy(x))
         h = self.outlier(self.massive(h))
-        return self.odd(h).float().mean() + (self.gradient(h.detach()).float()
-                                              * self.weights).sum()
+        return self.odd(h).float().mean() + (self.gradient(h.detach()).float() * self.weights).sum()
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +118,11 @@ def test_plan_leaves_the_model_as_it_was_and_rowwise_recipe_runs():
 
 
 def _mlp(out_dim: int = 16) -> nn.Module:
-    return nn.Sequential(OrderedDict(
-        a=nn.Linear(32, 64), act=nn.GELU(), b=nn.Linear(64, 32), c=nn.Linear(32, out_dim)))
+    return nn.Sequential(
+        OrderedDict(
+            a=nn.Linear(32, 64), act=nn.GELU(), b=nn.Linear(64, 32), c=nn.Linear(32, out_dim)
+        )
+    )
 
 
 def _train(guard: ag.Guard, model: nn.Module, steps: int, seed: int = 1) -> list[float]:
@@ -141,8 +143,11 @@ def test_guard_fp8_converts_every_eligible_linear_and_trains():
 
     model = _mlp(out_dim=10)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with pytest.warns(RuntimeWarning, match="emulat") if not ag.guard._fp8_guard._warned_emulation \
-            else warnings.catch_warnings():
+    with (
+        pytest.warns(RuntimeWarning, match="emulat")
+        if not ag.guard._fp8_guard._warned_emulation
+        else warnings.catch_warnings()
+    ):
         guard = ag.Guard(model, opt, precision="fp8")
     assert guard.precision == "fp8" and not guard.uses_scaler and guard.fp8.emulated
     assert guard.fp8.layers == ["a", "b"] and guard.fp8.kept == ["c"]
@@ -177,8 +182,9 @@ def test_guard_fp8_argument_errors():
     other = ag.fp8_plan(Planted(), _loss, torch.randn(8, 32))
     fresh = _mlp()
     with pytest.raises(ValueError, match="another model"):
-        ag.Guard(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), precision="fp8",
-                 fp8_plan=other)
+        ag.Guard(
+            fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), precision="fp8", fp8_plan=other
+        )
 
 
 def test_fp8_checkpoint_resumes_bitwise(tmp_path):
@@ -208,9 +214,14 @@ def test_fp8_checkpoint_resumes_bitwise(tmp_path):
 
 def test_fp8_telemetry_records_layers_and_finds_drift(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(OrderedDict(a=nn.Linear(32, 64), act=nn.ReLU(),
-                                      massive=MassiveActivation(64, value=1e6),
-                                      b=nn.Linear(64, 16)))
+    model = nn.Sequential(
+        OrderedDict(
+            a=nn.Linear(32, 64),
+            act=nn.ReLU(),
+            massive=MassiveActivation(64, value=1e6),
+            b=nn.Linear(64, 16),
+        )
+    )
     with torch.no_grad():
         model.b.weight[:, 3] = 0.0
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -220,12 +231,21 @@ def test_fp8_telemetry_records_layers_and_finds_drift(tmp_path):
         found = guard.findings()
     drift = [f for f in found if f.code == "AG111"]
     assert drift and drift[0].evidence["layer"] == "b" and "'b'" in drift[0].fix
-    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text()
-              .splitlines() if '"kind":"fp8"' in line.replace(" ", "")]
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+        if '"kind":"fp8"' in line.replace(" ", "")
+    ]
     assert [e["step"] for e in events] == [2, 4, 6]
     sample = events[0]["layers"]["b"]
-    assert set(sample) == {"input_amax", "input_flushed", "weight_amax", "weight_flushed",
-                           "grad_amax", "grad_flushed"}
+    assert set(sample) == {
+        "input_amax",
+        "input_flushed",
+        "weight_amax",
+        "weight_flushed",
+        "grad_amax",
+        "grad_flushed",
+    }
     assert sample["input_amax"] > 9e5 and sample["input_flushed"] > 0.5
     assert sample["grad_amax"] > 0 and events[0]["layers"]["a"]["input_flushed"] == 0.0
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
@@ -236,22 +256,30 @@ def test_fp8_telemetry_records_layers_and_finds_drift(tmp_path):
 
 def _compare_factory():
     # b's input carries a 1e7 feature: naive fp8 flushes every ordinary input of the head
-    model = nn.Sequential(OrderedDict(a=nn.Linear(32, 64), act=nn.Tanh(),
-                                      massive=MassiveActivation(64, channel=0, value=1e7),
-                                      b=nn.Linear(64, 16)))
+    model = nn.Sequential(
+        OrderedDict(
+            a=nn.Linear(32, 64),
+            act=nn.Tanh(),
+            massive=MassiveActivation(64, channel=0, value=1e7),
+            b=nn.Linear(64, 16),
+        )
+    )
     with torch.no_grad():
         model.b.weight[:, 0] = 0.0
     model.b.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), 0.0))
     gen = torch.Generator().manual_seed(5)
     teacher = torch.randn(32, 16, generator=gen) / 4
     batches = [(x, x @ teacher) for x in torch.randn(4, 32, 32, generator=gen)]
-    return ag.Experiment(model, torch.optim.Adam(model.parameters(), lr=1e-2), batches,
-                         lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]))
+    return ag.Experiment(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        batches,
+        lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]),
+    )
 
 
 def test_compare_fp8_verdict_names_the_layer_to_keep_out():
-    cmp = ag.compare(_compare_factory, steps=40, variants=["fp8", "fp8_planned"],
-                     progress=False)
+    cmp = ag.compare(_compare_factory, steps=40, variants=["fp8", "fp8_planned"], progress=False)
     assert list(cmp.variants) == ["fp32", "bf16", "fp8", "fp8_planned"]
     assert cmp.verdict == "fp8_keep_layers", cmp.summary()
     assert "'b'" in cmp.fix and cmp.finding().code == "AG338"
@@ -268,7 +296,8 @@ def test_missing_torchao_is_one_clear_error(tmp_path):
         "def make():\n"
         "    m = torch.nn.Linear(16, 16)\n"
         "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
-        "                         [torch.randn(4, 16)], lambda m, x: m(x).pow(2).mean())\n")
+        "                         [torch.randn(4, 16)], lambda m, x: m(x).pow(2).mean())\n"
+    )
     code = (
         "import sys; sys.modules['torchao'] = None\n"
         "import torch, ampguard as ag\n"
@@ -284,8 +313,7 @@ def test_missing_torchao_is_one_clear_error(tmp_path):
         f"print('CLI', main(['compare', {str(fac) + ':make'!r}, '--steps', '2',\n"
         "                   '--variants', 'fp8', '--no-progress']))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR Fp8UnavailableError" in out.stdout
     assert 'pip install "ampguard[fp8]"' in out.stdout
@@ -297,8 +325,21 @@ def test_fp8_demo_keeps_the_planted_layer_in_bf16(tmp_path, capsys):
     from ampguard.cli import main
     from ampguard.demo.fp8_model import OUTLIER_LAYER
 
-    assert main(["demo", "--precision", "fp8", "--steps", "4", "--out", str(tmp_path / "d"),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--precision",
+                "fp8",
+                "--steps",
+                "4",
+                "--out",
+                str(tmp_path / "d"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"{OUTLIER_LAYER} (kept in bf16)" in out and "report:" in out
     assert "keep_bf16" in out  # the plan's table came first
@@ -317,7 +358,8 @@ def test_cli_inspect_fp8_prints_the_plan(tmp_path, capsys):
         "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
         "                         list(make_task(steps=1).batches()), loss_fn)\n"
         "def bare():\n"
-        "    return OutlierNet()\n")
+        "    return OutlierNet()\n"
+    )
     assert main(["inspect", "--fp8", f"{src}:experiment"]) == 0
     out = capsys.readouterr().out
     assert "head" in out and "AG341" in out and "5 of 6 Linear layers ready" in out

@@ -52,8 +52,12 @@ def test_bad_argument_is_one_clear_error(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_short_cuda_run_adds_no_syncs_to_the_guard(tmp_path):
     out = tmp_path / "gpu.json"
-    assert _gpu_bench().main(["--rounds", "1", "--steps", "2", "--seq", "128", "--batch", "2",
-                              "--json", str(out)]) == 0
+    assert (
+        _gpu_bench().main(
+            ["--rounds", "1", "--steps", "2", "--seq", "128", "--batch", "2", "--json", str(out)]
+        )
+        == 0
+    )
     rows = _rows(out)
     for precision in ("fp16", "bf16"):
         guard = rows[(precision, "guard")]

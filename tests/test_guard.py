@@ -16,8 +16,9 @@ from ampguard.testing import count_syncs
 
 INF, NAN = float("inf"), float("nan")
 # Wide bounds so the floor and cap never bind in parity runs (the scale grows past 2**20 there).
-PARITY = ag.ScalerConfig(init_scale=2.0**16, growth_interval=3, min_scale=2.0**-24,
-                         max_scale=2.0**64)
+PARITY = ag.ScalerConfig(
+    init_scale=2.0**16, growth_interval=3, min_scale=2.0**-24, max_scale=2.0**64
+)
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
@@ -82,8 +83,9 @@ def assert_bitwise(a, b) -> None:
 
 # ---------------------------------------------------------------------- parity with torch
 def torch_loop(model, opt, *, windows, accum, clip, overflow_at):
-    scaler = torch.amp.GradScaler("cpu", init_scale=PARITY.init_scale,
-                                  growth_interval=PARITY.growth_interval)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=PARITY.init_scale, growth_interval=PARITY.growth_interval
+    )
     scales = []
     for w in range(1, windows + 1):
         for m in range(accum):
@@ -104,8 +106,9 @@ def torch_loop(model, opt, *, windows, accum, clip, overflow_at):
 
 
 def guard_loop(model, opt, *, windows, accum, clip, overflow_at):
-    guard = ag.Guard(model, opt, precision="fp16", scaler=PARITY, accumulation_steps=accum,
-                     clip_grad_norm=clip)
+    guard = ag.Guard(
+        model, opt, precision="fp16", scaler=PARITY, accumulation_steps=accum, clip_grad_norm=clip
+    )
     scales, overflows = [], []
     for w in range(1, windows + 1):
         for m in range(accum):
@@ -149,11 +152,17 @@ def test_bitwise_parity_with_two_optimizers_one_fused():
     runs = []
     for use_guard in (False, True):
         model = make_model()
-        opts = [torch.optim.SGD(model[0].parameters(), lr=0.05, momentum=0.9),
-                torch.optim.AdamW(model[2].parameters(), lr=1e-2, fused=True)]
+        opts = [
+            torch.optim.SGD(model[0].parameters(), lr=0.05, momentum=0.9),
+            torch.optim.AdamW(model[2].parameters(), lr=1e-2, fused=True),
+        ]
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
-        guard = ag.Guard(model, opts, precision="fp16", scaler=ag.ScalerConfig(
-            growth_interval=2, min_scale=2.0**-24, max_scale=2.0**64))
+        guard = ag.Guard(
+            model,
+            opts,
+            precision="fp16",
+            scaler=ag.ScalerConfig(growth_interval=2, min_scale=2.0**-24, max_scale=2.0**64),
+        )
         scales, applied = [], []
         for w in range(1, 10):
             x, y = batch(w)
@@ -205,8 +214,11 @@ def test_step_result_flags_for_clean_and_overflowing_steps(opt_name):
     model = make_model()
     guard = ag.Guard(model, OPTIMIZERS[opt_name](model.parameters()), precision="fp16")
     results = [guard_step(guard, model, i, overflow=i == 1) for i in range(3)]
-    assert [(r.applied, r.overflow) for r in results] == [(True, False), (False, True),
-                                                          (True, False)]
+    assert [(r.applied, r.overflow) for r in results] == [
+        (True, False),
+        (False, True),
+        (True, False),
+    ]
     assert guard.skipped_steps == 1 and guard.steps == 3
 
 
@@ -224,8 +236,10 @@ def test_forward_overflow_in_fp16_is_skipped():
 
 def test_only_the_overflowing_optimizer_skips():
     model = make_model()
-    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
-            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    opts = [
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    ]
     guard = ag.Guard(model, opts, precision="fp16")
     before = params_of(model)
     result = guard_step(guard, model, 0, overflow=True)  # inf lands in model[2]
@@ -260,8 +274,9 @@ def test_parameters_without_gradients_are_left_alone(opt_name):
 # ---------------------------------------------------------------------- clipping
 def test_grad_norm_is_the_unscaled_total_norm():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     clip_grad_norm=1e9)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", clip_grad_norm=1e9
+    )
     x, y = batch(0)
     with guard.autocast():
         loss = loss_of(model, x, y)
@@ -278,8 +293,9 @@ def test_grad_norm_is_none_without_clipping():
 
 def test_clipping_acts_on_unscaled_gradients():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=1.0), precision="fp16",
-                     clip_grad_norm=1e-3)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), precision="fp16", clip_grad_norm=1e-3
+    )
     before = params_of(model)
     guard_step(guard, model, 0)
     deltas = [b - a for a, b in zip(before, params_of(model), strict=True)]
@@ -305,8 +321,9 @@ def test_accumulation_does_not_touch_the_optimizer_inside_a_window():
 
 def test_grads_are_cleared_to_none_after_each_window():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     accumulation_steps=2)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accumulation_steps=2
+    )
     for i in range(2):
         guard_step(guard, model, i)
     assert all(p.grad is None for p in model.parameters())
@@ -314,8 +331,9 @@ def test_grads_are_cleared_to_none_after_each_window():
 
 def test_backward_divides_the_loss_by_accumulation_steps():
     model, ref = make_model(), make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32",
-                     accumulation_steps=4)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", accumulation_steps=4
+    )
     x, y = batch(0)
     guard.backward(loss_of(model, x, y))
     (loss_of(ref, x, y) / 4).backward()
@@ -325,8 +343,13 @@ def test_backward_divides_the_loss_by_accumulation_steps():
 # ---------------------------------------------------------------------- containment
 def contained_window(bad: set[int], contain: bool = True):
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=1.0), precision="fp16",
-                     accumulation_steps=4, contain_nonfinite_microbatches=contain)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        precision="fp16",
+        accumulation_steps=4,
+        contain_nonfinite_microbatches=contain,
+    )
     before = params_of(model)
     for m in range(4):
         x, y = batch(m, bad=m in bad)
@@ -416,8 +439,9 @@ def test_on_applied_refuses_a_non_callable():
 def collapsing_guard(on_collapse: str, opt_name: str = "sgd"):
     model = make_model()
     cfg = ag.ScalerConfig(init_scale=4.0, min_scale=1.0, on_collapse=on_collapse)
-    return model, ag.Guard(model, OPTIMIZERS[opt_name](model.parameters()), precision="fp16",
-                           scaler=cfg)
+    return model, ag.Guard(
+        model, OPTIMIZERS[opt_name](model.parameters()), precision="fp16", scaler=cfg
+    )
 
 
 def test_collapse_raise_names_step_history_skips_and_advice():
@@ -495,8 +519,12 @@ def test_collapse_fallback_round_trips_through_state_dict():
 # ---------------------------------------------------------------------- state and resume
 def test_state_dict_loads_with_weights_only():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     scaler=ag.ScalerConfig(hysteresis=2))
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        scaler=ag.ScalerConfig(hysteresis=2),
+    )
     guard_step(guard, model, 0, overflow=True)
     buf = io.BytesIO()
     torch.save(guard.state_dict(), buf)
@@ -512,8 +540,11 @@ RESUME_CASES = {
     # Two of three hysteresis overflows spent before the save; the third backs off only if the
     # budget was restored.
     "hysteresis": ("adamw", ag.ScalerConfig(growth_interval=4, hysteresis=3), {4, 5, 9}),
-    "consecutive": ("sgd", ag.ScalerConfig(growth_interval=4, hysteresis=2,
-                                           consecutive_hysteresis=True), {6, 7, 8}),
+    "consecutive": (
+        "sgd",
+        ag.ScalerConfig(growth_interval=4, hysteresis=2, consecutive_hysteresis=True),
+        {6, 7, 8},
+    ),
 }
 
 
@@ -662,9 +693,15 @@ def test_step_before_backward_is_a_runtime_error():
 
 
 # ---------------------------------------------------------------------- precision
-@pytest.mark.parametrize(("request_", "resolved", "scaler"),
-                         [("auto", "bf16", False), ("fp16", "fp16", True),
-                          ("bf16", "bf16", False), ("fp32", "fp32", False)])
+@pytest.mark.parametrize(
+    ("request_", "resolved", "scaler"),
+    [
+        ("auto", "bf16", False),
+        ("fp16", "fp16", True),
+        ("bf16", "bf16", False),
+        ("fp32", "fp32", False),
+    ],
+)
 def test_precision_resolution_and_scaler_use(request_, resolved, scaler):
     model = make_model()
     guard = ag.Guard(model, sgd(model), precision=request_)
@@ -704,15 +741,27 @@ def bare_steps(opt_name: str, clip, n: int) -> float:
 
 def guard_steps(opt_name: str, clip, n: int, precision: str = "fp16", **kwargs) -> float:
     model = make_model()
-    guard = ag.Guard(model, OPTIMIZERS[opt_name](model.parameters()), precision=precision,
-                     clip_grad_norm=clip, **kwargs)
+    guard = ag.Guard(
+        model,
+        OPTIMIZERS[opt_name](model.parameters()),
+        precision=precision,
+        clip_grad_norm=clip,
+        **kwargs,
+    )
     guard_step(guard, model, 0)
     return count_syncs(lambda: [guard_step(guard, model, i) for i in range(1, n + 1)], 1)
 
 
-@pytest.mark.parametrize(("opt_name", "clip", "per_step"),
-                         [("sgd", None, 1), ("sgd", 1.0, 1), ("adamw", None, None),
-                          ("adamw_fused", None, 0), ("adamw_fused", 1.0, 0)])
+@pytest.mark.parametrize(
+    ("opt_name", "clip", "per_step"),
+    [
+        ("sgd", None, 1),
+        ("sgd", 1.0, 1),
+        ("adamw", None, None),
+        ("adamw_fused", None, 0),
+        ("adamw_fused", 1.0, 0),
+    ],
+)
 def test_guard_syncs_no_more_than_the_bare_torch_loop(opt_name, clip, per_step):
     n = 5
     bare, ours = bare_steps(opt_name, clip, n), guard_steps(opt_name, clip, n)

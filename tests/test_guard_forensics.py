@@ -82,7 +82,8 @@ def test_forensics_diagnoses_a_recurring_forward_overflow():
     assert all(train(guard, model, 4))
     found = [f for f in guard.findings() if f.code == "AG301"]
     assert [(f.evidence["module"], f.evidence["phase"], f.evidence["op"]) for f in found] == [
-        ("big", "forward", "aten.addmm")]
+        ("big", "forward", "aten.addmm")
+    ]
     assert found[0].evidence["via"] == "trace"
     assert found[0].evidence["stats"]["max_abs_fp32"] > 65504
     assert guard.diagnostics()["fallbacks"] == []  # diagnosis only, no change
@@ -181,11 +182,16 @@ def test_telemetry_run_folder_gets_forensics_coverage_and_findings(tmp_path):
     assert {"AG301", "AG306"} <= codes
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"forensics": "yes"}, TypeError), ({"auto_fallback": 1}, TypeError),
-    ({"coverage_step": 0}, ValueError), ({"coverage_step": 1.5}, ValueError),
-    ({"keep_fp32": [3]}, TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"forensics": "yes"}, TypeError),
+        ({"auto_fallback": 1}, TypeError),
+        ({"coverage_step": 0}, ValueError),
+        ({"coverage_step": 1.5}, ValueError),
+        ({"keep_fp32": [3]}, TypeError),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
         make(Healthy(), **kwargs)

@@ -41,15 +41,20 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
 def test_containment_without_scaler_skips_a_window_whose_microbatches_all_dropped(precision):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    guard = ag.Guard(model, opt, precision=precision, accumulation_steps=2,
-                     contain_nonfinite_microbatches=True)
+    guard = ag.Guard(
+        model, opt, precision=precision, accumulation_steps=2, contain_nonfinite_microbatches=True
+    )
     for i in range(2):  # one good window: momentum buffers exist, a zero-grad step would move
         micro(guard, model, i)
     before = params_of(model)
     result = [micro(guard, model, i, bad=True) for i in range(2, 4)][-1]
     # no scaler: the skip's cause is non-finite gradients, not an fp16 overflow
-    assert (result.applied, result.overflow, result.nonfinite, result.dropped_microbatches) == \
-        (False, False, True, 2)
+    assert (result.applied, result.overflow, result.nonfinite, result.dropped_microbatches) == (
+        False,
+        False,
+        True,
+        2,
+    )
     for a, b in zip(params_of(model), before, strict=True):
         assert torch.equal(a, b)
 
@@ -57,8 +62,13 @@ def test_containment_without_scaler_skips_a_window_whose_microbatches_all_droppe
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_containment_without_scaler_counts_dropped_microbatches(precision):
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
-                     accumulation_steps=2, contain_nonfinite_microbatches=True)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision=precision,
+        accumulation_steps=2,
+        contain_nonfinite_microbatches=True,
+    )
     result = [micro(guard, model, i, bad=i == 0) for i in range(2)][-1]
     assert (result.applied, result.dropped_microbatches) == (True, 1)
     assert guard.diagnostics()["microbatches_dropped"] == 1
@@ -114,8 +124,10 @@ def test_the_window_after_a_failed_step_updates_with_its_own_gradients_only():
 @pytest.mark.parametrize("fused", [False, True])
 def test_clipping_still_binds_the_optimizer_that_steps_when_another_overflowed(fused):
     model = make_model()
-    opts = [torch.optim.SGD(model[0].parameters(), lr=1.0, fused=fused),
-            torch.optim.SGD(model[2].parameters(), lr=1.0, fused=fused)]
+    opts = [
+        torch.optim.SGD(model[0].parameters(), lr=1.0, fused=fused),
+        torch.optim.SGD(model[2].parameters(), lr=1.0, fused=fused),
+    ]
     guard = ag.Guard(model, opts, precision="fp16", clip_grad_norm=1e-3)
     before = params_of(model[0])
     x, y = batch(0)
@@ -124,8 +136,9 @@ def test_clipping_still_binds_the_optimizer_that_steps_when_another_overflowed(f
     guard.backward(loss)
     model[2].weight.grad.view(-1)[0] = float("inf")
     assert guard.step().optimizers_applied == (True, False)
-    delta = torch.cat([(b - a).flatten() for b, a in zip(before, model[0].parameters(),
-                                                            strict=True)])
+    delta = torch.cat(
+        [(b - a).flatten() for b, a in zip(before, model[0].parameters(), strict=True)]
+    )
     assert 0 < torch.linalg.vector_norm(delta).item() <= 1e-3 * (1 + 1e-3)  # SGD lr=1
 
 
@@ -133,8 +146,9 @@ def test_clipping_still_binds_the_optimizer_that_steps_when_another_overflowed(f
 def test_state_round_trip_keeps_the_scale_history_and_its_change_count():
     model = make_model()
     cfg = ag.ScalerConfig(growth_interval=2)
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.05), precision="fp16",
-                     scaler=cfg)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), precision="fp16", scaler=cfg
+    )
     for i in range(7):  # growth at 2, 4, 6 and a backoff at 5: the scale changes often
         x, y = batch(i)
         with guard.autocast():
@@ -144,21 +158,29 @@ def test_state_round_trip_keeps_the_scale_history_and_its_change_count():
             model[2].weight.grad.view(-1)[0] = float("inf")
         guard.step()
     fresh_model = make_model()
-    fresh = ag.Guard(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.05),
-                     precision="fp16", scaler=cfg)
+    fresh = ag.Guard(
+        fresh_model,
+        torch.optim.SGD(fresh_model.parameters(), lr=0.05),
+        precision="fp16",
+        scaler=cfg,
+    )
     fresh.load_state_dict(guard.state_dict())
     before, after = guard.diagnostics(), fresh.diagnostics()
     assert before["scale_changes"] >= 3
-    assert (after["scale_changes"], after["last_scales"]) == \
-        (before["scale_changes"], before["last_scales"])
+    assert (after["scale_changes"], after["last_scales"]) == (
+        before["scale_changes"],
+        before["last_scales"],
+    )
 
 
 def test_adopting_a_torch_grad_scaler_state_starts_the_scale_history_at_its_scale(tmp_path):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scaler": scaler.state_dict()}, tmp_path / "plain.pt")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict()},
+        tmp_path / "plain.pt",
+    )
     guard = ag.Guard(model, opt, precision="fp16")
     with pytest.warns(RuntimeWarning, match="adopted the torch GradScaler state"):
         ag.load_checkpoint(tmp_path / "plain.pt", model=model, optimizer=opt, guard=guard)
@@ -171,8 +193,10 @@ def test_adopting_a_torch_grad_scaler_state_starts_the_scale_history_at_its_scal
 
 def test_an_in_window_result_has_one_flag_per_optimizer():
     model = make_model()
-    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
-            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    opts = [
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    ]
     guard = ag.Guard(model, opts, precision="fp16", accumulation_steps=2)
     assert micro(guard, model, 0).optimizers_applied == (False, False)
 
@@ -182,8 +206,13 @@ def test_loading_state_mid_window_drops_the_half_window_gradients(contain):
     def make(seed_model):
         model = make_model()
         model.load_state_dict(seed_model.state_dict())
-        guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                         accumulation_steps=2, contain_nonfinite_microbatches=contain)
+        guard = ag.Guard(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            precision="fp16",
+            accumulation_steps=2,
+            contain_nonfinite_microbatches=contain,
+        )
         return guard, model
 
     base = make_model()
@@ -240,8 +269,13 @@ def test_telemetry_loss_of_the_window_after_a_failed_step_is_its_own(tmp_path):
 
 def test_telemetry_loss_after_a_mid_window_load_is_the_new_windows_own(tmp_path):
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     accumulation_steps=2, telemetry=ag.Telemetry(tmp_path))
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        accumulation_steps=2,
+        telemetry=ag.Telemetry(tmp_path),
+    )
     saved = guard.state_dict()
     micro(guard, model, 0)  # half a window, then a rollback
     guard.load_state_dict(saved)
@@ -261,8 +295,12 @@ def test_telemetry_loss_after_a_mid_window_load_is_the_new_windows_own(tmp_path)
 def test_a_fallback_acted_on_mid_window_unscales_the_windows_gradients():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0, fused=True)
-    guard = ag.Guard(model, opt, precision="fp16", scaler=ag.ScalerConfig(
-        init_scale=128.0, min_scale=128.0, on_collapse="fallback"))
+    guard = ag.Guard(
+        model,
+        opt,
+        precision="fp16",
+        scaler=ag.ScalerConfig(init_scale=128.0, min_scale=128.0, on_collapse="fallback"),
+    )
     x, y = batch(0)
     with guard.autocast():
         loss = F.mse_loss(model(x).float(), y)
@@ -288,8 +326,13 @@ def test_a_fallback_acted_on_mid_window_unscales_the_windows_gradients():
 def test_close_still_closes_telemetry_when_a_pending_collapse_raises(tmp_path):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    guard = ag.Guard(model, opt, precision="fp16", telemetry=ag.Telemetry(tmp_path),
-                     scaler=ag.ScalerConfig(init_scale=1.0))  # on_collapse="raise"
+    guard = ag.Guard(
+        model,
+        opt,
+        precision="fp16",
+        telemetry=ag.Telemetry(tmp_path),
+        scaler=ag.ScalerConfig(init_scale=1.0),
+    )  # on_collapse="raise"
     x, y = batch(0)
     with guard.autocast():
         loss = F.mse_loss(model(x).float(), y)
@@ -305,8 +348,9 @@ def test_close_still_closes_telemetry_when_a_pending_collapse_raises(tmp_path):
 def test_collapse_warn_with_a_fused_optimizer_warns_for_each_episode():
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    guard = ag.Guard(model, opt, precision="fp16",
-                     scaler=ag.ScalerConfig(init_scale=1.0, on_collapse="warn"))
+    guard = ag.Guard(
+        model, opt, precision="fp16", scaler=ag.ScalerConfig(init_scale=1.0, on_collapse="warn")
+    )
 
     def window(i: int, overflow: bool) -> None:
         x, y = batch(i)

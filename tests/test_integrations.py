@@ -53,27 +53,52 @@ def _telemetry(run_dir) -> Telemetry:
 
 
 # ---------------------------------------------------------------------- HF Trainer
-def _hf_run(tmp_path, *, precision="fp16", optim="adamw_torch", give_scaler=True, bad=BAD,
-            default_folder=False, **extra_args):
+def _hf_run(
+    tmp_path,
+    *,
+    precision="fp16",
+    optim="adamw_torch",
+    give_scaler=True,
+    bad=BAD,
+    default_folder=False,
+    **extra_args,
+):
     transformers = pytest.importorskip("transformers")
     from ampguard.integrations.transformers import AmpGuardCallback
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
-                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.GPT2LMHeadModel(config)
     _plant(model.transformer.h[0].mlp.c_fc.weight, bad)
-    data = [{"input_ids": ids, "labels": ids}
-            for ids in torch.randint(0, 64, (STEPS * 4, 16)).unbind()]
+    data = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (STEPS * 4, 16)).unbind()
+    ]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), fp16=precision == "fp16", bf16=precision == "bf16",
-        use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
-        save_strategy="no", disable_tqdm=True, optim=optim,
-        learning_rate=1e-3, **{"logging_steps": 100, **extra_args})
-    callback = AmpGuardCallback() if default_folder else AmpGuardCallback(
-        _telemetry(tmp_path / "run"))
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[callback])
+        output_dir=str(tmp_path / "out"),
+        fp16=precision == "fp16",
+        bf16=precision == "bf16",
+        use_cpu=True,
+        report_to=[],
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        disable_tqdm=True,
+        optim=optim,
+        learning_rate=1e-3,
+        **{"logging_steps": 100, **extra_args},
+    )
+    callback = (
+        AmpGuardCallback() if default_folder else AmpGuardCallback(_telemetry(tmp_path / "run"))
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     if precision == "fp16" and give_scaler:
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         trainer.accelerator.native_amp = True
@@ -129,8 +154,17 @@ def test_hf_trainer_fp16_on_cpu_is_fp32_and_says_so(tmp_path):
 
 
 # ---------------------------------------------------------------------- Lightning
-def _lightning_run(tmp_path, *, precision="16-mixed", fused=False, bad=BAD, callback=None,
-                   scaler=None, extra_callbacks=(), **trainer_kw):
+def _lightning_run(
+    tmp_path,
+    *,
+    precision="16-mixed",
+    fused=False,
+    bad=BAD,
+    callback=None,
+    scaler=None,
+    extra_callbacks=(),
+    **trainer_kw,
+):
     L = pytest.importorskip("lightning")
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -139,8 +173,9 @@ def _lightning_run(tmp_path, *, precision="16-mixed", fused=False, bad=BAD, call
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
-                                           torch.nn.Linear(32, 1))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+            )
             _plant(self.net[0].weight, bad)
 
         def training_step(self, batch, _):
@@ -152,17 +187,26 @@ def _lightning_run(tmp_path, *, precision="16-mixed", fused=False, bad=BAD, call
 
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=8)
+        torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=8
+    )
     callback = callback or AmpGuardCallback(_telemetry(tmp_path / "run"))
     if precision == "16-mixed" and scaler is not False:
         scaler = scaler or torch.amp.GradScaler("cpu", init_scale=2.0**10)
         kw = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     else:
         kw = {"precision": precision}
-    trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback, *extra_callbacks],
-                        default_root_dir=str(tmp_path), **kw, **trainer_kw)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, *extra_callbacks],
+        default_root_dir=str(tmp_path),
+        **kw,
+        **trainer_kw,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Module(), data)
@@ -198,8 +242,9 @@ def test_lightning_scaler_config_through_the_plugin(tmp_path):
     from ampguard.integrations import grad_scaler, guard_options
     from ampguard.integrations.lightning import AmpGuardCallback
 
-    cfg = ag.ScalerConfig(init_scale=2.0**10, growth_interval=1000, hysteresis=2,
-                          min_scale=1.0, on_collapse="warn")
+    cfg = ag.ScalerConfig(
+        init_scale=2.0**10, growth_interval=1000, hysteresis=2, min_scale=1.0, on_collapse="warn"
+    )
     callback = AmpGuardCallback(**guard_options(cfg))  # default folder: <root_dir>/ampguard
     _lightning_run(tmp_path, bad=(3,), callback=callback, scaler=grad_scaler(cfg, "cpu"))
     recs = _records(tmp_path / "ampguard")
@@ -218,8 +263,9 @@ def _reset_accelerate():
     GradientState._reset_state()
 
 
-def _accelerate_run(tmp_path, *, mixed_precision="fp16", fused=False, give_scaler=True,
-                    bad=BAD, clip=None):
+def _accelerate_run(
+    tmp_path, *, mixed_precision="fp16", fused=False, give_scaler=True, bad=BAD, clip=None
+):
     accelerate = pytest.importorskip("accelerate")
     from ampguard.integrations.accelerate import watch_accelerator
 
@@ -235,7 +281,8 @@ def _accelerate_run(tmp_path, *, mixed_precision="fp16", fused=False, give_scale
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(STEPS * 4, 8), torch.randn(STEPS * 4, 4)),
-        batch_size=4)
+        batch_size=4,
+    )
     model, opt, data, sched = accelerator.prepare(model, opt, data, sched)
     flags = []
     with watch_accelerator(accelerator, model, opt, telemetry=_telemetry(tmp_path)) as handle:
@@ -297,11 +344,14 @@ def test_accelerate_wrappers_removed_on_close(tmp_path):
 
 
 # ---------------------------------------------------------------------- missing extras
-@pytest.mark.parametrize("module, package, extra", [
-    ("ampguard.integrations.transformers", "transformers", "integrations"),
-    ("ampguard.integrations.lightning", "lightning", "integrations"),
-    ("ampguard.integrations.accelerate", "accelerate", "integrations"),
-])
+@pytest.mark.parametrize(
+    "module, package, extra",
+    [
+        ("ampguard.integrations.transformers", "transformers", "integrations"),
+        ("ampguard.integrations.lightning", "lightning", "integrations"),
+        ("ampguard.integrations.accelerate", "accelerate", "integrations"),
+    ],
+)
 def test_missing_framework_names_the_extra(monkeypatch, module, package, extra):
     monkeypatch.setitem(sys.modules, package, None)  # makes `import package` fail
     monkeypatch.delitem(sys.modules, module, raising=False)
@@ -342,9 +392,13 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     from ampguard.integrations.sinks import WandbSink
 
-    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
-                       "WANDB_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path / "c"),
-                       "WANDB_CONFIG_DIR": str(tmp_path / "cfg")}.items():
+    for var, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CACHE_DIR": str(tmp_path / "c"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+    }.items():
         monkeypatch.setenv(var, value)
     run = wandb.init(project="ampguard-test", mode="offline", dir=str(tmp_path))
     try:
@@ -369,11 +423,13 @@ def test_mlflow_sink_local_store(tmp_path, monkeypatch):
     sink = MlflowSink(experiment="ampguard-test", tracking_uri=uri)
     recs = _watched_loop(tmp_path / "run", sink)
     client = MlflowClient(tracking_uri=uri)
-    run_id = client.search_runs([client.get_experiment_by_name("ampguard-test").experiment_id]
-                                )[0].info.run_id
+    run_id = client.search_runs([client.get_experiment_by_name("ampguard-test").experiment_id])[
+        0
+    ].info.run_id
     history = client.get_metric_history(run_id, "ampguard/scale")
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
-        [(r["step"], r["scale"]) for r in recs]
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (r["step"], r["scale"]) for r in recs
+    ]
     applied = client.get_metric_history(run_id, "ampguard/applied")
     assert [m.step for m in applied if m.value == 0.0] == [2]
     assert client.get_run(run_id).info.status == "FINISHED"
@@ -397,8 +453,7 @@ def _assert_pre_clip(recorded: dict[int, float], expected: list[float]) -> None:
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_hf_trainer_grad_norm_is_the_pre_clip_norm(tmp_path, precision):
-    trainer, _ = _hf_run(tmp_path, precision=precision, bad=(), max_grad_norm=CLIP,
-                         logging_steps=1)
+    trainer, _ = _hf_run(tmp_path, precision=precision, bad=(), max_grad_norm=CLIP, logging_steps=1)
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     _assert_pre_clip(_recorded_norms(tmp_path / "run"), logged)
 
@@ -414,8 +469,9 @@ class _NormProbe:
 
         class Probe(L.Callback):
             def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-                probe.norms.append(float(torch.nn.utils.clip_grad_norm_(
-                    pl_module.parameters(), float("inf"))))
+                probe.norms.append(
+                    float(torch.nn.utils.clip_grad_norm_(pl_module.parameters(), float("inf")))
+                )
 
         self.norms: list[float] = []
         self.callback = Probe()
@@ -425,8 +481,13 @@ class _NormProbe:
 def test_lightning_grad_norm_is_the_pre_clip_norm(tmp_path, precision):
     pytest.importorskip("lightning")
     probe = _NormProbe()
-    _lightning_run(tmp_path, precision=precision, bad=(), extra_callbacks=[probe.callback],
-                   gradient_clip_val=CLIP)
+    _lightning_run(
+        tmp_path,
+        precision=precision,
+        bad=(),
+        extra_callbacks=[probe.callback],
+        gradient_clip_val=CLIP,
+    )
     _assert_pre_clip(_recorded_norms(tmp_path / "run"), probe.norms)
 
 
@@ -445,8 +506,7 @@ def test_watch_grad_norm_is_the_pre_clip_norm(tmp_path, scaled, accumulation):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
     dtype = torch.float16 if scaled else torch.bfloat16
     expected = []
-    with ag.watch(scaler, model, opt, _telemetry(tmp_path),
-                  precision=None if scaled else "bf16"):
+    with ag.watch(scaler, model, opt, _telemetry(tmp_path), precision=None if scaled else "bf16"):
         for i in range(STEPS * accumulation):
             x, y = torch.randn(4, 8), torch.randn(4, 4)
             with torch.autocast("cpu", dtype=dtype):
@@ -473,8 +533,13 @@ def test_guard_grad_norm_and_record_are_the_pre_clip_norm(tmp_path):
     ref.load_state_dict(model.state_dict())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     expected, returned = [], []
-    with ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
-                  clip_grad_norm=CLIP, telemetry=_telemetry(tmp_path)) as guard:
+    with ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="bf16",
+        clip_grad_norm=CLIP,
+        telemetry=_telemetry(tmp_path),
+    ) as guard:
         for _ in range(STEPS):
             x, y = torch.randn(4, 8), torch.randn(4, 4)
             with guard.autocast():
@@ -537,8 +602,9 @@ def test_ag121_message_is_singular_for_one_overflow(tmp_path):
     from ampguard.integrations import grad_scaler, guard_options
     from ampguard.integrations.lightning import AmpGuardCallback
 
-    cfg = ag.ScalerConfig(init_scale=2.0**10, growth_interval=1000, hysteresis=2,
-                          min_scale=1.0, on_collapse="warn")
+    cfg = ag.ScalerConfig(
+        init_scale=2.0**10, growth_interval=1000, hysteresis=2, min_scale=1.0, on_collapse="warn"
+    )
     callback = AmpGuardCallback(**guard_options(cfg))
     _lightning_run(tmp_path, bad=(3,), callback=callback, scaler=grad_scaler(cfg, "cpu"))
     message = {f.code: f for f in callback.findings()}["AG121"].message

@@ -11,8 +11,10 @@ import pytest
 
 from ampguard.lint import MAX_FILE_BYTES, lint_paths
 
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX special files")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX special files"),
+]
 
 CLEAN = "import torch\nscaler = torch.amp.GradScaler('cuda')\n"
 
@@ -66,7 +68,11 @@ def test_a_file_over_the_cap_is_not_read(tmp_path):
 
 
 def test_the_cli_over_special_files_ends_with_findings(tree):
-    out = subprocess.run([sys.executable, "-m", "ampguard", "lint", str(tree)],
-                         capture_output=True, text=True, timeout=50)
+    out = subprocess.run(
+        [sys.executable, "-m", "ampguard", "lint", str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "x.py:1:1: AG200 not read: a FIFO" in out.stdout

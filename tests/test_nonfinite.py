@@ -60,8 +60,12 @@ def finite(model: nn.Module) -> bool:
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw_fused"])
 def test_a_nonfinite_window_is_skipped_and_matches_a_loop_without_that_batch(precision, opt_name):
     ref_model = make_model()
-    ref = ag.Guard(ref_model, OPTIMIZERS[opt_name](ref_model.parameters()), precision=precision,
-                   clip_grad_norm=1.0)
+    ref = ag.Guard(
+        ref_model,
+        OPTIMIZERS[opt_name](ref_model.parameters()),
+        precision=precision,
+        clip_grad_norm=1.0,
+    )
     for i in (0, 2):  # the same run without the bad batch
         step(ref, ref_model, i)
     model = make_model()
@@ -70,16 +74,19 @@ def test_a_nonfinite_window_is_skipped_and_matches_a_loop_without_that_batch(pre
     step(guard, model, 0)
     before = params(model)
     bad = step(guard, model, 1, bad=NAN)
-    assert (bad.applied, bad.overflow, bad.nonfinite, bad.skip_cause) == \
-        (False, False, True, "nonfinite")
+    assert (bad.applied, bad.overflow, bad.nonfinite, bad.skip_cause) == (
+        False,
+        False,
+        True,
+        "nonfinite",
+    )
     assert same(params(model), before)
     assert all(int(s["step"]) == 1 for s in opt.state.values())  # no optimizer step counted
     good = step(guard, model, 2)
     assert (good.applied, good.nonfinite, good.skip_cause) == (True, False, None)
     assert same(params(model), params(ref_model))  # bitwise: as if the batch never came
     assert guard.skipped_steps == 1
-    assert guard.diagnostics()["skipped_by_cause"] == {"overflow": 0, "collapse": 0,
-                                                       "nonfinite": 1}
+    assert guard.diagnostics()["skipped_by_cause"] == {"overflow": 0, "collapse": 0, "nonfinite": 1}
 
 
 @pytest.mark.parametrize("value", [INF, -INF, NAN])
@@ -99,8 +106,9 @@ def test_inf_gradients_are_skipped_too(value):
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw_fused"])
 def test_skip_nonfinite_false_restores_the_unchecked_path(opt_name):
     model = make_model()
-    guard = ag.Guard(model, OPTIMIZERS[opt_name](model.parameters()), precision="bf16",
-                     skip_nonfinite=False)
+    guard = ag.Guard(
+        model, OPTIMIZERS[opt_name](model.parameters()), precision="bf16", skip_nonfinite=False
+    )
     result = step(guard, model, 0, bad=NAN)
     assert (result.applied, result.nonfinite) == (True, False)  # nothing checked
     assert not finite(model)
@@ -114,8 +122,10 @@ def test_skip_nonfinite_must_be_a_bool():
 
 def test_two_optimizers_skip_only_the_one_with_nonfinite_gradients():
     model = make_model()
-    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
-            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    opts = [
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    ]
     guard = ag.Guard(model, opts, precision="bf16", clip_grad_norm=1.0)
     x, y = batch(0)
     with guard.autocast():
@@ -132,13 +142,20 @@ def test_two_optimizers_skip_only_the_one_with_nonfinite_gradients():
 
 # ---------------------------------------------------------------------- item 1 + the bound
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw_fused"])
-def test_nan_every_step_after_a_fallback_ends_in_a_collapse_error_not_nan_weights(opt_name,
-                                                                                   tmp_path):
+def test_nan_every_step_after_a_fallback_ends_in_a_collapse_error_not_nan_weights(
+    opt_name, tmp_path
+):
     model = make_model()
-    cfg = ag.ScalerConfig(init_scale=4.0, min_scale=1.0, on_collapse="fallback",
-                          max_nonfinite_skips=4)
-    guard = ag.Guard(model, OPTIMIZERS[opt_name](model.parameters()), precision="fp16",
-                     scaler=cfg, telemetry=tmp_path / "run")
+    cfg = ag.ScalerConfig(
+        init_scale=4.0, min_scale=1.0, on_collapse="fallback", max_nonfinite_skips=4
+    )
+    guard = ag.Guard(
+        model,
+        OPTIMIZERS[opt_name](model.parameters()),
+        precision="fp16",
+        scaler=cfg,
+        telemetry=tmp_path / "run",
+    )
     start = params(model)
     with warnings.catch_warnings(), pytest.raises(ag.ScaleCollapseError) as err:
         warnings.simplefilter("ignore")  # the fallback warning
@@ -161,8 +178,12 @@ def test_nan_every_step_after_a_fallback_ends_in_a_collapse_error_not_nan_weight
 
 def test_the_bound_counts_consecutive_skips_only():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
-                     scaler=ag.ScalerConfig(max_nonfinite_skips=3))
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="bf16",
+        scaler=ag.ScalerConfig(max_nonfinite_skips=3),
+    )
     for i in range(3):  # two bad, one good: the run is making progress
         step(guard, model, 3 * i, bad=NAN)
         step(guard, model, 3 * i + 1, bad=NAN)
@@ -175,8 +196,12 @@ def test_the_bound_counts_consecutive_skips_only():
 
 def test_the_bound_under_warn_warns_once_per_episode_and_keeps_skipping():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32",
-                     scaler=ag.ScalerConfig(max_nonfinite_skips=2, on_collapse="warn"))
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp32",
+        scaler=ag.ScalerConfig(max_nonfinite_skips=2, on_collapse="warn"),
+    )
     start = params(model)
     with pytest.warns(RuntimeWarning, match="non-finite gradients in 2 consecutive") as rec:
         for i in range(6):
@@ -191,8 +216,12 @@ def test_the_bound_under_warn_warns_once_per_episode_and_keeps_skipping():
 
 def test_fused_flags_settle_lazily_and_the_bound_acts_when_read():
     model = make_model()
-    guard = ag.Guard(model, OPTIMIZERS["adamw_fused"](model.parameters()), precision="bf16",
-                     scaler=ag.ScalerConfig(max_nonfinite_skips=2))
+    guard = ag.Guard(
+        model,
+        OPTIMIZERS["adamw_fused"](model.parameters()),
+        precision="bf16",
+        scaler=ag.ScalerConfig(max_nonfinite_skips=2),
+    )
     start = params(model)
     results = [step(guard, model, i, bad=NAN) for i in range(3)]  # no sync, no raise yet
     assert same(params(model), start)
@@ -202,8 +231,9 @@ def test_fused_flags_settle_lazily_and_the_bound_acts_when_read():
 
 def test_forensics_replays_a_nonfinite_bf16_step():
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
-                     forensics=True)
+    guard = ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", forensics=True
+    )
     step(guard, model, 0)
     x, y = batch(1, NAN)
 
@@ -221,8 +251,12 @@ def test_forensics_replays_a_nonfinite_bf16_step():
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_more_backward_calls_than_accumulation_steps_raise(accumulation):
     model = make_model()
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
-                     accumulation_steps=accumulation)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="bf16",
+        accumulation_steps=accumulation,
+    )
     for i in range(accumulation):
         x, y = batch(i)
         guard.backward(F.mse_loss(model(x), y))
@@ -255,9 +289,19 @@ def test_one_extra_parameter_outside_the_model_is_named():
 
 
 # ---------------------------------------------------------------------- item 5: ScalerConfig
-FIELDS = ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-          "consecutive_hysteresis", "min_scale", "max_scale", "on_collapse", "dynamic",
-          "max_nonfinite_skips"]
+FIELDS = [
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_scale",
+    "max_scale",
+    "on_collapse",
+    "dynamic",
+    "max_nonfinite_skips",
+]
 
 
 @pytest.mark.parametrize("name", FIELDS)
@@ -267,14 +311,20 @@ def test_every_scaler_field_of_the_wrong_type_is_a_value_error_naming_it(name, v
         ag.ScalerConfig(**{name: value})
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [
-    ({"growth_factor": INF}, "growth_factor"), ({"growth_factor": NAN}, "growth_factor"),
-    ({"backoff_factor": NAN}, "backoff_factor"), ({"init_scale": NAN}, "init_scale"),
-    ({"max_scale": 1e39}, "max_scale"), ({"min_scale": 1e-50}, "min_scale"),
-    ({"init_scale": 1e39, "max_scale": 1e39}, "max_scale"),
-    ({"growth_interval": 2**31}, "growth_interval"), ({"max_nonfinite_skips": 0},
-                                                      "max_nonfinite_skips"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"growth_factor": INF}, "growth_factor"),
+        ({"growth_factor": NAN}, "growth_factor"),
+        ({"backoff_factor": NAN}, "backoff_factor"),
+        ({"init_scale": NAN}, "init_scale"),
+        ({"max_scale": 1e39}, "max_scale"),
+        ({"min_scale": 1e-50}, "min_scale"),
+        ({"init_scale": 1e39, "max_scale": 1e39}, "max_scale"),
+        ({"growth_interval": 2**31}, "growth_interval"),
+        ({"max_nonfinite_skips": 0}, "max_nonfinite_skips"),
+    ],
+)
 def test_non_finite_and_out_of_fp32_range_values_are_refused(kwargs, name):
     with pytest.raises(ValueError, match=rf"ScalerConfig\.{name} "):
         ag.ScalerConfig(**kwargs)
@@ -290,8 +340,9 @@ def test_fp32_limits_themselves_are_accepted():
 @pytest.mark.parametrize(("value", "name"), [(NAN, "nan"), (INF, "inf"), (-INF, "-inf")])
 def test_a_nonfinite_loss_is_recorded_by_kind(value, name, tmp_path):
     model = make_model()
-    with ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
-                  telemetry=tmp_path) as guard:
+    with ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", telemetry=tmp_path
+    ) as guard:
         step(guard, model, 0)
         x, y = batch(1)
         with guard.autocast():
@@ -320,8 +371,9 @@ def test_a_window_without_a_recorded_loss_is_null_without_a_kind(tmp_path):
 def test_the_report_marks_nonfinite_losses(tmp_path):
     pytest.importorskip("matplotlib")
     model = make_model()
-    with ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16",
-                  telemetry=tmp_path) as guard:
+    with ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", telemetry=tmp_path
+    ) as guard:
         for i in range(4):
             step(guard, model, i, bad=NAN if i == 2 else None)
     html = ag.report(tmp_path).read_text()

@@ -40,8 +40,11 @@ def traced(model: nn.Module) -> OpTrace:
 
 def first_new(trace: OpTrace, phase: str = "forward"):
     stats = trace.stats()
-    return next(e for e in trace.events
-                if e.phase == phase and e.row is not None and is_new(stats[e.row], e.intentional))
+    return next(
+        e
+        for e in trace.events
+        if e.phase == phase and e.row is not None and is_new(stats[e.row], e.intentional)
+    )
 
 
 def test_first_of_several_nonfinite_ops_is_named_and_rerun():

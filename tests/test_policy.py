@@ -52,8 +52,9 @@ def test_dtype_and_scaler_need(precision, dtype, needs_scaler):
     assert policy.needs_scaler is needs_scaler
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [("fp16", torch.float16),
-                                                  ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16)]
+)
 def test_autocast_runs_matmuls_in_the_policy_dtype(precision, dtype):
     layer = torch.nn.Linear(8, 4)
     with PrecisionPolicy(precision, "cpu").autocast():

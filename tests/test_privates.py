@@ -52,12 +52,21 @@ def defined_privates(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
             for node in cls.body:  # methods and class-level assignments
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     names.add(node.name)
-                targets = (node.targets if isinstance(node, ast.Assign)
-                           else [node.target] if isinstance(node, ast.AnnAssign) else [])
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else [node.target]
+                    if isinstance(node, ast.AnnAssign)
+                    else []
+                )
                 names.update(t.id for t in targets if isinstance(t, ast.Name))
             for node in ast.walk(cls):  # self._x = ... anywhere in the class
-                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                        and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in ("self", "cls")
+                ):
                     names.add(node.attr)
             for name in filter(_is_private, names):
                 out.setdefault(name, set()).add(module)
@@ -67,27 +76,44 @@ def defined_privates(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
 def _on_own_object(value: ast.expr) -> bool:
     if isinstance(value, ast.Name):
         return value.id in ("self", "cls")
-    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
         and value.func.id == "super"
+    )
 
 
 def private_accesses(tree: ast.Module) -> list[tuple[int, str, str]]:
     """``(line, name, source)`` of every private attribute used on an object not self/cls."""
     out = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _is_private(node.attr) \
-                and not _on_own_object(node.value):
+        if (
+            isinstance(node, ast.Attribute)
+            and _is_private(node.attr)
+            and not _on_own_object(node.value)
+        ):
             out.append((node.lineno, node.attr, ast.unparse(node)))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in ACCESSORS and len(node.args) >= 2 \
-                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
-                and _is_private(node.args[1].value) and not _on_own_object(node.args[0]):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ACCESSORS
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_private(node.args[1].value)
+            and not _on_own_object(node.args[0])
+        ):
             out.append((node.lineno, node.args[1].value, ast.unparse(node)))
     return out
 
 
-def violations(sources: dict[str, str], *, third_party: dict[tuple[str, str], str],
-               guard_body: set[str], pending: dict[str, set[str]]) -> list[str]:
+def violations(
+    sources: dict[str, str],
+    *,
+    third_party: dict[tuple[str, str], str],
+    guard_body: set[str],
+    pending: dict[str, set[str]],
+) -> list[str]:
     """``module:line: source (name defined in ...)`` for every forbidden access."""
     trees = {module: ast.parse(text, module) for module, text in sources.items()}
     defined = defined_privates(trees)
@@ -95,44 +121,47 @@ def violations(sources: dict[str, str], *, third_party: dict[tuple[str, str], st
     for module, tree in sorted(trees.items()):
         for line, name, source in sorted(private_accesses(tree)):
             owners = defined.get(name, set())
-            if not owners or module in owners or (module, name) in third_party \
-                    or name in pending.get(module, set()) \
-                    or (module in guard_body and "guard.py" in owners):
+            if (
+                not owners
+                or module in owners
+                or (module, name) in third_party
+                or name in pending.get(module, set())
+                or (module in guard_body and "guard.py" in owners)
+            ):
                 continue
-            out.append(f"{module}:{line}: {source} (private of a class in "
-                       f"{', '.join(sorted(owners))})")
+            out.append(
+                f"{module}:{line}: {source} (private of a class in {', '.join(sorted(owners))})"
+            )
     return out
 
 
 def _sources() -> dict[str, str]:
-    return {p.relative_to(SRC).as_posix(): p.read_text(encoding="utf-8")
-            for p in sorted(SRC.rglob("*.py"))}
+    return {
+        p.relative_to(SRC).as_posix(): p.read_text(encoding="utf-8")
+        for p in sorted(SRC.rglob("*.py"))
+    }
 
 
 def test_the_scanner_flags_another_objects_private():
     sources = {
         "a.py": "class A:\n"
-                "    def __init__(self):\n"
-                "        self._x = 1\n"
-                "    def _m(self):\n"
-                "        return self._x\n"
-                "def peek(a):\n"
-                "    return a._x\n",  # same module: a module-private helper, allowed
+        "    def __init__(self):\n"
+        "        self._x = 1\n"
+        "    def _m(self):\n"
+        "        return self._x\n"
+        "def peek(a):\n"
+        "    return a._x\n",  # same module: a module-private helper, allowed
         "b.py": "import torch\n"
-                "def f(a):\n"
-                "    a._x = 2\n"  # write: flagged
-                "    torch._foreach_norm([])\n"  # not an ampguard name: allowed
-                "    return getattr(a, '_m')()\n",  # flagged, through getattr
+        "def f(a):\n"
+        "    a._x = 2\n"  # write: flagged
+        "    torch._foreach_norm([])\n"  # not an ampguard name: allowed
+        "    return getattr(a, '_m')()\n",  # flagged, through getattr
         "c.py": "class C(A):\n"
-                "    def g(self):\n"
-                "        return super()._m() + self._x\n",  # own object: allowed
-        "guard.py": "class Guard:\n"
-                    "    def __init__(self):\n"
-                    "        self._steps = 0\n",
-        "body.py": "def step(guard):\n"
-                   "    guard._steps += 1\n",  # the Guard's body, allowed below
-        "other.py": "def step(guard):\n"
-                    "    return guard._steps\n",
+        "    def g(self):\n"
+        "        return super()._m() + self._x\n",  # own object: allowed
+        "guard.py": "class Guard:\n    def __init__(self):\n        self._steps = 0\n",
+        "body.py": "def step(guard):\n    guard._steps += 1\n",  # the Guard's body, allowed below
+        "other.py": "def step(guard):\n    return guard._steps\n",
     }
     found = violations(sources, third_party={}, guard_body={"body.py"}, pending={})
     assert found == [
@@ -140,16 +169,20 @@ def test_the_scanner_flags_another_objects_private():
         "b.py:5: getattr(a, '_m') (private of a class in a.py)",
         "other.py:2: guard._steps (private of a class in guard.py)",
     ]
-    assert violations(sources, third_party={("b.py", "_x"): "why"}, guard_body=set(),
-                      pending={"b.py": {"_m"}, "other.py": {"_steps"}}) \
-        == ["body.py:2: guard._steps (private of a class in guard.py)"]
+    assert violations(
+        sources,
+        third_party={("b.py", "_x"): "why"},
+        guard_body=set(),
+        pending={"b.py": {"_m"}, "other.py": {"_steps"}},
+    ) == ["body.py:2: guard._steps (private of a class in guard.py)"]
 
 
 def test_no_module_uses_another_objects_privates():
-    found = violations(_sources(), third_party=THIRD_PARTY, guard_body=GUARD_BODY,
-                       pending=PENDING)
-    assert not found, ("private attributes of another ampguard object (add a public method or "
-                       "property to its class instead):\n" + "\n".join(found))
+    found = violations(_sources(), third_party=THIRD_PARTY, guard_body=GUARD_BODY, pending=PENDING)
+    assert not found, (
+        "private attributes of another ampguard object (add a public method or "
+        "property to its class instead):\n" + "\n".join(found)
+    )
 
 
 def test_every_third_party_entry_is_still_needed():

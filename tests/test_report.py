@@ -19,9 +19,19 @@ from ampguard import cli
 from ampguard.reporting import summary
 
 CHROMIUM = shutil.which("chromium")
-_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-          "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000"]
+_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=5000",
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +86,9 @@ def test_report_tables_skip_causes_and_metadata(reset_page):
 
 def test_report_of_a_run_with_no_steps_yet(tmp_path):
     model = mlp()
-    ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-             telemetry=tmp_path)
+    ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", telemetry=tmp_path
+    )
     page = ag.report(tmp_path).read_text(encoding="utf-8")
     assert images(page) == [] and page.count("Not recorded in this run.") == 4
 
@@ -103,8 +114,9 @@ def test_summary_prints_findings_before_the_numbers(reset_run):
 
 def test_summary_of_a_healthy_run(tmp_path):
     model = mlp()
-    with ag.Guard(model, torch.optim.AdamW(model.parameters()), precision="fp16",
-                  telemetry=tmp_path) as guard:
+    with ag.Guard(
+        model, torch.optim.AdamW(model.parameters()), precision="fp16", telemetry=tmp_path
+    ) as guard:
         train(guard, model, 5)
     assert "findings: none" in summary(tmp_path)
 
@@ -133,13 +145,20 @@ def test_cli_report_on_a_folder_without_a_run(tmp_path, capsys):
 def chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
     profile = tmp_path / "profile"
     profile.mkdir(exist_ok=True)
-    return subprocess.run([CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", *extra, url],
-                          capture_output=True, text=True, timeout=90)
+    return subprocess.run(
+        [CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
-                    "(apt-get install -y chromium); the report is not rendered in a browser")
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="Debian's chromium is not installed "
+    "(apt-get install -y chromium); the report is not rendered in a browser",
+)
 def test_report_renders_in_headless_chromium_without_console_errors(reset_page, tmp_path):
     page = reset_page
     shot = tmp_path / "shot.png"
@@ -149,10 +168,15 @@ def test_report_renders_in_headless_chromium_without_console_errors(reset_page, 
     assert shot.read_bytes().startswith(b"\x89PNG")
     # A copy with a probe script: every figure decoded to a real bitmap.
     probe = tmp_path / "probe.html"
-    probe.write_text(page.read_text(encoding="utf-8").replace(
-        "</body>", "<script>addEventListener('load', () => { document.title = 'decoded ' + "
-        "[...document.images].filter(i => i.complete && i.naturalWidth > 400).length; });"
-        "</script></body>"), encoding="utf-8")
+    probe.write_text(
+        page.read_text(encoding="utf-8").replace(
+            "</body>",
+            "<script>addEventListener('load', () => { document.title = 'decoded ' + "
+            "[...document.images].filter(i => i.complete && i.naturalWidth > 400).length; });"
+            "</script></body>",
+        ),
+        encoding="utf-8",
+    )
     dom = chromium(tmp_path, probe.as_uri(), "--dump-dom")
     assert "<title>decoded 4</title>" in dom.stdout
     assert "loss scale gap after resume" in dom.stdout

@@ -18,8 +18,9 @@ from ampguard.reporting import plots
 def _guarded(run_dir, steps: int = 6, **telemetry) -> None:
     model = mlp()
     tel = ag.Telemetry(run_dir, **telemetry) if telemetry else run_dir
-    with ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), precision="fp16",
-                  telemetry=tel) as guard:
+    with ag.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), precision="fp16", telemetry=tel
+    ) as guard:
         train(guard, model, steps)
 
 
@@ -30,8 +31,7 @@ def test_leaving_a_guard_block_writes_the_report(tmp_path):
     assert (tmp_path / runlog.FINDINGS).exists()
 
 
-def test_without_matplotlib_the_guard_notes_the_missing_report_in_one_line(tmp_path,
-                                                                          monkeypatch):
+def test_without_matplotlib_the_guard_notes_the_missing_report_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
     with pytest.warns(RuntimeWarning, match=r"no report.html written .*ampguard\[report\]"):
         _guarded(tmp_path, steps=3)
@@ -68,5 +68,5 @@ def test_the_heatmap_of_a_short_run_renders_every_sampled_step(tmp_path):
 def test_finding_evidence_wraps_inside_its_card(tmp_path):
     _guarded(tmp_path, steps=3)
     page = (tmp_path / runlog.REPORT).read_text(encoding="utf-8")
-    css = page[page.index("<style>"):page.index("</style>")]
+    css = page[page.index("<style>") : page.index("</style>")]
     assert "white-space:pre-wrap" in css and "overflow-wrap:anywhere" in css

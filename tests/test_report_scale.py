@@ -20,8 +20,7 @@ def long_run(tmp_path, n: int, oscillate: bool = False):
     recs = []
     for i in range(1, n + 1):
         scale = 2.0 ** (10 + (i % 2 if oscillate else (i // 5000) % 3))
-        recs.append(step(i, scale=scale, applied=i % 97 != 0, layers=i % 10 == 0,
-                         rng=i % 100 == 0))
+        recs.append(step(i, scale=scale, applied=i % 97 != 0, layers=i % 10 == 0, rng=i % 100 == 0))
     recs[n // 2]["loss"] = 1e4  # one spike the envelope must keep
     return write(tmp_path / "run", recs)
 
@@ -42,8 +41,10 @@ def drawn(monkeypatch, make, run) -> dict[str, int]:
         for line in ax.lines:
             sizes["lines"] = max(sizes["lines"], len(line.get_xdata()))
         for coll in ax.collections:
-            if hasattr(coll, "get_paths") and type(coll).__name__ in ("FillBetweenPolyCollection",
-                                                                      "PolyCollection"):
+            if hasattr(coll, "get_paths") and type(coll).__name__ in (
+                "FillBetweenPolyCollection",
+                "PolyCollection",
+            ):
                 sizes["polys"] = max(sizes["polys"], max(len(p.vertices) for p in coll.get_paths()))
             else:
                 sizes["markers"] = max(sizes["markers"], len(coll.get_offsets()))

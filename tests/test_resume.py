@@ -69,8 +69,11 @@ def test_a_running_warmup_ramp_survives_save_and_resume(tmp_path):
 
 
 def test_dropped_microbatch_at_the_floor_is_no_collapse_when_the_window_updates():
-    model, _, guard = _setup(scaler=ag.ScalerConfig(init_scale=1.0, min_scale=1.0),
-                             accumulation_steps=2, contain_nonfinite_microbatches=True)
+    model, _, guard = _setup(
+        scaler=ag.ScalerConfig(init_scale=1.0, min_scale=1.0),
+        accumulation_steps=2,
+        contain_nonfinite_microbatches=True,
+    )
     for micro in range(2):  # one bad micro-batch, one good: the window applies
         with guard.autocast():
             loss = model(torch.randn(4, 8)).float().pow(2).mean()

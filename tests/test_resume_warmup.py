@@ -95,16 +95,21 @@ def test_resume_with_guard_state_does_not_ramp(tmp_path):
     model2, opt2, sched2, guard2 = _setup(ag.ResumeWarmup())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ag.load_checkpoint(tmp_path / "c.pt", model=model2, optimizer=opt2, guard=guard2,
-                           scheduler=sched2)
+        ag.load_checkpoint(
+            tmp_path / "c.pt", model=model2, optimizer=opt2, guard=guard2, scheduler=sched2
+        )
     assert guard2.resume["scale_reset"] is False
     assert guard2.resume["warmup"] is False
 
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"steps": 0}, "steps"), ({"lr_factor": 0.0}, "lr_factor"), ({"lr_factor": 1.5}, "lr_factor"),
-     ({"min_gap_bits": 0}, "min_gap_bits")],
+    [
+        ({"steps": 0}, "steps"),
+        ({"lr_factor": 0.0}, "lr_factor"),
+        ({"lr_factor": 1.5}, "lr_factor"),
+        ({"min_gap_bits": 0}, "min_gap_bits"),
+    ],
 )
 def test_bad_warmup_config_names_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):

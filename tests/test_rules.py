@@ -48,8 +48,7 @@ def test_gradients_that_always_overflow_are_a_collapse(tmp_path):
 
 
 def test_growth_interval_one_with_a_large_gradient_oscillates(tmp_path):
-    run(tmp_path, mlp(), 80, scaler=ag.ScalerConfig(growth_interval=1, init_scale=2.0**8),
-        amp=1e3)
+    run(tmp_path, mlp(), 80, scaler=ag.ScalerConfig(growth_interval=1, init_scale=2.0**8), amp=1e3)
     found = findings(tmp_path)
     (f,) = [f for f in found if f.code == "AG102"]
     assert f.evidence["cycles"] >= 30 and f.evidence["median_period"] == 2
@@ -58,15 +57,19 @@ def test_growth_interval_one_with_a_large_gradient_oscillates(tmp_path):
 
 
 def test_frequent_overflows_after_warm_up_are_a_high_skip_rate(tmp_path):
-    run(tmp_path, mlp(), 120, inject=set(range(30, 121, 6)),
-        scaler=ag.ScalerConfig(hysteresis=100))  # hysteresis: the scale stays put
+    run(
+        tmp_path, mlp(), 120, inject=set(range(30, 121, 6)), scaler=ag.ScalerConfig(hysteresis=100)
+    )  # hysteresis: the scale stays put
     (f,) = [f for f in findings(tmp_path) if f.code == "AG103"]
     assert f.evidence["rate"] > 0.05 and f.evidence["causes"] == {"overflow": 16}
     assert codes(findings(tmp_path)) == {"AG103"}
 
 
-@pytest.mark.parametrize("model,layer", [(DeadBranch, "branch_in"), (SaturatedGate, "gate")],
-                         ids=["zero-initialised-branch", "saturated-sigmoid-gate"])
+@pytest.mark.parametrize(
+    "model,layer",
+    [(DeadBranch, "branch_in"), (SaturatedGate, "gate")],
+    ids=["zero-initialised-branch", "saturated-sigmoid-gate"],
+)
 def test_a_layer_that_never_gets_a_gradient_is_dead(tmp_path, model, layer):
     run(tmp_path, model(), 40)
     found = findings(tmp_path)
@@ -77,8 +80,7 @@ def test_a_layer_that_never_gets_a_gradient_is_dead(tmp_path, model, layer):
 
 
 def test_gradients_near_fp16_max_are_saturation(tmp_path):
-    run(tmp_path, WideRange(1.0, 100.0), 20,
-        scaler=ag.ScalerConfig(init_scale=1.0, dynamic=False))
+    run(tmp_path, WideRange(1.0, 100.0), 20, scaler=ag.ScalerConfig(init_scale=1.0, dynamic=False))
     (f,) = [f for f in findings(tmp_path) if f.code == "AG105"]
     assert f.evidence["layer"] == "huge" and f.evidence["amax"] >= 65504 / 16
 
@@ -112,23 +114,40 @@ def test_a_dynamic_range_wider_than_fp16_recommends_bf16(tmp_path):
 
 
 # ---------------------------------------------------------------------- hand-written logs
-def write_run(path: Path, scales: list[float], applied: list[bool] | None = None, *,
-              init: float = 65536.0, layers: list[list[float]] | None = None,  # grad norms
-              events: tuple[tuple[int, dict], ...] = ()) -> Path:
+def write_run(
+    path: Path,
+    scales: list[float],
+    applied: list[bool] | None = None,
+    *,
+    init: float = 65536.0,
+    layers: list[list[float]] | None = None,  # grad norms
+    events: tuple[tuple[int, dict], ...] = (),
+) -> Path:
     """A run log with these scales after each step (``scale_before`` follows)."""
     applied = applied or [True] * len(scales)
     names = ["a", "b"]
     path.mkdir(parents=True, exist_ok=True)
-    meta = {"layers": {"names": names, "numel": [10, 10]}, "precision": "fp16",
-            "scaler": ag.ScalerConfig(init_scale=init, growth_interval=100).to_dict(),
-            "guard": {"accumulation_steps": 1}}
+    meta = {
+        "layers": {"names": names, "numel": [10, 10]},
+        "precision": "fp16",
+        "scaler": ag.ScalerConfig(init_scale=init, growth_interval=100).to_dict(),
+        "guard": {"accumulation_steps": 1},
+    }
     (path / "meta.json").write_text(json.dumps(meta))
     lines, before = [], init
     inserts = dict(events)
     for i, (scale, ok) in enumerate(zip(scales, applied, strict=True)):
-        rec = {"step": i + 1, "scale_before": before, "scale": scale, "applied": ok,
-               "overflow": not ok, "collapse": False, "dropped": 0, "loss": 1.0,
-               "precision": "fp16"}
+        rec = {
+            "step": i + 1,
+            "scale_before": before,
+            "scale": scale,
+            "applied": ok,
+            "overflow": not ok,
+            "collapse": False,
+            "dropped": 0,
+            "loss": 1.0,
+            "precision": "fp16",
+        }
         if layers is not None:
             rec["layers"] = {"grad_norm": layers[i]}
         lines.append(json.dumps(rec))
@@ -186,27 +205,30 @@ def test_a_short_run_with_few_skips_gets_no_skip_summary(tmp_path, skips):
 
 
 @pytest.mark.parametrize("warm,fires", [(4, False), (11, True)])
-def test_a_short_runs_warm_up_probing_is_summarised_only_past_half_the_run(tmp_path, warm,
-                                                                          fires):
+def test_a_short_runs_warm_up_probing_is_summarised_only_past_half_the_run(tmp_path, warm, fires):
     scales = [2.0**15 / 2**i for i in range(warm)] + [2.0**15 / 2**warm] * (20 - warm)
     write_run(tmp_path, scales, [False] * warm + [True] * (20 - warm), init=2.0**16)
     assert rules.skip_causes(runlog.load_run(tmp_path))["warm-up overflow"] == list(
-        range(1, warm + 1))
+        range(1, warm + 1)
+    )
     assert ("AG103" in codes(findings(tmp_path))) is fires
 
 
 def test_a_forensics_confirmed_overflow_is_never_a_warm_up_overflow(tmp_path):
-    diag = ag.Finding("AG301", "error", "fp16 overflow", "fc1 overflowed", step=3,
-                      evidence={"steps": [3, 5]})
+    diag = ag.Finding(
+        "AG301", "error", "fp16 overflow", "fc1 overflowed", step=3, evidence={"steps": [3, 5]}
+    )
     event = {"kind": "finding", "step": 3, "finding": diag.to_dict()}
     scales = [32768.0, 16384.0, 8192.0, 8192.0, 4096.0] + [4096.0] * 15
-    write_run(tmp_path, scales, [False, False, False, True, False] + [True] * 15,
-              events=((3, event),))
+    write_run(
+        tmp_path, scales, [False, False, False, True, False] + [True] * 15, events=((3, event),)
+    )
     run_log = runlog.load_run(tmp_path)
     assert rules.warmup_mask(run_log, rules.RuleConfig())[:5].all()  # all five in the warm-up
     causes = rules.skip_causes(run_log)
     assert causes["warm-up overflow"] == [1, 2] and causes["overflow"] == [3, 5]
     from ampguard.reporting import summary
+
     text = summary(tmp_path)
     assert "warm-up overflow 2, overflow 2" in text
 
@@ -225,20 +247,35 @@ def test_dead_layer_needs_dead_steps_in_a_row(tmp_path):
 
 @pytest.mark.parametrize("previous,fires", [(2.0**13, False), (2.0**12, True)])
 def test_resume_gap_threshold(tmp_path, previous, fires):
-    mark = {"kind": "resume", "step": 10, "scale": 65536.0, "previous_scale": previous,
-            "scale_reset": False}
+    mark = {
+        "kind": "resume",
+        "step": 10,
+        "scale": 65536.0,
+        "previous_scale": previous,
+        "scale_reset": False,
+    }
     write_run(tmp_path, [65536.0] * 20, events=((10, mark),))
     assert ("AG107" in codes(findings(tmp_path))) is fires
 
 
 def test_warm_up_ends_at_the_first_growth_or_after_clean_steps(tmp_path):
     cfg = rules.RuleConfig(warmup_clean_steps=3, warmup_max_steps=8)
-    grow = write_run(tmp_path / "grow", [32768.0, 32768.0, 65536.0, 65536.0],
-                     [False, True, True, True], init=65536.0)
+    grow = write_run(
+        tmp_path / "grow",
+        [32768.0, 32768.0, 65536.0, 65536.0],
+        [False, True, True, True],
+        init=65536.0,
+    )
     assert rules.warmup_mask(runlog.load_run(grow), cfg).tolist() == [True, True, False, False]
     clean = write_run(tmp_path / "clean", [32768.0] * 6, [False, True, True, True, True, True])
-    assert rules.warmup_mask(runlog.load_run(clean), cfg).tolist() == \
-        [True, False, False, False, False, False]
+    assert rules.warmup_mask(runlog.load_run(clean), cfg).tolist() == [
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
     capped = write_run(tmp_path / "capped", [32768.0] * 10, [False, True] * 5)
     assert rules.warmup_mask(runlog.load_run(capped), cfg).tolist() == [True] * 8 + [False] * 2
 
@@ -259,8 +296,10 @@ def test_findings_carry_evidence_and_a_fix_as_plain_json(tmp_path):
         assert ag.Finding.from_dict(json.loads(json.dumps(f.to_dict(), allow_nan=False))) == f
 
 
-@pytest.mark.parametrize("field,value", [("skip_rate", 1.5), ("dead_steps", 0),
-                                          ("saturation_factor", 0.5), ("skip_window", 2.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("skip_rate", 1.5), ("dead_steps", 0), ("saturation_factor", 0.5), ("skip_window", 2.5)],
+)
 def test_bad_thresholds_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         rules.RuleConfig(**{field: value})

@@ -40,23 +40,42 @@ BAD_LINES = {
     "applied as int": ({**step(3), "applied": 1}, "'applied' must be true or false"),
     "negative dropped": ({**step(3), "dropped": -1}, "'dropped'"),
     "precision as number": ({**step(3), "precision": 16}, "'precision'"),
-    "bad loss_nonfinite": ({**step(3), "loss": None, "loss_nonfinite": "NaN"},
-                           "'loss_nonfinite'"),
+    "bad loss_nonfinite": ({**step(3), "loss": None, "loss_nonfinite": "NaN"}, "'loss_nonfinite'"),
     "layers not a dict": ({**step(3), "layers": [1.0, 2.0, 3.0]}, "'layers'"),
     "layer norms too short": ({**step(3), "layers": {"grad_norm": [1.0]}}, "layers.'grad_norm'"),
-    "layer norm a string": ({**step(3), "layers": {"grad_norm": ["x", 1.0, 1.0]}},
-                            "layers.'grad_norm'"),
-    "range without window": ({**step(3), "range": {k: [0.1] * 3 for k in (
-        "zero_frac", "amax", "headroom_bits", "underflow", "safe_lo", "safe_hi")}},
-        "'range.window'"),
+    "layer norm a string": (
+        {**step(3), "layers": {"grad_norm": ["x", 1.0, 1.0]}},
+        "layers.'grad_norm'",
+    ),
+    "range without window": (
+        {
+            **step(3),
+            "range": {
+                k: [0.1] * 3
+                for k in ("zero_frac", "amax", "headroom_bits", "underflow", "safe_lo", "safe_hi")
+            },
+        },
+        "'range.window'",
+    ),
     "overflowed not ints": ({**step(3), "overflowed": ["0"]}, "'overflowed'"),
     "kind a list": ({"kind": ["step"], "step": 3}, "'kind'"),
     "finding not a dict": ({"kind": "finding", "step": 3, "finding": "AG101"}, "'finding'"),
-    "finding bad severity": ({"kind": "finding", "step": 3, "finding": {
-        "code": "AG301", "severity": "fatal", "title": "t", "message": "m"}},
-        "finding.'severity'"),
-    "finding without code": ({"kind": "finding", "step": 3, "finding": {
-        "severity": "error", "title": "t", "message": "m"}}, "finding.'code'"),
+    "finding bad severity": (
+        {
+            "kind": "finding",
+            "step": 3,
+            "finding": {"code": "AG301", "severity": "fatal", "title": "t", "message": "m"},
+        },
+        "finding.'severity'",
+    ),
+    "finding without code": (
+        {
+            "kind": "finding",
+            "step": 3,
+            "finding": {"severity": "error", "title": "t", "message": "m"},
+        },
+        "finding.'code'",
+    ),
     "resume scale a string": ({"kind": "resume", "step": 2, "scale": "big"}, "'scale'"),
     "a JSON list": ([1, 2, 3], "not an object"),
     "a JSON string": ("step", "not an object"),
@@ -79,12 +98,15 @@ def test_a_malformed_line_is_skipped_with_one_warning_naming_file_line_and_field
         assert "steps 1-4" in summary(folder)
 
 
-@pytest.mark.parametrize("raw,why", [
-    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),  # RecursionError in json
-    (b'{"step": 3, \n', "not JSON"),
-    (b"\xff\xfe{}\n", "not JSON"),
-    (b'{"step": NaN}\n', "'step'"),
-])
+@pytest.mark.parametrize(
+    "raw,why",
+    [
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),  # RecursionError in json
+        (b'{"step": 3, \n', "not JSON"),
+        (b"\xff\xfe{}\n", "not JSON"),
+        (b'{"step": NaN}\n', "'step'"),
+    ],
+)
 def test_unparsable_lines_are_skipped(tmp_path, raw, why):
     folder = write(tmp_path / "run", [step(1)], raw_lines=[raw])
     run, messages = load(folder)
@@ -113,8 +135,11 @@ def test_valid_optional_fields_are_read(tmp_path):
 
 
 def test_resume_drops_rerun_steps_in_every_family(tmp_path):
-    recs = steps(10) + [{"kind": "resume", "step": 6, "scale": 512.0}] + \
-        [step(i, layers=True, rng=True) for i in (7, 8)]
+    recs = (
+        steps(10)
+        + [{"kind": "resume", "step": 6, "scale": 512.0}]
+        + [step(i, layers=True, rng=True) for i in (7, 8)]
+    )
     run, messages = load(write(tmp_path / "run", recs))
     assert messages == []
     assert run.steps.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -124,8 +149,13 @@ def test_resume_drops_rerun_steps_in_every_family(tmp_path):
 
 
 def test_resume_in_an_unsorted_log_keeps_the_earlier_steps(tmp_path):
-    recs = [step(5), step(2, layers=True), step(9, layers=True), step(3),
-            {"kind": "resume", "step": 4}]
+    recs = [
+        step(5),
+        step(2, layers=True),
+        step(9, layers=True),
+        step(3),
+        {"kind": "resume", "step": 4},
+    ]
     run, _ = load(write(tmp_path / "run", recs))
     assert run.steps.tolist() == [2, 3] and run.layer_steps.tolist() == [2]
     assert run.layer_norm.shape == (1, 3)
@@ -140,8 +170,15 @@ def test_an_unusable_meta_json_is_one_error_naming_the_file(tmp_path, kind, caps
         target.unlink()
         target.mkdir()
     else:
-        target.write_text({"list": "[1, 2]", "bad json": "{'a': 1}", "number": "3",
-                           "deep": "[" * 100_000, "empty": ""}[kind])
+        target.write_text(
+            {
+                "list": "[1, 2]",
+                "bad json": "{'a': 1}",
+                "number": "3",
+                "deep": "[" * 100_000,
+                "empty": "",
+            }[kind]
+        )
     with pytest.raises(RunFolderError, match="meta.json"):
         runlog.load_run(folder)
     assert cli.main(["report", str(folder)]) == 2
@@ -158,8 +195,13 @@ def test_events_jsonl_as_a_folder_is_one_error(tmp_path):
 
 
 def test_a_wrong_meta_field_is_dropped_with_a_warning(tmp_path):
-    bad = {**meta(), "model": {"class": 3, "parameters": "many"}, "guard": [],
-           "scaler": {"min_scale": "1"}, "diagnostics": {"fallbacks": [1]}}
+    bad = {
+        **meta(),
+        "model": {"class": 3, "parameters": "many"},
+        "guard": [],
+        "scaler": {"min_scale": "1"},
+        "diagnostics": {"fallbacks": [1]},
+    }
     folder = write(tmp_path / "run", steps(12), meta_obj=bad)
     run, messages = load(folder)
     assert len(messages) == 5 and all("meta.json" in m for m in messages)
@@ -178,12 +220,15 @@ def test_bad_layer_names_in_meta_leave_layer_records_skipped(tmp_path):
     assert any("layers.'grad_norm' has 3 values for 0 layer(s)" in m for m in messages)
 
 
-@pytest.mark.parametrize("content,match", [
-    ('{"code": "AG101"}', "must hold a JSON list"),
-    ("[1]", "entry 0: not a JSON object"),
-    ('[{"code": "AG101", "severity": "bad", "title": "t", "message": "m"}]', "severity"),
-    ("[", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ('{"code": "AG101"}', "must hold a JSON list"),
+        ("[1]", "entry 0: not a JSON object"),
+        ('[{"code": "AG101", "severity": "bad", "title": "t", "message": "m"}]', "severity"),
+        ("[", "not valid JSON"),
+    ],
+)
 def test_an_unusable_findings_json_is_one_error_naming_the_file(tmp_path, content, match):
     path = tmp_path / "findings.json"
     path.write_text(content)
@@ -200,8 +245,12 @@ def test_last_step_record_skips_wrong_typed_lines(tmp_path):
 
 def test_report_of_a_hostile_log_writes_the_page(tmp_path):
     dead = [{**step(i), "layers": {"grad_norm": [0.5, 0.0, 0.5]}} for i in range(1, 31)]
-    recs = dead + [{"step": None}, {"kind": "resume"}, [1],
-                   {"kind": "fallback", "step": 9, "from": "$x^$", "to": "bf16"}]
+    recs = dead + [
+        {"step": None},
+        {"kind": "resume"},
+        [1],
+        {"kind": "fallback", "step": 9, "from": "$x^$", "to": "bf16"},
+    ]
     folder = write(tmp_path / "run", recs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -212,18 +261,26 @@ def test_report_of_a_hostile_log_writes_the_page(tmp_path):
 
 
 def test_meta_numbers_the_rules_need_are_numbers(tmp_path):
-    bad = {**meta(), "scaler": {"min_scale": None, "init_scale": "x", "dynamic": True},
-           "layers": {"names": ["enc", "a$b^$", "head"], "numel": [1]}}
-    folder = write(tmp_path / "run", [{**step(i), "layers": {"grad_norm": [0.5, 0.0, 0.5]}}
-                                      for i in range(1, 31)], meta_obj=bad)
+    bad = {
+        **meta(),
+        "scaler": {"min_scale": None, "init_scale": "x", "dynamic": True},
+        "layers": {"names": ["enc", "a$b^$", "head"], "numel": [1]},
+    }
+    folder = write(
+        tmp_path / "run",
+        [{**step(i), "layers": {"grad_norm": [0.5, 0.0, 0.5]}} for i in range(1, 31)],
+        meta_obj=bad,
+    )
     run, messages = load(folder)
     assert {"min_scale", "init_scale"}.isdisjoint(run.meta["scaler"])
     assert "numel" not in run.meta["layers"] and len(messages) == 3
     assert [f.code for f in rules.evaluate(run)] == ["AG104"]
 
 
-@pytest.mark.parametrize("coverage", ['{"modules": {"a": {"forward": [1]}}}', "[]", "{",
-                                      '{"modules": [1]}', '{"escaped": "x"}'])
+@pytest.mark.parametrize(
+    "coverage",
+    ['{"modules": {"a": {"forward": [1]}}}', "[]", "{", '{"modules": [1]}', '{"escaped": "x"}'],
+)
 def test_a_hand_edited_coverage_json_does_not_break_the_report(tmp_path, coverage):
     folder = write(tmp_path / "run", steps(12))
     (folder / "coverage.json").write_text(coverage)
@@ -236,11 +293,20 @@ def test_deeply_nested_evidence_or_meta_fields_are_dropped_not_recursed(tmp_path
     deep: object = 1
     for _ in range(500):
         deep = [deep]
-    found = {"kind": "finding", "step": 2, "finding": {
-        "code": "AG301", "severity": "warning", "title": "t", "message": "m",
-        "evidence": {"x": deep}}}
-    folder = write(tmp_path / "run", steps(12) + [found],
-                   meta_obj={**meta(), "distributed": {"x": deep}})
+    found = {
+        "kind": "finding",
+        "step": 2,
+        "finding": {
+            "code": "AG301",
+            "severity": "warning",
+            "title": "t",
+            "message": "m",
+            "evidence": {"x": deep},
+        },
+    }
+    folder = write(
+        tmp_path / "run", steps(12) + [found], meta_obj={**meta(), "distributed": {"x": deep}}
+    )
     run, messages = load(folder)
     assert "distributed" not in run.meta and len(messages) == 2
     assert any("'evidence' is nested more than 64 deep" in m for m in messages)

@@ -19,42 +19,90 @@ from ampguard import rules, runlog
 from ampguard.reporting import summary
 from ampguard.runlog._schema import RunFolderError
 
-FIELDS = ["step", "scale_before", "scale", "applied", "overflow", "collapse", "dropped", "loss",
-          "loss_nonfinite", "grad_norm", "precision", "overflowed", "layers", "range", "kind",
-          "finding", "previous_scale", "scale_reset", "from", "to"]
+FIELDS = [
+    "step",
+    "scale_before",
+    "scale",
+    "applied",
+    "overflow",
+    "collapse",
+    "dropped",
+    "loss",
+    "loss_nonfinite",
+    "grad_norm",
+    "precision",
+    "overflowed",
+    "layers",
+    "range",
+    "kind",
+    "finding",
+    "previous_scale",
+    "scale_reset",
+    "from",
+    "to",
+]
 KINDS = ["step", "resume", "fallback", "finding", "other"]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
-                    st.sampled_from(["nan", "inf", "-inf", "fp16", "AG101", "error"]))
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(FIELDS + ["grad_norm", "window",
-                                                                          "code", "severity"]),
-                                                 inner, max_size=4)), max_leaves=8)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.sampled_from(["nan", "inf", "-inf", "fp16", "AG101", "error"]),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(
+            st.sampled_from(FIELDS + ["grad_norm", "window", "code", "severity"]), inner, max_size=4
+        ),
+    ),
+    max_leaves=8,
+)
 
 mutation = st.one_of(
     st.tuples(st.just("set"), st.integers(0, 40), st.sampled_from(FIELDS), values),
     st.tuples(st.just("del"), st.integers(0, 40), st.sampled_from(FIELDS), st.none()),
     st.tuples(st.just("kind"), st.integers(0, 40), st.sampled_from(KINDS), st.none()),
-    st.tuples(st.just("line"), st.integers(0, 40), st.none(),
-              st.one_of(values, st.binary(max_size=12))),
+    st.tuples(
+        st.just("line"), st.integers(0, 40), st.none(), st.one_of(values, st.binary(max_size=12))
+    ),
 )
 meta_mutation = st.one_of(
     st.none(),
-    st.tuples(st.sampled_from(["model", "layers", "scaler", "guard", "diagnostics", "resumes",
-                               "precision"]), values),
-    st.tuples(st.sampled_from(["layers.names", "scaler.min_scale", "guard.accumulation_steps",
-                               "model.parameters", "scaler.dynamic"]), values),
+    st.tuples(
+        st.sampled_from(
+            ["model", "layers", "scaler", "guard", "diagnostics", "resumes", "precision"]
+        ),
+        values,
+    ),
+    st.tuples(
+        st.sampled_from(
+            [
+                "layers.names",
+                "scaler.min_scale",
+                "guard.accumulation_steps",
+                "model.parameters",
+                "scaler.dynamic",
+            ]
+        ),
+        values,
+    ),
 )
 
 
 def mutate(records: list[Any], ops: list[tuple]) -> list[Any]:
     out: list[Any] = [dict(r) for r in records] + [
-        {"kind": "resume", "step": 8, "scale": 64.0, "previous_scale": 1024.0,
-         "scale_reset": True},
-        {"kind": "finding", "step": 3, "finding": {"code": "AG301", "severity": "warning",
-                                                   "title": "t", "message": "m"}},
-        {"kind": "fallback", "step": 10, "from": "fp16", "to": "bf16"}]
+        {"kind": "resume", "step": 8, "scale": 64.0, "previous_scale": 1024.0, "scale_reset": True},
+        {
+            "kind": "finding",
+            "step": 3,
+            "finding": {"code": "AG301", "severity": "warning", "title": "t", "message": "m"},
+        },
+        {"kind": "fallback", "step": 10, "from": "fp16", "to": "bf16"},
+    ]
     for op, i, key, value in ops:
         i %= len(out)
         if op == "line":

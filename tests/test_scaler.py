@@ -74,8 +74,9 @@ def test_defaults_match_torch_grad_scaler():
 
 
 def test_config_to_dict_round_trips():
-    cfg = ScalerConfig(init_scale=64.0, hysteresis=3, consecutive_hysteresis=True,
-                       on_collapse="warn")
+    cfg = ScalerConfig(
+        init_scale=64.0, hysteresis=3, consecutive_hysteresis=True, on_collapse="warn"
+    )
     assert ScalerConfig(**cfg.to_dict()) == cfg
 
 
@@ -153,15 +154,17 @@ def test_hysteresis_budget_refilled_when_the_scale_grows():
 
 
 def test_consecutive_hysteresis_refills_on_every_clean_step():
-    cfg = ScalerConfig(init_scale=256.0, growth_interval=4, hysteresis=2,
-                       consecutive_hysteresis=True)
+    cfg = ScalerConfig(
+        init_scale=256.0, growth_interval=4, hysteresis=2, consecutive_hysteresis=True
+    )
     scales, _ = run(cfg, "o.o.o")
     assert scales == [256, 256, 256, 256, 256]
 
 
 def test_consecutive_hysteresis_backs_off_after_h_overflows_in_a_row():
-    cfg = ScalerConfig(init_scale=256.0, growth_interval=4, hysteresis=2,
-                       consecutive_hysteresis=True)
+    cfg = ScalerConfig(
+        init_scale=256.0, growth_interval=4, hysteresis=2, consecutive_hysteresis=True
+    )
     scales, _ = run(cfg, "oo.ooo")
     assert scales == [256, 128, 128, 128, 64, 32]
 
@@ -181,8 +184,9 @@ def test_hysteresis_collapse_only_when_the_budget_is_spent_at_the_floor():
 
 
 def test_static_scale_never_changes():
-    scales, collapses = run(ScalerConfig(init_scale=128.0, growth_interval=1, dynamic=False),
-                            "..oo..")
+    scales, collapses = run(
+        ScalerConfig(init_scale=128.0, growth_interval=1, dynamic=False), "..oo.."
+    )
     assert scales == [128.0] * 6
     assert not any(collapses)
 
@@ -224,11 +228,17 @@ def reference(cfg: ScalerConfig, pattern: list[bool]) -> list[tuple[float, int, 
     min_scale=st.sampled_from([1.0, 2.0, 3.0]),
     max_scale=st.sampled_from([64.0, 96.0, 2.0**10]),
 )
-def test_scaler_follows_the_docstring_pseudocode(pattern, init_log2, interval, hysteresis,
-                                                 consecutive, min_scale, max_scale):
-    cfg = ScalerConfig(init_scale=max(2.0**init_log2, min_scale), growth_interval=interval,
-                       hysteresis=hysteresis, consecutive_hysteresis=consecutive,
-                       min_scale=min_scale, max_scale=max_scale)
+def test_scaler_follows_the_docstring_pseudocode(
+    pattern, init_log2, interval, hysteresis, consecutive, min_scale, max_scale
+):
+    cfg = ScalerConfig(
+        init_scale=max(2.0**init_log2, min_scale),
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
     scaler = LossScaler(cfg, CPU)
     got = []
     for found in pattern:
@@ -240,8 +250,9 @@ def test_scaler_follows_the_docstring_pseudocode(pattern, init_log2, interval, h
 
 
 def test_huge_scale_growth_stops_short_of_inf():
-    cfg = ScalerConfig(init_scale=2.0**120, growth_factor=2.0**10, growth_interval=1,
-                       max_scale=3e38)
+    cfg = ScalerConfig(
+        init_scale=2.0**120, growth_factor=2.0**10, growth_interval=1, max_scale=3e38
+    )
     scales, _ = run(cfg, "..")
     assert all(math.isfinite(s) for s in scales)
     assert scales[-1] <= 3e38
@@ -258,8 +269,9 @@ def test_scale_and_tracker_match_torch_amp_update_scale():
     for ch in pattern:
         found = torch.tensor(1.0 if ch == "o" else 0.0)
         ours.update(found)
-        torch._amp_update_scale_(scale, tracker, found, cfg.growth_factor, cfg.backoff_factor,
-                                 cfg.growth_interval)
+        torch._amp_update_scale_(
+            scale, tracker, found, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval
+        )
         assert torch.equal(ours.scale_tensor, scale)
         assert ours.state_dict()["growth_tracker"] == int(tracker)
 
@@ -313,9 +325,12 @@ def test_collect_grads_skips_params_without_grad():
 def test_fp16_sparse_grads_are_coalesced_before_the_check():
     # 64000 + 64000 at a duplicate index overflows fp16 only once summed (torch's own test case).
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
-    p.grad = torch.sparse_coo_tensor([[1, 1, 3]], torch.tensor([64000.0, 64000.0, 1.0],
-                                                               dtype=torch.float16), (4,),
-                                     check_invariants=True)
+    p.grad = torch.sparse_coo_tensor(
+        [[1, 1, 3]],
+        torch.tensor([64000.0, 64000.0, 1.0], dtype=torch.float16),
+        (4,),
+        check_invariants=True,
+    )
     found = LossScaler(ScalerConfig(init_scale=1.0), CPU).check_(collect_grads([p]))
     assert found.item() > 0
 
@@ -338,9 +353,15 @@ def test_state_dict_loads_with_weights_only(tmp_path):
     assert torch.load(tmp_path / "s.pt", weights_only=True) == scaler.state_dict()
 
 
-@pytest.mark.parametrize("state", [{}, {"scale": "x", "growth_tracker": 0},
-                                   {"scale": float("nan"), "growth_tracker": 0},
-                                   {"scale": 0.0, "growth_tracker": 0}])
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},
+        {"scale": "x", "growth_tracker": 0},
+        {"scale": float("nan"), "growth_tracker": 0},
+        {"scale": 0.0, "growth_tracker": 0},
+    ],
+)
 def test_bad_state_is_a_value_error(state):
     with pytest.raises(ValueError, match="invalid scaler state"):
         LossScaler(ScalerConfig(), CPU).load_state_dict(state)

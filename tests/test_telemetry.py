@@ -27,20 +27,36 @@ from ampguard.rules import _ranges
 from ampguard.testing import SyncCounter
 
 
-def make_guard(run_dir: Path | None, model: nn.Module | None = None, *, fused: bool = False,
-               flush_every: int = 8, layer_every: int = 1, range_every: int = 4, **kwargs):
+def make_guard(
+    run_dir: Path | None,
+    model: nn.Module | None = None,
+    *,
+    fused: bool = False,
+    flush_every: int = 8,
+    layer_every: int = 1,
+    range_every: int = 4,
+    **kwargs,
+):
     model = model if model is not None else mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
-    tel = None if run_dir is None else ag.Telemetry(
-        run_dir, flush_every=flush_every, layer_every=layer_every, range_every=range_every)
+    tel = (
+        None
+        if run_dir is None
+        else ag.Telemetry(
+            run_dir, flush_every=flush_every, layer_every=layer_every, range_every=range_every
+        )
+    )
     return model, opt, ag.Guard(model, opt, precision="fp16", telemetry=tel, **kwargs)
 
 
 def capture_grads(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list:
     """The gradients each optimizer.step sees (clones), in ``params`` order."""
     seen: list = []
-    opt.register_step_pre_hook(lambda *_: seen.append(
-        [None if p.grad is None else p.grad.detach().clone() for p in params]))
+    opt.register_step_pre_hook(
+        lambda *_: seen.append(
+            [None if p.grad is None else p.grad.detach().clone() for p in params]
+        )
+    )
     return seen
 
 
@@ -66,8 +82,11 @@ def test_scale_record_matches_guard_scale(tmp_path):
     assert runlog.load_run(tmp_path).scale.tolist() == scales
 
 
-@pytest.mark.parametrize("fused,clip", [(False, None), (True, None), (False, 1.0)],
-                         ids=["foreach", "fused-scaled-grads", "clipped"])
+@pytest.mark.parametrize(
+    "fused,clip",
+    [(False, None), (True, None), (False, 1.0)],
+    ids=["foreach", "fused-scaled-grads", "clipped"],
+)
 def test_layer_norms_are_unscaled_and_match_the_gradients(tmp_path, fused, clip):
     model, opt, guard = make_guard(tmp_path, fused=fused, clip_grad_norm=clip)
     params = list(model.parameters())
@@ -79,8 +98,10 @@ def test_layer_norms_are_unscaled_and_match_the_gradients(tmp_path, fused, clip)
         grads = seen[k]
         if fused:  # the fused kernel unscales internally: the hook saw scaled gradients
             grads = [g / run.scale_before[k] for g in grads]
-        per_layer = [math.sqrt(sum(float(g.double().square().sum()) for g in grads[i:i + 2]))
-                     for i in range(0, len(grads), 2)]
+        per_layer = [
+            math.sqrt(sum(float(g.double().square().sum()) for g in grads[i : i + 2]))
+            for i in range(0, len(grads), 2)
+        ]
         if clip is None:
             np.testing.assert_allclose(run.layer_norm[k], per_layer, rtol=1e-5)
         else:  # recorded before clipping: the total equals the Guard's pre-clip norm
@@ -131,11 +152,12 @@ def test_range_stats_match_a_direct_computation(tmp_path):
     run = runlog.load_run(tmp_path)
     scale = run.range_scale[1]
     for j in range(len(run.layers)):
-        g = torch.cat([t.reshape(-1) for t in seen[1][2 * j:2 * j + 2]]).double().abs()
+        g = torch.cat([t.reshape(-1) for t in seen[1][2 * j : 2 * j + 2]]).double().abs()
         nz = g[g > 0]
         assert run.amax[1, j] == pytest.approx(float(g.max()), rel=1e-6)
         assert run.headroom_bits[1, j] == pytest.approx(
-            math.log2(_ranges.FP16_MAX / (float(g.max()) * scale)), rel=1e-5)
+            math.log2(_ranges.FP16_MAX / (float(g.max()) * scale)), rel=1e-5
+        )
         below = float((nz * scale < _ranges.FP16_MIN_NORMAL).double().mean())
         assert run.underflow[1, j] == pytest.approx(below, abs=1e-6)
         lo = run.safe_lo[1, j]  # 99.9% of nonzeros normal at lo, not at lo / 2
@@ -145,8 +167,9 @@ def test_range_stats_match_a_direct_computation(tmp_path):
 
 
 def test_dropped_micro_batches_are_recorded(tmp_path):
-    model, opt, guard = make_guard(tmp_path, accumulation_steps=2,
-                                   contain_nonfinite_microbatches=True)
+    model, opt, guard = make_guard(
+        tmp_path, accumulation_steps=2, contain_nonfinite_microbatches=True
+    )
     x, y = data()
     with guard:
         for amp in (1.0, float("inf")):  # the window's second micro-batch is non-finite
@@ -162,8 +185,9 @@ def test_dropped_micro_batches_are_recorded(tmp_path):
 
 
 def test_fallback_is_recorded_as_an_event(tmp_path):
-    model, opt, guard = make_guard(tmp_path, scaler=ag.ScalerConfig(
-        init_scale=4.0, min_scale=4.0, on_collapse="fallback"))
+    model, opt, guard = make_guard(
+        tmp_path, scaler=ag.ScalerConfig(init_scale=4.0, min_scale=4.0, on_collapse="fallback")
+    )
     with guard, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         train(guard, model, 4, inject={1})
@@ -179,22 +203,33 @@ def test_skip_counts_and_recent_scales_come_from_flushed_records(tmp_path):
         train(guard, model, 10, inject={3, 4})
         guard.telemetry.flush()
         tel = guard.telemetry
-        assert tel.skip_counts() == {"overflow": 2, "dropped_microbatches": 0, "collapse": 0,
-                                   "nonfinite": 0}
+        assert tel.skip_counts() == {
+            "overflow": 2,
+            "dropped_microbatches": 0,
+            "collapse": 0,
+            "nonfinite": 0,
+        }
         assert tel.recent_scales(3) == [(8, 16384.0), (9, 16384.0), (10, 16384.0)]
         assert tel.summary()["consecutive_skips"] == 0
         assert tel.summary()["scale_changes"] == 2
 
 
 # ---------------------------------------------------------------------- no numerics, no syncs
-@pytest.mark.parametrize("fused,accumulation,clip", [(False, 1, None), (True, 1, None),
-                                                     (False, 2, 1.0)])
-def test_parameters_are_bitwise_identical_with_and_without_telemetry(tmp_path, fused,
-                                                                     accumulation, clip):
+@pytest.mark.parametrize(
+    "fused,accumulation,clip", [(False, 1, None), (True, 1, None), (False, 2, 1.0)]
+)
+def test_parameters_are_bitwise_identical_with_and_without_telemetry(
+    tmp_path, fused, accumulation, clip
+):
     finals = []
     for run_dir in (None, tmp_path):
-        model, opt, guard = make_guard(run_dir, fused=fused, range_every=1,
-                                       accumulation_steps=accumulation, clip_grad_norm=clip)
+        model, opt, guard = make_guard(
+            run_dir,
+            fused=fused,
+            range_every=1,
+            accumulation_steps=accumulation,
+            clip_grad_norm=clip,
+        )
         train(guard, model, 12, amp=1e3, inject={5})
         guard.close()
         finals.append([p.detach().clone() for p in model.parameters()])
@@ -262,8 +297,13 @@ def test_tensorboard_scalars_read_back_with_tensorboards_reader(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    assert {"ampguard/scale", "ampguard/skip_rate", "ampguard/loss", "ampguard/grad_norm",
-            "ampguard/layer_grad_norm/0"} <= set(tags)
+    assert {
+        "ampguard/scale",
+        "ampguard/skip_rate",
+        "ampguard/loss",
+        "ampguard/grad_norm",
+        "ampguard/layer_grad_norm/0",
+    } <= set(tags)
     run = runlog.load_run(tmp_path)
     scale = acc.Scalars("ampguard/scale")
     assert [e.step for e in scale] == run.steps.tolist()
@@ -394,8 +434,7 @@ def test_a_new_run_in_the_same_folder_starts_a_new_log(tmp_path):
 
 
 def test_the_context_manager_flushes_when_training_raises(tmp_path):
-    model, opt, guard = make_guard(tmp_path, scaler=ag.ScalerConfig(init_scale=2.0,
-                                                                     min_scale=2.0))
+    model, opt, guard = make_guard(tmp_path, scaler=ag.ScalerConfig(init_scale=2.0, min_scale=2.0))
     with pytest.raises(ag.ScaleCollapseError), guard:
         train(guard, model, 5, inject={3})
     run = runlog.load_run(tmp_path)
@@ -404,19 +443,28 @@ def test_the_context_manager_flushes_when_training_raises(tmp_path):
 
 
 # ---------------------------------------------------------------------- arguments
-@pytest.mark.parametrize("kwargs,match", [
-    ({"flush_every": 0}, "flush_every"), ({"layer_every": 1.5}, "layer_every"),
-    ({"range_every": -1}, "range_every"), ({"flush_every": True}, "flush_every"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"flush_every": 0}, "flush_every"),
+        ({"layer_every": 1.5}, "layer_every"),
+        ({"range_every": -1}, "range_every"),
+        ({"flush_every": True}, "flush_every"),
+    ],
+)
 def test_bad_numbers_name_the_argument(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ag.Telemetry(tmp_path, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"layer_stats": 1}, "layer_stats"), ({"tensorboard": "yes"}, "tensorboard"),
-    ({"resume": None}, "resume"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"layer_stats": 1}, "layer_stats"),
+        ({"tensorboard": "yes"}, "tensorboard"),
+        ({"resume": None}, "resume"),
+    ],
+)
 def test_bad_flags_name_the_argument(tmp_path, kwargs, match):
     with pytest.raises(TypeError, match=match):
         ag.Telemetry(tmp_path, **kwargs)
@@ -454,8 +502,10 @@ def test_layer_stats_off_keeps_the_total_norm_only(tmp_path):
     with ag.Guard(model, opt, precision="fp16", telemetry=tel) as guard:
         train(guard, model, 4)
     lines = [json.loads(s) for s in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [("grad_norm" in r, "layers" in r, "range" in r) for r in lines] == \
-        [(False, False, False), (True, False, False)] * 2
+    assert [("grad_norm" in r, "layers" in r, "range" in r) for r in lines] == [
+        (False, False, False),
+        (True, False, False),
+    ] * 2
 
 
 def test_bf16_runs_are_recorded_without_a_scaler(tmp_path):
@@ -477,16 +527,21 @@ def test_guard_and_watch_are_telemetry_sources_and_telemetry_never_writes_them(t
     from ampguard.telemetry.source import ScalerDescription, ScaleSource, TelemetrySource
 
     model = nn.Linear(4, 4)
-    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
-                     telemetry=tmp_path / "g")
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        precision="fp16",
+        telemetry=tmp_path / "g",
+    )
     assert isinstance(guard, TelemetrySource)
     assert isinstance(guard.loss_scaler, ScaleSource)
     assert isinstance(guard.scaler_config, ScalerDescription)
     assert guard.params == list(model.parameters()) and guard.device == torch.device("cpu")
     assert guard.requested_precision == "fp16"
     scaler = torch.amp.GradScaler("cpu")
-    with ag.watch(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                  telemetry=tmp_path / "w") as handle:
+    with ag.watch(
+        scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), telemetry=tmp_path / "w"
+    ) as handle:
         assert isinstance(handle.source, WatchSource)
         assert isinstance(handle.source, TelemetrySource)
         assert isinstance(handle.source.loss_scaler, ScaleSource)

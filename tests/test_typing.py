@@ -50,8 +50,7 @@ def _mypy(tmp_path: Path, source: str) -> list[str]:
         # an installed wheel is found through its py.typed marker instead
         env["MYPYPATH"] = str(package_root)
     config = ROOT / "pyproject.toml"
-    cmd = [sys.executable, "-m", "mypy", "--no-error-summary", "--hide-error-context",
-           str(snippet)]
+    cmd = [sys.executable, "-m", "mypy", "--no-error-summary", "--hide-error-context", str(snippet)]
     if config.is_file():
         cmd[3:3] = ["--config-file", str(config)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -67,8 +66,11 @@ def _qualname(cls: type) -> str:
 
 def test_public_api_is_typed(tmp_path: Path) -> None:
     lines = _mypy(tmp_path, SNIPPET)
-    revealed = [line.split("Revealed type is ", 1)[1].strip('"') for line in lines
-                if "Revealed type is" in line]
+    revealed = [
+        line.split("Revealed type is ", 1)[1].strip('"')
+        for line in lines
+        if "Revealed type is" in line
+    ]
     assert len(revealed) == 5, lines
     guard, step, compare, fp8_plan, lint_source = revealed
     assert guard == _qualname(ampguard.Guard)

@@ -29,18 +29,30 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, foreach=True)
 
 
-def _run(kind="plain", *, run_dir=None, steps=STEPS, overflow_at=OVERFLOW_AT, clip=False,
-         scaler_kw=None, watch_kw=None, telemetry_kw=None, before_step=None):
+def _run(
+    kind="plain",
+    *,
+    run_dir=None,
+    steps=STEPS,
+    overflow_at=OVERFLOW_AT,
+    clip=False,
+    scaler_kw=None,
+    watch_kw=None,
+    telemetry_kw=None,
+    before_step=None,
+):
     """The loop a user writes; with ``run_dir`` the same loop under ag.watch."""
     torch.manual_seed(0)
     model = _model()
     opt = _optimizer(kind, model.parameters())
-    scaler = torch.amp.GradScaler("cpu", **(scaler_kw or {"init_scale": 2.0**8,
-                                                          "growth_interval": 3}))
+    scaler = torch.amp.GradScaler(
+        "cpu", **(scaler_kw or {"init_scale": 2.0**8, "growth_interval": 3})
+    )
     handle = None
     if run_dir is not None:
-        tel = Telemetry(run_dir, **(telemetry_kw or {"flush_every": 7, "layer_every": 1,
-                                                      "range_every": 5}))
+        tel = Telemetry(
+            run_dir, **(telemetry_kw or {"flush_every": 7, "layer_every": 1, "range_every": 5})
+        )
         handle = ag.watch(scaler, model, opt, telemetry=tel, **(watch_kw or {}))
     for i in range(steps):
         x, y = torch.randn(4, 8), torch.randn(4, 4)
@@ -129,14 +141,14 @@ def test_fused_skip_is_read_from_found_inf_not_from_step_calls(tmp_path):
 
 def test_scale_record_follows_the_scaler(tmp_path):
     seen = []
-    _, _, scaler, handle = _run("plain", run_dir=tmp_path,
-                                before_step=lambda i, m, s, loss: seen.append(s.get_scale()))
+    _, _, scaler, handle = _run(
+        "plain", run_dir=tmp_path, before_step=lambda i, m, s, loss: seen.append(s.get_scale())
+    )
     handle.close()
     recs = _records(tmp_path)
     assert [r["scale_before"] for r in recs] == seen
     assert recs[-1]["scale"] == scaler.get_scale()
-    assert all(r["scale"] == s for r, s in zip(recs, seen[1:] + [scaler.get_scale()],
-                                               strict=True))
+    assert all(r["scale"] == s for r, s in zip(recs, seen[1:] + [scaler.get_scale()], strict=True))
 
 
 def test_unscaled_grad_norm_and_loss_recorded(tmp_path):
@@ -170,8 +182,10 @@ def test_per_layer_stats_recorded(tmp_path):
 def test_two_optimizers_only_the_overflowing_one_is_named(tmp_path):
     torch.manual_seed(0)
     model = _model()
-    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
-            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    opts = [
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    ]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     handle = ag.watch(scaler, model, opts, telemetry=tmp_path)
     for i in range(3):
@@ -201,8 +215,12 @@ def test_no_host_sync_added_between_flushes(tmp_path, kind):
         opt = _optimizer(kind, model.parameters())
         scaler = torch.amp.GradScaler("cpu")
         if watched:
-            handle = ag.watch(scaler, model, opt, telemetry=Telemetry(
-                tmp_path, flush_every=100, layer_every=1, range_every=2))
+            handle = ag.watch(
+                scaler,
+                model,
+                opt,
+                telemetry=Telemetry(tmp_path, flush_every=100, layer_every=1, range_every=2),
+            )
         with SyncCounter() as counter:
             for _ in range(4):
                 with torch.autocast("cpu", dtype=torch.float16):
@@ -221,8 +239,9 @@ def test_no_host_sync_added_between_flushes(tmp_path, kind):
 def test_close_restores_the_scaler_methods(tmp_path):
     scaler = torch.amp.GradScaler("cpu")
     model = _model()
-    handle = ag.watch(scaler, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      telemetry=tmp_path)
+    handle = ag.watch(
+        scaler, model, torch.optim.SGD(model.parameters(), lr=0.1), telemetry=tmp_path
+    )
     assert "update" in vars(scaler)
     handle.close()
     assert not {"scale", "unscale_", "step", "update"} & set(vars(scaler))
@@ -267,16 +286,19 @@ def _basic(tmp_path):
     return model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"min_scale": -1.0}, "min_scale"),
-    ({"max_scale": float("inf")}, "max_scale"),
-    ({"min_scale": 8.0, "max_scale": 2.0}, "max_scale"),
-    ({"hysteresis": 0}, "hysteresis"),
-    ({"consecutive_hysteresis": 1}, "consecutive_hysteresis"),
-    ({"on_collapse": "fallback"}, "on_collapse"),
-    ({"precision": "fp8"}, "precision"),
-    ({"precision": "bf16"}, "precision"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"min_scale": -1.0}, "min_scale"),
+        ({"max_scale": float("inf")}, "max_scale"),
+        ({"min_scale": 8.0, "max_scale": 2.0}, "max_scale"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"consecutive_hysteresis": 1}, "consecutive_hysteresis"),
+        ({"on_collapse": "fallback"}, "on_collapse"),
+        ({"precision": "fp8"}, "precision"),
+        ({"precision": "bf16"}, "precision"),
+    ],
+)
 def test_bad_arguments_raise_value_error_naming_them(tmp_path, kwargs, match):
     model, opt, run_dir = _basic(tmp_path)
     with pytest.raises(ValueError, match=match):
@@ -311,8 +333,9 @@ def test_bf16_loop_without_scaler_records_every_step(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    with ag.watch(None, model, opt, telemetry=Telemetry(tmp_path, layer_every=1),
-                  precision="bf16") as handle:
+    with ag.watch(
+        None, model, opt, telemetry=Telemetry(tmp_path, layer_every=1), precision="bf16"
+    ) as handle:
         for _ in range(5):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(4, 8)).float().pow(2).mean()
@@ -337,9 +360,14 @@ def test_floor_stops_the_backoff_where_torch_goes_below_one(tmp_path):
     kw = {"init_scale": 8.0, "growth_interval": 100}
     _, _, bare, _ = _run(scaler_kw=kw, steps=8, before_step=_always_overflow)
     with pytest.warns(RuntimeWarning, match="collapsed"):
-        _, _, scaler, handle = _run(scaler_kw=kw, steps=8, before_step=_always_overflow,
-                                    run_dir=tmp_path, watch_kw={"min_scale": 1.0},
-                                    telemetry_kw={"flush_every": 4})
+        _, _, scaler, handle = _run(
+            scaler_kw=kw,
+            steps=8,
+            before_step=_always_overflow,
+            run_dir=tmp_path,
+            watch_kw={"min_scale": 1.0},
+            telemetry_kw={"flush_every": 4},
+        )
     assert bare.get_scale() == 8.0 * 0.5**8
     assert scaler.get_scale() == 1.0
     found = {f.code: f for f in handle.findings()}
@@ -349,38 +377,63 @@ def test_floor_stops_the_backoff_where_torch_goes_below_one(tmp_path):
 
 def test_collapse_raise_policy_raises_at_the_flush(tmp_path):
     with pytest.raises(ag.ScaleCollapseError, match="min_scale=4"):
-        _run(scaler_kw={"init_scale": 8.0}, steps=8, before_step=_always_overflow,
-             run_dir=tmp_path, watch_kw={"min_scale": 4.0, "on_collapse": "raise"},
-             telemetry_kw={"flush_every": 2})
+        _run(
+            scaler_kw={"init_scale": 8.0},
+            steps=8,
+            before_step=_always_overflow,
+            run_dir=tmp_path,
+            watch_kw={"min_scale": 4.0, "on_collapse": "raise"},
+            telemetry_kw={"flush_every": 2},
+        )
 
 
 def test_cap_holds_growth(tmp_path):
     kw = {"init_scale": 2.0**8, "growth_interval": 1}
     _, _, bare, _ = _run(scaler_kw=kw, steps=6, overflow_at=())
-    _, _, scaler, handle = _run(scaler_kw=kw, steps=6, overflow_at=(), run_dir=tmp_path,
-                                watch_kw={"max_scale": 2.0**10})
+    _, _, scaler, handle = _run(
+        scaler_kw=kw, steps=6, overflow_at=(), run_dir=tmp_path, watch_kw={"max_scale": 2.0**10}
+    )
     handle.close()
     assert bare.get_scale() == 2.0**14
     assert scaler.get_scale() == 2.0**10
-    assert [r["scale"] for r in _records(tmp_path)] == [2.0**9, 2.0**10, 2.0**10, 2.0**10,
-                                                       2.0**10, 2.0**10]
+    assert [r["scale"] for r in _records(tmp_path)] == [
+        2.0**9,
+        2.0**10,
+        2.0**10,
+        2.0**10,
+        2.0**10,
+        2.0**10,
+    ]
 
 
 @pytest.mark.parametrize("consecutive", [False, True])
 def test_hysteresis_matches_ampguard_loss_scaler(tmp_path, consecutive):
-    cfg = ag.ScalerConfig(init_scale=2.0**8, growth_interval=3, hysteresis=2,
-                          consecutive_hysteresis=consecutive, min_scale=1.0,
-                          max_scale=2.0**24)
+    cfg = ag.ScalerConfig(
+        init_scale=2.0**8,
+        growth_interval=3,
+        hysteresis=2,
+        consecutive_hysteresis=consecutive,
+        min_scale=1.0,
+        max_scale=2.0**24,
+    )
     pattern = (2, 4, 5, 6, 12, 13, 14)
     ref = ag.LossScaler(cfg, torch.device("cpu"))
     expected = []
     for i in range(16):
         ref.update(torch.tensor(float(i in pattern)))
         expected.append(ref.scale())
-    _, _, _, handle = _run(scaler_kw={"init_scale": 2.0**8, "growth_interval": 3}, steps=16,
-                           overflow_at=pattern, run_dir=tmp_path,
-                           watch_kw={"hysteresis": 2, "consecutive_hysteresis": consecutive,
-                                     "min_scale": 1.0, "max_scale": 2.0**24})
+    _, _, _, handle = _run(
+        scaler_kw={"init_scale": 2.0**8, "growth_interval": 3},
+        steps=16,
+        overflow_at=pattern,
+        run_dir=tmp_path,
+        watch_kw={
+            "hysteresis": 2,
+            "consecutive_hysteresis": consecutive,
+            "min_scale": 1.0,
+            "max_scale": 2.0**24,
+        },
+    )
     handle.close()
     recs = _records(tmp_path)
     assert [r["scale"] for r in recs] == expected
@@ -389,8 +442,9 @@ def test_hysteresis_matches_ampguard_loss_scaler(tmp_path, consecutive):
 
 def test_guard_features_that_never_bind_change_nothing(tmp_path):
     bare_model, bare_opt, bare, _ = _run("plain")
-    model, opt, scaler, handle = _run("plain", run_dir=tmp_path,
-                                      watch_kw={"min_scale": 1.0, "max_scale": 2.0**20})
+    model, opt, scaler, handle = _run(
+        "plain", run_dir=tmp_path, watch_kw={"min_scale": 1.0, "max_scale": 2.0**20}
+    )
     assert _bitwise_equal(list(bare_model.parameters()), list(model.parameters()))
     assert _bitwise_equal(bare_opt.state_dict()["state"], opt.state_dict()["state"])
     assert torch.equal(bare._scale, scaler._scale)
@@ -401,8 +455,13 @@ def test_guard_features_that_never_bind_change_nothing(tmp_path):
 def test_warn_policy_warns_once_per_episode(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, _, _, handle = _run(scaler_kw={"init_scale": 2.0}, steps=12,
-                               before_step=_always_overflow, run_dir=tmp_path,
-                               watch_kw={"min_scale": 1.0}, telemetry_kw={"flush_every": 3})
+        _, _, _, handle = _run(
+            scaler_kw={"init_scale": 2.0},
+            steps=12,
+            before_step=_always_overflow,
+            run_dir=tmp_path,
+            watch_kw={"min_scale": 1.0},
+            telemetry_kw={"flush_every": 3},
+        )
     handle.close()
     assert sum("collapsed" in str(w.message) for w in caught) == 1

@@ -80,8 +80,10 @@ def main() -> None:
         wheel = next(p for p in artifacts if p.suffix == ".whl")
         _check_wheel(wheel, version)
         _smoke(wheel, work)
-    print(f"check_release: ampguard {version}: sdist + wheel built, twine ok, "
-          "wheel installed in a fresh venv ran `ampguard demo` and `ampguard lint`")
+    print(
+        f"check_release: ampguard {version}: sdist + wheel built, twine ok, "
+        "wheel installed in a fresh venv ran `ampguard demo` and `ampguard lint`"
+    )
 
 
 if __name__ == "__main__":

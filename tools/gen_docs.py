@@ -54,11 +54,29 @@ AREA_TITLES = {
 }
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("The guarded step", ("Guard", "StepResult", "ScalerConfig", "LossScaler",
-                          "ScaleCollapseError", "PrecisionPolicy", "resolve_precision",
-                          "ResumeWarmup")),
-    ("Checkpoints", ("save_checkpoint", "load_checkpoint", "CheckpointError",
-                     "save_distributed_checkpoint", "load_distributed_checkpoint")),
+    (
+        "The guarded step",
+        (
+            "Guard",
+            "StepResult",
+            "ScalerConfig",
+            "LossScaler",
+            "ScaleCollapseError",
+            "PrecisionPolicy",
+            "resolve_precision",
+            "ResumeWarmup",
+        ),
+    ),
+    (
+        "Checkpoints",
+        (
+            "save_checkpoint",
+            "load_checkpoint",
+            "CheckpointError",
+            "save_distributed_checkpoint",
+            "load_distributed_checkpoint",
+        ),
+    ),
     ("Telemetry, findings and the report", ("Telemetry", "RuleConfig", "report", "Finding")),
     ("Forensics and autocast coverage", ("locate", "Diagnosis", "coverage", "Coverage")),
     ("Compare and the advisor", ("Experiment", "Comparison", "compare", "inspect_model")),
@@ -76,38 +94,50 @@ def _wrap(text: str) -> str:
 
 def _example(c: Code, seen: dict[str, Any]) -> str:
     if c.example:
-        return f"Example (this script gets {c.code} from `ampguard lint`):\n\n```python\n" \
-               f"{c.example.rstrip()}\n```\n"
+        return (
+            f"Example (this script gets {c.code} from `ampguard lint`):\n\n```python\n"
+            f"{c.example.rstrip()}\n```\n"
+        )
     real = seen.get(c.code)
     if real is None:
-        return (f"In `ampguard report` and `findings.json` it reads `{c.code} [{c.severity}] "
-                f"{c.title}`, then what was measured and the fix for this run.\n")
+        return (
+            f"In `ampguard report` and `findings.json` it reads `{c.code} [{c.severity}] "
+            f"{c.title}`, then what was measured and the fix for this run.\n"
+        )
     where = f" at step {real['step']}" if real.get("step") is not None else ""
-    return (f"Example (a real finding from a test or demo run):\n\n```text\n"
-            f"{c.code} [{real['severity']}] {real['title']}{where}\n{_wrap(real['message'])}\n"
-            f"{_wrap('fix: ' + real['fix'])}\n```\n")
+    return (
+        f"Example (a real finding from a test or demo run):\n\n```text\n"
+        f"{c.code} [{real['severity']}] {real['title']}{where}\n{_wrap(real['message'])}\n"
+        f"{_wrap('fix: ' + real['fix'])}\n```\n"
+    )
 
 
 def _entry(c: Code, seen: dict[str, Any]) -> str:
-    return (f"### {c.code}: {c.title} {{ #{c.code.lower()} }}\n\n"
-            f"**Severity:** {c.severity} &middot; **Explained in:** [{c.doc}]({c.doc})\n\n"
-            f"**Fires when:** {c.fires}.\n\n{_example(c, seen)}\n**Fix:** {c.fix}.\n")
+    return (
+        f"### {c.code}: {c.title} {{ #{c.code.lower()} }}\n\n"
+        f"**Severity:** {c.severity} &middot; **Explained in:** [{c.doc}]({c.doc})\n\n"
+        f"**Fires when:** {c.fires}.\n\n{_example(c, seen)}\n**Fix:** {c.fix}.\n"
+    )
 
 
 def findings_page() -> str:
     """The findings catalogue page, one section per area in ``AREAS`` order."""
     seen = json.loads(EXAMPLES.read_text(encoding="utf-8")) if EXAMPLES.exists() else {}
-    parts = ["# Findings catalogue\n",
-             "Every finding ampguard can emit has a stable code. This page is generated from "
-             "`ampguard.findings.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is "
-             "the default (a rule may report a milder case at a lower severity, and says so in the "
-             "message).\n",
-             "Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 "
-             "telemetry), AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 "
-             "plan.\n",
-             "| code | severity | title |", "| --- | --- | --- |"]
-    parts += [f"| [{c.code}](#{c.code.lower()}) | {c.severity} | {c.title} |"
-              for c in CATALOGUE.values()]
+    parts = [
+        "# Findings catalogue\n",
+        "Every finding ampguard can emit has a stable code. This page is generated from "
+        "`ampguard.findings.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is "
+        "the default (a rule may report a milder case at a lower severity, and says so in the "
+        "message).\n",
+        "Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 "
+        "telemetry), AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 "
+        "plan.\n",
+        "| code | severity | title |",
+        "| --- | --- | --- |",
+    ]
+    parts += [
+        f"| [{c.code}](#{c.code.lower()}) | {c.severity} | {c.title} |" for c in CATALOGUE.values()
+    ]
     parts.append("")
     for area in AREAS:
         codes = [c for c in CATALOGUE.values() if c.area == area]
@@ -167,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only check that the pages are current")
     args = ap.parse_args(argv)
     pages = {FINDINGS: findings_page(), REFERENCE: reference_page(), INIT: init_page()}
-    stale = [p for p, text in pages.items()
-             if not p.exists() or p.read_text(encoding="utf-8") != text]
+    stale = [
+        p for p, text in pages.items() if not p.exists() or p.read_text(encoding="utf-8") != text
+    ]
     if args.check:
         for p in stale:
             print(f"gen_docs: {p.relative_to(ROOT)} is out of date: run python tools/gen_docs.py")

@@ -138,12 +138,25 @@ MAPPING: dict[str, str] = {
 }
 
 # Where an unplaced module probably goes, by name prefix (only a suggestion in the error).
-HINTS = [("_cli_", "cli/"), ("cli_", "cli/"), ("_compare_", "experiments/"),
-         ("_advisor", "experiments/"), ("_dist_", "distributed/"), ("distributed_", "distributed/"),
-         ("_peer", "distributed/"), ("checkpoint", "checkpoint/"), ("_ckpt", "checkpoint/"),
-         ("_guard_", "core/"), ("_rule", "rules/"), ("_forensics", "forensics/"),
-         ("_layer", "telemetry/"), ("_telemetry", "telemetry/"), ("_run", "telemetry/"),
-         ("fp8", "core/"), ("_fp8", "core/")]
+HINTS = [
+    ("_cli_", "cli/"),
+    ("cli_", "cli/"),
+    ("_compare_", "experiments/"),
+    ("_advisor", "experiments/"),
+    ("_dist_", "distributed/"),
+    ("distributed_", "distributed/"),
+    ("_peer", "distributed/"),
+    ("checkpoint", "checkpoint/"),
+    ("_ckpt", "checkpoint/"),
+    ("_guard_", "core/"),
+    ("_rule", "rules/"),
+    ("_forensics", "forensics/"),
+    ("_layer", "telemetry/"),
+    ("_telemetry", "telemetry/"),
+    ("_run", "telemetry/"),
+    ("fp8", "core/"),
+    ("_fp8", "core/"),
+]
 
 # Packages that exist today and keep their place (their modules need no MAPPING line).
 KEPT_PACKAGES = ("demo", "integrations", "lint", "reporting")
@@ -151,17 +164,23 @@ KEPT_PACKAGES = ("demo", "integrations", "lint", "reporting")
 # Packages the move creates without a main module: their __init__ is generated and re-exports
 # the public names (``__all__``) of the listed public modules.
 NEW_PACKAGES: dict[str, tuple[str, list[str]]] = {
-    "core": ("The AMP step's state and arithmetic: precision policy, loss scaler, scale history,\n"
-             "micro-batch containment, resume warm-up and step results. Imports no other "
-             "ampguard package.",
-             ["policy", "scaler", "scale_history", "containment", "resume", "results"]),
+    "core": (
+        "The AMP step's state and arithmetic: precision policy, loss scaler, scale history,\n"
+        "micro-batch containment, resume warm-up and step results. Imports no other "
+        "ampguard package.",
+        ["policy", "scaler", "scale_history", "containment", "resume", "results"],
+    ),
 }
 
 # Code that derives a path from its own __file__ and must follow the move (new path -> edits).
 FIXUPS: dict[str, list[tuple[str, str]]] = {
     # hostile's user_traceback drops frames under the package folder: one level up now
-    "cli/_loader.py": [("here = os.path.dirname(os.path.abspath(__file__))",
-                        "here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))")],
+    "cli/_loader.py": [
+        (
+            "here = os.path.dirname(os.path.abspath(__file__))",
+            "here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))",
+        )
+    ],
 }
 
 # Test files named after how they were written -> named after what they cover.
@@ -223,7 +242,7 @@ def suggestion(rel: str) -> str:
     for prefix, package in HINTS:
         if rel.startswith(prefix):
             private = prefix.startswith("_") and prefix.endswith("_")
-            rest = "_" + rel[len(prefix):] if private else rel
+            rest = "_" + rel[len(prefix) :] if private else rel
             return f'"{rel}": "{package}{rest}",'
     return f'"{rel}": "<package>/{rel}",'
 
@@ -244,9 +263,11 @@ def build_plan_moves(files: list[str], extra: dict[str, str]) -> Plan:
         plan.modmap[module_of(rel)] = module_of(new)
     stale = sorted(set(mapping) - set(files))
     if unmapped:
-        raise Failure("modules under src/ampguard that MAPPING does not place; add lines like "
-                      "these to MAPPING in tools/restructure.py (and commit), or pass "
-                      "--map old.py=package/new.py:\n  " + "\n  ".join(map(suggestion, unmapped)))
+        raise Failure(
+            "modules under src/ampguard that MAPPING does not place; add lines like "
+            "these to MAPPING in tools/restructure.py (and commit), or pass "
+            "--map old.py=package/new.py:\n  " + "\n  ".join(map(suggestion, unmapped))
+        )
     if stale:  # lines for modules of branches not merged yet, or renamed there
         plan.log.append("note: MAPPING lines for files that do not exist: " + ", ".join(stale))
     targets: dict[str, str] = {}
@@ -259,6 +280,7 @@ def build_plan_moves(files: list[str], extra: dict[str, str]) -> Plan:
 
 # ---- import rewriting -------------------------------------------------------------------------
 
+
 def _offsets(text: str) -> list[int]:
     starts = [0]
     for line in text.splitlines(keepends=True):
@@ -267,8 +289,10 @@ def _offsets(text: str) -> list[int]:
 
 
 def _span(node: ast.AST, starts: list[int]) -> tuple[int, int]:
-    return (starts[node.lineno - 1] + node.col_offset,  # type: ignore[attr-defined]
-            starts[node.end_lineno - 1] + node.end_col_offset)  # type: ignore[attr-defined]
+    return (
+        starts[node.lineno - 1] + node.col_offset,  # type: ignore[attr-defined]
+        starts[node.end_lineno - 1] + node.end_col_offset,
+    )  # type: ignore[attr-defined]
 
 
 def _own_module(path: Path, root: Path) -> tuple[str, bool] | None:
@@ -348,8 +372,10 @@ def rewrite_python(path: Path, text: str, plan: Plan, root: Path) -> str:
                 changed |= target != alias.name
                 parts.append(_alias_text(target, alias.asname))
                 if alias.asname is None and target != alias.name:
-                    plan.log.append(f"{where}: 'import {alias.name}' without 'as': its dotted "
-                                    "uses are rewritten as text")
+                    plan.log.append(
+                        f"{where}: 'import {alias.name}' without 'as': its dotted "
+                        "uses are rewritten as text"
+                    )
             if changed:
                 repl.append((*_span(node, starts), "import " + ", ".join(parts)))
     for node in ast.walk(tree):
@@ -364,8 +390,11 @@ def wrap_docstrings(new: str, old: str, path: Path, plan: Plan) -> str:
         return new
     doc_lines: set[int] = set()
     for node in ast.walk(ast.parse(new)):
-        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             doc_lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     was_long = {line for line in old.splitlines() if len(line) > 100}
     out = []
@@ -379,7 +408,7 @@ def wrap_docstrings(new: str, old: str, path: Path, plan: Plan) -> str:
         comment = body.lstrip().startswith("#")
         if (number in doc_lines or comment) and cut > len(indent):
             lead = indent + ("# " if comment else "")
-            out.append(body[:cut] + "\n" + lead + body[cut + 1:] + line[len(body):])
+            out.append(body[:cut] + "\n" + lead + body[cut + 1 :] + line[len(body) :])
         else:
             out.append(line)
             plan.log.append(f"warning: {path}:{number} is over 100 columns after the rewrite")
@@ -390,8 +419,14 @@ def _alias_text(name: str, asname: str | None) -> str:
     return f"{name} as {asname}" if asname else name
 
 
-def _rewrite_from(node: ast.ImportFrom, module: str, plan: Plan, where: str, used: set[str],
-                  renames: dict[str, str]) -> list[tuple[str, list[str]]]:
+def _rewrite_from(
+    node: ast.ImportFrom,
+    module: str,
+    plan: Plan,
+    where: str,
+    used: set[str],
+    renames: dict[str, str],
+) -> list[tuple[str, list[str]]]:
     """The ``from M import ...`` statements (module, names) that replace one node."""
     if module != "ampguard" and module not in plan.modmap:
         raise Failure(f"{where}: import from unknown module {module}")
@@ -433,6 +468,7 @@ def _apply(text: str, repl: list[tuple[int, int, str]], plan: Plan) -> str:
 
 def rewrite_dotted(text: str, plan: Plan) -> str:
     """``ampguard.old.mod.attr`` -> ``ampguard.new.mod.attr`` (longest old-module prefix)."""
+
     def one(m: re.Match[str]) -> str:
         parts = m.group(0).split(".")
         for k in range(len(parts), 1, -1):
@@ -440,16 +476,22 @@ def rewrite_dotted(text: str, plan: Plan) -> str:
             if prefix in plan.modmap:
                 return ".".join([plan.modmap[prefix], *parts[k:]])
         return m.group(0)
+
     return DOTTED.sub(one, text)
 
 
 # ---- generated files --------------------------------------------------------------------------
 
+
 def exports_of(init_text: str) -> dict[str, str]:
     """``_EXPORTS`` of ampguard/__init__.py: public name -> module."""
     for node in ast.parse(init_text).body:
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and node.target.id == "_EXPORTS" and node.value is not None):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == "_EXPORTS"
+            and node.value is not None
+        ):
             value = ast.literal_eval(node.value)
             assert isinstance(value, dict)
             return value
@@ -471,8 +513,9 @@ def type_checking_block(exports: dict[str, str]) -> str:
 
 def with_type_checking(init_text: str) -> str:
     """ampguard/__init__.py with its TYPE_CHECKING block (re)generated after ``_EXPORTS``."""
-    text = re.sub(re.escape(TC_BEGIN) + ".*?" + re.escape(TC_END) + r"\n?", "", init_text,
-                  flags=re.S)
+    text = re.sub(
+        re.escape(TC_BEGIN) + ".*?" + re.escape(TC_END) + r"\n?", "", init_text, flags=re.S
+    )
     text = text.replace("from typing import Any\n", "from typing import TYPE_CHECKING, Any\n")
     if "TYPE_CHECKING" not in text:
         raise Failure("src/ampguard/__init__.py: could not add TYPE_CHECKING to its typing import")
@@ -486,7 +529,8 @@ def with_type_checking(init_text: str) -> str:
 def public_names(path: Path) -> list[str]:
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
             value = ast.literal_eval(node.value)
             return [str(v) for v in value]
     raise Failure(f"{path}: no literal __all__ to re-export")
@@ -505,9 +549,11 @@ def new_package_init(root: Path, package: str) -> str:
 
 
 def shim_text(old: str, new: str) -> str:
-    return (f'"""Old import path of :mod:`{new}`, {SHIM_DOC}."""\n\n'
-            f"from {new} import *  # noqa: F403\n"
-            f"from {new} import __all__ as __all__\n")
+    return (
+        f'"""Old import path of :mod:`{new}`, {SHIM_DOC}."""\n\n'
+        f"from {new} import *  # noqa: F403\n"
+        f"from {new} import __all__ as __all__\n"
+    )
 
 
 def documented_modules(readme: str, plan: Plan) -> dict[str, str]:
@@ -527,9 +573,11 @@ def documented_modules(readme: str, plan: Plan) -> dict[str, str]:
 
 # ---- driver -----------------------------------------------------------------------------------
 
+
 def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["git", *args], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def preflight(root: Path) -> None:
@@ -539,8 +587,7 @@ def preflight(root: Path) -> None:
         raise AlreadyApplied("already restructured (src/ampguard/core/ exists): nothing to do")
     dirty = git(root, "status", "--porcelain", "--untracked-files=no")
     if dirty.strip():
-        raise Failure("the git tree has uncommitted changes; commit or stash them first:\n"
-                      + dirty)
+        raise Failure("the git tree has uncommitted changes; commit or stash them first:\n" + dirty)
 
 
 class AlreadyApplied(Exception):
@@ -565,16 +612,21 @@ def outside_names(paths: list[Path]) -> set[str]:
 
 def make_plan(root: Path, extra: dict[str, str]) -> Plan:
     plan = build_plan_moves(discover(root), extra)
-    files = [p for d in SCAN_DIRS if (root / d).is_dir() for p in sorted((root / d).rglob("*.py"))
-             if p.relative_to(root) not in (SELF, ARCH_TEST, SELF_TEST)
-             and "corpus" not in p.parts]  # these three are written for both layouts
+    files = [
+        p
+        for d in SCAN_DIRS
+        if (root / d).is_dir()
+        for p in sorted((root / d).rglob("*.py"))
+        if p.relative_to(root) not in (SELF, ARCH_TEST, SELF_TEST) and "corpus" not in p.parts
+    ]  # these three are written for both layouts
     plan.outside_names = outside_names(files)
     errors = []
     for path in files:
         text = path.read_text()
         try:
-            new = rewrite_python(path.relative_to(root), text, plan, root) if _touches(text) \
-                else text
+            new = (
+                rewrite_python(path.relative_to(root), text, plan, root) if _touches(text) else text
+            )
         except Failure as e:
             errors.append(str(e))
             continue
@@ -607,8 +659,10 @@ def file_relative(root: Path, plan: Plan) -> None:
         text = (root / PKG / old).read_text()
         fixed = all(a in text for a, _ in FIXUPS.get(new, [("-", "")]))
         if old.count("/") != new.count("/") and "__file__" in text and not fixed:
-            plan.log.append(f"warning: src/ampguard/{old} uses __file__ and moves to {new}: "
-                            "check any path it derives from it (e.g. the package folder)")
+            plan.log.append(
+                f"warning: src/ampguard/{old} uses __file__ and moves to {new}: "
+                "check any path it derives from it (e.g. the package folder)"
+            )
 
 
 def _touches(text: str) -> bool:
@@ -663,11 +717,14 @@ def execute(root: Path, plan: Plan) -> None:
         git(root, "rm", "-qf", str(SELF_TEST))
     ruff = shutil.which("ruff")
     if ruff:
-        subprocess.run([ruff, "check", "--fix", "--select", "I", "--quiet", *SCAN_DIRS],
-                       cwd=root, check=False)
+        subprocess.run(
+            [ruff, "check", "--fix", "--select", "I", "--quiet", *SCAN_DIRS], cwd=root, check=False
+        )
     else:
-        plan.log.append("ruff not found: run `ruff check --fix --select I src tests benchmarks "
-                        "tools` to sort the rewritten imports")
+        plan.log.append(
+            "ruff not found: run `ruff check --fix --select I src tests benchmarks "
+            "tools` to sort the rewritten imports"
+        )
 
 
 def _map_arg(text: str) -> tuple[str, str]:
@@ -681,8 +738,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="plan and check; write nothing")
     parser.add_argument("--root", type=Path, default=Path("."), help="repository root")
-    parser.add_argument("--map", action="append", default=[], metavar="OLD=NEW",
-                        help="an extra MAPPING line, e.g. fp8.py=core/fp8.py (repeatable)")
+    parser.add_argument(
+        "--map",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="an extra MAPPING line, e.g. fp8.py=core/fp8.py (repeatable)",
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
@@ -690,8 +752,10 @@ def main(argv: list[str] | None = None) -> int:
         preflight(root)
         plan = make_plan(root, extra)
         moved = {o: n for o, n in plan.moves.items() if o != n}
-        print(f"restructure: {len(moved)} modules move, {len(plan.edits)} files rewritten, "
-              f"{len(plan.shims)} shims, {len(TEST_RENAMES)} test renames")
+        print(
+            f"restructure: {len(moved)} modules move, {len(plan.edits)} files rewritten, "
+            f"{len(plan.shims)} shims, {len(TEST_RENAMES)} test renames"
+        )
         if args.dry_run:
             for old, new in sorted(moved.items()):
                 print(f"  {old:28} -> {new}")
@@ -710,8 +774,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restructure: {e}", file=sys.stderr)
         return 2
     if not args.dry_run:
-        print("done. Next: ruff check src tests benchmarks tools && mypy && python -m pytest -q, "
-              "then commit: git add -A && git commit -m 'Layout: one package per concern'")
+        print(
+            "done. Next: ruff check src tests benchmarks tools && mypy && python -m pytest -q, "
+            "then commit: git add -A && git commit -m 'Layout: one package per concern'"
+        )
     return 0
 
 

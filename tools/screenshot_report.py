@@ -20,20 +20,40 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--virtual-time-budget=5000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--virtual-time-budget=5000",
+]
 
 
 def _demo(run_dir: Path) -> Path:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-m", "ampguard", "demo", "--out", str(run_dir)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "ampguard", "demo", "--out", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     page = run_dir / "report.html"
     if proc.returncode != 0 or not page.exists():
-        sys.exit(f"screenshot_report: the demo wrote no report (status {proc.returncode}):\n"
-                 f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        sys.exit(
+            f"screenshot_report: the demo wrote no report (status {proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
     return page
 
 
@@ -42,12 +62,20 @@ def _shoot(page: Path, png: Path, width: int, height: int, work: Path) -> None:
     if chromium is None:
         sys.exit("screenshot_report: no chromium on PATH (apt-get install -y chromium)")
     raw = work / "raw.png"
-    cmd = [chromium, *FLAGS, f"--user-data-dir={work / 'profile'}",
-           f"--window-size={width},{height}", f"--screenshot={raw}", page.as_uri()]
+    cmd = [
+        chromium,
+        *FLAGS,
+        f"--user-data-dir={work / 'profile'}",
+        f"--window-size={width},{height}",
+        f"--screenshot={raw}",
+        page.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if not raw.exists():
-        sys.exit(f"screenshot_report: chromium wrote no screenshot (status {proc.returncode}):\n"
-                 f"{proc.stderr[-2000:]}")
+        sys.exit(
+            f"screenshot_report: chromium wrote no screenshot (status {proc.returncode}):\n"
+            f"{proc.stderr[-2000:]}"
+        )
     from PIL import Image
 
     with Image.open(raw) as img:

@@ -54,12 +54,18 @@ SHORT_MARK = "<!-- The short README, written by tools/split_readme.py; the rest 
 
 # what a page without its README section says it covers (fp8 and architecture may come later)
 MISSING = {
-    "fp8.md": ("fp8",
-               "fp8 training: the precision, its run-time telemetry and the plan that says which "
-               "layers can take it. The finding codes of this area:", ("fp8",)),
-    "architecture.md": ("Architecture",
-                        "How the package is built: one concept per module. The modules, each with "
-                        "the first line of its docstring:", ()),
+    "fp8.md": (
+        "fp8",
+        "fp8 training: the precision, its run-time telemetry and the plan that says which "
+        "layers can take it. The finding codes of this area:",
+        ("fp8",),
+    ),
+    "architecture.md": (
+        "Architecture",
+        "How the package is built: one concept per module. The modules, each with "
+        "the first line of its docstring:",
+        (),
+    ),
 }
 
 
@@ -117,22 +123,32 @@ def _missing_page(root: Path, page: str) -> str:
     if areas:
         sys.path.insert(0, str(root / "src"))
         from ampguard.findings.codes import CATALOGUE
-        rows = [f"- [{c.code}](findings.md#{c.code.lower()}) ({c.severity}): {c.title}"
-                for c in CATALOGUE.values() if c.area in areas]
+
+        rows = [
+            f"- [{c.code}](findings.md#{c.code.lower()}) ({c.severity}): {c.title}"
+            for c in CATALOGUE.values()
+            if c.area in areas
+        ]
         body = "\n".join(rows) + "\n" if rows else "This version has no fp8 support yet.\n"
-        return (f"# {title}\n\n{lead}\n\n{body}\n"
-                "See the [API reference](reference.md) for the names.\n")
+        return (
+            f"# {title}\n\n{lead}\n\n{body}\nSee the [API reference](reference.md) for the names.\n"
+        )
     return f"# {title}\n\n{lead}\n\n{_module_map(root / 'src' / 'ampguard')}"
 
 
 def write_pages(root: Path, sections: list[tuple[str, str]]) -> dict[str, str]:
     """Write each section to its page; return page -> title. Exits on an unmapped title."""
     docs = root / "docs"
-    unmapped = [t for t, _ in sections if _page_for(t) is None
-                and not t.lower().startswith(KEEP_IN_README + API_SECTION)]
+    unmapped = [
+        t
+        for t, _ in sections
+        if _page_for(t) is None and not t.lower().startswith(KEEP_IN_README + API_SECTION)
+    ]
     if unmapped:
-        sys.exit(f"split_readme: no docs page for README section(s) {unmapped}: add a rule "
-                 "to PAGES in tools/split_readme.py")
+        sys.exit(
+            f"split_readme: no docs page for README section(s) {unmapped}: add a rule "
+            "to PAGES in tools/split_readme.py"
+        )
     bodies: dict[str, list[str]] = {}
     titles: dict[str, str] = {}
     for title, body in sections:
@@ -145,8 +161,10 @@ def write_pages(root: Path, sections: list[tuple[str, str]]) -> dict[str, str]:
             continue
         # a second section for the same page joins it as a sub-section
         bodies.setdefault(page, []).append(
-            f"# {title}\n\n{_promote(body)}" if page not in titles else
-            f"## {title}\n\n{_promote(body)}")
+            f"# {title}\n\n{_promote(body)}"
+            if page not in titles
+            else f"## {title}\n\n{_promote(body)}"
+        )
         titles.setdefault(page, title)
     for _, page, _nav in PAGES:
         if page in bodies:
@@ -165,8 +183,9 @@ def _write_api(reference: Path, body: str) -> None:
         sys.exit(f"split_readme: {reference} lacks the {API_START} / {API_END} markers")
     head, rest = text.split(API_START, 1)
     _, tail = rest.split(API_END, 1)
-    reference.write_text(f"{head}{API_START}\n## At a glance\n\n{_promote(body)}{API_END}{tail}",
-                         encoding="utf-8")
+    reference.write_text(
+        f"{head}{API_START}\n## At a glance\n\n{_promote(body)}{API_END}{tail}", encoding="utf-8"
+    )
 
 
 def short_readme(root: Path, opening: str, sections: list[tuple[str, str]]) -> str:
@@ -176,19 +195,22 @@ def short_readme(root: Path, opening: str, sections: list[tuple[str, str]]) -> s
         sys.exit("split_readme: the README has no '## Set up' section to keep")
     example = (root / "docs" / "examples" / "quickstart.py").read_text(encoding="utf-8")
     links = [f"- [Getting started]({DOCS_URL}getting-started.md)"]
-    links += [f"- [{nav}]({DOCS_URL}{page})" for _, page, nav in PAGES
-              if (root / "docs" / page).exists()]
-    links += [f"- [Troubleshooting, by symptom]({DOCS_URL}troubleshooting.md)",
-              f"- [Findings catalogue: every AG code, what fires it, the fix]"
-              f"({DOCS_URL}findings.md)",
-              f"- [API reference]({DOCS_URL}reference.md)",
-              "- [Changelog](CHANGELOG.md)"]
-    return (f"{opening}\n## Set up\n\n{setup}\n## A guarded training loop\n\n```python\n{example}"
-            "```\n\nThe report of a run (`ampguard demo`, then open the report it names):\n\n"
-            "![ampguard report](docs/img/report.png)\n\n"
-            "## Documentation\n\nThe docs site is built from `docs/` with "
-            "`pip install -e \".[docs]\" && mkdocs serve`:\n\n" + "\n".join(links)
-            + f"\n\n{SHORT_MARK}\n")
+    links += [
+        f"- [{nav}]({DOCS_URL}{page})" for _, page, nav in PAGES if (root / "docs" / page).exists()
+    ]
+    links += [
+        f"- [Troubleshooting, by symptom]({DOCS_URL}troubleshooting.md)",
+        f"- [Findings catalogue: every AG code, what fires it, the fix]({DOCS_URL}findings.md)",
+        f"- [API reference]({DOCS_URL}reference.md)",
+        "- [Changelog](CHANGELOG.md)",
+    ]
+    return (
+        f"{opening}\n## Set up\n\n{setup}\n## A guarded training loop\n\n```python\n{example}"
+        "```\n\nThe report of a run (`ampguard demo`, then open the report it names):\n\n"
+        "![ampguard report](docs/img/report.png)\n\n"
+        "## Documentation\n\nThe docs site is built from `docs/` with "
+        '`pip install -e ".[docs]" && mkdocs serve`:\n\n' + "\n".join(links) + f"\n\n{SHORT_MARK}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     opening, sections = _sections(text)
     titles = write_pages(args.root, sections)
-    print(f"split_readme: {len(titles)} page(s) from README sections: "
-          + ", ".join(f"{p} <- {t!r}" for p, t in titles.items()))
+    print(
+        f"split_readme: {len(titles)} page(s) from README sections: "
+        + ", ".join(f"{p} <- {t!r}" for p, t in titles.items())
+    )
     if args.pages_only:
         return 0
     text = short_readme(args.root, opening, sections)

@@ -134,8 +134,9 @@ class Guard:
         self._pending: list[tuple[StepResult, torch.Tensor]] = []
         self._fallback: dict[str, Any] | None = None
         self._collapsing = False
-        self._history = ScaleHistory(self.scaler_config.init_scale if self._scaler else 1.0,
-                                     self._device)
+        self._history = ScaleHistory(
+            self.scaler_config.init_scale if self._scaler else 1.0, self._device
+        )
         self._contain: MicrobatchBuffer | None = None
         self._resume = ResumeTracker(resume_warmup)
         self.resume_warmup = resume_warmup
@@ -143,9 +144,15 @@ class Guard:
         # own collectives wait at most peer_timeout seconds (ampguard.distributed._peers)
         self.peer_timeout = check_peer_timeout(peer_timeout)
         self._dist = _attach_distributed(
-            model, self._device, audit_every=audit_every, on_desync=on_desync,
-            process_group=process_group, containment=self.contain_nonfinite_microbatches,
-            params=params, peer_timeout=self.peer_timeout)
+            model,
+            self._device,
+            audit_every=audit_every,
+            on_desync=on_desync,
+            process_group=process_group,
+            containment=self.contain_nonfinite_microbatches,
+            params=params,
+            peer_timeout=self.peer_timeout,
+        )
         telemetry = _rank_telemetry(self._dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
         self._telemetry = _attach_telemetry(telemetry, self)
@@ -154,8 +161,12 @@ class Guard:
         # forensics (ampguard.forensics._guard): keep_fp32 islands, armed tracing, auto_fallback,
         # coverage_step; None (zero cost) unless one of them is used
         self._forensics = _guard_forensics.attach(
-            self, keep_fp32=keep_fp32, forensics=forensics, auto_fallback=auto_fallback,
-            coverage_step=coverage_step)
+            self,
+            keep_fp32=keep_fp32,
+            forensics=forensics,
+            auto_fallback=auto_fallback,
+            coverage_step=coverage_step,
+        )
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -240,8 +251,12 @@ class Guard:
         so gradients are all-reduced once per window. Cost: no host sync.
         """
         traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
-        with self._peers("the forward's collectives"), self._grad_sync_context(), \
-                self._policy.autocast(), traced:
+        with (
+            self._peers("the forward's collectives"),
+            self._grad_sync_context(),
+            self._policy.autocast(),
+            traced,
+        ):
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -252,8 +267,11 @@ class Guard:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 "loss must be a single-element tensor (reduce it with .mean() or .sum()), got "
-                + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else
-                   type(loss).__name__)
+                + (
+                    f"shape {tuple(loss.shape)}"
+                    if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__
+                )
             )
         check_backward(self._micro, self.accumulation_steps)
         if self._telemetry is not None:
@@ -275,8 +293,13 @@ class Guard:
         if self.contain_nonfinite_microbatches:
             self._contain_microbatch()
 
-    def step(self, *, batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-             **kwargs: Any) -> StepResult:
+    def step(
+        self,
+        *,
+        batch: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> StepResult:
         """Finish a micro-batch; at the end of a window, update the parameters.
 
         Returns a :class:`StepResult`. On the first ``accumulation_steps - 1`` calls of a window
@@ -297,8 +320,11 @@ class Guard:
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
             with self._peers("Guard.step()", self._steps):  # e.g. FSDP2's grad-norm all-reduce
-                result = self._step_scaled(kwargs) if self._scaler else \
-                    _nonfinite.step_unscaled(self, kwargs)
+                result = (
+                    self._step_scaled(kwargs)
+                    if self._scaler
+                    else _nonfinite.step_unscaled(self, kwargs)
+                )
         except BaseException:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry.on_abort()
@@ -350,8 +376,9 @@ class Guard:
             f = scaler.unscale_(grads, inv) if unscale_now else scaler.check_(grads)
             found.append(f if all_dropped is None else f + all_dropped)
         # distributed: one async all-reduce of the flags, overlapped with clipping
-        agree = None if self._dist is None else self._dist.start_consensus(found, dropped,
-                                                                           self._steps)
+        agree = (
+            None if self._dist is None else self._dist.start_consensus(found, dropped, self._steps)
+        )
         if self._telemetry is not None:
             # fused, no clip: the gradients are still scaled
             self._telemetry.on_grads(self._steps, not unscale_now)
@@ -381,8 +408,9 @@ class Guard:
         if self._telemetry is not None:
             self._telemetry.on_step(self._steps, status, grad_norm)
         flags = results.decode(int(status.item()), len(found))  # the sync torch has in step()
-        for opt, f, ok, is_fused in zip(self.optimizers, found, flags.applied_per_optimizer,
-                                        fused, strict=True):
+        for opt, f, ok, is_fused in zip(
+            self.optimizers, found, flags.applied_per_optimizer, fused, strict=True
+        ):
             if is_fused:
                 self._fused_step(opt, f, True, kwargs)
             elif ok:
@@ -391,8 +419,13 @@ class Guard:
         self._settle(self._steps, flags)
         return result
 
-    def _fused_step(self, opt: torch.optim.Optimizer, found: torch.Tensor, unscaled: bool,
-                    kwargs: dict[str, Any]) -> None:
+    def _fused_step(
+        self,
+        opt: torch.optim.Optimizer,
+        found: torch.Tensor,
+        unscaled: bool,
+        kwargs: dict[str, Any],
+    ) -> None:
         # The optimizer unscales inside its kernel (grad_scale) and skips itself on found_inf.
         assert self._scaler is not None
         opt.grad_scale = None if unscaled else self._scaler.scale_tensor  # type: ignore[attr-defined]
@@ -420,7 +453,8 @@ class Guard:
         sq = None
         for opt in self.optimizers:
             norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in _params_of(opt) if p.grad is not None])
+                [p.grad for p in _params_of(opt) if p.grad is not None]
+            )
             norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
             sq = norm * norm if sq is None else sq + norm * norm
         assert sq is not None
@@ -512,7 +546,8 @@ class Guard:
         warnings.warn(
             f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
             "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
-            RuntimeWarning, stacklevel=4,
+            RuntimeWarning,
+            stacklevel=4,
         )
 
     @property
@@ -537,8 +572,11 @@ class Guard:
             "precision": self._policy.precision,
             "scale": self.scale,
             "skipped_steps": c.skipped,
-            "skipped_by_cause": {"overflow": c.skipped_overflow, "collapse": c.skipped_collapse,
-                                 "nonfinite": c.skipped_nonfinite},
+            "skipped_by_cause": {
+                "overflow": c.skipped_overflow,
+                "collapse": c.skipped_collapse,
+                "nonfinite": c.skipped_nonfinite,
+            },
             "applied_steps": c.applied,
             "scale_changes": self._history.changes(),
             "last_scales": [{"step": s, "scale": v} for s, v in history],
@@ -568,7 +606,8 @@ class Guard:
             warnings.warn(
                 f"Guard.state_dict() called mid-window ({self._micro} of "
                 f"{self.accumulation_steps} micro-batches); their gradients are not saved",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         return {
             "version": _STATE_VERSION,
@@ -638,8 +677,10 @@ class Guard:
         side = self._side_findings()
         if self._telemetry is None:
             if self._forensics is None and self._dist is None:
-                raise RuntimeError("Guard.findings() needs telemetry: create the Guard with "
-                                   "telemetry=RUN_DIR (or an ampguard.Telemetry)")
+                raise RuntimeError(
+                    "Guard.findings() needs telemetry: create the Guard with "
+                    "telemetry=RUN_DIR (or an ampguard.Telemetry)"
+                )
             return side
         self._telemetry.record_findings(side)
         return self._telemetry.findings()
@@ -677,8 +718,11 @@ class Guard:
         try:  # keep what was recorded, and let the training loop's own exception propagate
             self.close()
         except Exception as err:  # noqa: BLE001
-            warnings.warn(f"Guard.close() failed while handling {exc_type.__name__}: {err!r}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"Guard.close() failed while handling {exc_type.__name__}: {err!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _make_scaler(self) -> LossScaler | None:
         if not self._policy.needs_scaler:
@@ -742,8 +786,9 @@ class Guard:
         Cost: one host sync with a scaler."""
         return None if self._scaler is None else self._scaler.state_dict()
 
-    def restore_counts(self, *, steps: int, applied: int, skipped: int,
-                       scaler_state: dict[str, Any] | None = None) -> None:
+    def restore_counts(
+        self, *, steps: int, applied: int, skipped: int, scaler_state: dict[str, Any] | None = None
+    ) -> None:
         """Set the window counters (and, with a scaler, its state) to another rank's: the
         audit's repair (``on_desync="repair"``). ``scaler_state`` is ignored without a scaler.
         Cost: no host sync."""

@@ -34,9 +34,11 @@ def test_finding_carries_path_line_col_and_fix() -> None:
 
 
 def test_findings_are_sorted_by_line() -> None:
-    src = ("import torch\n"
-           "b = torch.load('b.pt', weights_only=False)\n"
-           "a = torch.cuda.amp.GradScaler()\n")
+    src = (
+        "import torch\n"
+        "b = torch.load('b.pt', weights_only=False)\n"
+        "a = torch.cuda.amp.GradScaler()\n"
+    )
     assert [(f.line, f.code) for f in lint_source(src)] == [(2, "AG208"), (3, "AG206")]
 
 
@@ -49,15 +51,20 @@ def test_noqa_for_another_code_does_not_silence() -> None:
     assert [f.code for f in lint_source(CLIP_BUG.format(comment="  # noqa: E501"))] == ["AG201"]
 
 
-@pytest.mark.parametrize(("select", "ignore", "expected"), [
-    (None, None, ["AG208", "AG206"]),
-    ("AG206", None, ["AG206"]),
-    (["AG20"], "AG208", ["AG206"]),
-    ("ALL", ["AG206", "AG208"], []),
-])
+@pytest.mark.parametrize(
+    ("select", "ignore", "expected"),
+    [
+        (None, None, ["AG208", "AG206"]),
+        ("AG206", None, ["AG206"]),
+        (["AG20"], "AG208", ["AG206"]),
+        ("ALL", ["AG206", "AG208"], []),
+    ],
+)
 def test_select_and_ignore_take_codes_and_prefixes(select, ignore, expected) -> None:
-    src = ("import torch\nx = torch.load('b.pt', weights_only=False)\n"
-           "s = torch.cuda.amp.GradScaler()\n")
+    src = (
+        "import torch\nx = torch.load('b.pt', weights_only=False)\n"
+        "s = torch.cuda.amp.GradScaler()\n"
+    )
     assert [f.code for f in lint_source(src, select=select, ignore=ignore)] == expected
 
 
@@ -85,8 +92,10 @@ def test_non_utf8_bytes_are_one_ag200_finding() -> None:
 
 
 def test_declared_latin1_encoding_is_honoured() -> None:
-    src = ("# -*- coding: latin-1 -*-\nimport torch\nname = 'caf\xe9'\n"
-           "s = torch.cuda.amp.GradScaler()\n")
+    src = (
+        "# -*- coding: latin-1 -*-\nimport torch\nname = 'caf\xe9'\n"
+        "s = torch.cuda.amp.GradScaler()\n"
+    )
     assert [f.code for f in lint_source(src.encode("latin-1"))] == ["AG206"]
 
 
@@ -116,8 +125,16 @@ def test_bad_torch_version_is_a_value_error() -> None:
 
 def _tree(root: Path) -> None:
     bug = "import torch\ns = torch.cuda.amp.GradScaler()\n"
-    for rel in ("pkg/train.py", "pkg/sub/more.py", ".venv/lib/x.py", "build/gen.py",
-                "node_modules/a.py", "pkg/__pycache__/c.py", "pkg/notes.txt", "vendor/v.py"):
+    for rel in (
+        "pkg/train.py",
+        "pkg/sub/more.py",
+        ".venv/lib/x.py",
+        "build/gen.py",
+        "node_modules/a.py",
+        "pkg/__pycache__/c.py",
+        "pkg/notes.txt",
+        "vendor/v.py",
+    ):
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(bug)

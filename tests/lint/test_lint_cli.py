@@ -10,13 +10,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BUG = ("import torch\nscaler = torch.cuda.amp.GradScaler()\n"
-       "x = torch.load('a.pt', weights_only=False)\n")
+BUG = (
+    "import torch\nscaler = torch.cuda.amp.GradScaler()\n"
+    "x = torch.load('a.pt', weights_only=False)\n"
+)
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ampguard", "lint", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "ampguard", "lint", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -39,12 +46,15 @@ def test_findings_exit_1_with_path_line_col_code_lines(project: Path) -> None:
     assert [line.split()[1] for line in lines] == ["AG206", "AG208"]
 
 
-@pytest.mark.parametrize("args", [
-    ["--select", "AG999", "train.py"],
-    ["missing.py"],
-    ["--format", "xml", "train.py"],
-    [],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--select", "AG999", "train.py"],
+        ["missing.py"],
+        ["--format", "xml", "train.py"],
+        [],
+    ],
+)
 def test_usage_errors_exit_2(project: Path, args: list[str]) -> None:
     result = run(*args, cwd=project)
     assert result.returncode == 2
@@ -102,11 +112,19 @@ def test_noqa_comment_silences_a_finding(tmp_path: Path) -> None:
 
 
 def test_lint_does_not_import_torch(project: Path) -> None:
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "ampguard", "lint", "."],
-                            cwd=project, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ampguard", "lint", "."],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1  # it did lint
-    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "ampguard.lint" in imported
     assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy")}
 

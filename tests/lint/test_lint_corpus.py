@@ -44,13 +44,18 @@ def test_every_rule_has_a_firing_and_a_quiet_corpus_file() -> None:
 
 
 def _project_expected(root: Path) -> set[tuple[str, int, str]]:
-    return {(path.relative_to(root).as_posix(), line, code)
-            for path in sorted(root.rglob("*.py")) for line, code in _expected(path)}
+    return {
+        (path.relative_to(root).as_posix(), line, code)
+        for path in sorted(root.rglob("*.py"))
+        for line, code in _expected(path)
+    }
 
 
 def _project_found(root: Path, project: bool = True) -> set[tuple[str, int, str]]:
-    return {(Path(f.path).relative_to(root).as_posix(), f.line, f.code)
-            for f in lint_paths([root], torch_version="2.13", project=project)}
+    return {
+        (Path(f.path).relative_to(root).as_posix(), f.line, f.code)
+        for f in lint_paths([root], torch_version="2.13", project=project)
+    }
 
 
 @pytest.mark.parametrize("root", PROJECTS, ids=[p.name for p in PROJECTS])

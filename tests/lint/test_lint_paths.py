@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from ampguard.lint import lint_source
 
-HEAD = ("import torch\n"
-        "scaler = torch.amp.GradScaler('cuda')\n"
-        "def train(loader, model, opt, use_fp16, accum):\n"
-        "    for i, x in enumerate(loader):\n"
-        "        loss = model(x).sum()\n")
+HEAD = (
+    "import torch\n"
+    "scaler = torch.amp.GradScaler('cuda')\n"
+    "def train(loader, model, opt, use_fp16, accum):\n"
+    "    for i, x in enumerate(loader):\n"
+    "        loss = model(x).sum()\n"
+)
 FP16_THEN_FP32 = (
     "        if use_fp16:\n"
     "            scaler.scale(loss).backward()\n"
@@ -44,23 +46,27 @@ def test_a_flag_assigned_by_a_walrus_or_a_call_is_not_fixed() -> None:
 
 
 def test_correlated_flags_with_different_names_never_add_a_finding() -> None:
-    src = (HEAD +
-           "        if use_fp16:\n"
-           "            scaler.scale(loss).backward()\n"
-           "        else:\n"
-           "            loss.backward()\n"
-           "        if accum:\n"
-           "            scaler.unscale_(opt)\n"
-           "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
-           "        scaler.step(opt)\n"
-           "        scaler.update()\n")
+    src = (
+        HEAD + "        if use_fp16:\n"
+        "            scaler.scale(loss).backward()\n"
+        "        else:\n"
+        "            loss.backward()\n"
+        "        if accum:\n"
+        "            scaler.unscale_(opt)\n"
+        "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "        scaler.step(opt)\n"
+        "        scaler.update()\n"
+    )
     assert codes(src) == []  # judged on every path that can reach the clip, joined
 
 
 def test_many_independent_conditions_stay_bounded() -> None:
     flags = "".join(f"        if f{n}:\n            loss = loss * {n}\n" for n in range(40))
-    src = (HEAD.replace("accum):", "accum, " + ", ".join(f"f{n}" for n in range(40)) + "):")
-           + flags + "        scaler.scale(loss).backward()\n"
-           "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
-           "        scaler.step(opt)\n        scaler.update()\n")
+    src = (
+        HEAD.replace("accum):", "accum, " + ", ".join(f"f{n}" for n in range(40)) + "):")
+        + flags
+        + "        scaler.scale(loss).backward()\n"
+        "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "        scaler.step(opt)\n        scaler.update()\n"
+    )
     assert codes(src) == [(87, "AG201")]

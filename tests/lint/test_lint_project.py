@@ -23,16 +23,21 @@ TRAIN = (
 
 
 def _codes(root: Path, **kwargs: object) -> list[tuple[str, int, str]]:
-    return [(Path(f.path).name, f.line, f.code)
-            for f in lint_paths([root], torch_version="2.13", **kwargs)]
+    return [
+        (Path(f.path).name, f.line, f.code)
+        for f in lint_paths([root], torch_version="2.13", **kwargs)
+    ]
 
 
-@pytest.mark.parametrize(("imports", "call"), [
-    ("from .utils import save_checkpoint", "save_checkpoint"),
-    ("from . import utils", "utils.save_checkpoint"),
-    ("from pkg.utils import save_checkpoint as save", "save"),
-    ("import pkg.utils", "pkg.utils.save_checkpoint"),
-])
+@pytest.mark.parametrize(
+    ("imports", "call"),
+    [
+        ("from .utils import save_checkpoint", "save_checkpoint"),
+        ("from . import utils", "utils.save_checkpoint"),
+        ("from pkg.utils import save_checkpoint as save", "save"),
+        ("import pkg.utils", "pkg.utils.save_checkpoint"),
+    ],
+)
 def test_relative_and_package_imports_resolve(tmp_path: Path, imports: str, call: str) -> None:
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -46,8 +51,9 @@ def test_relative_and_package_imports_resolve(tmp_path: Path, imports: str, call
 def test_only_files_of_the_run_are_followed(tmp_path: Path) -> None:
     (tmp_path / "utils.py").write_text(SAVER)
     train = tmp_path / "train.py"
-    train.write_text(TRAIN.format(imports="from utils import save_checkpoint",
-                                  call="save_checkpoint"))
+    train.write_text(
+        TRAIN.format(imports="from utils import save_checkpoint", call="save_checkpoint")
+    )
     assert _codes(train) == []  # utils.py is not part of this run
     assert _codes(tmp_path) == [("train.py", 7, "AG205")]
 
@@ -55,8 +61,9 @@ def test_only_files_of_the_run_are_followed(tmp_path: Path) -> None:
 def test_a_file_over_the_size_cap_is_not_followed(tmp_path: Path) -> None:
     padding = "#" * 99 + "\n"
     (tmp_path / "utils.py").write_text(SAVER + padding * (MAX_FILE_BYTES // 100 + 1))
-    (tmp_path / "train.py").write_text(TRAIN.format(imports="from utils import save_checkpoint",
-                                                    call="save_checkpoint"))
+    (tmp_path / "train.py").write_text(
+        TRAIN.format(imports="from utils import save_checkpoint", call="save_checkpoint")
+    )
     assert _codes(tmp_path) == []
 
 
@@ -86,7 +93,8 @@ def test_reexport_chains_stop_after_max_hops(tmp_path: Path) -> None:
 
 def test_import_cycles_and_self_imports_terminate(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text(
-        "from b import f\nfrom a import g\n\n\ndef g():\n    return f()\n")
+        "from b import f\nfrom a import g\n\n\ndef g():\n    return f()\n"
+    )
     (tmp_path / "b.py").write_text("from a import f\n")
     project = Project([str(p) for p in tmp_path.glob("*.py")])
     assert project.resolve("a.f", str(tmp_path / "x.py")) is None

@@ -8,29 +8,60 @@ from hypothesis import strategies as st
 from ampguard.findings import Finding
 from ampguard.lint import RULES, lint_source
 
-SETTINGS = settings(max_examples=150, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Statements that exercise every rule: scaler protocol, clipping, checkpoints, losses, syncs.
 _SIMPLE = [
-    "scaler.scale(loss).backward()", "loss.backward()", "scaler.unscale_(opt)",
-    "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)", "scaler.step(opt)", "opt.step()",
-    "scaler.update()", "opt.zero_grad()", "sched.step()", "helper(scaler, opt)", "h2(s=scaler)",
-    "self.scaler.step(self.opt)", "self.helper()", "print(loss.item())",
-    "writer.add_scalar('s', scaler.get_scale(), i)", "v = loss.item()", "log.info(v)",
-    "scaler = torch.amp.GradScaler()", "scaler = torch.cuda.amp.GradScaler(enabled=fp16)",
-    "model.half()", "model = model.to(torch.float16)", "torch.save({'model': model.state_dict(),"
-    " 'optimizer': opt.state_dict()}, p)", "ck['scaler'] = scaler.state_dict()",
-    "torch.load(p, weights_only=False)", "y = torch.log(torch.softmax(x, -1))",
-    "l = F.binary_cross_entropy(p, t)", "ctx = torch.autocast('cuda', dtype=torch.bfloat16)",
-    "break", "continue", "return", "raise ValueError", "pass", "x = a if b else c",
+    "scaler.scale(loss).backward()",
+    "loss.backward()",
+    "scaler.unscale_(opt)",
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+    "scaler.step(opt)",
+    "opt.step()",
+    "scaler.update()",
+    "opt.zero_grad()",
+    "sched.step()",
+    "helper(scaler, opt)",
+    "h2(s=scaler)",
+    "self.scaler.step(self.opt)",
+    "self.helper()",
+    "print(loss.item())",
+    "writer.add_scalar('s', scaler.get_scale(), i)",
+    "v = loss.item()",
+    "log.info(v)",
+    "scaler = torch.amp.GradScaler()",
+    "scaler = torch.cuda.amp.GradScaler(enabled=fp16)",
+    "model.half()",
+    "model = model.to(torch.float16)",
+    "torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}, p)",
+    "ck['scaler'] = scaler.state_dict()",
+    "torch.load(p, weights_only=False)",
+    "y = torch.log(torch.softmax(x, -1))",
+    "l = F.binary_cross_entropy(p, t)",
+    "ctx = torch.autocast('cuda', dtype=torch.bfloat16)",
+    "break",
+    "continue",
+    "return",
+    "raise ValueError",
+    "pass",
+    "x = a if b else c",
 ]
 _COMPOUND = [  # (header, follow-up clause or None)
-    ("for i, x in enumerate(loader):", "else:"), ("while cond:", None), ("while True:", None),
-    ("if amp:", "else:"), ("if i % 10 == 0:", None), ("with torch.autocast('cuda'):", None),
-    ("with torch.no_grad():", None), ("with ctx:", None), ("try:", "except Exception:"),
-    ("def helper(s, o):", None), ("def evaluate():", None), ("@torch.no_grad()\ndef val():", None),
-    ("class T:", None), ("def step(self):", None), ("match x:\n    case 1:", None),
+    ("for i, x in enumerate(loader):", "else:"),
+    ("while cond:", None),
+    ("while True:", None),
+    ("if amp:", "else:"),
+    ("if i % 10 == 0:", None),
+    ("with torch.autocast('cuda'):", None),
+    ("with torch.no_grad():", None),
+    ("with ctx:", None),
+    ("try:", "except Exception:"),
+    ("def helper(s, o):", None),
+    ("def evaluate():", None),
+    ("@torch.no_grad()\ndef val():", None),
+    ("class T:", None),
+    ("def step(self):", None),
+    ("match x:\n    case 1:", None),
 ]
 
 

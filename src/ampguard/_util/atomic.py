@@ -29,8 +29,12 @@ def default_temp_name(target: Path) -> str:
     return f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object], *,
-                 temp_name: Callable[[Path], str] = default_temp_name) -> None:
+def atomic_write(
+    path: str | os.PathLike[str],
+    write: Callable[[IO[bytes]], object],
+    *,
+    temp_name: Callable[[Path], str] = default_temp_name,
+) -> None:
     """Call ``write(fileobj)`` on a temporary beside ``path``, fsync, rename it over ``path``.
 
     ``temp_name(target)`` names the temporary (a name that exists is never reused: up to 100
@@ -75,8 +79,7 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def _create_temp(folder: Path, target: Path,
-                 temp_name: Callable[[Path], str]) -> tuple[Path, int]:
+def _create_temp(folder: Path, target: Path, temp_name: Callable[[Path], str]) -> tuple[Path, int]:
     # os.open with 0o666: the kernel applies the umask, as for open(path, "w")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(_TRIES):

@@ -41,13 +41,13 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_finite(name: str, value: Any, *, positive: bool = False,
-                 optional: bool = False) -> Any:
+def check_finite(name: str, value: Any, *, positive: bool = False, optional: bool = False) -> Any:
     """``value`` when it is a finite number (> 0 when ``positive``; or None, when ``optional``)."""
     if optional and value is None:
         return value
     if not (is_number(value) and math.isfinite(value) and (value > 0 or not positive)):
         either = "None or " if optional else ""
-        raise ValueError(f"{name} must be {either}a finite number{' > 0' if positive else ''}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be {either}a finite number{' > 0' if positive else ''}, got {value!r}"
+        )
     return value

@@ -70,8 +70,9 @@ def save_checkpoint(
             "rng": _rng_state() if rng else None,
         }
     except OSError as exc:  # the Guard's state flushes its run log first
-        raise CheckpointError(f"{target}: could not be written: collecting the state failed: "
-                              f"{exc}") from exc
+        raise CheckpointError(
+            f"{target}: could not be written: collecting the state failed: {exc}"
+        ) from exc
     atomic_write(target, lambda f: _save_with_crc(payload, f))
     return target
 
@@ -96,12 +97,21 @@ def load_checkpoint(
     under ``"scaler"`` is adopted instead. Cost: the CRC-32 pass over the file (README), plus
     one host sync per Guard state.
     """
-    return _load(Path(path), model=model, optimizer=optimizer, guard=guard,
-                 scheduler=scheduler, rng=rng)
+    return _load(
+        Path(path), model=model, optimizer=optimizer, guard=guard, scheduler=scheduler, rng=rng
+    )
 
 
-def _load(target: Path, *, model: torch.nn.Module, optimizer: Any, guard: Any, scheduler: Any,
-          rng: bool, check_extra: Any = None) -> dict[str, Any]:
+def _load(
+    target: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    guard: Any,
+    scheduler: Any,
+    rng: bool,
+    check_extra: Any = None,
+) -> dict[str, Any]:
     """:func:`load_checkpoint`; ``check_extra(extra)`` joins the checks (distributed RNG)."""
     data = _normalise(_read(target), target)
     foreign = bool(data.get("foreign"))
@@ -125,9 +135,11 @@ def _load(target: Path, *, model: torch.nn.Module, optimizer: Any, guard: Any, s
         if sched_state is not None:
             scheduler.load_state_dict(sched_state)
     except Exception as exc:  # a custom load hook refused what the checks accepted
-        raise CheckpointError(f"{target}: loading failed after the checks passed (a custom "
-                              f"load_state_dict hook?); the objects may be partly loaded: "
-                              f"{exc}") from exc
+        raise CheckpointError(
+            f"{target}: loading failed after the checks passed (a custom "
+            f"load_state_dict hook?); the objects may be partly loaded: "
+            f"{exc}"
+        ) from exc
     if guard is not None:
         _commit_guard(guard, guard_plan, target)
     if rng_state is not None:
@@ -174,8 +186,12 @@ def _read(target: Path) -> Any:
     except Exception as exc:  # torch raises many types for bad files; all mean "unreadable"
         raise CheckpointError(f"{target}: unreadable checkpoint: {_reason(exc)}") from exc
     if not zipped:
-        warnings.warn(f"{target}: torch's legacy (pre-1.6, non-zip) format carries no "
-                      "checksums; loaded without an integrity check", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{target}: torch's legacy (pre-1.6, non-zip) format carries no "
+            "checksums; loaded without an integrity check",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return data
 
 
@@ -184,14 +200,20 @@ def _reason(exc: Exception) -> str:
     # torch's weights_only message: a generic first line, the specific cause further down
     detail = next((ln for ln in lines if "GLOBAL" in ln), None)
     if detail:
-        return (f"it references code or objects that weights_only loading refuses "
-                f"({detail[:160]}); refused without executing anything")
+        return (
+            f"it references code or objects that weights_only loading refuses "
+            f"({detail[:160]}); refused without executing anything"
+        )
     if lines and lines[0].startswith("Weights only load failed"):
         # e.g. "Unsupported operand 149": random bytes, or a protocol-4+ pickle (STACK_GLOBAL)
-        detail = next((ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the"))),
-                      "unsupported pickle content")
-        return (f"corrupt, or a pickle that weights_only loading refuses ({detail[:160]}); "
-                "refused without executing anything")
+        detail = next(
+            (ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the"))),
+            "unsupported pickle content",
+        )
+        return (
+            f"corrupt, or a pickle that weights_only loading refuses ({detail[:160]}); "
+            "refused without executing anything"
+        )
     detail = lines[0] if lines else type(exc).__name__
     return f"corrupt or truncated file ({detail[:160]})"
 
@@ -202,8 +224,10 @@ def _normalise(data: Any, target: Path) -> dict[str, Any]:
         raise CheckpointError(f"{target}: not a checkpoint (top level is {type(data).__name__})")
     if data.get("format") == _FORMAT:
         if data.get("version") != _VERSION:
-            raise CheckpointError(f"{target}: unsupported ampguard checkpoint version "
-                                  f"{data.get('version')!r} (this ampguard reads {_VERSION})")
+            raise CheckpointError(
+                f"{target}: unsupported ampguard checkpoint version "
+                f"{data.get('version')!r} (this ampguard reads {_VERSION})"
+            )
         return data
     for key in ("model", "model_state_dict", "state_dict"):
         if isinstance(data.get(key), dict):
@@ -213,8 +237,10 @@ def _normalise(data: Any, target: Path) -> dict[str, Any]:
             out["extra"] = None
             out["foreign"] = True
             return out
-    raise CheckpointError(f"{target}: not a checkpoint ampguard understands (keys: "
-                          f"{sorted(map(str, data))[:8]}); expected a 'model' state dict")
+    raise CheckpointError(
+        f"{target}: not a checkpoint ampguard understands (keys: "
+        f"{sorted(map(str, data))[:8]}); expected a 'model' state dict"
+    )
 
 
 def _check_guard(guard: Any, data: dict[str, Any], target: Path) -> tuple[str, Any]:
@@ -226,8 +252,9 @@ def _check_guard(guard: Any, data: dict[str, Any], target: Path) -> tuple[str, A
         try:
             return ("state", _guard_state.check(guard, state))
         except ValueError as exc:
-            raise CheckpointError(f"{target}: its Guard state does not fit this Guard: {exc}; "
-                                  "nothing was loaded") from exc
+            raise CheckpointError(
+                f"{target}: its Guard state does not fit this Guard: {exc}; nothing was loaded"
+            ) from exc
     if not guard.uses_scaler:  # bf16 / fp32: no loss scale to restore
         return ("restart", None)
     scaler_state = _v.check_torch_scaler(data.get("scaler"), target)
@@ -243,19 +270,26 @@ def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
             guard.restart_scale()
         elif kind == "adopt":
             guard.adopt_torch_scaler_state(value)
-            warnings.warn(f"{target}: no ampguard Guard state; adopted the torch GradScaler "
-                          f"state (scale {value['scale']:g})", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"{target}: no ampguard Guard state; adopted the torch GradScaler "
+                f"state (scale {value['scale']:g})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         elif kind == "restart warn":
             warnings.warn(
                 f"{target}: checkpoint has no loss-scaler state (saved by a plain loop without "
                 "scaler.state_dict()); the loss scale restarts at init_scale="
                 f"{guard.scaler_config.init_scale:g} and will probe its level again (AG107). "
                 "Consider a lower learning rate for a few hundred steps.",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning,
+                stacklevel=4,
+            )
             guard.restart_scale()
     except OSError as exc:  # the Guard's run log (telemetry) could not be continued
-        raise CheckpointError(f"{target}: loaded, but the Guard's run log could not record the "
-                              f"resume: {exc}") from exc
+        raise CheckpointError(
+            f"{target}: loaded, but the Guard's run log could not record the resume: {exc}"
+        ) from exc
 
 
 def _check_rng(state: Any, target: Path, foreign: bool) -> dict[str, Any] | None:
@@ -265,8 +299,12 @@ def _check_rng(state: Any, target: Path, foreign: bool) -> dict[str, Any] | None
         if not foreign:
             raise
     # a plain loop's own 'rng' field, in its own format: not ours to interpret
-    warnings.warn(f"{target}: its 'rng' field is not in ampguard's format; the random number "
-                  "generators were not restored", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"{target}: its 'rng' field is not in ampguard's format; the random number "
+        "generators were not restored",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return None
 
 

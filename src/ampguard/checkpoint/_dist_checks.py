@@ -26,17 +26,27 @@ __all__ = ["check_sharded", "digests", "verify_files", "check_rng_info"]
 _META = "ampguard.pt"
 
 
-def check_sharded(target: Path, metadata: Any, meta: dict[str, Any],
-                   tensors: dict[str, dict[str, Any]], plain: dict[str, dict[str, Any]],
-                   with_optim: bool) -> None:
+def check_sharded(
+    target: Path,
+    metadata: Any,
+    meta: dict[str, Any],
+    tensors: dict[str, dict[str, Any]],
+    plain: dict[str, dict[str, Any]],
+    with_optim: bool,
+) -> None:
     """DCP's recorded keys, shapes and dtypes (and the side file's plain values) fit the live
     model and optimizer; reads no tensor data."""
     stored = getattr(metadata, "state_dict_metadata", None)
     saved_plain = meta.get("plain")
-    if not isinstance(stored, dict) or not isinstance(saved_plain, dict) \
-            or not all(isinstance(saved_plain.get(p), dict) for p in ("model", "optim")):
-        raise CheckpointError(f"{target}: not an ampguard sharded checkpoint (its metadata or "
-                              f"{_META} lacks the state dict layout)")
+    if (
+        not isinstance(stored, dict)
+        or not isinstance(saved_plain, dict)
+        or not all(isinstance(saved_plain.get(p), dict) for p in ("model", "optim"))
+    ):
+        raise CheckpointError(
+            f"{target}: not an ampguard sharded checkpoint (its metadata or "
+            f"{_META} lacks the state dict layout)"
+        )
     problems: list[str] = []
     for part in ("model", "optim") if with_optim else ("model",):
         live = {f"{part}.{k}": v for k, v in tensors[part].items()}
@@ -48,19 +58,26 @@ def check_sharded(target: Path, metadata: Any, meta: dict[str, Any],
             problems.append(f"in the checkpoint but not in the live {part}: {_few(unexpected)}")
         for key in live.keys() & ours:
             got, have = stored[key], live[key]
-            size, dtype = getattr(got, "size", None), getattr(getattr(got, "properties", None),
-                                                              "dtype", None)
+            size, dtype = (
+                getattr(got, "size", None),
+                getattr(getattr(got, "properties", None), "dtype", None),
+            )
             if size is None or tuple(size) != tuple(have.shape):
-                problems.append(f"{key!r} has shape {tuple(size) if size is not None else None} "
-                                f"in the checkpoint, {tuple(have.shape)} live")
+                problems.append(
+                    f"{key!r} has shape {tuple(size) if size is not None else None} "
+                    f"in the checkpoint, {tuple(have.shape)} live"
+                )
             elif dtype != have.dtype:
                 problems.append(f"{key!r} is {dtype} in the checkpoint, {have.dtype} live")
         got_plain, have_plain = saved_plain[part], plain[part]
         if got_plain.keys() != have_plain.keys():
             problems.append(f"{part} values differ: {_few(got_plain.keys() ^ have_plain.keys())}")
     if problems:
-        raise CheckpointError(f"{target}: does not fit the given objects: "
-                              + "; ".join(problems[:8]) + "; nothing was loaded")
+        raise CheckpointError(
+            f"{target}: does not fit the given objects: "
+            + "; ".join(problems[:8])
+            + "; nothing was loaded"
+        )
 
 
 def _few(keys: Any) -> str:
@@ -85,8 +102,9 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def verify_files(target: Path, files: Any, group: Any,
-                 local: CheckpointError | None = None) -> None:
+def verify_files(
+    target: Path, files: Any, group: Any, local: CheckpointError | None = None
+) -> None:
     """Each rank checks its share of the recorded files; every rank raises if any failed.
 
     ``local``: this rank could not even read the metadata; it is raised here, and the others
@@ -110,11 +128,13 @@ def verify_files(target: Path, files: Any, group: Any,
 
 
 def _file_problem(folder: Path, name: Any, digest: Any) -> str | None:
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
-            or "\\" in name:
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
         return f"{_META} lists {name!r}, which is not a file of this checkpoint"
-    if not (isinstance(digest, list) and len(digest) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in digest)):
+    if not (
+        isinstance(digest, list)
+        and len(digest) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in digest)
+    ):
         return f"{_META} records {digest!r} for {name}, not [size, crc32]"
     path = folder / name
     try:
@@ -124,8 +144,10 @@ def _file_problem(folder: Path, name: Any, digest: Any) -> str | None:
         if st.st_size != digest[0]:
             return f"corrupt file: {name} has {st.st_size} bytes, {digest[0]} were written"
         if _crc32(path) != digest[1]:
-            return (f"corrupt file: {name} fails its CRC-32 integrity check; it changed "
-                    "after it was written (disk, copy or transfer error)")
+            return (
+                f"corrupt file: {name} fails its CRC-32 integrity check; it changed "
+                "after it was written (disk, copy or transfer error)"
+            )
     except FileNotFoundError:
         return f"{name} is missing"
     except OSError as exc:
@@ -135,13 +157,18 @@ def _file_problem(folder: Path, name: Any, digest: Any) -> str | None:
 
 def check_rng_info(info: Any, group: Any, target: Path) -> None:
     """This rank's saved RNG state, if it will be restored, is one torch accepts."""
-    if not isinstance(info, dict) or not isinstance(info.get("rng"), list) \
-            or len(info["rng"]) != dist.get_world_size(group):
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("rng"), list)
+        or len(info["rng"]) != dist.get_world_size(group)
+    ):
         return
     state = info["rng"][dist.get_rank(group)]
     if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
-        raise CheckpointError(f"{target}: does not fit the given objects: the saved RNG state "
-                              f"of rank {dist.get_rank(group)} is not a dict with a 'cpu' "
-                              "tensor; nothing was loaded")
+        raise CheckpointError(
+            f"{target}: does not fit the given objects: the saved RNG state "
+            f"of rank {dist.get_rank(group)} is not a dict with a 'cpu' "
+            "tensor; nothing was loaded"
+        )
     cuda = state.get("cuda")
     _v.check_rng({"cpu": state["cpu"], "cuda": None if cuda is None else [cuda]}, target)

@@ -54,8 +54,10 @@ def temp_name(target: Path) -> str:
 
 def _temp_pattern(target: Path) -> re.Pattern[str]:
     # the optional group absent: ampguard 0.1's tempfile.mkstemp names (8 chars of [a-z0-9_])
-    return re.compile(rf"\.{re.escape(target.name)}\."
-                      r"(?:(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}|[a-z0-9_]{8})\.tmp")
+    return re.compile(
+        rf"\.{re.escape(target.name)}\."
+        r"(?:(?P<host>[A-Za-z0-9_]+)-(?P<pid>[0-9]+)-[0-9a-f]{8}|[a-z0-9_]{8})\.tmp"
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -167,15 +169,19 @@ def _make_folder(folder: Path, target: Path) -> None:
         mode = None
     if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
         # renaming over a device or a pipe would replace it (think /dev/null as root)
-        raise CheckpointError(f"{target}: could not be written: it exists and is not a regular "
-                              "file (a device, pipe or socket); it was left as it is")
+        raise CheckpointError(
+            f"{target}: could not be written: it exists and is not a regular "
+            "file (a device, pipe or socket); it was left as it is"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:  # the folder, or one above it, is a file
-        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
-                       folder)
-        raise CheckpointError(f"{target}: could not be written: {blocker} exists and is not a "
-                              "folder") from exc
+        blocker = next(
+            (p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder
+        )
+        raise CheckpointError(
+            f"{target}: could not be written: {blocker} exists and is not a folder"
+        ) from exc
 
 
 def _describe(exc: BaseException) -> str:
@@ -212,12 +218,17 @@ def verify_zip(path: Path) -> int:
     except OSError as exc:
         raise CheckpointError(f"{path}: could not be read: {_describe(exc)}") from exc
     except Exception as exc:  # BadZipFile, EOFError, struct/zlib errors: the zip structure
-        raise CheckpointError(f"{path}: corrupt or truncated file: its zip structure is broken "
-                              f"({_first_line(exc)})") from exc
+        raise CheckpointError(
+            f"{path}: corrupt or truncated file: its zip structure is broken ({_first_line(exc)})"
+        ) from exc
     if unverified:
-        warnings.warn(f"{path}: {len(unverified)} member(s) carry no CRC-32 (the file was written "
-                      "with torch.serialization.set_crc32_options(False)) and load unverified: "
-                      f"{', '.join(unverified[:3])}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{path}: {len(unverified)} member(s) carry no CRC-32 (the file was written "
+            "with torch.serialization.set_crc32_options(False)) and load unverified: "
+            f"{', '.join(unverified[:3])}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return checked
 
 
@@ -230,9 +241,11 @@ def _check_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> int
     except OSError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"{path}: corrupt file: member {info.filename!r} fails its CRC-32 "
-                              f"integrity check ({_first_line(exc)}); the file changed after "
-                              "it was written (disk, copy or transfer error)") from exc
+        raise CheckpointError(
+            f"{path}: corrupt file: member {info.filename!r} fails its CRC-32 "
+            f"integrity check ({_first_line(exc)}); the file changed after "
+            "it was written (disk, copy or transfer error)"
+        ) from exc
     return n
 
 

@@ -46,9 +46,13 @@ _FORMAT = "ampguard.dcp"
 
 
 def save_distributed_checkpoint(
-    path: str | os.PathLike[str], *, model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    guard: Any = None, scheduler: Any = None, extra: dict[str, Any] | None = None,
+    guard: Any = None,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save on every rank (a collective); returns ``path``. Raises ``CheckpointError`` on all
     ranks if the write failed on any. Cost: the audit's host sync, one gather of RNG states,
@@ -62,16 +66,28 @@ def save_distributed_checkpoint(
     else:
         info = {"world_size": dist.get_world_size(group), "kind": "replicated", "rng": rngs}
         merged = {**(extra or {}), _KEY: info}
-        _on_rank0(group, lambda: save_checkpoint(target, model=model, optimizer=optimizer,
-                                                 guard=guard, scheduler=scheduler,
-                                                 extra=merged, rng=False))
+        _on_rank0(
+            group,
+            lambda: save_checkpoint(
+                target,
+                model=model,
+                optimizer=optimizer,
+                guard=guard,
+                scheduler=scheduler,
+                extra=merged,
+                rng=False,
+            ),
+        )
     return target
 
 
 def load_distributed_checkpoint(
-    path: str | os.PathLike[str], *, model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    guard: Any = None, scheduler: Any = None,
+    guard: Any = None,
+    scheduler: Any = None,
 ) -> dict[str, Any]:
     """Load on every rank (a collective); return ``extra``. Restores this rank's RNG state.
 
@@ -87,9 +103,17 @@ def load_distributed_checkpoint(
     if fsdp_modules(model):
         extra, info = _load_sharded(_resolve(target), model, _opts(optimizer), guard, scheduler)
     else:
-        extra = dict(_load(target, model=model, optimizer=optimizer, guard=guard,
-                           scheduler=scheduler, rng=False,
-                           check_extra=lambda e: _dc.check_rng_info(e.get(_KEY), group, target)))
+        extra = dict(
+            _load(
+                target,
+                model=model,
+                optimizer=optimizer,
+                guard=guard,
+                scheduler=scheduler,
+                rng=False,
+                check_extra=lambda e: _dc.check_rng_info(e.get(_KEY), group, target),
+            )
+        )
         info = extra.pop(_KEY, None)
     _restore_rng(info, group, target)
     _audit(guard, "resume")
@@ -97,16 +121,25 @@ def load_distributed_checkpoint(
 
 
 # ---------------------------------------------------------------------- FSDP2 (sharded)
-def _save_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.Optimizer],
-                  guard: Any, scheduler: Any, extra: dict[str, Any] | None,
-                  rngs: list[dict[str, Any]], group: Any) -> None:
+def _save_sharded(
+    target: Path,
+    model: torch.nn.Module,
+    opts: list[torch.optim.Optimizer],
+    guard: Any,
+    scheduler: Any,
+    extra: dict[str, Any] | None,
+    rngs: list[dict[str, Any]],
+    group: Any,
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     tmp = target.with_name(target.name + ".tmp")
     _on_rank0(group, lambda: _fresh_dir(tmp))
     tensors, plain = _split(*_state(model, opts))
     meta = {
-        "format": _FORMAT, "plain": plain, "extra": extra,
+        "format": _FORMAT,
+        "plain": plain,
+        "extra": extra,
         "guard": guard.state_dict() if guard is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         _KEY: {"world_size": dist.get_world_size(group), "kind": "fsdp2", "rng": rngs},
@@ -124,8 +157,13 @@ def _save_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.O
     _on_rank0(group, finish)
 
 
-def _load_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.Optimizer],
-                  guard: Any, scheduler: Any) -> tuple[dict[str, Any], Any]:
+def _load_sharded(
+    target: Path,
+    model: torch.nn.Module,
+    opts: list[torch.optim.Optimizer],
+    guard: Any,
+    scheduler: Any,
+) -> tuple[dict[str, Any], Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -148,8 +186,9 @@ def _load_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.O
         try:
             plan = _guard_state.check(guard, meta["guard"])
         except ValueError as exc:
-            raise CheckpointError(f"{target}: its Guard state does not fit this Guard: {exc}; "
-                                  "nothing was loaded") from exc
+            raise CheckpointError(
+                f"{target}: its Guard state does not fit this Guard: {exc}; nothing was loaded"
+            ) from exc
     extra = _v.check_extra(meta.get("extra"), target)
     _dc.check_rng_info(meta.get(_KEY), group, target)
     # ---- commit
@@ -157,20 +196,28 @@ def _load_sharded(target: Path, model: torch.nn.Module, opts: list[torch.optim.O
         dcp.load(tensors, checkpoint_id=str(target))
         msd = {**meta["plain"]["model"], **tensors["model"]}
         osd = {**meta["plain"]["optim"], **tensors["optim"]}
-        set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd or {},
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        set_state_dict(
+            model,
+            opts,
+            model_state_dict=msd,
+            optim_state_dict=osd or {},
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
+        )
         if sched_state is not None:
             scheduler.load_state_dict(sched_state)
     except Exception as exc:
-        raise CheckpointError(f"{target}: loading failed after the checks passed; the objects "
-                              f"may be partly loaded: {exc}") from exc
+        raise CheckpointError(
+            f"{target}: loading failed after the checks passed; the objects "
+            f"may be partly loaded: {exc}"
+        ) from exc
     if plan is not None:
         _guard_state.apply(guard, plan)
     return dict(extra), meta.get(_KEY)
 
 
-def _state(model: torch.nn.Module, opts: list[torch.optim.Optimizer]
-           ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _state(
+    model: torch.nn.Module, opts: list[torch.optim.Optimizer]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -183,8 +230,9 @@ def _state(model: torch.nn.Module, opts: list[torch.optim.Optimizer]
     return get_state_dict(model, opts, options=options)
 
 
-def _split(msd: dict[str, Any], osd: dict[str, Any]
-           ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+def _split(
+    msd: dict[str, Any], osd: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Tensors (for DCP) apart from plain values (for the weights_only side file)."""
     tensors: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
     plain: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
@@ -216,8 +264,12 @@ def _swap_in(tmp: Path, target: Path) -> None:
 def _resolve(target: Path) -> Path:
     old = target.with_name(target.name + ".old")
     if not target.exists() and (old / _META).is_file():
-        warnings.warn(f"{target}: missing (a save was interrupted mid-swap); loading the previous "
-                      f"checkpoint {old}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{target}: missing (a save was interrupted mid-swap); loading the previous "
+            f"checkpoint {old}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return old
     return target
 
@@ -225,14 +277,17 @@ def _resolve(target: Path) -> Path:
 def _read_meta(target: Path) -> dict[str, Any]:
     file = target / _META
     if not file.is_file():
-        raise CheckpointError(f"{target}: not a complete ampguard sharded checkpoint "
-                              f"({_META} is missing)")
+        raise CheckpointError(
+            f"{target}: not a complete ampguard sharded checkpoint ({_META} is missing)"
+        )
     verify_zip(file)
     try:
         meta = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{file}: unreadable (weights_only load refused or corrupt file): "
-                              f"{str(exc).splitlines()[0][:160]}") from exc
+        raise CheckpointError(
+            f"{file}: unreadable (weights_only load refused or corrupt file): "
+            f"{str(exc).splitlines()[0][:160]}"
+        ) from exc
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise CheckpointError(f"{file}: not an ampguard sharded checkpoint")
     return meta
@@ -242,17 +297,23 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Allows only the classes DCP's ``.metadata`` is made of; anything else is refused."""
 
     _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _NAMES = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-              ("torch", "Size"), ("torch.serialization", "_get_layout"),
-              ("collections", "OrderedDict")}
+    _NAMES = {
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if module in self._MODULES or (module, name) in self._NAMES:
             obj = super().find_class(module, name)
             if isinstance(obj, type) or (module, name) in self._NAMES:
                 return obj
-        if module == "torch" and isinstance(getattr(torch, name, None),
-                                            (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
 
@@ -277,8 +338,10 @@ def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def _group(guard: Any) -> Any:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("distributed checkpoints need an initialised torch.distributed group; "
-                           "use ampguard.save_checkpoint / load_checkpoint in one process")
+        raise RuntimeError(
+            "distributed checkpoints need an initialised torch.distributed group; "
+            "use ampguard.save_checkpoint / load_checkpoint in one process"
+        )
     state = getattr(guard, "distributed", None)
     return state.topology.group if state is not None else dist.group.WORLD
 
@@ -298,14 +361,14 @@ def _on_rank0(group: Any, action: Any) -> None:
             action()
         except Exception as exc:
             error = exc
-            status[0] = str(exc) if isinstance(exc, CheckpointError) \
-                else f"{type(exc).__name__}: {exc}"
+            status[0] = (
+                str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+            )
     src = dist.get_process_group_ranks(group)[0]
     dist.broadcast_object_list(status, src=src, group=group)
     if status[0] is not None:
         # rank 0 chains its own error (the OS error, when there is one) as the cause
-        cause = error.__cause__ if isinstance(error, CheckpointError) and error.__cause__ \
-            else error
+        cause = error.__cause__ if isinstance(error, CheckpointError) and error.__cause__ else error
         raise CheckpointError(f"checkpoint write failed on rank {src}: {status[0]}") from cause
 
 
@@ -327,8 +390,12 @@ def _restore_rng(info: Any, group: Any, target: Path) -> None:
         return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(info["rng"]) != world:
-        warnings.warn(f"{target}: saved on {len(info['rng'])} ranks, loaded on {world}; random "
-                      "number generators are not restored", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{target}: saved on {len(info['rng'])} ranks, loaded on {world}; random "
+            "number generators are not restored",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return
     state = info["rng"][rank]
     torch.set_rng_state(state["cpu"])

@@ -21,21 +21,27 @@ _Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callabl
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=positive_int, default=300,
-                   help="training steps (default 300)")
+    p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
-    p.add_argument("--out", default="ampguard-runs/demo",
-                   help="run folder (default ampguard-runs/demo)")
     p.add_argument(
-        "--precision", default="fp16", choices=("auto", "fp16", "bf16", "fp32", "fp8"),
+        "--out", default="ampguard-runs/demo", help="run folder (default ampguard-runs/demo)"
+    )
+    p.add_argument(
+        "--precision",
+        default="fp16",
+        choices=("auto", "fp16", "bf16", "fp32", "fp8"),
         help="precision (default fp16, the one with a loss scaler; fp8: plan, then torchao "
-             "float8 on a model with an outlier-feature layer)",
+        "float8 on a model with an outlier-feature layer)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument(
-        "--distributed", nargs="?", const="ddp", default=None, choices=("ddp", "fsdp2"),
+        "--distributed",
+        nargs="?",
+        const="ddp",
+        default=None,
+        choices=("ddp", "fsdp2"),
         help="train on every torchrun rank with DDP (default) or FSDP2: "
-             "torchrun --nproc-per-node 2 -m ampguard demo --distributed [ddp|fsdp2]",
+        "torchrun --nproc-per-node 2 -m ampguard demo --distributed [ddp|fsdp2]",
     )
 
 
@@ -56,8 +62,13 @@ def _demo_run(args: argparse.Namespace) -> int:
             return _demo_distributed(args)
         from ampguard.demo import run_demo
 
-        run_demo(steps=args.steps, seed=args.seed, out=args.out, precision=args.precision,
-                 progress=not args.no_progress)
+        run_demo(
+            steps=args.steps,
+            seed=args.seed,
+            out=args.out,
+            precision=args.precision,
+            progress=not args.no_progress,
+        )
     except (RunFolderError, OSError) as exc:  # the run folder given with --out
         return fail("demo", exc)
     return 0
@@ -65,31 +76,58 @@ def _demo_run(args: argparse.Namespace) -> int:
 
 def _demo_distributed(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return fail("demo", "--distributed runs one process per rank; launch it with torchrun, "
-                    "e.g.: torchrun --nproc-per-node 2 -m ampguard demo --distributed "
-                    f"{args.distributed}")
+        return fail(
+            "demo",
+            "--distributed runs one process per rank; launch it with torchrun, "
+            "e.g.: torchrun --nproc-per-node 2 -m ampguard demo --distributed "
+            f"{args.distributed}",
+        )
     from ampguard.demo.distributed import run_distributed_demo
 
-    run_distributed_demo(args.distributed, steps=args.steps, seed=args.seed, out=args.out,
-                         precision=args.precision, progress=not args.no_progress)
+    run_distributed_demo(
+        args.distributed,
+        steps=args.steps,
+        seed=args.seed,
+        out=args.out,
+        precision=args.precision,
+        progress=not args.no_progress,
+    )
     return 0
 
 
 _SUBCOMMANDS: list[_Subcommand] = [
     ("demo", "train the built-in model in fp16 on CPU through a Guard", _demo_args, _demo_run),
-    ("compare", "A/B-train a factory's experiment in fp32/fp16/bf16 and give a verdict",
-     _compare.compare_args, _compare.compare_run),
-    ("inspect", "static AMP checks and an fp32 range probe of a factory's model",
-     _compare.inspect_args, _compare.inspect_run),
-    ("lint", "check training scripts for AMP mistakes (static, imports no torch)",
-     _lint.lint_args, _lint.lint_run),
-    ("report", "summarise a run folder (findings first) and write its report.html",
-     _report.report_args, _report.report_run),
+    (
+        "compare",
+        "A/B-train a factory's experiment in fp32/fp16/bf16 and give a verdict",
+        _compare.compare_args,
+        _compare.compare_run,
+    ),
+    (
+        "inspect",
+        "static AMP checks and an fp32 range probe of a factory's model",
+        _compare.inspect_args,
+        _compare.inspect_run,
+    ),
+    (
+        "lint",
+        "check training scripts for AMP mistakes (static, imports no torch)",
+        _lint.lint_args,
+        _lint.lint_run,
+    ),
+    (
+        "report",
+        "summarise a run folder (findings first) and write its report.html",
+        _report.report_args,
+        _report.report_run,
+    ),
 ]
 
 
-_DESCRIPTION = ("robust, observable and debuggable mixed-precision (AMP) training for PyTorch: "
-                "run the demo, summarise a run, lint scripts, compare and inspect models")
+_DESCRIPTION = (
+    "robust, observable and debuggable mixed-precision (AMP) training for PyTorch: "
+    "run the demo, summarise a run, lint scripts, compare and inspect models"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

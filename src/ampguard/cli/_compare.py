@@ -16,16 +16,22 @@ __all__ = ["compare_args", "compare_run", "inspect_args", "inspect_run"]
 
 
 def compare_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning an "
-                   "ampguard.Experiment")
-    p.add_argument("--steps", type=positive_int, default=300,
-                   help="training steps per variant (default 300)")
-    p.add_argument("--out", default=None,
-                   help="folder for comparison.html and comparison.json (default: none)")
-    p.add_argument("--variants", default=None,
-                   help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
-                        "fp16_noscaler (default: all), or the opt-in fp8,fp8_planned "
-                        "(need torchao)")
+    p.add_argument(
+        "factory", help="pkg.module:factory (or file.py:factory) returning an ampguard.Experiment"
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=300, help="training steps per variant (default 300)"
+    )
+    p.add_argument(
+        "--out", default=None, help="folder for comparison.html and comparison.json (default: none)"
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated subset of fp32,fp16_dynamic,fp16_fixed,bf16,"
+        "fp16_noscaler (default: all), or the opt-in fp8,fp8_planned "
+        "(need torchao)",
+    )
     p.add_argument("--seed", type=seed, default=0, help="seed before each variant (default 0)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -34,8 +40,10 @@ def _user_code(command: str, err: Exception) -> int:
     """The user's own code raised: their traceback, marked as theirs; exit status 1."""
     from ampguard.cli._loader import user_traceback
 
-    print(f"ampguard {command}: error: {err} (in your code, not in ampguard; its traceback "
-          "follows)", file=sys.stderr)
+    print(
+        f"ampguard {command}: error: {err} (in your code, not in ampguard; its traceback follows)",
+        file=sys.stderr,
+    )
     print(user_traceback(err), file=sys.stderr, end="")  # type: ignore[arg-type]
     return 1
 
@@ -44,15 +52,23 @@ def compare_run(args: argparse.Namespace) -> int:
     from ampguard.cli._loader import load_factory, marked
     from ampguard.experiments import compare
 
-    variants = None if args.variants is None else [
-        v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = (
+        None
+        if args.variants is None
+        else [v.strip() for v in args.variants.split(",") if v.strip()]
+    )
     raw = None
     try:
         if args.out is not None:
             usable_out(args.out)  # before minutes of training, not after
         raw = load_factory(args.factory)
-        cmp = compare(marked(raw, args.factory), steps=args.steps, variants=variants,
-                      progress=not args.no_progress, seed=args.seed)
+        cmp = compare(
+            marked(raw, args.factory),
+            steps=args.steps,
+            variants=variants,
+            progress=not args.no_progress,
+            seed=args.seed,
+        )
     except Exception as exc:  # noqa: BLE001 - sorted below: yours, a usage error, or a bug
         return _failure("compare", args.factory, raw, exc)
     print(cmp.summary())
@@ -60,8 +76,9 @@ def compare_run(args: argparse.Namespace) -> int:
         try:
             path = cmp.save(args.out)
         except OSError as exc:
-            return fail("compare", f"cannot write the comparison into {args.out!r}: "
-                        f"{exc.strerror or exc}")
+            return fail(
+                "compare", f"cannot write the comparison into {args.out!r}: {exc.strerror or exc}"
+            )
         print(f"\nreport: {path}")
     return 0
 
@@ -77,23 +94,37 @@ def _failure(command: str, ref: str, raw: Any, exc: Exception) -> int:
     if isinstance(exc, UserCodeError):
         return _user_code(command, exc)
     if raw is not None and raised_in_module_of(exc, raw):
-        return _user_code(command, UserCodeError(
-            f"your experiment ({ref}) raised {type(exc).__name__}: {exc}", exc))
+        return _user_code(
+            command,
+            UserCodeError(f"your experiment ({ref}) raised {type(exc).__name__}: {exc}", exc),
+        )
     if isinstance(exc, (ValueError, TypeError)):
         return fail(command, exc)
     raise exc
 
 
 def inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("factory", help="pkg.module:factory (or file.py:factory) returning a model, "
-                   "or an ampguard.Experiment (then its first batch is probed)")
+    p.add_argument(
+        "factory",
+        help="pkg.module:factory (or file.py:factory) returning a model, "
+        "or an ampguard.Experiment (then its first batch is probed)",
+    )
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
-    p.add_argument("--seed", type=seed, default=0, help="seed before calling the factory "
-                   "(default 0)")
-    p.add_argument("--fp8", action="store_true", help="print the fp8 readiness plan of the "
-                   "factory's Experiment (ag.fp8_plan on its first batch)")
-    p.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"),
-                   help="fp8 scaling recipe for --fp8 (default tensorwise)")
+    p.add_argument(
+        "--seed", type=seed, default=0, help="seed before calling the factory (default 0)"
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="print the fp8 readiness plan of the "
+        "factory's Experiment (ag.fp8_plan on its first batch)",
+    )
+    p.add_argument(
+        "--recipe",
+        default="tensorwise",
+        choices=("tensorwise", "rowwise"),
+        help="fp8 scaling recipe for --fp8 (default tensorwise)",
+    )
 
 
 def inspect_run(args: argparse.Namespace) -> int:

@@ -23,9 +23,11 @@ def inspect_fp8(args: argparse.Namespace) -> int:
         seed_all(args.seed)
         exp = factory()
         if not isinstance(exp, Experiment):
-            raise TypeError(f"inspect --fp8 needs a factory returning an ampguard.Experiment "
-                            f"(its model, loss_fn and first batch are traced), got "
-                            f"{type(exp).__name__}")
+            raise TypeError(
+                f"inspect --fp8 needs a factory returning an ampguard.Experiment "
+                f"(its model, loss_fn and first batch are traced), got "
+                f"{type(exp).__name__}"
+            )
         batch = next(iter(exp.batches), None)
         if batch is None:
             raise ValueError("the Experiment's batches are empty: the plan needs one batch")
@@ -35,8 +37,11 @@ def inspect_fp8(args: argparse.Namespace) -> int:
         return 2
     findings = plan.findings()
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "findings": [f.to_dict() for f in findings]},
-                         indent=2))
+        print(
+            json.dumps(
+                {"plan": plan.to_dict(), "findings": [f.to_dict() for f in findings]}, indent=2
+            )
+        )
         return 0
     print(plan.summary())
     print()
@@ -51,14 +56,17 @@ def demo_fp8(args: argparse.Namespace) -> int:
     from ampguard.fp8._guard import Fp8UnavailableError
 
     if args.distributed:
-        print("ampguard demo: error: --precision fp8 runs in one process (no --distributed)",
-              file=sys.stderr)
+        print(
+            "ampguard demo: error: --precision fp8 runs in one process (no --distributed)",
+            file=sys.stderr,
+        )
         return 2
     try:
         from ampguard.demo.fp8 import run_fp8_demo
 
-        run_fp8_demo(steps=args.steps, seed=args.seed, out=_out(args.out),
-                     progress=not args.no_progress)
+        run_fp8_demo(
+            steps=args.steps, seed=args.seed, out=_out(args.out), progress=not args.no_progress
+        )
     except Fp8UnavailableError as exc:
         print(f"ampguard demo: error: {exc}", file=sys.stderr)
         return 2

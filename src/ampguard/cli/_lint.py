@@ -9,19 +9,43 @@ __all__ = ["lint_args", "lint_run"]
 
 
 def lint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", metavar="PATH",
-                   help="files or folders (folders recurse into *.py)")
-    p.add_argument("--format", default="text", choices=("text", "json", "sarif"),
-                   help="output format (default text: path:line:col: CODE message)")
-    p.add_argument("--select", action="append", default=None, metavar="CODES",
-                   help="only these codes or prefixes, comma-separated (e.g. AG201,AG21)")
-    p.add_argument("--ignore", action="append", default=None, metavar="CODES",
-                   help="skip these codes or prefixes, comma-separated")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip files/folders matching this glob (repeatable); .git, .venv, "
-                        "build, site-packages, ... are always skipped inside folders")
-    p.add_argument("--torch-version", default=None, metavar="X.Y",
-                   help="torch version the code targets, for AG208 (default: the installed one)")
+    p.add_argument(
+        "paths", nargs="+", metavar="PATH", help="files or folders (folders recurse into *.py)"
+    )
+    p.add_argument(
+        "--format",
+        default="text",
+        choices=("text", "json", "sarif"),
+        help="output format (default text: path:line:col: CODE message)",
+    )
+    p.add_argument(
+        "--select",
+        action="append",
+        default=None,
+        metavar="CODES",
+        help="only these codes or prefixes, comma-separated (e.g. AG201,AG21)",
+    )
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=None,
+        metavar="CODES",
+        help="skip these codes or prefixes, comma-separated",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip files/folders matching this glob (repeatable); .git, .venv, "
+        "build, site-packages, ... are always skipped inside folders",
+    )
+    p.add_argument(
+        "--torch-version",
+        default=None,
+        metavar="X.Y",
+        help="torch version the code targets, for AG208 (default: the installed one)",
+    )
 
 
 def _codes(values: list[str] | None) -> list[str] | None:
@@ -35,8 +59,13 @@ def lint_run(args: argparse.Namespace) -> int:
     from ampguard.lint import format_findings, lint_paths
 
     try:
-        findings = lint_paths(args.paths, select=_codes(args.select), ignore=_codes(args.ignore),
-                              exclude=args.exclude, torch_version=args.torch_version)
+        findings = lint_paths(
+            args.paths,
+            select=_codes(args.select),
+            ignore=_codes(args.ignore),
+            exclude=args.exclude,
+            torch_version=args.torch_version,
+        )
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"ampguard lint: error: {err}", file=sys.stderr)
         return 2

@@ -33,12 +33,15 @@ class UserCodeError(ValueError):
 
 def marked(factory: Callable[[], Any], ref: str) -> Callable[[], Any]:
     """``factory`` whose exceptions become :class:`UserCodeError` (shown as the user's own)."""
+
     def call() -> Any:
         try:
             return factory()
         except Exception as exc:  # noqa: BLE001 - whatever the user's code raises is theirs
-            raise UserCodeError(f"the factory {ref!r} raised {type(exc).__name__}: {exc}",
-                                exc) from exc
+            raise UserCodeError(
+                f"the factory {ref!r} raised {type(exc).__name__}: {exc}", exc
+            ) from exc
+
     return call
 
 
@@ -50,18 +53,25 @@ def raised_in_module_of(exc: BaseException, factory: Callable[[], Any]) -> bool:
     if not source:
         return False
     source = os.path.abspath(source)
-    return any(os.path.abspath(f.filename) == source
-               for f in traceback.extract_tb(exc.__traceback__))
+    return any(
+        os.path.abspath(f.filename) == source for f in traceback.extract_tb(exc.__traceback__)
+    )
 
 
 def user_traceback(err: UserCodeError) -> str:
     """The traceback of the user's exception without ampguard's and importlib's frames."""
     exc = err.original
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith((here, "<frozen importlib"))]
-    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames),
-             *traceback.format_exception_only(type(exc), exc)]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith((here, "<frozen importlib"))
+    ]
+    lines = [
+        "Traceback (most recent call last):\n",
+        *traceback.format_list(frames),
+        *traceback.format_exception_only(type(exc), exc),
+    ]
     return "".join(lines)
 
 
@@ -80,10 +90,13 @@ def load_factory(ref: str) -> Callable[[], Any]:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            names = sorted(n for n, v in vars(module).items()
-                           if callable(v) and not n.startswith("_"))[:12]
-            raise ValueError(f"{module_ref!r} has no attribute {attr!r}; callables there: "
-                             f"{', '.join(names) or 'none'}")
+            names = sorted(
+                n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+            )[:12]
+            raise ValueError(
+                f"{module_ref!r} has no attribute {attr!r}; callables there: "
+                f"{', '.join(names) or 'none'}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{ref!r} is a {type(obj).__name__}, not a callable factory")
@@ -107,8 +120,9 @@ def _import(module_ref: str) -> ModuleType:
             ) from exc
         raise ValueError(f"importing {module_ref!r} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the module's own code raised
-        raise UserCodeError(f"importing {module_ref!r} raised {type(exc).__name__}: {exc}",
-                            exc) from exc
+        raise UserCodeError(
+            f"importing {module_ref!r} raised {type(exc).__name__}: {exc}", exc
+        ) from exc
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -127,6 +141,7 @@ def _import_file(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - the file's own code raised
         del sys.modules[name]
-        raise UserCodeError(f"importing {str(path)!r} raised {type(exc).__name__}: {exc}",
-                            exc) from exc
+        raise UserCodeError(
+            f"importing {str(path)!r} raised {type(exc).__name__}: {exc}", exc
+        ) from exc
     return module

@@ -13,9 +13,12 @@ _LEVELS = {"warning": ("warning", "error"), "error": ("error",), "never": ()}
 
 def report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run folder written by ampguard.Telemetry")
-    p.add_argument("--fail-on", choices=tuple(_LEVELS), default="never",
-                   help="exit with status 1 when a finding of this severity or worse exists "
-                        "(default never)")
+    p.add_argument(
+        "--fail-on",
+        choices=tuple(_LEVELS),
+        default="never",
+        help="exit with status 1 when a finding of this severity or worse exists (default never)",
+    )
     p.add_argument("--no-html", action="store_true", help="print the summary only")
 
 
@@ -32,6 +35,9 @@ def report_run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:
         return fail("report", exc)
     except OSError as exc:  # e.g. a read-only run folder: report.html cannot be written
-        return fail("report", f"cannot write into {args.run_dir}: {exc.strerror or exc}"
-                    + (f" ({exc.filename})" if exc.filename else ""))
+        return fail(
+            "report",
+            f"cannot write into {args.run_dir}: {exc.strerror or exc}"
+            + (f" ({exc.filename})" if exc.filename else ""),
+        )
     return 1 if any(f.severity in _LEVELS[args.fail_on] for f in found) else 0

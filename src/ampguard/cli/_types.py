@@ -35,8 +35,7 @@ class Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line on stderr (exit status 2)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
-                     f"(see: {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
 
 
 def fail(command: str, error: object) -> int:
@@ -51,13 +50,13 @@ def usable_out(out: str) -> None:
     import os
 
     if os.path.lexists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} exists and is not a folder; name a folder (it is "
-                         "created if missing)")
+        raise ValueError(
+            f"--out {out!r} exists and is not a folder; name a folder (it is created if missing)"
+        )
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"--out {out!r}: {parent!r} is not a folder")
     if not os.path.isdir(out) and not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out!r}: cannot create a folder in {parent!r} (permission "
-                         "denied)")
+        raise ValueError(f"--out {out!r}: cannot create a folder in {parent!r} (permission denied)")

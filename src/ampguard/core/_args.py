@@ -9,8 +9,14 @@ import torch
 
 from ampguard._util.checks import check_bool, check_int, is_number
 
-__all__ = ["as_optimizers", "check_window", "check_model", "check_backward", "check_flag",
-           "scheduler_callback"]
+__all__ = [
+    "as_optimizers",
+    "check_window",
+    "check_model",
+    "check_backward",
+    "check_flag",
+    "scheduler_callback",
+]
 
 
 def as_optimizers(
@@ -32,9 +38,7 @@ def as_optimizers(
 
 def check_window(accumulation_steps: Any, clip_grad_norm: Any) -> None:
     check_int("accumulation_steps", accumulation_steps)
-    if clip_grad_norm is not None and (
-        not is_number(clip_grad_norm) or not clip_grad_norm > 0
-    ):
+    if clip_grad_norm is not None and (not is_number(clip_grad_norm) or not clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip_grad_norm!r}")
 
 
@@ -49,8 +53,10 @@ def check_model(model: Any, params: list[torch.Tensor]) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if next(iter(model.parameters()), None) is None:
-        raise ValueError("model has no parameters: ampguard needs at least one trainable "
-                         "tensor (pass the module that owns the optimizer's parameters)")
+        raise ValueError(
+            "model has no parameters: ampguard needs at least one trainable "
+            "tensor (pass the module that owns the optimizer's parameters)"
+        )
     if not params:
         raise ValueError("optimizer has no parameters to train (its param_groups are empty)")
     owned = {id(p) for p in model.parameters()}
@@ -63,7 +69,8 @@ def check_model(model: Any, params: list[torch.Tensor]) -> None:
             f"model ({type(model).__name__}): {named}{more} (counted over all param_groups). "
             "The Guard would step tensors the model never uses; build the optimizer from this "
             "model's parameters (e.g. torch.optim.AdamW(model.parameters())) or pass the model "
-            "it was built for.")
+            "it was built for."
+        )
 
 
 def check_backward(micro: int, accumulation_steps: int) -> None:
@@ -74,7 +81,8 @@ def check_backward(micro: int, accumulation_steps: int) -> None:
             f"{accumulation_steps}: the gradients would add up into a "
             f"{(micro + 1) / accumulation_steps:g}x larger update. Call guard.step() after each "
             f"guard.backward(loss), or pass accumulation_steps={micro + 1} (or more) to "
-            "accumulate that many micro-batches per optimizer step.")
+            "accumulate that many micro-batches per optimizer step."
+        )
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -47,7 +47,8 @@ def check_grads(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     for (dev, _), group in groups.items():
         local = found if dev == found.device else torch.zeros((), dtype=torch.float32, device=dev)
         torch._amp_foreach_non_finite_check_and_unscale_(
-            group, local, torch.ones((), dtype=torch.float32, device=dev))
+            group, local, torch.ones((), dtype=torch.float32, device=dev)
+        )
         if local is not found:
             found.add_(local.to(device))
     return found
@@ -67,8 +68,9 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
             grads = guard._dist.local_grads(grads)
         f = check_grads(grads, guard._device)
         found.append(f if all_dropped is None else f + all_dropped)
-    agree = None if guard._dist is None else guard._dist.start_consensus(found, dropped,
-                                                                         guard._steps)
+    agree = (
+        None if guard._dist is None else guard._dist.start_consensus(found, dropped, guard._steps)
+    )
     if guard._telemetry is not None:
         guard._telemetry.on_grads(guard._steps, False)
     grad_norm = guard._clip(found)
@@ -86,8 +88,9 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
         guard._pending.append((result, status))
         return result
     flags = results.decode(int(status.item()), len(found), scaled=False)  # the one sync
-    for opt, f, ok, is_fused in zip(guard.optimizers, found, flags.applied_per_optimizer, fused,
-                                    strict=True):
+    for opt, f, ok, is_fused in zip(
+        guard.optimizers, found, flags.applied_per_optimizer, fused, strict=True
+    ):
         if is_fused:
             _fused_step(opt, f, kwargs)
         elif ok:
@@ -97,8 +100,12 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
     return result
 
 
-def _step_unchecked(guard: Any, kwargs: dict[str, Any], dropped: torch.Tensor | None,
-                    all_dropped: torch.Tensor | None) -> StepResult:
+def _step_unchecked(
+    guard: Any,
+    kwargs: dict[str, Any],
+    dropped: torch.Tensor | None,
+    all_dropped: torch.Tensor | None,
+) -> StepResult:
     """``skip_nonfinite=False``: no check and no sync, except containment's (a window whose
     micro-batches were all dropped has zero gradients and must skip)."""
     n = len(guard.optimizers)
@@ -108,8 +115,11 @@ def _step_unchecked(guard: Any, kwargs: dict[str, Any], dropped: torch.Tensor | 
     grad_norm = guard._clip(None)
     if guard._dist is not None:
         grad_norm = guard._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
-    flags = results.Decoded((True,) * n, False, 0, False) if status is None else \
-        results.decode(int(status.item()), n, scaled=False)
+    flags = (
+        results.Decoded((True,) * n, False, 0, False)
+        if status is None
+        else results.decode(int(status.item()), n, scaled=False)
+    )
     if flags.applied:
         for opt in guard.optimizers:
             opt.step(**kwargs)
@@ -132,8 +142,10 @@ def _fused_step(opt: torch.optim.Optimizer, found: torch.Tensor, kwargs: dict[st
 # ---------------------------------------------------------------------- the bound
 def over_bound(guard: Any) -> bool:
     """True when the run without a scaler has skipped ``max_nonfinite_skips`` windows in a row."""
-    return guard._scaler is None and \
-        guard._counts.consecutive_nonfinite >= guard.scaler_config.max_nonfinite_skips
+    return (
+        guard._scaler is None
+        and guard._counts.consecutive_nonfinite >= guard.scaler_config.max_nonfinite_skips
+    )
 
 
 def on_bound(guard: Any, step: int) -> None:
@@ -141,19 +153,24 @@ def on_bound(guard: Any, step: int) -> None:
     and ``"fallback"`` (nothing wider to fall back to) raise :class:`ScaleCollapseError`."""
     cfg = guard.scaler_config
     n = guard._counts.consecutive_nonfinite
-    after = f" (after the {guard._fallback['from']} -> {guard._fallback['to']} fallback at " \
-        f"step {guard._fallback['step']})" if guard._fallback else ""
-    msg = (f"non-finite gradients in {count(n, 'consecutive window')} up to step {step} "
-           f"under {guard.precision}{after}; each was skipped, so the weights are unchanged, but "
-           f"training makes no progress (ScalerConfig.max_nonfinite_skips="
-           f"{cfg.max_nonfinite_skips}). There is no loss scale to lower in {guard.precision}: "
-           "the loss or the data is non-finite. Try: ampguard.locate(model, loss_fn, batch) to "
-           "name the first module with a non-finite value; check the batch for NaN/inf; a lower "
-           "learning rate; or ScalerConfig(on_collapse='warn') to keep skipping.")
+    after = (
+        f" (after the {guard._fallback['from']} -> {guard._fallback['to']} fallback at "
+        f"step {guard._fallback['step']})"
+        if guard._fallback
+        else ""
+    )
+    msg = (
+        f"non-finite gradients in {count(n, 'consecutive window')} up to step {step} "
+        f"under {guard.precision}{after}; each was skipped, so the weights are unchanged, but "
+        f"training makes no progress (ScalerConfig.max_nonfinite_skips="
+        f"{cfg.max_nonfinite_skips}). There is no loss scale to lower in {guard.precision}: "
+        "the loss or the data is non-finite. Try: ampguard.locate(model, loss_fn, batch) to "
+        "name the first module with a non-finite value; check the batch for NaN/inf; a lower "
+        "learning rate; or ScalerConfig(on_collapse='warn') to keep skipping."
+    )
     if cfg.on_collapse == "warn":
         if not guard._collapsing:
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
         guard._collapsing = True
         return
     raise ScaleCollapseError(msg)
-

@@ -46,8 +46,10 @@ class Plan:
 
 def _bad(field: str, rule: str, value: Any) -> ValueError:
     text = repr(value)
-    return ValueError(f"malformed Guard state: {field!r} {rule}, got "
-                      f"{text if len(text) <= 80 else text[:77] + '...'}")
+    return ValueError(
+        f"malformed Guard state: {field!r} {rule}, got "
+        f"{text if len(text) <= 80 else text[:77] + '...'}"
+    )
 
 
 def _int(state: dict[str, Any], key: str, *, minimum: int = 0) -> int:
@@ -74,7 +76,8 @@ def check(guard: Any, state: Any) -> Plan:
     """Validate ``state`` for ``guard``; raises ``ValueError`` naming the bad field."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise ValueError(
-            f"not an ampguard Guard state (expected a dict with version={STATE_VERSION})")
+            f"not an ampguard Guard state (expected a dict with version={STATE_VERSION})"
+        )
     for key in ("precision", "scaler", "scaler_config", "steps", "counters", "fallback"):
         if key not in state:
             raise ValueError(f"malformed Guard state: missing field {key!r}")
@@ -99,11 +102,11 @@ def check(guard: Any, state: Any) -> Plan:
         scaler=scaler if keep_scale else None,
         restart_scale=uses_scaler and not keep_scale,
         history=_check_history(guard, state.get("scale_history"))
-        if policy.precision == saved else None,
+        if policy.precision == saved
+        else None,
         forensics=_check_forensics(guard, state.get("forensics")),
         resume=_check_resume(state.get("resume")),
-        config_diff={k: v for k, v in config.items()
-                     if getattr(guard.scaler_config, k, v) != v},
+        config_diff={k: v for k, v in config.items() if getattr(guard.scaler_config, k, v) != v},
         precision_note=note,
     )
 
@@ -144,10 +147,16 @@ def _check_history(guard: Any, value: Any) -> dict[str, Any] | None:
     if hist is None:  # absent in states saved before it was kept
         return None
     values = hist.get("values")
-    if not isinstance(values, list) or len(values) != guard._history.size \
-            or not all(_positive(v) for v in values):
-        raise _bad("scale_history.values",
-                   f"must be a list of {guard._history.size} finite numbers > 0", values)
+    if (
+        not isinstance(values, list)
+        or len(values) != guard._history.size
+        or not all(_positive(v) for v in values)
+    ):
+        raise _bad(
+            "scale_history.values",
+            f"must be a list of {guard._history.size} finite numbers > 0",
+            values,
+        )
     _int(hist, "changes")
     return hist
 
@@ -162,8 +171,11 @@ def _check_forensics(guard: Any, value: Any) -> dict[str, Any] | None:
     modules = dict(guard.model.named_modules())
     unknown = [n for n in names if n not in modules]
     if unknown:
-        raise _bad("forensics.keep_fp32", f"names modules {type(guard.model).__name__} does not "
-                   "have", unknown)
+        raise _bad(
+            "forensics.keep_fp32",
+            f"names modules {type(guard.model).__name__} does not have",
+            unknown,
+        )
     if not isinstance(changes, list) or not all(isinstance(c, dict) for c in changes):
         raise _bad("forensics.changes", "must be a list of dicts", changes)
     return data
@@ -177,8 +189,9 @@ def _check_resume(value: Any) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- the precision rule
-def _precision(guard: Any, saved: str, fallback: dict[str, Any] | None,
-               scaler: dict[str, Any] | None) -> tuple[PrecisionPolicy, str | None]:
+def _precision(
+    guard: Any, saved: str, fallback: dict[str, Any] | None, scaler: dict[str, Any] | None
+) -> tuple[PrecisionPolicy, str | None]:
     device = guard._device
     intent = resolve_precision(guard._requested_precision, device).precision
     if saved == intent:
@@ -190,17 +203,25 @@ def _precision(guard: Any, saved: str, fallback: dict[str, Any] | None,
             f"Guard state records an automatic fallback {intent} -> {saved} at step "
             f"{fallback['step']} from the precision this Guard was given ({asked}); the run "
             f"resumes in {saved} as it was saved, without a loss scale. Construct the Guard "
-            f"with precision={saved!r} to make it explicit.")
-    head = (f"Guard state was saved in {saved}, this Guard was given {asked} ({intent}); "
-            f"training continues in {intent} (the constructor's precision wins)")
+            f"with precision={saved!r} to make it explicit."
+        )
+    head = (
+        f"Guard state was saved in {saved}, this Guard was given {asked} ({intent}); "
+        f"training continues in {intent} (the constructor's precision wins)"
+    )
     if intent == "fp16":
-        tail = (f" and the loss scale starts at init_scale={guard.scaler_config.init_scale:g}, "
-                "probing its level again (AG107). Consider a lower learning rate for a few "
-                "hundred steps (ResumeWarmup).")
+        tail = (
+            f" and the loss scale starts at init_scale={guard.scaler_config.init_scale:g}, "
+            "probing its level again (AG107). Consider a lower learning rate for a few "
+            "hundred steps (ResumeWarmup)."
+        )
     elif saved == "fp16":
         scale = scaler["scale"] if scaler else None
-        tail = (f"; the saved fp16 loss scale ({scale:g}) is dropped: {intent} needs none."
-                if scale is not None else f"; {intent} needs no loss scale.")
+        tail = (
+            f"; the saved fp16 loss scale ({scale:g}) is dropped: {intent} needs none."
+            if scale is not None
+            else f"; {intent} needs no loss scale."
+        )
     else:
         tail = "; neither precision uses a loss scale."
     return resolve_precision(intent, device), head + tail
@@ -210,8 +231,12 @@ def _precision(guard: Any, saved: str, fallback: dict[str, Any] | None,
 def apply(guard: Any, plan: Plan) -> None:
     """Carry out a checked plan (see :func:`check`)."""
     if plan.config_diff:
-        warnings.warn(f"Guard state was saved with a different ScalerConfig {plan.config_diff}; "
-                      "keeping the config given to this Guard", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"Guard state was saved with a different ScalerConfig {plan.config_diff}; "
+            "keeping the config given to this Guard",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     guard._steps = plan.steps
     guard._counts = plan.counters
     guard._fallback = plan.fallback
@@ -250,6 +275,8 @@ def _check_fp8(guard: Any, saved: Any) -> None:
     Linear layers are converted (or not) at construction, which a load cannot change."""
     now = guard.precision
     if (saved == "fp8") != (now == "fp8"):
-        raise ValueError(f"the Guard state was saved with precision={saved!r} but this Guard "
-                         f"uses precision={now!r}; create the Guard with precision={saved!r} "
-                         "to resume it")
+        raise ValueError(
+            f"the Guard state was saved with precision={saved!r} but this Guard "
+            f"uses precision={now!r}; create the Guard with precision={saved!r} "
+            "to resume it"
+        )

@@ -24,8 +24,12 @@ __all__ = [
 ]
 
 PRECISIONS = ("auto", "fp16", "bf16", "fp32", "fp8")
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None,
-           "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 Linear layers
+_DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": None,
+    "fp8": torch.bfloat16,
+}  # fp8: bf16 autocast around the fp8 Linear layers
 
 
 def supports_bf16(device_type: str) -> bool:

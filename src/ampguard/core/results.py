@@ -82,8 +82,9 @@ def decode(value: float, n: int, scaled: bool = True) -> Decoded:
     use for the window, so a skip is an fp16 overflow rather than a non-finite skip)."""
     value = int(value)
     applied = tuple(not (value >> i) & 1 for i in range(n))
-    return Decoded(applied, bool((value >> n) & 1), value >> (n + 2), scaled,
-                   bool((value >> (n + 1)) & 1))
+    return Decoded(
+        applied, bool((value >> n) & 1), value >> (n + 2), scaled, bool((value >> (n + 1)) & 1)
+    )
 
 
 class StepResult:
@@ -104,8 +105,14 @@ class StepResult:
 
     __slots__ = ("step", "boundary", "grad_norm", "_decoded", "_owner")
 
-    def __init__(self, step: int, boundary: bool, grad_norm: torch.Tensor | None,
-                 decoded: Decoded | None, owner: Any = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        boundary: bool,
+        grad_norm: torch.Tensor | None,
+        decoded: Decoded | None,
+        owner: Any = None,
+    ) -> None:
         self.step = step
         self.boundary = boundary
         self.grad_norm = grad_norm
@@ -157,9 +164,11 @@ class StepResult:
     def __repr__(self) -> str:
         if self._decoded is None:
             return f"StepResult(step={self.step}, flags pending on device)"
-        return (f"StepResult(step={self.step}, boundary={self.boundary}, applied={self.applied}, "
-                f"overflow={self.overflow}, nonfinite={self.nonfinite}, "
-                f"dropped_microbatches={self.dropped_microbatches})")
+        return (
+            f"StepResult(step={self.step}, boundary={self.boundary}, applied={self.applied}, "
+            f"overflow={self.overflow}, nonfinite={self.nonfinite}, "
+            f"dropped_microbatches={self.dropped_microbatches})"
+        )
 
 
 @dataclass

@@ -89,16 +89,23 @@ class ResumeTracker:
 
     def __init__(self, config: ResumeWarmup | None) -> None:
         if config is not None and not isinstance(config, ResumeWarmup):
-            raise TypeError("resume_warmup must be an ampguard.ResumeWarmup or None, got "
-                            f"{type(config).__name__}")
+            raise TypeError(
+                "resume_warmup must be an ampguard.ResumeWarmup or None, got "
+                f"{type(config).__name__}"
+            )
         self.config = config
         self.info: dict[str, Any] | None = None
         self.ramp: WarmupRamp | None = None
 
     def mark(self, step: int, *, scale_reset: bool, saved_scale: float | None) -> None:
         """Record a resume at window ``step``; a reset scale starts the ramp at once."""
-        self.info = {"step": step, "scale_reset": scale_reset, "saved_scale": saved_scale,
-                     "gap_bits": None, "warmup": False}
+        self.info = {
+            "step": step,
+            "scale_reset": scale_reset,
+            "saved_scale": saved_scale,
+            "gap_bits": None,
+            "warmup": False,
+        }
         self._maybe_start(step)
 
     def check(self, step: int, previous_scale: float, current_scale: float | None) -> float | None:
@@ -118,8 +125,12 @@ class ResumeTracker:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Continue a ramp that was running when the state was saved (unless one just started)."""
-        if not state or state.get("ramp_start") is None or self.config is None \
-                or self.ramp is not None:
+        if (
+            not state
+            or state.get("ramp_start") is None
+            or self.config is None
+            or self.ramp is not None
+        ):
             return
         self.ramp = WarmupRamp(self.config, int(state["ramp_start"]))
         if self.info is not None:

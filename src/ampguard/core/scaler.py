@@ -78,23 +78,44 @@ class ScalerConfig:
                 object.__setattr__(self, name, float(value))
         for name in ("growth_interval", "hysteresis", "max_nonfinite_skips"):
             value = getattr(self, name)
-            _check(is_int(value) and 1 <= value <= _INT32_MAX, name,
-                   f"must be an integer in [1, {_INT32_MAX}]", value)
+            _check(
+                is_int(value) and 1 <= value <= _INT32_MAX,
+                name,
+                f"must be an integer in [1, {_INT32_MAX}]",
+                value,
+            )
         for name in ("consecutive_hysteresis", "dynamic"):
-            _check(isinstance(getattr(self, name), bool), name, "must be a bool",
-                   getattr(self, name))
-        _check(isinstance(self.on_collapse, str) and self.on_collapse in COLLAPSE_POLICIES,
-               "on_collapse", f"must be one of {COLLAPSE_POLICIES}", self.on_collapse)
+            _check(
+                isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name)
+            )
+        _check(
+            isinstance(self.on_collapse, str) and self.on_collapse in COLLAPSE_POLICIES,
+            "on_collapse",
+            f"must be one of {COLLAPSE_POLICIES}",
+            self.on_collapse,
+        )
         _check(self.growth_factor > 1, "growth_factor", "must be > 1", self.growth_factor)
-        _check(0 < self.backoff_factor < 1, "backoff_factor", "must be in (0, 1)",
-               self.backoff_factor)
-        _check(_FP32_TINY <= self.min_scale <= _FP32_MAX, "min_scale",
-               f"must be in the fp32 range [{_FP32_TINY:g}, {_FP32_MAX:g}]", self.min_scale)
-        _check(self.min_scale <= self.max_scale <= _FP32_MAX, "max_scale",
-               f"must be >= min_scale and <= the fp32 maximum {_FP32_MAX:g}", self.max_scale)
-        _check(self.min_scale <= self.init_scale <= self.max_scale, "init_scale",
-               f"must lie in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
-               self.init_scale)
+        _check(
+            0 < self.backoff_factor < 1, "backoff_factor", "must be in (0, 1)", self.backoff_factor
+        )
+        _check(
+            _FP32_TINY <= self.min_scale <= _FP32_MAX,
+            "min_scale",
+            f"must be in the fp32 range [{_FP32_TINY:g}, {_FP32_MAX:g}]",
+            self.min_scale,
+        )
+        _check(
+            self.min_scale <= self.max_scale <= _FP32_MAX,
+            "max_scale",
+            f"must be >= min_scale and <= the fp32 maximum {_FP32_MAX:g}",
+            self.max_scale,
+        )
+        _check(
+            self.min_scale <= self.init_scale <= self.max_scale,
+            "init_scale",
+            f"must lie in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
+            self.init_scale,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-value dict (loads under ``torch.load(weights_only=True)``)."""
@@ -165,8 +186,9 @@ class LossScaler:
         """``loss * scale`` (fp32 scale tensor; no sync)."""
         return loss * self._scale.to(device=loss.device, non_blocking=True)
 
-    def unscale_(self, grads: Iterable[torch.Tensor], inv_scale: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def unscale_(
+        self, grads: Iterable[torch.Tensor], inv_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Multiply ``grads`` in place by ``1/scale`` and return a 0-dim fp32 non-finite flag.
 
         Uses torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` per (device, dtype)
@@ -176,9 +198,7 @@ class LossScaler:
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         for (device, _), group in _group_by_device_dtype(grads).items():
             per_dev_found = found if device == self.device else found.to(device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                group, per_dev_found, inv.to(device)
-            )
+            torch._amp_foreach_non_finite_check_and_unscale_(group, per_dev_found, inv.to(device))
             if per_dev_found is not found:
                 found.add_(per_dev_found.to(self.device))
         return found
@@ -187,8 +207,7 @@ class LossScaler:
         """Non-finite flag of ``grads`` without changing them. Cost: no host sync."""
         return self.unscale_(grads, torch.ones((), dtype=torch.float32, device=self.device))
 
-    def update(self, found_inf: torch.Tensor, skipped: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def update(self, found_inf: torch.Tensor, skipped: torch.Tensor | None = None) -> torch.Tensor:
         """Advance the state machine by one optimizer step; return the 0-dim bool collapse flag.
 
         ``found_inf`` is a 0-dim float tensor, nonzero when the scale should back off (any
@@ -210,8 +229,12 @@ class LossScaler:
         if skipped is not None:
             collapse = collapse & skipped
         torch._amp_update_scale_(
-            self._scale, self._growth_tracker, backoff_signal,
-            cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval,
+            self._scale,
+            self._growth_tracker,
+            backoff_signal,
+            cfg.growth_factor,
+            cfg.backoff_factor,
+            cfg.growth_interval,
         )
         self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
         if cfg.hysteresis > 1:

@@ -48,15 +48,25 @@ class DemoResult:
 def build_model(data: DemoData, seed: int) -> torch.nn.Sequential:
     """The student: a 3-layer GELU MLP with named layers (findings name them), seeded."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(OrderedDict(
-        encoder=torch.nn.Linear(data.in_dim, 64), act1=torch.nn.GELU(),
-        hidden=torch.nn.Linear(64, 64), act2=torch.nn.GELU(),
-        head=torch.nn.Linear(64, data.out_dim),
-    ))
+    return torch.nn.Sequential(
+        OrderedDict(
+            encoder=torch.nn.Linear(data.in_dim, 64),
+            act1=torch.nn.GELU(),
+            hidden=torch.nn.Linear(64, 64),
+            act2=torch.nn.GELU(),
+            head=torch.nn.Linear(64, data.out_dim),
+        )
+    )
 
 
-def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo",
-             precision: str = "fp16", progress: bool = True, quiet: bool = False) -> DemoResult:
+def run_demo(
+    steps: int = 300,
+    seed: int = 0,
+    out: str | Path = "ampguard-runs/demo",
+    precision: str = "fp16",
+    progress: bool = True,
+    quiet: bool = False,
+) -> DemoResult:
     """Train, checkpoint, report; print a summary ending with the report path; return it."""
     check_int("steps", steps)
     run_dir = Path(out)
@@ -65,27 +75,50 @@ def run_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/d
     model = build_model(data, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    guard = Guard(model, optimizer, precision=precision, clip_grad_norm=1.0,
-                  scaler=ScalerConfig(growth_interval=50), schedulers=[schedule],
-                  telemetry=run_dir, forensics=True)
+    guard = Guard(
+        model,
+        optimizer,
+        precision=precision,
+        clip_grad_norm=1.0,
+        scaler=ScalerConfig(growth_interval=50),
+        schedulers=[schedule],
+        telemetry=run_dir,
+        forensics=True,
+    )
     loss_before = _eval_loss(model, data)
     scale_start = guard.scale
     started = time.perf_counter()
     skipped, scales = _train(guard, model, data, progress)
     seconds = time.perf_counter() - started
-    checkpoint = save_checkpoint(run_dir / "checkpoint.pt", model=model, optimizer=optimizer,
-                                 guard=guard, scheduler=schedule, extra={"seed": seed})
+    checkpoint = save_checkpoint(
+        run_dir / "checkpoint.pt",
+        model=model,
+        optimizer=optimizer,
+        guard=guard,
+        scheduler=schedule,
+        extra={"seed": seed},
+    )
     diagnostics = guard.diagnostics()
     findings = guard.findings()
     guard.close()
     result = DemoResult(
-        steps=steps, precision=guard.precision, skipped=skipped, spike_steps=data.spike_steps,
-        scale_start=scale_start, scale_end=guard.scale, scale_min=min(scales, default=1.0),
-        loss_before=loss_before, loss_after=_eval_loss(model, data), seconds=seconds,
-        run_dir=run_dir, checkpoint=checkpoint, diagnostics=diagnostics,
-        extra_lines=[f"  finding:           {f.code} {f.title}" + (f" (step {f.step})"
-                                                                    if f.step else "")
-                     for f in findings],
+        steps=steps,
+        precision=guard.precision,
+        skipped=skipped,
+        spike_steps=data.spike_steps,
+        scale_start=scale_start,
+        scale_end=guard.scale,
+        scale_min=min(scales, default=1.0),
+        loss_before=loss_before,
+        loss_after=_eval_loss(model, data),
+        seconds=seconds,
+        run_dir=run_dir,
+        checkpoint=checkpoint,
+        diagnostics=diagnostics,
+        extra_lines=[
+            f"  finding:           {f.code} {f.title}" + (f" (step {f.step})" if f.step else "")
+            for f in findings
+        ],
     )
     result.report = report(run_dir)
     if not quiet:
@@ -98,14 +131,21 @@ def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-def _train(guard: Guard, model: torch.nn.Module, data: DemoData,
-           progress: bool) -> tuple[list[int], list[float]]:
+def _train(
+    guard: Guard, model: torch.nn.Module, data: DemoData, progress: bool
+) -> tuple[list[int], list[float]]:
     from tqdm import tqdm
 
     skipped: list[int] = []
     scales: list[float] = []
-    bar = tqdm(data.batches(), total=data.steps, disable=not progress, desc="fp16 training",
-               unit="step", leave=False)
+    bar = tqdm(
+        data.batches(),
+        total=data.steps,
+        disable=not progress,
+        desc="fp16 training",
+        unit="step",
+        leave=False,
+    )
     for step, batch in enumerate(bar, start=1):
         with guard.autocast():
             loss = _loss(model, batch)
@@ -131,19 +171,28 @@ def summary(r: DemoResult) -> str:
     ]
     for first, last in _runs(r.skipped):
         span = f"step {first}" if first == last else f"steps {first}-{last}"
-        cause = ("outlier batch (inputs x4096): non-finite gradients in fp16"
-                 if first in r.spike_steps else "gradients overflowed at the current loss scale")
+        cause = (
+            "outlier batch (inputs x4096): non-finite gradients in fp16"
+            if first in r.spike_steps
+            else "gradients overflowed at the current loss scale"
+        )
         lines.append(f"    {span}: {cause}; step skipped, scale backed off")
-    lines.append(f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
-                 f"(lowest after a skip: {r.scale_min:g})")
+    lines.append(
+        f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
+        f"(lowest after a skip: {r.scale_min:g})"
+    )
     d = r.diagnostics
     if d:
         recent = ", ".join(f"{e['step']}: {e['scale']:g}" for e in d["last_scales"][-4:])
-        fallbacks = "; ".join(f"{f['from']} -> {f['to']} at step {f['step']}"
-                              for f in d["fallbacks"]) or "none"
-        lines.append(f"  diagnostics:       {d['scale_changes']} scale changes, "
-                     f"{d['consecutive_skips']} consecutive skips now, "
-                     f"{d['microbatches_dropped']} micro-batches dropped, fallbacks: {fallbacks}")
+        fallbacks = (
+            "; ".join(f"{f['from']} -> {f['to']} at step {f['step']}" for f in d["fallbacks"])
+            or "none"
+        )
+        lines.append(
+            f"  diagnostics:       {d['scale_changes']} scale changes, "
+            f"{d['consecutive_skips']} consecutive skips now, "
+            f"{d['microbatches_dropped']} micro-batches dropped, fallbacks: {fallbacks}"
+        )
         lines.append(f"                     last scales (step: scale): {recent}")
     lines.extend(r.extra_lines)
     lines.append(f"  run folder:        {r.run_dir}")

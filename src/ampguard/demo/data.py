@@ -42,8 +42,9 @@ class DemoData:
             yield x, y
 
 
-def make_data(seed: int = 0, steps: int = 300, batch_size: int = 64, in_dim: int = 32,
-              out_dim: int = 8) -> DemoData:
+def make_data(
+    seed: int = 0, steps: int = 300, batch_size: int = 64, in_dim: int = 32, out_dim: int = 8
+) -> DemoData:
     """Build the demo data. A 3-batch outlier burst sits at 40% of the run."""
     gen = torch.Generator().manual_seed(seed)
     teacher = torch.nn.Sequential(
@@ -56,5 +57,15 @@ def make_data(seed: int = 0, steps: int = 300, batch_size: int = 64, in_dim: int
         eval_y = teacher(eval_x)
     first = max(2, int(steps * 0.4))
     spikes = tuple(s for s in range(first, first + 3) if s <= steps)
-    return DemoData(seed, steps, batch_size, in_dim, out_dim, spikes, 4096.0, eval_x, eval_y,
-                    teacher.requires_grad_(False))
+    return DemoData(
+        seed,
+        steps,
+        batch_size,
+        in_dim,
+        out_dim,
+        spikes,
+        4096.0,
+        eval_x,
+        eval_y,
+        teacher.requires_grad_(False),
+    )

@@ -33,9 +33,15 @@ __all__ = ["run_distributed_demo", "KINDS"]
 KINDS = ("ddp", "fsdp2")
 
 
-def run_distributed_demo(kind: str = "ddp", steps: int = 300, seed: int = 0,
-                         out: str | Path = "ampguard-runs/demo", precision: str = "fp16",
-                         progress: bool = True, quiet: bool = False) -> dict[str, Any]:
+def run_distributed_demo(
+    kind: str = "ddp",
+    steps: int = 300,
+    seed: int = 0,
+    out: str | Path = "ampguard-runs/demo",
+    precision: str = "fp16",
+    progress: bool = True,
+    quiet: bool = False,
+) -> dict[str, Any]:
     """Train the demo under ``kind`` on every rank; return a summary dict (same on all ranks).
 
     Initialises the process group from torchrun's environment (gloo) unless one exists.
@@ -63,39 +69,64 @@ def _init_group() -> bool:
     return True
 
 
-def _run(kind: str, steps: int, seed: int, run_dir: Path, precision: str, progress: bool,
-         quiet: bool) -> dict[str, Any]:
+def _run(
+    kind: str, steps: int, seed: int, run_dir: Path, precision: str, progress: bool, quiet: bool
+) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = make_data(seed=seed, steps=steps)
     if data.batch_size % world:
-        raise ValueError(f"the demo batch of {data.batch_size} rows does not split over "
-                         f"{world} ranks; use a world size that divides it")
+        raise ValueError(
+            f"the demo batch of {data.batch_size} rows does not split over "
+            f"{world} ranks; use a world size that divides it"
+        )
     model = _wrap(build_model(data, seed), kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    guard = Guard(model, optimizer, precision=precision, clip_grad_norm=1.0,
-                  scaler=ScalerConfig(growth_interval=50), schedulers=[schedule],
-                  telemetry=run_dir, audit_every=50)
+    guard = Guard(
+        model,
+        optimizer,
+        precision=precision,
+        clip_grad_norm=1.0,
+        scaler=ScalerConfig(growth_interval=50),
+        schedulers=[schedule],
+        telemetry=run_dir,
+        audit_every=50,
+    )
     loss_before = _eval_loss(model, data)
     started = time.perf_counter()
     skipped = _train(guard, model, data, rank, world, progress and rank == 0)
     seconds = time.perf_counter() - started
     checkpoint = run_dir / ("checkpoint.pt" if kind == "ddp" else "checkpoint")
-    save_distributed_checkpoint(checkpoint, model=model, optimizer=optimizer, guard=guard,
-                                scheduler=schedule, extra={"seed": seed})
+    save_distributed_checkpoint(
+        checkpoint,
+        model=model,
+        optimizer=optimizer,
+        guard=guard,
+        scheduler=schedule,
+        extra={"seed": seed},
+    )
     state = guard.distributed
     if state is None:  # not reached: a DDP or fully_shard model always has a topology
         raise RuntimeError("the distributed demo needs an initialised process group")
     summary = state.summary()
     findings = state.findings(guard.steps)
     result = {
-        "kind": kind, "world_size": world, "steps": steps, "precision": guard.precision,
-        "skipped": skipped, "spike_steps": list(data.spike_steps), "scale_end": guard.scale,
-        "loss_before": loss_before, "loss_after": _eval_loss(model, data), "seconds": seconds,
-        "rank_overflows": summary["rank_overflows"], "audits": summary["audits"],
+        "kind": kind,
+        "world_size": world,
+        "steps": steps,
+        "precision": guard.precision,
+        "skipped": skipped,
+        "spike_steps": list(data.spike_steps),
+        "scale_end": guard.scale,
+        "loss_before": loss_before,
+        "loss_after": _eval_loss(model, data),
+        "seconds": seconds,
+        "rank_overflows": summary["rank_overflows"],
+        "audits": summary["audits"],
         "origin": (summary["hook"] or {}).get("dropped_buckets"),
         "findings": [f"{f.code} {f.title}" for f in findings],
-        "run_dir": str(run_dir), "checkpoint": str(checkpoint),
+        "run_dir": str(run_dir),
+        "checkpoint": str(checkpoint),
     }
     guard.close()
     if rank == 0 and not quiet:
@@ -119,17 +150,24 @@ def _wrap(model: torch.nn.Sequential, kind: str) -> torch.nn.Module:
     return model
 
 
-def _train(guard: Guard, model: torch.nn.Module, data: DemoData, rank: int, world: int,
-           progress: bool) -> list[int]:
+def _train(
+    guard: Guard, model: torch.nn.Module, data: DemoData, rank: int, world: int, progress: bool
+) -> list[int]:
     from tqdm import tqdm
 
     rows = data.batch_size // world
     last = rank == world - 1
     skipped: list[int] = []
-    bar = tqdm(data.batches(), total=data.steps, disable=not progress,
-               desc=f"fp16 training on {world} ranks", unit="step", leave=False)
+    bar = tqdm(
+        data.batches(),
+        total=data.steps,
+        disable=not progress,
+        desc=f"fp16 training on {world} ranks",
+        unit="step",
+        leave=False,
+    )
     for step, (x, y) in enumerate(bar, start=1):
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         if step in data.spike_steps and not last:
             x = x / data.spike_factor  # the outlier burst hits the last rank's shard only
         with guard.autocast():
@@ -165,6 +203,8 @@ def _summary(r: dict[str, Any]) -> str:
         f"  loss scale:        ends at {r['scale_end']:g}",
     ]
     lines += [f"  finding:           {f}" for f in r["findings"]]
-    lines += [f"  run folder:        {r['run_dir']} (run log by rank 0)",
-              f"  checkpoint:        {r['checkpoint']}"]
+    lines += [
+        f"  run folder:        {r['run_dir']} (run log by rank 0)",
+        f"  checkpoint:        {r['checkpoint']}",
+    ]
     return "\n".join(lines)

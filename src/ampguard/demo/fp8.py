@@ -45,8 +45,13 @@ class Fp8DemoResult:
     findings: list[str] = field(default_factory=list)
 
 
-def run_fp8_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-runs/demo-fp8",
-                 progress: bool = True, quiet: bool = False) -> Fp8DemoResult:
+def run_fp8_demo(
+    steps: int = 300,
+    seed: int = 0,
+    out: str | Path = "ampguard-runs/demo-fp8",
+    progress: bool = True,
+    quiet: bool = False,
+) -> Fp8DemoResult:
     """Plan, train in fp8, checkpoint, report; print a summary ending with the report path."""
     check_int("steps", steps)
     require_torchao()  # before anything is printed or written
@@ -62,24 +67,42 @@ def run_fp8_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-ru
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     with warnings.catch_warnings():  # the summary says whether fp8 is emulated
         warnings.simplefilter("ignore", RuntimeWarning)
-        guard = Guard(model, optimizer, precision="fp8", fp8_plan=plan, clip_grad_norm=1.0,
-                      schedulers=[schedule],
-                      telemetry=Telemetry(run_dir, range_every=max(1, steps // 10)))
+        guard = Guard(
+            model,
+            optimizer,
+            precision="fp8",
+            fp8_plan=plan,
+            clip_grad_norm=1.0,
+            schedulers=[schedule],
+            telemetry=Telemetry(run_dir, range_every=max(1, steps // 10)),
+        )
     loss_before = _eval(guard, model, task)
     started = time.perf_counter()
     _train(guard, model, task, progress)
     seconds = time.perf_counter() - started
-    checkpoint = save_checkpoint(run_dir / "checkpoint.pt", model=model, optimizer=optimizer,
-                                 guard=guard, scheduler=schedule, extra={"seed": seed})
+    checkpoint = save_checkpoint(
+        run_dir / "checkpoint.pt",
+        model=model,
+        optimizer=optimizer,
+        guard=guard,
+        scheduler=schedule,
+        extra={"seed": seed},
+    )
     found = guard.findings()
     guard.close()
     result = Fp8DemoResult(
-        steps=steps, plan=plan, converted=list(guard.fp8.layers), kept=list(guard.fp8.kept),
-        emulated=guard.fp8.emulated, loss_before=loss_before,
-        loss_after=_eval(guard, model, task), seconds=seconds, run_dir=run_dir,
+        steps=steps,
+        plan=plan,
+        converted=list(guard.fp8.layers),
+        kept=list(guard.fp8.kept),
+        emulated=guard.fp8.emulated,
+        loss_before=loss_before,
+        loss_after=_eval(guard, model, task),
+        seconds=seconds,
+        run_dir=run_dir,
         checkpoint=checkpoint,
-        findings=[f"{f.code} {f.title}" + (f" (step {f.step})" if f.step else "")
-                  for f in found])
+        findings=[f"{f.code} {f.title}" + (f" (step {f.step})" if f.step else "") for f in found],
+    )
     result.report = report(run_dir)
     if not quiet:
         print(summary(result))
@@ -89,8 +112,14 @@ def run_fp8_demo(steps: int = 300, seed: int = 0, out: str | Path = "ampguard-ru
 def _train(guard: Guard, model: torch.nn.Module, task: OutlierTask, progress: bool) -> None:
     from tqdm import tqdm
 
-    for batch in tqdm(task.batches(), total=task.steps, disable=not progress,
-                      desc="fp8 training", unit="step", leave=False):
+    for batch in tqdm(
+        task.batches(),
+        total=task.steps,
+        disable=not progress,
+        desc="fp8 training",
+        unit="step",
+        leave=False,
+    ):
         with guard.autocast():
             loss = loss_fn(model, batch)
         guard.backward(loss)
@@ -104,8 +133,11 @@ def _eval(guard: Guard, model: torch.nn.Module, task: OutlierTask) -> float:
 
 def summary(r: Fp8DemoResult) -> str:
     """The text the demo prints after training."""
-    where = "emulated on this device (real fp8 casts, matmul in high precision)" if r.emulated \
+    where = (
+        "emulated on this device (real fp8 casts, matmul in high precision)"
+        if r.emulated
         else "fp8 matmuls"
+    )
     kept = ", ".join(r.kept) or "none"
     lines = [
         f"ampguard demo: {r.steps} steps in fp8 ({r.plan.recipe}, {where}; {r.seconds:.1f} s)",
@@ -116,8 +148,10 @@ def summary(r: Fp8DemoResult) -> str:
         f"  eval loss:         {r.loss_before:.4f} -> {r.loss_after:.4f}",
     ]
     lines += [f"  finding:           {f}" for f in r.findings]
-    lines += [f"  report fp8 section: {line}" if i == 0 else f"    {line}"
-              for i, line in enumerate(_report_lines(r.run_dir))]
+    lines += [
+        f"  report fp8 section: {line}" if i == 0 else f"    {line}"
+        for i, line in enumerate(_report_lines(r.run_dir))
+    ]
     lines += [f"  run folder:        {r.run_dir}", f"  checkpoint:        {r.checkpoint}"]
     if r.report is not None:
         lines.append(f"  report:            {r.report}")

@@ -19,8 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MassiveActivation", "Block", "OutlierNet", "OutlierTask", "make_task", "loss_fn",
-           "OUTLIER_LAYER"]
+__all__ = [
+    "MassiveActivation",
+    "Block",
+    "OutlierNet",
+    "OutlierTask",
+    "make_task",
+    "loss_fn",
+    "OUTLIER_LAYER",
+]
 
 OUTLIER_LAYER = "head"
 
@@ -57,8 +64,14 @@ class Block(nn.Module):
 class OutlierNet(nn.Module):
     """embed -> 2 blocks -> LayerNorm -> outlier feature -> head (the planted layer)."""
 
-    def __init__(self, in_dim: int = 32, width: int = 64, hidden: int = 128, out_dim: int = 16,
-                 outlier: float | None = 1e5) -> None:
+    def __init__(
+        self,
+        in_dim: int = 32,
+        width: int = 64,
+        hidden: int = 128,
+        out_dim: int = 16,
+        outlier: float | None = 1e5,
+    ) -> None:
         super().__init__()
         self.embed = nn.Linear(in_dim, width)
         self.blocks = nn.ModuleList([Block(width, hidden), Block(width, hidden)])
@@ -102,8 +115,9 @@ class OutlierTask:
             yield x, y  # outside no_grad: the consumer trains between the yields
 
 
-def make_task(seed: int = 0, steps: int = 200, batch_size: int = 64, in_dim: int = 32,
-              out_dim: int = 16) -> OutlierTask:
+def make_task(
+    seed: int = 0, steps: int = 200, batch_size: int = 64, in_dim: int = 32, out_dim: int = 16
+) -> OutlierTask:
     """A fixed random tanh-MLP teacher and a 512-sample eval set."""
     gen = torch.Generator().manual_seed(seed)
     teacher = nn.Sequential(nn.Linear(in_dim, 64), nn.Tanh(), nn.Linear(64, out_dim))

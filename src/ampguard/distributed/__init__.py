@@ -50,8 +50,16 @@ from ampguard.distributed.hooks import hook_state
 from ampguard.findings import Finding, make
 
 __all__ = [
-    "ON_DESYNC", "DesyncError", "PeerFailureError", "Topology", "detect",
-    "DistributedState", "attach", "param_checksum", "rank_telemetry", "fsdp_modules",
+    "ON_DESYNC",
+    "DesyncError",
+    "PeerFailureError",
+    "Topology",
+    "detect",
+    "DistributedState",
+    "attach",
+    "param_checksum",
+    "rank_telemetry",
+    "fsdp_modules",
 ]
 
 ON_DESYNC = ("raise", "warn", "repair")
@@ -98,8 +106,9 @@ def detect(model: torch.nn.Module, process_group: Any = None) -> Topology | None
     one rank): no consensus, no audit. Cost: no host sync.
     """
     if isinstance(process_group, str) and process_group != "local":
-        raise ValueError(f"process_group must be None, 'local' or a ProcessGroup, got "
-                         f"{process_group!r}")
+        raise ValueError(
+            f"process_group must be None, 'local' or a ProcessGroup, got {process_group!r}"
+        )
     if process_group == "local" or not (dist.is_available() and dist.is_initialized()):
         return None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -136,8 +145,15 @@ class _Pending:
 
     __slots__ = ("state", "buf", "work", "n", "has_dropped", "step")
 
-    def __init__(self, state: DistributedState, buf: torch.Tensor, work: Any, n: int,
-                 has_dropped: bool, step: int) -> None:
+    def __init__(
+        self,
+        state: DistributedState,
+        buf: torch.Tensor,
+        work: Any,
+        n: int,
+        has_dropped: bool,
+        step: int,
+    ) -> None:
         self.state, self.buf, self.work, self.n = state, buf, work, n
         self.has_dropped, self.step = has_dropped, step
 
@@ -159,9 +175,18 @@ class DistributedState:
     record :meth:`telemetry_fields` (device tensors, no sync).
     """
 
-    def __init__(self, model: torch.nn.Module, topology: Topology, device: torch.device,
-                 audit_every: int | None, on_desync: str, *, peers: Peers | None = None,
-                 containment: bool = False, params: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        topology: Topology,
+        device: torch.device,
+        audit_every: int | None,
+        on_desync: str,
+        *,
+        peers: Peers | None = None,
+        containment: bool = False,
+        params: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.topology = topology
         self.peers = peers
         # ampguard's own collectives: on the group with timeout=peer_timeout when there is one
@@ -180,8 +205,9 @@ class DistributedState:
         self.audits = 0
 
     # ------------------------------------------------------------------ accumulation
-    def grad_sync_context(self, final: bool, containment: bool
-                          ) -> contextlib.AbstractContextManager:
+    def grad_sync_context(
+        self, final: bool, containment: bool
+    ) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on non-final micro-batches. Cost: no host sync.
 
         With micro-batch containment every micro-batch is synchronised, so each rank drops the
@@ -235,8 +261,9 @@ class DistributedState:
         if not self.consensus_needed:
             self.counters.note_loss(loss)
 
-    def start_consensus(self, found: list[torch.Tensor], dropped: torch.Tensor | None,
-                        step: int) -> _Pending | None:
+    def start_consensus(
+        self, found: list[torch.Tensor], dropped: torch.Tensor | None, step: int
+    ) -> _Pending | None:
         """Issue the one all-reduce(MAX) of this window's flags; returns the pending result.
 
         None where the consensus is redundant (plain DDP, :attr:`consensus_needed`): the local
@@ -258,8 +285,9 @@ class DistributedState:
             raise self.peer_failure("the found_inf consensus", step, exc) from exc
         return _Pending(self, buf, work, n, dropped is not None, step)
 
-    def settle(self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
-               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def settle(
+        self, buf: torch.Tensor, n: int, has_dropped: bool, step: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Agreed ``(found flags, dropped micro-batches or None)`` from a finished consensus
         all-reduce ``buf`` (``world x (n + 1)``); records every rank's row in the per-rank
         counters. Called by the pending consensus once its all-reduce is done. Cost: no host
@@ -300,20 +328,25 @@ class DistributedState:
         """
         top = self.topology
         answers = self.peers.roll_call() if self.peers is not None else None
-        who = (self.peers.describe(answers) if self.peers is not None else
-               "another rank probably crashed, exited or stopped calling Guard.step()")
+        who = (
+            self.peers.describe(answers)
+            if self.peers is not None
+            else "another rank probably crashed, exited or stopped calling Guard.step()"
+        )
         return PeerFailureError(
             f"{what} at step {step} failed on rank {top.global_rank} of {top.world_size} "
             f"({top.kind}): {who}. Cause: {exc}",
-            ranks=failed_ranks(answers), step=step, what=what)
+            ranks=failed_ranks(answers),
+            step=step,
+            what=what,
+        )
 
     @contextlib.contextmanager
     def collectives(self, what: str, step: int) -> Iterator[None]:
         """Turn a failed collective inside the block (DDP's, FSDP2's, ampguard's) into a
         :class:`PeerFailureError`; any other exception passes through unchanged. While inside,
         a roll call started by another rank hears that this rank is alive and waiting."""
-        waiting = (self.peers.waiting(what) if self.peers is not None
-                   else contextlib.nullcontext())
+        waiting = self.peers.waiting(what) if self.peers is not None else contextlib.nullcontext()
         try:
             with waiting:
                 yield
@@ -379,23 +412,31 @@ class DistributedState:
         """Rank-aware counters as plain values. Cost: one host sync."""
         top = self.topology
         over, dropped, first = torch.stack(
-            [self.rank_overflows, self.rank_dropped, self.counters.first_overflow]).tolist()
+            [self.rank_overflows, self.rank_dropped, self.counters.first_overflow]
+        ).tolist()
         never = torch.iinfo(torch.int64).max
         hook = hook_state(self.model)
         return {
-            "kind": top.kind, "rank": top.global_rank, "world_size": top.world_size,
-            "ranks": list(top.ranks), "audits": self.audits,
+            "kind": top.kind,
+            "rank": top.global_rank,
+            "world_size": top.world_size,
+            "ranks": list(top.ranks),
+            "audits": self.audits,
             "rank_overflows": dict(zip(top.ranks, over, strict=True)),
             "rank_dropped_microbatches": dict(zip(top.ranks, dropped, strict=True)),
             # overflow origin: the first window in which each rank's own gradients overflowed
-            "rank_first_overflow_step": {r: (None if f == never else f)
-                                         for r, f in zip(top.ranks, first, strict=True)},
+            "rank_first_overflow_step": {
+                r: (None if f == never else f) for r, f in zip(top.ranks, first, strict=True)
+            },
             "hook": hook.summary() if hook is not None else None,
             # where the per-rank counts come from (README: the overflow-origin trade)
-            "origin": ("found_inf consensus" if not self._redundant else
-                       "each rank's own loss, gathered at the audit of step "
-                       f"{self.origin_audit_step}" if self.origin_audit_step is not None else
-                       "each rank's own loss, not gathered yet (no audit ran)"),
+            "origin": (
+                "found_inf consensus"
+                if not self._redundant
+                else f"each rank's own loss, gathered at the audit of step {self.origin_audit_step}"
+                if self.origin_audit_step is not None
+                else "each rank's own loss, not gathered yet (no audit ran)"
+            ),
         }
 
     def findings(self, step: int | None = None) -> list[Finding]:
@@ -410,18 +451,26 @@ class DistributedState:
         if top == 0 or low * 2 > top:
             return out
         hot = sorted(r for r, c in counts.items() if c == top)
-        return out + [make(
-            "AG131",
-            message=(f"rank(s) {hot} had non-finite local gradients in {top} windows, other "
-                     f"ranks in as few as {low}; every rank skipped those steps together"),
-            step=step, evidence={"rank_overflows": {str(r): c for r, c in counts.items()}},
-            fix=("Inspect the data shard and the hardware of the named ranks (a corrupt sample, "
-                 "a faulty device); ampguard.locate on one of their batches names the module."),
-        )]
+        return out + [
+            make(
+                "AG131",
+                message=(
+                    f"rank(s) {hot} had non-finite local gradients in {top} windows, other "
+                    f"ranks in as few as {low}; every rank skipped those steps together"
+                ),
+                step=step,
+                evidence={"rank_overflows": {str(r): c for r, c in counts.items()}},
+                fix=(
+                    "Inspect the data shard and the hardware of the named ranks (a corrupt sample, "
+                    "a faulty device); ampguard.locate on one of their batches names the module."
+                ),
+            )
+        ]
 
 
-def _consensus_redundant(model: torch.nn.Module, topology: Topology, containment: bool,
-                         params: Sequence[torch.Tensor]) -> bool:
+def _consensus_redundant(
+    model: torch.nn.Module, topology: Topology, containment: bool, params: Sequence[torch.Tensor]
+) -> bool:
     """True under plain DDP: every optimized parameter is reduced by DDP over the Guard's group.
 
     Then every rank steps on bitwise-equal averaged gradients (a non-finite value anywhere is
@@ -432,15 +481,25 @@ def _consensus_redundant(model: torch.nn.Module, topology: Topology, containment
     if topology.group is not getattr(model, "process_group", None):
         return False  # process_group= names another group than the one DDP reduces over
     ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
-    reduced = {id(p) for name, p in model.module.named_parameters()  # type: ignore[union-attr]
-               if name not in ignored}
+    reduced = {
+        id(p)
+        for name, p in model.module.named_parameters()  # type: ignore[union-attr]
+        if name not in ignored
+    }
     return all(id(p) in reduced for p in params)
 
 
-def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | None = 100,
-           on_desync: str = "raise", process_group: Any = None, containment: bool = False,
-           params: Sequence[torch.Tensor] = (), peer_timeout: float | None = None
-           ) -> DistributedState | None:
+def attach(
+    model: torch.nn.Module,
+    device: torch.device,
+    *,
+    audit_every: int | None = 100,
+    on_desync: str = "raise",
+    process_group: Any = None,
+    containment: bool = False,
+    params: Sequence[torch.Tensor] = (),
+    peer_timeout: float | None = None,
+) -> DistributedState | None:
     """Validate the options and return the :class:`DistributedState`, or None (single process).
 
     Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
@@ -460,8 +519,16 @@ def attach(model: torch.nn.Module, device: torch.device, *, audit_every: int | N
     peers = None
     if peer_timeout is not None:
         peers = Peers(topology.ranks, topology.global_rank, topology.group, peer_timeout)
-    return DistributedState(model, topology, device, audit_every, on_desync, peers=peers,
-                            containment=containment, params=params)
+    return DistributedState(
+        model,
+        topology,
+        device,
+        audit_every,
+        on_desync,
+        peers=peers,
+        containment=containment,
+        params=params,
+    )
 
 
 def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:

@@ -21,8 +21,16 @@ from ampguard.distributed._errors import DesyncError
 
 __all__ = ["AUDIT_FIELDS", "run_audit", "local_row", "compare_rows", "repair"]
 
-AUDIT_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "applied_steps",
-                "skipped_steps", "precision", "param_checksum")
+AUDIT_FIELDS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "steps",
+    "applied_steps",
+    "skipped_steps",
+    "precision",
+    "param_checksum",
+)
 _PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # append only: codes cross ranks
 
 
@@ -49,8 +57,11 @@ def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
     if state.on_desync == "repair":
         repair(guard, state, rows[0], "param_checksum" in diffs)
         message += " Repaired: rank 0's scaler state and counters were copied to every rank"
-        message += (" and its parameters broadcast (optimizer state was not)."
-                    if "param_checksum" in diffs else ".")
+        message += (
+            " and its parameters broadcast (optimizer state was not)."
+            if "param_checksum" in diffs
+            else "."
+        )
     warnings.warn(message, RuntimeWarning, stacklevel=5)
     return diffs
 
@@ -64,8 +75,14 @@ def local_row(guard: Any, state: Any, device: torch.device) -> torch.Tensor:
     else:
         scale, growth, budget = 1.0, 0, 0
     values = [
-        struct.unpack("<i", struct.pack("<f", scale))[0], growth, budget, guard.steps,
-        guard.applied_steps, skipped, precision_code(guard.precision), 0,
+        struct.unpack("<i", struct.pack("<f", scale))[0],
+        growth,
+        budget,
+        guard.steps,
+        guard.applied_steps,
+        skipped,
+        precision_code(guard.precision),
+        0,
     ]
     row = torch.tensor(values, dtype=torch.int64, device=device)
     params = state.replicated_params()
@@ -74,8 +91,9 @@ def local_row(guard: Any, state: Any, device: torch.device) -> torch.Tensor:
     return row
 
 
-def compare_rows(rows: Sequence[Sequence[int]], ranks: Sequence[int]
-                 ) -> tuple[dict[str, dict[int, Any]], list[int]]:
+def compare_rows(
+    rows: Sequence[Sequence[int]], ranks: Sequence[int]
+) -> tuple[dict[str, dict[int, Any]], list[int]]:
     """``(differences, odd ranks)``: field -> {global rank: readable value} for fields that differ.
 
     The reference value of a field is the one most ranks hold (rank 0's on a tie); the odd ranks
@@ -111,12 +129,15 @@ def repair(guard: Any, state: Any, reference: Sequence[int], params_differ: bool
     """
     fields = dict(zip(AUDIT_FIELDS, reference, strict=True))
     guard.restore_counts(
-        steps=fields["steps"], applied=fields["applied_steps"], skipped=fields["skipped_steps"],
+        steps=fields["steps"],
+        applied=fields["applied_steps"],
+        skipped=fields["skipped_steps"],
         scaler_state={
             "scale": scale_from_bits(fields["scale"]),
             "growth_tracker": fields["growth_tracker"],
             "hysteresis_tracker": fields["hysteresis_tracker"],
-        })
+        },
+    )
     if params_differ:
         top = state.topology
         with torch.no_grad(), state.collectives("the audit's repair broadcast", guard.steps):
@@ -124,19 +145,26 @@ def repair(guard: Any, state: Any, reference: Sequence[int], params_differ: bool
                 dist.broadcast(p.data, src=top.ranks[0], group=state.group)
 
 
-def _desync_message(step: int, reason: str, every: int | None,
-                    diffs: dict[str, dict[int, Any]], odd: list[int]) -> str:
+def _desync_message(
+    step: int, reason: str, every: int | None, diffs: dict[str, dict[int, Any]], odd: list[int]
+) -> str:
     when = f"every {every} steps" if every else "audit"
     parts = []
     for field_name, values in diffs.items():
         groups: dict[Any, list[int]] = {}
         for r, v in values.items():
             groups.setdefault(v, []).append(r)
-        parts.append(f"{field_name}: " + "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} = {_fmt(v)}"
-            for v, rs in groups.items()))
-    return (f"ranks out of sync at step {step} ({reason} audit, {when}): rank(s) "
-            f"{', '.join(map(str, odd))} differ. " + " | ".join(parts) + ". Fix: " + _DESYNC_FIX)
+        parts.append(
+            f"{field_name}: "
+            + "; ".join(
+                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} = {_fmt(v)}"
+                for v, rs in groups.items()
+            )
+        )
+    return (
+        f"ranks out of sync at step {step} ({reason} audit, {when}): rank(s) "
+        f"{', '.join(map(str, odd))} differ. " + " | ".join(parts) + ". Fix: " + _DESYNC_FIX
+    )
 
 
 def _fmt(value: Any) -> str:

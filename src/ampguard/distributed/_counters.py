@@ -59,8 +59,12 @@ class RankCounters:
     def fold(self) -> None:
         """Add the windows seen since the last fold to the counters (device ops)."""
         if self._local:  # no consensus: this rank's own column only
-            over = torch.zeros(len(self._local), self._overflows.numel(), dtype=torch.bool,
-                               device=self._overflows.device)
+            over = torch.zeros(
+                len(self._local),
+                self._overflows.numel(),
+                dtype=torch.bool,
+                device=self._overflows.device,
+            )
             over[:, self.rank] = ~torch.stack(self._local).to(over.device)
             self._add(over, self._local_steps)
             self._local.clear()

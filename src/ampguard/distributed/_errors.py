@@ -22,8 +22,14 @@ class DesyncError(RuntimeError):
     ``finding`` is the same as an ampguard :class:`~ampguard.findings.Finding` (AG130).
     """
 
-    def __init__(self, message: str, *, step: int, differences: dict[str, dict[int, Any]],
-                 ranks: Sequence[int]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        differences: dict[str, dict[int, Any]],
+        ranks: Sequence[int],
+    ) -> None:
         super().__init__(message)
         self.step = step
         self.differences = differences
@@ -34,8 +40,13 @@ class DesyncError(RuntimeError):
         return make(
             "AG130",
             message=str(self).split(" Fix: ")[0],  # the exception text ends with the fix
-            step=self.step, evidence={"ranks": self.ranks, "differences": {
-                f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()}},
+            step=self.step,
+            evidence={
+                "ranks": self.ranks,
+                "differences": {
+                    f: {str(r): v for r, v in vals.items()} for f, vals in self.differences.items()
+                },
+            },
             fix=DESYNC_FIX,
         )
 
@@ -48,8 +59,9 @@ class PeerFailureError(RuntimeError):
     collective that failed.
     """
 
-    def __init__(self, message: str, *, ranks: Sequence[int] = (), step: int | None = None,
-                 what: str = "") -> None:
+    def __init__(
+        self, message: str, *, ranks: Sequence[int] = (), step: int | None = None, what: str = ""
+    ) -> None:
         super().__init__(message)
         self.ranks = list(ranks)
         self.step = step

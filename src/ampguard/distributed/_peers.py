@@ -26,8 +26,14 @@ import torch.distributed as dist
 
 from ampguard._util.checks import is_number
 
-__all__ = ["DEFAULT_PEER_TIMEOUT", "ROLL_CALL_CAP", "check_peer_timeout", "is_comm_error",
-           "Peers", "failed_ranks"]
+__all__ = [
+    "DEFAULT_PEER_TIMEOUT",
+    "ROLL_CALL_CAP",
+    "check_peer_timeout",
+    "is_comm_error",
+    "Peers",
+    "failed_ranks",
+]
 
 DEFAULT_PEER_TIMEOUT = 600.0  # seconds; the contract says "at most 10 minutes"
 _CREATE = 1800.0  # seconds the ranks may take to all build their Guard (torch's gloo default)
@@ -35,15 +41,24 @@ ROLL_CALL_CAP = 10.0  # seconds a survivor waits for the others' names, at most
 _POLL = 1.0  # seconds between a responder thread's checks of the store
 
 # torch raises gloo's failures as plain RuntimeErrors; these say "communication", not "your code"
-_MARKERS = ("gloo", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
-            "NCCL", "ProcessGroup", "monitoredBarrier", "DistBackendError")
+_MARKERS = (
+    "gloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "NCCL",
+    "ProcessGroup",
+    "monitoredBarrier",
+    "DistBackendError",
+)
 
 
 def check_peer_timeout(value: Any) -> float:
     """``peer_timeout`` as float seconds; ``ValueError`` naming the argument otherwise."""
     if not is_number(value) or not 0 < value <= 86400:
-        raise ValueError(f"peer_timeout must be a number of seconds > 0 and <= 86400, got "
-                         f"{value!r}")
+        raise ValueError(
+            f"peer_timeout must be a number of seconds > 0 and <= 86400, got {value!r}"
+        )
     return float(value)
 
 
@@ -62,8 +77,12 @@ def _own_group(ranks: tuple[int, ...], backend_of: Any, timeout: float) -> Any:
     still loading data), then set to ``timeout`` for the collectives.
     """
     c10d = dist.distributed_c10d
-    group = dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=max(timeout, _CREATE)),
-                           backend=dist.get_backend(backend_of), use_local_synchronization=True)
+    group = dist.new_group(
+        ranks=list(ranks),
+        timeout=timedelta(seconds=max(timeout, _CREATE)),
+        backend=dist.get_backend(backend_of),
+        use_local_synchronization=True,
+    )
     setter = getattr(c10d, "_set_pg_timeout", None)  # torch private, absent on old versions
     if setter is not None:
         setter(timedelta(seconds=timeout), group)
@@ -83,8 +102,7 @@ class Peers:
     second (no host sync, nothing on the training thread).
     """
 
-    def __init__(self, ranks: tuple[int, ...], rank: int, backend_of: Any,
-                 timeout: float) -> None:
+    def __init__(self, ranks: tuple[int, ...], rank: int, backend_of: Any, timeout: float) -> None:
         self.ranks = ranks
         self.rank = rank  # global rank of this process
         self.timeout = timeout
@@ -98,9 +116,12 @@ class Peers:
         # with 2 ranks nobody can be left blocked by a third; the thread polls, so it never sits
         # in a blocking store call when the interpreter exits
         if len(ranks) > 2 and self._store is not None and hasattr(self._store, "clone"):
-            thread = threading.Thread(target=_respond, args=(weakref.ref(self), self._prefix,
-                                      self._store.clone(), rank), daemon=True,
-                                      name=f"ampguard-rollcall-{rank}")
+            thread = threading.Thread(
+                target=_respond,
+                args=(weakref.ref(self), self._prefix, self._store.clone(), rank),
+                daemon=True,
+                name=f"ampguard-rollcall-{rank}",
+            )
             thread.start()
 
     @contextlib.contextmanager
@@ -134,28 +155,40 @@ class Peers:
                 if len(answered) == len(self.ranks) or time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
-            return {r: (store.get(prefix + str(r)).decode() if r in answered else None)
-                    for r in self.ranks}
+            return {
+                r: (store.get(prefix + str(r)).decode() if r in answered else None)
+                for r in self.ranks
+            }
         except Exception:  # noqa: BLE001 - the store itself is unreachable (its host died)
             return None
 
     def describe(self, answers: dict[int, str | None] | None) -> str:
         """The sentences of the error message that name the failed ranks."""
         if answers is None:
-            return ("the rendezvous store did not answer either, so the failed rank could not be "
-                    "named (under tcp:// or env:// init without torchrun it lives on rank "
-                    f"{self.ranks[0]}: that rank probably died)")
+            return (
+                "the rendezvous store did not answer either, so the failed rank could not be "
+                "named (under tcp:// or env:// init without torchrun it lives on rank "
+                f"{self.ranks[0]}: that rank probably died)"
+            )
         missing = failed_ranks(answers)
         if not missing:
-            return ("every rank answered the roll call: the others stopped waiting for THIS "
-                    "rank (it was slower than peer_timeout, e.g. a long pause on this rank)")
-        text = (f"rank(s) {', '.join(map(str, missing))} did not answer within {self.wait:g} s "
-                "(crashed, exited, or hung outside ampguard's collectives; see their logs)")
-        blocked = {r: a[len("waiting in "):] for r, a in answers.items()
-                   if a is not None and a.startswith("waiting in ")}
+            return (
+                "every rank answered the roll call: the others stopped waiting for THIS "
+                "rank (it was slower than peer_timeout, e.g. a long pause on this rank)"
+            )
+        text = (
+            f"rank(s) {', '.join(map(str, missing))} did not answer within {self.wait:g} s "
+            "(crashed, exited, or hung outside ampguard's collectives; see their logs)"
+        )
+        blocked = {
+            r: a[len("waiting in ") :]
+            for r, a in answers.items()
+            if a is not None and a.startswith("waiting in ")
+        }
         if blocked:
             text += "; still blocked in the failed collective: " + ", ".join(
-                f"rank {r} ({what})" for r, what in sorted(blocked.items()))
+                f"rank {r} ({what})" for r, what in sorted(blocked.items())
+            )
         return text
 
 

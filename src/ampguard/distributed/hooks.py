@@ -22,8 +22,12 @@ import torch.distributed as dist
 
 from ampguard.findings import Finding, make
 
-__all__ = ["NonfiniteSafeState", "nonfinite_safe_allreduce_hook", "register_nonfinite_safe_hook",
-           "hook_state"]
+__all__ = [
+    "NonfiniteSafeState",
+    "nonfinite_safe_allreduce_hook",
+    "register_nonfinite_safe_hook",
+    "hook_state",
+]
 
 
 class NonfiniteSafeState:
@@ -58,8 +62,9 @@ class NonfiniteSafeState:
 
     def summary(self) -> dict[str, Any]:
         """``{"drop", "dropped_buckets": {rank: count}}``. Cost: one host sync."""
-        counts = ([0] * self.world_size if self.dropped_buckets is None
-                  else self.dropped_buckets.tolist())
+        counts = (
+            [0] * self.world_size if self.dropped_buckets is None else self.dropped_buckets.tolist()
+        )
         return {"drop": self.drop, "dropped_buckets": dict(zip(self.ranks, counts, strict=True))}
 
     def findings(self, step: int | None = None) -> list[Finding]:
@@ -68,19 +73,28 @@ class NonfiniteSafeState:
         bad = {r: c for r, c in counts.items() if c}
         if not bad:
             return []
-        action = ("left out of the all-reduce; the step used the healthy ranks' mean" if self.drop
-                  else "spread to every rank through the all-reduce")
-        return [make(
-            "AG132",
-            message=f"rank(s) {sorted(bad)} sent non-finite local gradients ({action})",
-            step=step, evidence={"dropped_buckets": {str(r): c for r, c in counts.items()}},
-            fix=("Inspect the named ranks' data and devices; ampguard.locate on one of their "
-                 "batches names the module that overflowed."),
-        )]
+        action = (
+            "left out of the all-reduce; the step used the healthy ranks' mean"
+            if self.drop
+            else "spread to every rank through the all-reduce"
+        )
+        return [
+            make(
+                "AG132",
+                message=f"rank(s) {sorted(bad)} sent non-finite local gradients ({action})",
+                step=step,
+                evidence={"dropped_buckets": {str(r): c for r, c in counts.items()}},
+                fix=(
+                    "Inspect the named ranks' data and devices; ampguard.locate on one of their "
+                    "batches names the module that overflowed."
+                ),
+            )
+        ]
 
 
-def nonfinite_safe_allreduce_hook(state: NonfiniteSafeState,
-                                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def nonfinite_safe_allreduce_hook(
+    state: NonfiniteSafeState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: all-reduce the bucket, leaving out ranks whose bucket is non-finite.
 
     Register with ``ddp_model.register_comm_hook(state, nonfinite_safe_allreduce_hook)``.
@@ -94,14 +108,14 @@ def nonfinite_safe_allreduce_hook(state: NonfiniteSafeState,
     packed[: buf.numel()].copy_(buf)
     if state.drop:
         packed[: buf.numel()].masked_fill_(bad, 0)
-    flags = packed[buf.numel():]
+    flags = packed[buf.numel() :]
     flags.zero_()
     flags[state.rank] = bad.to(buf.dtype)
     fut = dist.all_reduce(packed, group=state.group, async_op=True).get_future()
 
     def finish(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = done.value()[0]
-        flags = out[buf.numel():]
+        flags = out[buf.numel() :]
         state.record(flags)
         if not state.drop:
             return out[: buf.numel()].div_(world)
@@ -111,16 +125,19 @@ def nonfinite_safe_allreduce_hook(state: NonfiniteSafeState,
     return fut.then(finish)
 
 
-def register_nonfinite_safe_hook(model: torch.nn.parallel.DistributedDataParallel,
-                                 drop: bool = True) -> NonfiniteSafeState:
+def register_nonfinite_safe_hook(
+    model: torch.nn.parallel.DistributedDataParallel, drop: bool = True
+) -> NonfiniteSafeState:
     """Register :func:`nonfinite_safe_allreduce_hook` on a DDP model; return its state.
 
     The state is also kept on the model, so a Guard on it reports the counters in its
     distributed summary and findings. Call before the first backward (DDP's rule).
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError("register_nonfinite_safe_hook needs a DistributedDataParallel model, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            "register_nonfinite_safe_hook needs a DistributedDataParallel model, got "
+            f"{type(model).__name__}"
+        )
     state = NonfiniteSafeState(model.process_group, drop=drop)
     model.register_comm_hook(state, nonfinite_safe_allreduce_hook)
     object.__setattr__(model, "_ampguard_hook_state", state)

@@ -44,8 +44,15 @@ from ampguard.experiments import _verdict as _v
 from ampguard.experiments._timing import StepClock
 from ampguard.findings import Finding, make
 
-__all__ = ["Experiment", "Comparison", "VariantResult", "VARIANTS", "VERDICTS", "compare",
-           "seed_all"]
+__all__ = [
+    "Experiment",
+    "Comparison",
+    "VariantResult",
+    "VARIANTS",
+    "VERDICTS",
+    "compare",
+    "seed_all",
+]
 
 VARIANTS: dict[str, str] = {
     "fp32": "fp32 baseline (autocast off)",
@@ -74,17 +81,24 @@ class Experiment:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
-            raise TypeError(f"Experiment.model must be a torch.nn.Module, got "
-                            f"{type(self.model).__name__}")
+            raise TypeError(
+                f"Experiment.model must be a torch.nn.Module, got {type(self.model).__name__}"
+            )
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Experiment.optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(self.optimizer).__name__}")
+            raise TypeError(
+                f"Experiment.optimizer must be a torch.optim.Optimizer, got "
+                f"{type(self.optimizer).__name__}"
+            )
         if not isinstance(self.batches, Iterable):
-            raise TypeError(f"Experiment.batches must be an iterable of batches, got "
-                            f"{type(self.batches).__name__}")
+            raise TypeError(
+                f"Experiment.batches must be an iterable of batches, got "
+                f"{type(self.batches).__name__}"
+            )
         if not callable(self.loss_fn):
-            raise TypeError(f"Experiment.loss_fn must be callable as loss_fn(model, batch), got "
-                            f"{type(self.loss_fn).__name__}")
+            raise TypeError(
+                f"Experiment.loss_fn must be callable as loss_fn(model, batch), got "
+                f"{type(self.loss_fn).__name__}"
+            )
 
 
 @dataclass
@@ -148,7 +162,8 @@ class Comparison:
         """The verdict as a :class:`~ampguard.findings.Finding` (AG333-AG336)."""
         evidence: dict[str, Any] = {
             n: {"trained": r.trained, "skipped": r.skipped, "reason": r.reason}
-            for n, r in self.variants.items()}
+            for n, r in self.variants.items()
+        }
         if self.failing_batch is not None:
             evidence["failing_batch"] = self.failing_batch
         return make(_v.CODES[self.verdict], self.explanation, evidence=evidence, fix=self.fix)
@@ -160,9 +175,13 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of everything (the diagnosis as its ``explain()`` text)."""
         return {
-            "verdict": self.verdict, "explanation": self.explanation, "fix": self.fix,
-            "steps": self.steps, "failing_batch": self.failing_batch,
-            "diagnosis": _v.explain(self.diagnosis), "locate_error": self.locate_error,
+            "verdict": self.verdict,
+            "explanation": self.explanation,
+            "fix": self.fix,
+            "steps": self.steps,
+            "failing_batch": self.failing_batch,
+            "diagnosis": _v.explain(self.diagnosis),
+            "locate_error": self.locate_error,
             "finding": self.finding().to_dict(),
             "variants": {n: r.to_dict() for n, r in self.variants.items()},
             "fp8": self.extra.get("fp8"),  # fp8 variants: verdict, layers kept in bf16, plan
@@ -176,9 +195,15 @@ class Comparison:
         return write_report(self, Path(directory))
 
 
-def compare(factory: Callable[[], Experiment], steps: int = 300,
-            variants: Sequence[str] | None = None, progress: bool = True, *,
-            scaler: ScalerConfig | None = None, seed: int = 0) -> Comparison:
+def compare(
+    factory: Callable[[], Experiment],
+    steps: int = 300,
+    variants: Sequence[str] | None = None,
+    progress: bool = True,
+    *,
+    scaler: ScalerConfig | None = None,
+    seed: int = 0,
+) -> Comparison:
     """Train every variant from identical weights and data; return a :class:`Comparison`.
 
     ``variants`` picks from :data:`VARIANTS` (default all; ``"fp32"`` always runs, it is the
@@ -202,8 +227,7 @@ def compare(factory: Callable[[], Experiment], steps: int = 300,
         for name in names:
             if bar is not None:
                 bar.set_description(name)
-            results[name] = _run_variant(factory, name, steps, seed, scaler, bar, capture,
-                                         plan)
+            results[name] = _run_variant(factory, name, steps, seed, scaler, bar, capture, plan)
     finally:
         if bar is not None:
             bar.close()
@@ -211,20 +235,25 @@ def compare(factory: Callable[[], Experiment], steps: int = 300,
     _f8.judge_fp8(cmp, plan)
     if cmp.verdict == "fp16_range" and "batch" in capture:
         cmp.failing_batch = capture["index"]
-        cmp.explanation += (f" First failing batch: #{cmp.failing_batch} (step "
-                            f"{cmp.failing_batch + 1} of the fixed-scale run).")
+        cmp.explanation += (
+            f" First failing batch: #{cmp.failing_batch} (step "
+            f"{cmp.failing_batch + 1} of the fixed-scale run)."
+        )
         _locate(cmp, factory, seed, capture)
     return cmp
 
 
 def _check_args(factory: Any, steps: Any, variants: Any, scaler: Any) -> list[str]:
     if not callable(factory):
-        raise TypeError(f"factory must be a callable returning an ampguard.Experiment, got "
-                        f"{type(factory).__name__}")
+        raise TypeError(
+            f"factory must be a callable returning an ampguard.Experiment, got "
+            f"{type(factory).__name__}"
+        )
     check_int("steps", steps)
     if scaler is not None and not isinstance(scaler, ScalerConfig):
-        raise TypeError(f"scaler must be an ampguard.ScalerConfig or None, got "
-                        f"{type(scaler).__name__}")
+        raise TypeError(
+            f"scaler must be an ampguard.ScalerConfig or None, got {type(scaler).__name__}"
+        )
     if variants is None:
         return list(VARIANTS)
     known = (*VARIANTS, *_f8.FP8_VARIANTS)
@@ -297,13 +326,16 @@ def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) ->
     return None if first is None else _f8.make_plan(exp, first)
 
 
-def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None,
-                plan: Any = None) -> Any:
+def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None, plan: Any = None) -> Any:
     from ampguard.guard import Guard
 
     if name in _f8.FP8_VARIANTS:
-        return Guard(exp.model, exp.optimizer, precision="fp8",
-                     fp8_plan=plan if name == "fp8_planned" else None)
+        return Guard(
+            exp.model,
+            exp.optimizer,
+            precision="fp8",
+            fp8_plan=plan if name == "fp8_planned" else None,
+        )
     if name in ("fp32", "bf16"):  # what the precision itself does: non-finite steps applied
         return Guard(exp.model, exp.optimizer, precision=name, skip_nonfinite=False)
     cfg = scaler or ScalerConfig()
@@ -314,9 +346,16 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None,
     return Guard(exp.model, exp.optimizer, precision="fp16", scaler=cfg)
 
 
-def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed: int,
-                 scaler: ScalerConfig | None, bar: Any, capture: dict[str, Any],
-                 plan: Any = None) -> VariantResult:
+def _run_variant(
+    factory: Callable[[], Experiment],
+    name: str,
+    steps: int,
+    seed: int,
+    scaler: ScalerConfig | None,
+    bar: Any,
+    capture: dict[str, Any],
+    plan: Any = None,
+) -> VariantResult:
     exp = _fresh(factory, seed)
     res = VariantResult(name, {**VARIANTS, **_f8.FP8_VARIANTS}[name], [])
     guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler, plan)
@@ -346,8 +385,15 @@ def _run_variant(factory: Callable[[], Experiment], name: str, steps: int, seed:
     return res
 
 
-def _step(exp: Experiment, guard: Any, batch: Any, device_type: str, res: VariantResult,
-          index: int, capture: dict[str, Any]) -> torch.Tensor:
+def _step(
+    exp: Experiment,
+    guard: Any,
+    batch: Any,
+    device_type: str,
+    res: VariantResult,
+    index: int,
+    capture: dict[str, Any],
+) -> torch.Tensor:
     """One training step of a variant; records skips; returns the detached loss (no sync)."""
     if guard is None:
         loss = _plain_step(exp, batch, device_type)
@@ -386,8 +432,9 @@ def _capture(capture: dict[str, Any], exp: Experiment, batch: Any, index: int) -
     capture["state"] = {k: v.detach().clone() for k, v in exp.model.state_dict().items()}
 
 
-def _locate(cmp: Comparison, factory: Callable[[], Experiment], seed: int,
-            capture: dict[str, Any]) -> None:
+def _locate(
+    cmp: Comparison, factory: Callable[[], Experiment], seed: int, capture: dict[str, Any]
+) -> None:
     """Run ``ampguard.locate`` on the first failing batch, if forensics is installed."""
     try:
         locate = importlib.import_module("ampguard.forensics").locate

@@ -38,13 +38,17 @@ def probe_findings(model: nn.Module, probe: ProbeResult) -> list[Finding]:
     fp16 = _fp16_ranges(probe, overflow)
     grad_max = max((r.grad_amax for r in fp16), default=0.0)
     scale = _usable_scale(grad_max)
-    out += [f for f in (
-        _forward_overflow(overflow),
-        _headroom(probe, overflow),
-        _grad_overflow(fp16, grad_max),
-        _grad_underflow(fp16, scale, grad_max),
-        _act_underflow(probe),
-    ) if f is not None]
+    out += [
+        f
+        for f in (
+            _forward_overflow(overflow),
+            _headroom(probe, overflow),
+            _grad_overflow(fp16, grad_max),
+            _grad_underflow(fp16, scale, grad_max),
+            _act_underflow(probe),
+        )
+        if f is not None
+    ]
     out.append(_plan(model, probe, overflow, out, scale))
     return out
 
@@ -55,23 +59,32 @@ def _nonfinite(probe: ProbeResult) -> Finding | None:
     loss_bad = probe.loss is not None and not math.isfinite(probe.loss)
     if first is None and not grad and not loss_bad:
         return None
-    where = (f"module {first.name or '<root>'!r} output" if first is not None
-             else f"gradients of {grad[0] or '<root>'!r}" if grad else "the loss")
+    where = (
+        f"module {first.name or '<root>'!r} output"
+        if first is not None
+        else f"gradients of {grad[0] or '<root>'!r}"
+        if grad
+        else "the loss"
+    )
     return make(
         "AG332",
         f"The fp32 probe produced inf/NaN (first at {where}): this is not an AMP problem, and "
         "no precision plan can fix it.",
-        evidence={"module": first.name if first else None, "grad_modules": grad[:10],
-                  "loss": probe.loss if loss_bad is False else str(probe.loss)},
+        evidence={
+            "module": first.name if first else None,
+            "grad_modules": grad[:10],
+            "loss": probe.loss if loss_bad is False else str(probe.loss),
+        },
         fix="Fix the model or data first (input values, initialisation, learning rate, a log/div "
-            "of zero); ag.locate(..., precision='fp32') names the op.",
+        "of zero); ag.locate(..., precision='fp32') names the op.",
     )
 
 
 def _innermost(names: list[str]) -> list[str]:
     """Drop every name that has a flagged descendant (the descendant explains it)."""
-    return [n for n in names
-            if not any(o != n and (n == "" or o.startswith(n + ".")) for o in names)]
+    return [
+        n for n in names if not any(o != n and (n == "" or o.startswith(n + ".")) for o in names)
+    ]
 
 
 def _overflowing(probe: ProbeResult) -> list[str]:
@@ -90,11 +103,15 @@ def _fp16_ranges(probe: ProbeResult, keep: list[str]) -> list[ModuleRange]:
     """The modules whose gradients stay fp16 once ``keep`` runs in fp32: leaves and modules with
     parameters (a container's output gradient is its last child's), outside the kept subtrees,
     whose inputs fit fp16 (a module fed an fp32 value past 65504 computes in fp32)."""
+
     def kept(name: str) -> bool:
         return any(k == "" or name == k or name.startswith(k + ".") for k in keep)
 
-    return [r for r in probe.ordered() if (r.leaf or r.has_params) and not kept(r.name)
-            and r.in_amax <= FP16_MAX]
+    return [
+        r
+        for r in probe.ordered()
+        if (r.leaf or r.has_params) and not kept(r.name) and r.in_amax <= FP16_MAX
+    ]
 
 
 def _forward_overflow(names: list[str]) -> Finding | None:
@@ -111,8 +128,9 @@ def _forward_overflow(names: list[str]) -> Finding | None:
 
 
 def _headroom(probe: ProbeResult, overflow: list[str]) -> Finding | None:
-    near = _innermost([r.name for r in probe.ordered()
-                       if FP16_MAX / _HEADROOM < r.out_amax <= FP16_MAX])
+    near = _innermost(
+        [r.name for r in probe.ordered() if FP16_MAX / _HEADROOM < r.out_amax <= FP16_MAX]
+    )
     near = [n for n in near if n not in overflow]
     if not near:
         return None
@@ -143,12 +161,11 @@ def _grad_overflow(ranges: list[ModuleRange], grad_max: float) -> Finding | None
         "every fp16 step overflows whatever the scale, so the scaler backs off until it collapses.",
         evidence={"grad_amax": grad_max, "modules": names},
         fix="Use precision='bf16' (fp32's range), or reduce the loss magnitude (mean instead of "
-            "sum reduction, smaller loss weights).",
+        "sum reduction, smaller loss weights).",
     )
 
 
-def _grad_underflow(ranges: list[ModuleRange], scale: float, grad_max: float
-                    ) -> Finding | None:
+def _grad_underflow(ranges: list[ModuleRange], scale: float, grad_max: float) -> Finding | None:
     if grad_max > FP16_MAX or not ranges:
         return None
     frac = {r.name: r.grad_flushed_fraction(scale) for r in ranges}
@@ -161,8 +178,11 @@ def _grad_underflow(ranges: list[ModuleRange], scale: float, grad_max: float
         f"At loss scale {scale:g} (the largest that keeps the gradients of "
         f"{limiter or '<root>'!r}, max {grad_max:.3g}, finite) fp16 flushes most gradient values "
         f"of {', '.join(map(repr, names[:8]))} to zero: those weights stop learning.",
-        evidence={"scale": scale, "limited_by": limiter,
-                  "flushed_fraction": {n: round(frac[n], 4) for n in names}},
+        evidence={
+            "scale": scale,
+            "limited_by": limiter,
+            "flushed_fraction": {n: round(frac[n], 4) for n in names},
+        },
         fix="Use precision='bf16'; fp16's 40 binades cannot hold these gradients at one scale.",
     )
 
@@ -182,8 +202,11 @@ def _act_underflow(probe: ProbeResult) -> Finding | None:
 
 
 def _saturated(probe: ProbeResult) -> dict[str, float]:
-    return {r.name: round(r.saturated_fraction(), 4) for r in probe.ordered()
-            if r.saturated_fraction() > _SATURATED_SHARE}
+    return {
+        r.name: round(r.saturated_fraction(), 4)
+        for r in probe.ordered()
+        if r.saturated_fraction() > _SATURATED_SHARE
+    }
 
 
 def merge_saturation(findings: list[Finding], probe: ProbeResult) -> list[Finding]:
@@ -192,20 +215,25 @@ def merge_saturation(findings: list[Finding], probe: ProbeResult) -> list[Findin
     if not sat:
         return findings
     out = [f for f in findings if f.code != "AG321"]
-    out.append(make(
-        "AG321",
-        f"In the probe, {', '.join(f'{n!r} ({v:.0%})' for n, v in sat.items())} of the outputs "
-        "are below 1 in fp32 but round to exactly +-1 in fp16: their gradient is zero there and "
-        "log(1 - p) is -inf.",
-        severity="warning", title=lookup("AG321").title + " round to 1 in fp16",
-        evidence={"saturated_fraction": sat},
-        fix=f"Keep them in fp32 (keep_fp32={sorted(sat)!r}) and compute losses from logits.",
-    ))
+    out.append(
+        make(
+            "AG321",
+            f"In the probe, {', '.join(f'{n!r} ({v:.0%})' for n, v in sat.items())} of the outputs "
+            "are below 1 in fp32 but round to exactly +-1 in fp16: their gradient is zero there "
+            "and "
+            "log(1 - p) is -inf.",
+            severity="warning",
+            title=lookup("AG321").title + " round to 1 in fp16",
+            evidence={"saturated_fraction": sat},
+            fix=f"Keep them in fp32 (keep_fp32={sorted(sat)!r}) and compute losses from logits.",
+        )
+    )
     return out
 
 
-def _plan(model: nn.Module, probe: ProbeResult, overflow: list[str], found: list[Finding],
-          scale: float) -> Finding:
+def _plan(
+    model: nn.Module, probe: ProbeResult, overflow: list[str], found: list[Finding], scale: float
+) -> Finding:
     """AG331: bf16 when fp16's range cannot hold the values, else fp16 (+ keep_fp32 list)."""
     bf16 = supports_bf16(next((p.device.type for p in model.parameters()), "cpu"))
     range_codes = {f.code for f in found} & {"AG328", "AG329", "AG330"}
@@ -215,13 +243,18 @@ def _plan(model: nn.Module, probe: ProbeResult, overflow: list[str], found: list
     if bf16 and (range_codes or many):
         precision = "bf16"
         keep = [n for n in keep if n not in overflow]  # bf16 has fp32's range
-        why = ("fp16's range cannot hold this model's values at one loss scale" if range_codes
-               else f"{len(overflow)} modules overflow fp16")
+        why = (
+            "fp16's range cannot hold this model's values at one loss scale"
+            if range_codes
+            else f"{len(overflow)} modules overflow fp16"
+        )
     else:
         precision = "fp16"
-        why = ("a few modules overflow or saturate in fp16; running them in fp32 keeps the rest "
-               "fast" if keep else "no probed value leaves fp16's range"
-               + (" (bf16 fits too)" if bf16 else ""))
+        why = (
+            "a few modules overflow or saturate in fp16; running them in fp32 keeps the rest fast"
+            if keep
+            else "no probed value leaves fp16's range" + (" (bf16 fits too)" if bf16 else "")
+        )
     args = [f"precision={precision!r}"] + ([f"keep_fp32={keep!r}"] if keep else [])
     if probe.loss is None:
         scale_text = "Gradients were not probed (pass loss_fn)."
@@ -232,8 +265,13 @@ def _plan(model: nn.Module, probe: ProbeResult, overflow: list[str], found: list
     return make(
         "AG331",
         f"Recommended {precision}{f' with keep_fp32={keep!r}' if keep else ''}: {why}. "
-        + scale_text, detail=precision + (" with keep_fp32" if keep else ""),
-        evidence={"precision": precision, "keep_fp32": keep,
-                  "usable_scale": None if probe.loss is None else scale, "bf16_supported": bf16},
+        + scale_text,
+        detail=precision + (" with keep_fp32" if keep else ""),
+        evidence={
+            "precision": precision,
+            "keep_fp32": keep,
+            "usable_scale": None if probe.loss is None else scale,
+            "bf16_supported": bf16,
+        },
         fix=f"ag.Guard(model, optimizer, {', '.join(args)})",
     )

@@ -70,20 +70,36 @@ def judge_fp8(cmp: Any, plan: Any) -> None:
         fix = ""
     elif like.get("fp8_planned"):
         verdict = "fp8_keep_layers"
-        text = (f"fp8 on every eligible Linear does not train like bf16 ({results['fp8'].reason})"
-                f"; with the plan's filter it does ({results['fp8_planned'].reason}).")
-        fix = (f"Keep these layers out of fp8: {names}: ag.Guard(model, optimizer, "
-               "precision='fp8', fp8_plan=ag.fp8_plan(model, loss_fn, batch)).")
+        text = (
+            f"fp8 on every eligible Linear does not train like bf16 ({results['fp8'].reason})"
+            f"; with the plan's filter it does ({results['fp8_planned'].reason})."
+        )
+        fix = (
+            f"Keep these layers out of fp8: {names}: ag.Guard(model, optimizer, "
+            "precision='fp8', fp8_plan=ag.fp8_plan(model, loss_fn, batch))."
+        )
     else:
         verdict = "fp8_fails"
-        text = "No fp8 variant trains like bf16: " + "; ".join(
-            f"{r.name}: {r.reason}" for r in runs) + f". bf16: {bf16.reason}."
-        fix = (f"Keep these layers out of fp8: {names} (the plan's verdicts), and if fp8 still "
-               "does not match bf16, train in bf16." if keep else "Train in bf16.")
+        text = (
+            "No fp8 variant trains like bf16: "
+            + "; ".join(f"{r.name}: {r.reason}" for r in runs)
+            + f". bf16: {bf16.reason}."
+        )
+        fix = (
+            f"Keep these layers out of fp8: {names} (the plan's verdicts), and if fp8 still "
+            "does not match bf16, train in bf16."
+            if keep
+            else "Train in bf16."
+        )
     code = FP8_CODES[verdict]
-    cmp.extra["fp8"] = {"verdict": verdict, "code": code, "explanation": text, "fix": fix,
-                        "keep_bf16": keep,
-                        "plan": None if plan is None else plan.to_dict()}
+    cmp.extra["fp8"] = {
+        "verdict": verdict,
+        "code": code,
+        "explanation": text,
+        "fix": fix,
+        "keep_bf16": keep,
+        "plan": None if plan is None else plan.to_dict(),
+    }
     if results["fp32"].trained and not any(n in results for n in _FP16):
         cmp.verdict, cmp.explanation, cmp.fix = verdict, text, fix
 
@@ -93,8 +109,11 @@ def fp8_lines(cmp: Any) -> list[str]:
     info = cmp.extra.get("fp8")
     if not info:
         return []
-    gaps = [f"{r.name} {r.gap_to_bf16:+.4g}" for n, r in cmp.variants.items()
-            if n in FP8_VARIANTS and r.gap_to_bf16 is not None]
+    gaps = [
+        f"{r.name} {r.gap_to_bf16:+.4g}"
+        for n, r in cmp.variants.items()
+        if n in FP8_VARIANTS and r.gap_to_bf16 is not None
+    ]
     out = [f"fp8 final loss gap to bf16: {', '.join(gaps)}" if gaps else ""]
     if info["verdict"] != cmp.verdict:
         out += [f"fp8 verdict: {info['verdict']} ({info['code']})", info["explanation"]]

@@ -19,11 +19,22 @@ from ampguard._util.atomic import write_text
 
 __all__ = ["write_report", "plots"]
 
-_COLORS = {"fp32": "#222222", "fp16_dynamic": "#1f77b4", "fp16_fixed": "#2ca02c",
-           "bf16": "#9467bd", "fp16_noscaler": "#d62728"}
-_VERDICT_COLORS = {"amp_ok": "#e6f4ea", "dynamic_scale_conflict": "#fff4e5",
-                   "fp16_range": "#fde8e8", "model_problem": "#fde8e8",
-                   "fp8_ok": "#e6f4ea", "fp8_keep_layers": "#fff4e5", "fp8_fails": "#fde8e8"}
+_COLORS = {
+    "fp32": "#222222",
+    "fp16_dynamic": "#1f77b4",
+    "fp16_fixed": "#2ca02c",
+    "bf16": "#9467bd",
+    "fp16_noscaler": "#d62728",
+}
+_VERDICT_COLORS = {
+    "amp_ok": "#e6f4ea",
+    "dynamic_scale_conflict": "#fff4e5",
+    "fp16_range": "#fde8e8",
+    "model_problem": "#fde8e8",
+    "fp8_ok": "#e6f4ea",
+    "fp8_keep_layers": "#fff4e5",
+    "fp8_fails": "#fde8e8",
+}
 _CSS = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;
 text-align:right}th{background:#f4f4f4}.t{text-align:left}
@@ -54,18 +65,33 @@ def plots(cmp: Any) -> dict[str, str]:
     loss_fig, dev_fig = Figure(figsize=(9, 4)), Figure(figsize=(9, 3.2))
     ax, dx = loss_fig.add_subplot(), dev_fig.add_subplot()
     for k, (name, r) in enumerate(cmp.variants.items()):
-        style: dict[str, Any] = {"color": _COLORS.get(name), "lw": 2.2 if name == "fp32" else 1.2,
-                 "ls": "-" if name == "fp32" else (0, (4, 1 + k))}
-        ax.plot(range(1, len(r.losses) + 1),
-                [x if math.isfinite(x) else math.nan for x in r.losses], label=name, **style)
+        style: dict[str, Any] = {
+            "color": _COLORS.get(name),
+            "lw": 2.2 if name == "fp32" else 1.2,
+            "ls": "-" if name == "fp32" else (0, (4, 1 + k)),
+        }
+        ax.plot(
+            range(1, len(r.losses) + 1),
+            [x if math.isfinite(x) else math.nan for x in r.losses],
+            label=name,
+            **style,
+        )
         _marks(ax, r, k, style["color"])
         if name != "fp32":
-            dev = [abs(x - b) / max(abs(b), 1e-12) if math.isfinite(x) and math.isfinite(b)
-                   else math.nan for x, b in zip(r.losses, base, strict=False)]
-            dx.plot(range(1, len(dev) + 1), [d if d > 0 else math.nan for d in dev],
-                    label=name, **style)
-    ax.set(xlabel="step", ylabel="loss",
-           title="Loss per variant (same weights and data; x: non-finite, |: skipped)")
+            dev = [
+                abs(x - b) / max(abs(b), 1e-12)
+                if math.isfinite(x) and math.isfinite(b)
+                else math.nan
+                for x, b in zip(r.losses, base, strict=False)
+            ]
+            dx.plot(
+                range(1, len(dev) + 1), [d if d > 0 else math.nan for d in dev], label=name, **style
+            )
+    ax.set(
+        xlabel="step",
+        ylabel="loss",
+        title="Loss per variant (same weights and data; x: non-finite, |: skipped)",
+    )
     dx.set(xlabel="step", ylabel="|loss - fp32| / |fp32|", title="Deviation from fp32")
     if positive:
         ax.set_yscale("log")
@@ -94,21 +120,45 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _table(cmp: Any) -> str:
-    head = ("variant", "what", "trained", "why", "skipped", "final scale", "max rel. dev.",
-            "throughput vs fp32")
+    head = (
+        "variant",
+        "what",
+        "trained",
+        "why",
+        "skipped",
+        "final scale",
+        "max rel. dev.",
+        "throughput vs fp32",
+    )
     rows = []
     for r in cmp.variants.values():
         trained = "yes" if r.trained else '<span class="no">no</span>'
-        cells = (html.escape(r.name), html.escape(r.description), trained,
-                 html.escape(r.reason + (f" ({r.error})" if r.error and r.error not in r.reason
-                                         else "")),
-                 str(r.skipped), _fmt(r.final_scale, "g"), _fmt(r.max_rel_dev, ".3g"),
-                 f"{r.throughput_ratio:.2f}x")
-        rows.append("<tr>" + "".join(f'<td{" class=t" if i in (0, 1, 3) else ""}>{c}</td>'
-                                     for i, c in enumerate(cells)) + "</tr>")
-    return ("<table><tr>" + "".join(f'<th{" class=t" if i in (0, 1, 3) else ""}>{h}</th>'
-                                    for i, h in enumerate(head)) + "</tr>"
-            + "".join(rows) + "</table>")
+        cells = (
+            html.escape(r.name),
+            html.escape(r.description),
+            trained,
+            html.escape(
+                r.reason + (f" ({r.error})" if r.error and r.error not in r.reason else "")
+            ),
+            str(r.skipped),
+            _fmt(r.final_scale, "g"),
+            _fmt(r.max_rel_dev, ".3g"),
+            f"{r.throughput_ratio:.2f}x",
+        )
+        rows.append(
+            "<tr>"
+            + "".join(
+                f"<td{' class=t' if i in (0, 1, 3) else ''}>{c}</td>" for i, c in enumerate(cells)
+            )
+            + "</tr>"
+        )
+    return (
+        "<table><tr>"
+        + "".join(f"<th{' class=t' if i in (0, 1, 3) else ''}>{h}</th>" for i, h in enumerate(head))
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def render(cmp: Any) -> str:
@@ -116,8 +166,9 @@ def render(cmp: Any) -> str:
     finding = cmp.finding()
     try:
         images = plots(cmp)
-        figs = "".join(f'<p><img alt="{k}" src="data:image/png;base64,{v}"></p>'
-                       for k, v in images.items())
+        figs = "".join(
+            f'<p><img alt="{k}" src="data:image/png;base64,{v}"></p>' for k, v in images.items()
+        )
     except ImportError:
         figs = "<p>Plots need matplotlib: <code>pip install 'ampguard[report]'</code>.</p>"
     diag = ""
@@ -125,8 +176,7 @@ def render(cmp: Any) -> str:
         from ampguard.experiments._verdict import explain
 
         text = explain(cmp.diagnosis) or cmp.locate_error or "no diagnosis"
-        diag = (f"<h2>First failing batch: #{cmp.failing_batch}</h2>"
-                f"<pre>{html.escape(text)}</pre>")
+        diag = f"<h2>First failing batch: #{cmp.failing_batch}</h2><pre>{html.escape(text)}</pre>"
     fix = f"<p><b>Fix:</b> <code>{html.escape(cmp.fix)}</code></p>" if cmp.fix else ""
     bg = _VERDICT_COLORS[cmp.verdict]
     return (

@@ -30,8 +30,18 @@ _HIST_OFFSET = 160  # fp32 exponents from frexp lie in [-148, 129]
 _HIST_BINS = 300
 _SMOOTH_SATURATING = (nn.Sigmoid, nn.Tanh, nn.Softsign)
 # modules whose ops autocast runs in fp16, casting an fp32 input down (matmul/conv families)
-_FP16_CASTING = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
-                 nn.ConvTranspose2d, nn.ConvTranspose3d, nn.MultiheadAttention, nn.RNNBase)
+_FP16_CASTING = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.MultiheadAttention,
+    nn.RNNBase,
+)
 
 
 @dataclass
@@ -131,7 +141,9 @@ class _Recorder:
             has_params = any(True for _ in module.parameters(recurse=False))
             custom = not type(module).__module__.startswith("torch.")
             self.ranges[name] = ModuleRange(
-                name=name, order=len(self.ranges), has_params=has_params,
+                name=name,
+                order=len(self.ranges),
+                has_params=has_params,
                 leaf=not any(True for _ in module.children()),
                 casts_fp16=isinstance(module, _FP16_CASTING) or (has_params and custom),
             )
@@ -218,8 +230,9 @@ def _restored(model: nn.Module) -> Iterator[None]:
                 p.grad = g
 
 
-def run_probe(model: nn.Module, batch: Any,
-              loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None) -> ProbeResult:
+def run_probe(
+    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None
+) -> ProbeResult:
     """Run ``loss_fn(model, batch)`` (or ``model(batch)``) in fp32 with range hooks; then backward.
 
     Without ``loss_fn`` only the forward is probed (no gradient ranges).

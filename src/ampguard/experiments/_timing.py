@@ -48,6 +48,7 @@ class StepClock:
         if self._start is None or not self._times:
             return 0.0, 0, math.nan
         total = time.perf_counter() - self._start
-        per_step = (total / len(self._times) if self._device != "cpu"
-                    else statistics.median(self._times))
+        per_step = (
+            total / len(self._times) if self._device != "cpu" else statistics.median(self._times)
+        )
         return total, len(self._times), per_step

@@ -17,14 +17,32 @@ from ampguard._util.jsonnum import finite_or_none as json_float
 from ampguard.experiments._fp8 import FP8_CODES as _FP8_CODES
 from ampguard.experiments._fp8 import fp8_lines
 
-__all__ = ["VERDICTS", "CODES", "judge", "summary", "explain", "add_diagnosis", "finite",
-           "json_float"]
+__all__ = [
+    "VERDICTS",
+    "CODES",
+    "judge",
+    "summary",
+    "explain",
+    "add_diagnosis",
+    "finite",
+    "json_float",
+]
 
-VERDICTS = ("amp_ok", "dynamic_scale_conflict", "fp16_range", "model_problem",
-            "fp8_ok", "fp8_keep_layers", "fp8_fails")  # fp8: ampguard.experiments._fp8
+VERDICTS = (
+    "amp_ok",
+    "dynamic_scale_conflict",
+    "fp16_range",
+    "model_problem",
+    "fp8_ok",
+    "fp8_keep_layers",
+    "fp8_fails",
+)  # fp8: ampguard.experiments._fp8
 CODES = {  # verdict -> finding code (title and severity: ampguard.findings.codes.CATALOGUE)
-    "amp_ok": "AG333", "dynamic_scale_conflict": "AG334", "fp16_range": "AG335",
-    "model_problem": "AG336", **_FP8_CODES,
+    "amp_ok": "AG333",
+    "dynamic_scale_conflict": "AG334",
+    "fp16_range": "AG335",
+    "model_problem": "AG336",
+    **_FP8_CODES,
 }
 MAX_SKIP_FRACTION = 0.25
 TAIL_RTOL = 0.25
@@ -129,33 +147,50 @@ def _explain(verdict: str, results: dict[str, Any]) -> tuple[str, str]:
     base = results["fp32"]
     dyn, fixed, bf16 = (results.get(n) for n in ("fp16_dynamic", "fp16_fixed", "bf16"))
     if verdict == "model_problem":
-        return (f"fp32 fails too ({base.reason}): this is not an AMP problem.",
-                "Fix the model or data first: lower the learning rate, check inputs and "
-                "initialisation; ampguard.locate(model, loss_fn, batch, precision='fp32') names "
-                "the first non-finite op.")
+        return (
+            f"fp32 fails too ({base.reason}): this is not an AMP problem.",
+            "Fix the model or data first: lower the learning rate, check inputs and "
+            "initialisation; ampguard.locate(model, loss_fn, batch, precision='fp32') names "
+            "the first non-finite op.",
+        )
     if verdict == "amp_ok":
         r = dyn or next((r for n, r in results.items() if n != "fp32" and r.trained), base)
-        failed = "".join(f" {f.name} fails ({f.reason})." for f in results.values()
-                         if not f.trained)
-        return (f"{r.name} trains like fp32 ({r.reason}; max relative loss deviation "
-                f"{r.max_rel_dev:.3g}; {r.throughput_ratio:.2f}x fp32 throughput).{failed}", "")
+        failed = "".join(
+            f" {f.name} fails ({f.reason})." for f in results.values() if not f.trained
+        )
+        return (
+            f"{r.name} trains like fp32 ({r.reason}; max relative loss deviation "
+            f"{r.max_rel_dev:.3g}; {r.throughput_ratio:.2f}x fp32 throughput).{failed}",
+            "",
+        )
     if verdict == "dynamic_scale_conflict" and dyn is not None and fixed is not None:
-        return (f"fp16 with dynamic scaling fails ({dyn.reason}; final scale "
-                f"{dyn.final_scale:g}) while a fixed scale of 64 trains ({fixed.reason}): the "
-                "gradients overflow at the scale levels the dynamic scaler probes, and every "
-                "probe costs a skipped step.",
-                "Start and cap the scale where it trains and probe rarely: ag.ScalerConfig("
-                "init_scale=64.0, max_scale=64.0) or a longer growth_interval (e.g. 2000+).")
+        return (
+            f"fp16 with dynamic scaling fails ({dyn.reason}; final scale "
+            f"{dyn.final_scale:g}) while a fixed scale of 64 trains ({fixed.reason}): the "
+            "gradients overflow at the scale levels the dynamic scaler probes, and every "
+            "probe costs a skipped step.",
+            "Start and cap the scale where it trains and probe rarely: ag.ScalerConfig("
+            "init_scale=64.0, max_scale=64.0) or a longer growth_interval (e.g. 2000+).",
+        )
     failed = next(r for r in (fixed, dyn, *results.values()) if r is not None and not r.trained)
     bf_ok = bf16 is not None and bf16.trained
     bf = "bf16 trains" if bf_ok else "bf16 fails too" if bf16 is not None else "bf16 was not run"
-    fix = ("Use precision='bf16' (fp32's range), or keep the overflowing modules in fp32: "
-           "Guard(..., keep_fp32=[...]).") if bf16 is None or bf_ok else (
-           "Keep the overflowing modules in fp32 (Guard(..., keep_fp32=[...]); ampguard.locate "
-           "names them), or train in fp32.")
-    return (f"{failed.description} fails ({failed.reason}) while fp32 trains; {bf}. "
-            "Values leave fp16's range (max 65504), which no loss scale fixes.",
-            fix)
+    fix = (
+        (
+            "Use precision='bf16' (fp32's range), or keep the overflowing modules in fp32: "
+            "Guard(..., keep_fp32=[...])."
+        )
+        if bf16 is None or bf_ok
+        else (
+            "Keep the overflowing modules in fp32 (Guard(..., keep_fp32=[...]); ampguard.locate "
+            "names them), or train in fp32."
+        )
+    )
+    return (
+        f"{failed.description} fails ({failed.reason}) while fp32 trains; {bf}. "
+        "Values leave fp16's range (max 65504), which no loss scale fixes.",
+        fix,
+    )
 
 
 def explain(diagnosis: Any) -> str | None:
@@ -172,19 +207,38 @@ def add_diagnosis(cmp: Any) -> None:
     cmp.explanation += f" locate on batch #{cmp.failing_batch}: {explain(diag)}"
     module = getattr(diag, "module", None)
     if getattr(diag, "kind", None) in ("fp16_overflow", "fp16_underflow") and module is not None:
-        cmp.fix = (f"Keep {module or '<root>'!r} in fp32: ag.Guard(..., keep_fp32=[{module!r}]), "
-                   "or use precision='bf16'.")
+        cmp.fix = (
+            f"Keep {module or '<root>'!r} in fp32: ag.Guard(..., keep_fp32=[{module!r}]), "
+            "or use precision='bf16'."
+        )
 
 
 def summary(cmp: Any) -> str:
     """Plain-text table of the variants, then the verdict, explanation and fix."""
-    rows = [("variant", "trained", "skipped", "final scale", "max rel dev", "speed vs fp32",
-             "final loss")]
+    rows = [
+        (
+            "variant",
+            "trained",
+            "skipped",
+            "final scale",
+            "max rel dev",
+            "speed vs fp32",
+            "final loss",
+        )
+    ]
     for r in cmp.variants.values():
         _, tail = _head_tail(r.losses) if r.losses else (math.nan, math.nan)
-        rows.append((r.name, "yes" if r.trained else "NO", str(r.skipped),
-                     "-" if r.final_scale is None else f"{r.final_scale:g}",
-                     f"{r.max_rel_dev:.3g}", f"{r.throughput_ratio:.2f}x", f"{tail:.4g}"))
+        rows.append(
+            (
+                r.name,
+                "yes" if r.trained else "NO",
+                str(r.skipped),
+                "-" if r.final_scale is None else f"{r.final_scale:g}",
+                f"{r.max_rel_dev:.3g}",
+                f"{r.throughput_ratio:.2f}x",
+                f"{tail:.4g}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     code = CODES[cmp.verdict]

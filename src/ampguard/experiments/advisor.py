@@ -31,13 +31,26 @@ __all__ = ["inspect_model"]
 
 _BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _SATURATING = (nn.Sigmoid, nn.Tanh, nn.Softsign, nn.Hardsigmoid, nn.Hardtanh)
-_ADAM_LIKE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "RMSprop",
-              "Adadelta")
+_ADAM_LIKE = (
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "SparseAdam",
+    "Adagrad",
+    "RMSprop",
+    "Adadelta",
+)
 
 
-def inspect_model(model: nn.Module | Any, batch: Any = None,
-                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, *,
-                  optimizer: torch.optim.Optimizer | None = None) -> list[Finding]:
+def inspect_model(
+    model: nn.Module | Any,
+    batch: Any = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> list[Finding]:
     """Static AMP checks of ``model`` and, given ``batch``, an fp32 probe with a precision plan.
 
     ``loss_fn(model, batch) -> scalar loss`` enables the gradient checks; without it the batch is
@@ -75,27 +88,35 @@ def _unpack(model: Any, batch: Any, loss_fn: Any, optimizer: Any) -> tuple:
         if batch is None:
             batch = next(iter(exp.batches), None)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or an ampguard.Experiment, "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a torch.nn.Module or an ampguard.Experiment, got {type(model).__name__}"
+        )
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got "
-                        f"{type(loss_fn).__name__}")
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}"
+        )
     if loss_fn is not None and batch is None:
         raise ValueError("loss_fn was given without a batch: pass batch= to probe the model")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     return model, batch, loss_fn, optimizer
 
 
 # ----------------------------------------------------------------------------- static checks
 
 
-def _static_findings(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     functions: dict[type, list[str]]) -> list[Finding]:
+def _static_findings(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, functions: dict[type, list[str]]
+) -> list[Finding]:
     """The checks that need no data: module types, parameter dtypes, optimizer settings."""
-    out = [_batchnorm_heavy(model), _saturating(model), _half_modules(model),
-           _custom_function_finding(functions)]
+    out = [
+        _batchnorm_heavy(model),
+        _saturating(model),
+        _half_modules(model),
+        _custom_function_finding(functions),
+    ]
     if optimizer is not None:
         out += [_fp16_optimizer_params(optimizer), _adam_eps(optimizer)]
     return [f for f in out if f is not None]
@@ -114,7 +135,7 @@ def _batchnorm_heavy(model: nn.Module) -> Finding | None:
         "skipped that step.",
         evidence={"modules": bns[:20], "count": len(bns)},
         fix="Prefer precision='bf16'; under fp16 keep BatchNorm in fp32 "
-            f"(keep_fp32={bns[:8]!r}) and check running stats for non-finite values.",
+        f"(keep_fp32={bns[:8]!r}) and check running stats for non-finite values.",
     )
 
 
@@ -129,7 +150,7 @@ def _saturating(model: nn.Module) -> Finding | None:
         "than in fp32.",
         evidence={"modules": names[:20]},
         fix="Compute losses from logits (BCEWithLogits, log_softmax) and keep these modules in "
-            "fp32 (keep_fp32) if their inputs are large; bf16 has the same rounding near 1.",
+        "fp32 (keep_fp32) if their inputs are large; bf16 has the same rounding near 1.",
     )
 
 
@@ -162,7 +183,7 @@ def _fp16_optimizer_params(optimizer: torch.optim.Optimizer) -> Finding | None:
         "'Attempting to unscale FP16 gradients'; without it, gradients underflow unscaled.",
         evidence={"fp16_params": int(n)},
         fix="Keep parameters in float32 (remove .half()) and train with ag.Guard(precision="
-            "'fp16'), or use precision='bf16'.",
+        "'fp16'), or use precision='bf16'.",
     )
 
 
@@ -183,7 +204,7 @@ def _adam_eps(optimizer: torch.optim.Optimizer) -> Finding | None:
         "value, so sqrt(v) + eps can be exactly 0 and the update divides by zero (inf/NaN).",
         evidence={"groups": bad},
         fix="Keep parameters and optimizer state in float32 (autocast handles the math), or raise "
-            "eps to at least 1e-4 for half-precision states.",
+        "eps to at least 1e-4 for half-precision states.",
     )
 
 
@@ -212,16 +233,21 @@ def _functions_in(code: Any, env: dict[str, Any]) -> list[Any]:
     out = []
     for n in names:
         obj = env.get(n)
-        deeper = (isinstance(obj, types.ModuleType)
-                  and obj.__name__.split(".")[0] not in ("torch", "ampguard"))
+        deeper = isinstance(obj, types.ModuleType) and obj.__name__.split(".")[0] not in (
+            "torch",
+            "ampguard",
+        )
         candidates = [obj] + ([getattr(obj, a, None) for a in names] if deeper else [])
         out += [c for c in candidates if _is_custom_function(c) and c not in out]
     return out
 
 
 def _is_custom_function(obj: Any) -> bool:
-    return (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
-            and not obj.__module__.startswith("torch."))
+    return (
+        isinstance(obj, type)
+        and issubclass(obj, torch.autograd.Function)
+        and not obj.__module__.startswith("torch.")
+    )
 
 
 def _is_amp_decorated(fn: Any, kind: str) -> bool:
@@ -232,9 +258,11 @@ def _is_amp_decorated(fn: Any, kind: str) -> bool:
 def _custom_function_finding(functions: dict[Any, list[str]]) -> Finding | None:
     """AG322 for Functions (named in a module's forward, or seen in the probe's autograd graph)
     whose forward/backward lack ``torch.amp.custom_fwd``/``custom_bwd``."""
-    bad = {cls: where for cls, where in functions.items()
-           if not (_is_amp_decorated(cls.forward, "fwd")
-                   and _is_amp_decorated(cls.backward, "bwd"))}
+    bad = {
+        cls: where
+        for cls, where in functions.items()
+        if not (_is_amp_decorated(cls.forward, "fwd") and _is_amp_decorated(cls.backward, "bwd"))
+    }
     if not bad:
         return None
     names = [f"{c.__module__}.{c.__qualname__}" for c in bad]
@@ -247,5 +275,5 @@ def _custom_function_finding(functions: dict[Any, list[str]]) -> Finding | None:
         "Half but found Float') or silently runs in the wrong dtype.",
         evidence={"functions": names, "modules": modules},
         fix="Decorate forward with @torch.amp.custom_fwd(device_type=...) (cast_inputs="
-            "torch.float32 if it needs fp32) and backward with @torch.amp.custom_bwd(...).",
+        "torch.float32 if it needs fp32) and backward with @torch.amp.custom_bwd(...).",
     )

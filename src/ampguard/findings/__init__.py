@@ -53,8 +53,10 @@ class Finding:
         if not (isinstance(self.code, str) and self.code.startswith("AG")):
             raise ValueError(f"code must be an 'AGnnn' string, got {self.code!r}")
         if self.code not in CATALOGUE:
-            raise ValueError(f"finding code {self.code!r} is not in ampguard's catalogue "
-                             "(ampguard.findings.codes.CATALOGUE): add it there first")
+            raise ValueError(
+                f"finding code {self.code!r} is not in ampguard's catalogue "
+                "(ampguard.findings.codes.CATALOGUE): add it there first"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready); ``None`` location fields are left out."""
@@ -72,10 +74,20 @@ class Finding:
         return f"{self.code} [{self.severity}] {self.title}{where}: {self.message}"
 
 
-def make(code: str, message: str, *, severity: str | None = None, title: str | None = None,
-         detail: str | None = None, step: int | None = None,
-         evidence: dict[str, Any] | None = None, fix: str | None = None, path: str | None = None,
-         line: int | None = None, col: int | None = None) -> Finding:
+def make(
+    code: str,
+    message: str,
+    *,
+    severity: str | None = None,
+    title: str | None = None,
+    detail: str | None = None,
+    step: int | None = None,
+    evidence: dict[str, Any] | None = None,
+    fix: str | None = None,
+    path: str | None = None,
+    line: int | None = None,
+    col: int | None = None,
+) -> Finding:
     """A :class:`Finding` of ``code`` with what the catalogue knows filled in.
 
     ``severity``, ``title`` and ``fix`` default to the catalogue's (the severity is the code's
@@ -85,7 +97,15 @@ def make(code: str, message: str, *, severity: str | None = None, title: str | N
     """
     entry = lookup(code)
     head = entry.title if title is None else title
-    return Finding(code, entry.severity if severity is None else severity,
-                   head if detail is None else f"{head}: {detail}", message, step=step,
-                   evidence={} if evidence is None else evidence,
-                   fix=entry.fix if fix is None else fix, path=path, line=line, col=col)
+    return Finding(
+        code,
+        entry.severity if severity is None else severity,
+        head if detail is None else f"{head}: {detail}",
+        message,
+        step=step,
+        evidence={} if evidence is None else evidence,
+        fix=entry.fix if fix is None else fix,
+        path=path,
+        line=line,
+        col=col,
+    )

@@ -24,9 +24,16 @@ from dataclasses import dataclass, replace
 __all__ = ["AREAS", "CATALOGUE", "EXAMPLES", "Code", "lookup"]
 
 AREAS = {
-    "runtime": "telemetry.md", "attach": "integrations.md", "distributed": "distributed.md",
-    "step": "guarded-step.md", "fp8": "fp8.md", "lint": "lint.md", "forensics": "forensics.md",
-    "coverage": "coverage.md", "advisor": "compare.md", "compare": "compare.md",
+    "runtime": "telemetry.md",
+    "attach": "integrations.md",
+    "distributed": "distributed.md",
+    "step": "guarded-step.md",
+    "fp8": "fp8.md",
+    "lint": "lint.md",
+    "forensics": "forensics.md",
+    "coverage": "coverage.md",
+    "advisor": "compare.md",
+    "compare": "compare.md",
 }
 
 
@@ -54,326 +61,677 @@ def _table(*rows: tuple[str, str, str, str, str, str]) -> dict[str, Code]:
 
 CATALOGUE: dict[str, Code] = _table(
     # -- AG1xx: rules over the run log (telemetry) --------------------------------------------
-    ("AG101", "error", "loss scale collapse", "runtime",
-     "a step overflowed at min_scale (error); an overflow left the scale within "
-     "collapse_floor_factor of min_scale, or after warm-up it fell by 2**collapse_halvings "
-     "within collapse_window steps (warning)",
-     "run ag.locate on an overflowing batch; keep the named module in fp32, or use bf16"),
-    ("AG102", "warning", "loss scale oscillation", "runtime",
-     "at least osc_min_cycles grow -> overflow -> back-off cycles after warm-up",
-     "a longer growth_interval, hysteresis=2, or a max_scale just below the level that overflows"),
-    ("AG103", "warning", "high skipped-step rate", "runtime",
-     "after warm-up more than skip_rate of the steps of some skip_window-step window were "
-     "skipped (warning); a run with fewer than skip_min_steps steps after warm-up gets an "
-     "info-level summary of its skips by cause when more than skip_rate of its steps were "
-     "skipped for causes other than warm-up probing, or more than half of them in all",
-     "find the overflowing module (AG101/AG301) or lower max_scale"),
-    ("AG104", "warning", "dead layer", "runtime",
-     "a layer's gradient was exactly zero on dead_steps consecutive sampled applied steps "
-     "while another layer's was not",
-     "check for underflow (AG106) at the scale in use, a detached branch or a frozen layer"),
-    ("AG105", "warning", "fp16 saturation", "runtime",
-     "a layer's largest unscaled gradient came within saturation_factor of 65504",
-     "clip gradients, keep the layer in fp32, or use bf16"),
-    ("AG106", "warning", "gradient underflow", "runtime",
-     "more than underflow_frac of a layer's nonzero gradients fell below fp16's smallest "
-     "normal at the scale in use, on at least half of its range samples",
-     "raise init_scale/max_scale into the layer's safe window, or use bf16"),
-    ("AG107", "warning", "loss scale gap after resume", "runtime",
-     "the resumed scale differs from the one before the interruption by 2**resume_gap_bits or "
-     "more, or was reset to init_scale",
-     "save the Guard's state in checkpoints (ag.save_checkpoint(..., guard=guard)); "
-     "ResumeWarmup ramps the LR while the scale finds its level"),
-    ("AG108", "warning", "bf16 recommended", "runtime",
-     "on bf16_min_samples range samples no fp16 scale held both the small and the large gradients",
-     "train in bf16 where the device supports it"),
-    ("AG109", "warning", "non-finite gradients skipped", "step",
-     "bf16/fp32 windows whose gradients were non-finite were skipped by the Guard; an error once "
-     "ScalerConfig.max_nonfinite_skips of them came in a row",
-     "find the source with ag.locate (data, loss or a diverging model); lower the LR or clip"),
-    ("AG110", "error", "non-finite gradients applied", "attach",
-     "a watched loop without a loss scaler applied an optimizer step on non-finite gradients",
-     "train with ag.Guard (it skips non-finite steps in every precision) or skip such steps"),
-    ("AG111", "warning", "a layer's input or weight leaves the e4m3 window", "fp8",
-     "during fp8 training, on at least half of a converted layer's samples more than the plan's "
-     "limit of its input's or weight's nonzero values flushed to zero in e4m3",
-     "keep the layer in bf16 (ag.fp8_plan + fp8_plan=) or use the rowwise recipe"),
-    ("AG112", "warning", "a layer's output gradient underflows fp8", "fp8",
-     "during fp8 training, on at least half of a converted layer's samples more than the plan's "
-     "limit of its output gradient's nonzero values flushed to zero",
-     "keep the layer in bf16 (ag.fp8_plan + fp8_plan=)"),
+    (
+        "AG101",
+        "error",
+        "loss scale collapse",
+        "runtime",
+        "a step overflowed at min_scale (error); an overflow left the scale within "
+        "collapse_floor_factor of min_scale, or after warm-up it fell by 2**collapse_halvings "
+        "within collapse_window steps (warning)",
+        "run ag.locate on an overflowing batch; keep the named module in fp32, or use bf16",
+    ),
+    (
+        "AG102",
+        "warning",
+        "loss scale oscillation",
+        "runtime",
+        "at least osc_min_cycles grow -> overflow -> back-off cycles after warm-up",
+        "a longer growth_interval, hysteresis=2, or a max_scale just below the level that "
+        "overflows",
+    ),
+    (
+        "AG103",
+        "warning",
+        "high skipped-step rate",
+        "runtime",
+        "after warm-up more than skip_rate of the steps of some skip_window-step window were "
+        "skipped (warning); a run with fewer than skip_min_steps steps after warm-up gets an "
+        "info-level summary of its skips by cause when more than skip_rate of its steps were "
+        "skipped for causes other than warm-up probing, or more than half of them in all",
+        "find the overflowing module (AG101/AG301) or lower max_scale",
+    ),
+    (
+        "AG104",
+        "warning",
+        "dead layer",
+        "runtime",
+        "a layer's gradient was exactly zero on dead_steps consecutive sampled applied steps "
+        "while another layer's was not",
+        "check for underflow (AG106) at the scale in use, a detached branch or a frozen layer",
+    ),
+    (
+        "AG105",
+        "warning",
+        "fp16 saturation",
+        "runtime",
+        "a layer's largest unscaled gradient came within saturation_factor of 65504",
+        "clip gradients, keep the layer in fp32, or use bf16",
+    ),
+    (
+        "AG106",
+        "warning",
+        "gradient underflow",
+        "runtime",
+        "more than underflow_frac of a layer's nonzero gradients fell below fp16's smallest "
+        "normal at the scale in use, on at least half of its range samples",
+        "raise init_scale/max_scale into the layer's safe window, or use bf16",
+    ),
+    (
+        "AG107",
+        "warning",
+        "loss scale gap after resume",
+        "runtime",
+        "the resumed scale differs from the one before the interruption by 2**resume_gap_bits or "
+        "more, or was reset to init_scale",
+        "save the Guard's state in checkpoints (ag.save_checkpoint(..., guard=guard)); "
+        "ResumeWarmup ramps the LR while the scale finds its level",
+    ),
+    (
+        "AG108",
+        "warning",
+        "bf16 recommended",
+        "runtime",
+        "on bf16_min_samples range samples no fp16 scale held both the small and the large "
+        "gradients",
+        "train in bf16 where the device supports it",
+    ),
+    (
+        "AG109",
+        "warning",
+        "non-finite gradients skipped",
+        "step",
+        "bf16/fp32 windows whose gradients were non-finite were skipped by the Guard; an error "
+        "once "
+        "ScalerConfig.max_nonfinite_skips of them came in a row",
+        "find the source with ag.locate (data, loss or a diverging model); lower the LR or clip",
+    ),
+    (
+        "AG110",
+        "error",
+        "non-finite gradients applied",
+        "attach",
+        "a watched loop without a loss scaler applied an optimizer step on non-finite gradients",
+        "train with ag.Guard (it skips non-finite steps in every precision) or skip such steps",
+    ),
+    (
+        "AG111",
+        "warning",
+        "a layer's input or weight leaves the e4m3 window",
+        "fp8",
+        "during fp8 training, on at least half of a converted layer's samples more than the plan's "
+        "limit of its input's or weight's nonzero values flushed to zero in e4m3",
+        "keep the layer in bf16 (ag.fp8_plan + fp8_plan=) or use the rowwise recipe",
+    ),
+    (
+        "AG112",
+        "warning",
+        "a layer's output gradient underflows fp8",
+        "fp8",
+        "during fp8 training, on at least half of a converted layer's samples more than the plan's "
+        "limit of its output gradient's nonzero values flushed to zero",
+        "keep the layer in bf16 (ag.fp8_plan + fp8_plan=)",
+    ),
     # -- AG12x: attach mode (ag.watch and the framework integrations) --------------------------
-    ("AG120", "warning", "skipped-step flag disagrees with the scaler", "attach",
-     "the framework reported skipped steps as applied (or the reverse), e.g. Accelerate or the "
-     "HF Trainer with a fused optimizer, so its LR scheduler advanced on skipped steps",
-     "step the scheduler only on applied steps, or use a non-fused optimizer with the framework"),
-    ("AG121", "info", "attach-mode guard changed the loss scale", "attach",
-     "attach-mode min_scale / max_scale / hysteresis changed the scale",
-     "none needed: the counts show how often the guard acted"),
-    ("AG122", "warning", "fp16 requested but not active", "attach",
-     "fp16 was requested but the framework runs without a loss scaler and fp16 autocast "
-     "on this device (it trains in fp32 or switched to bf16)",
-     "ask for the precision the device supports, or run on a device with fp16"),
+    (
+        "AG120",
+        "warning",
+        "skipped-step flag disagrees with the scaler",
+        "attach",
+        "the framework reported skipped steps as applied (or the reverse), e.g. Accelerate or the "
+        "HF Trainer with a fused optimizer, so its LR scheduler advanced on skipped steps",
+        "step the scheduler only on applied steps, or use a non-fused optimizer with the framework",
+    ),
+    (
+        "AG121",
+        "info",
+        "attach-mode guard changed the loss scale",
+        "attach",
+        "attach-mode min_scale / max_scale / hysteresis changed the scale",
+        "none needed: the counts show how often the guard acted",
+    ),
+    (
+        "AG122",
+        "warning",
+        "fp16 requested but not active",
+        "attach",
+        "fp16 was requested but the framework runs without a loss scaler and fp16 autocast "
+        "on this device (it trains in fp32 or switched to bf16)",
+        "ask for the precision the device supports, or run on a device with fp16",
+    ),
     # -- AG13x: distributed ---------------------------------------------------------------------
-    ("AG130", "error", "ranks out of sync", "distributed",
-     "the cross-rank audit found ranks whose scale, trackers, counters, precision or "
-     "parameter checksum differ",
-     "on_desync='repair' copies rank 0's state; find why the ranks diverged (rank-local code "
-     "paths, non-deterministic data)"),
-    ("AG131", "warning", "overflows start on some ranks only", "distributed",
-     "per-rank counts of non-finite local gradients are far apart",
-     "inspect the data shard and the hardware of the named ranks"),
-    ("AG132", "warning", "non-finite gradients on some ranks", "distributed",
-     "the non-finite-safe DDP hook saw non-finite local gradients on the named ranks",
-     "inspect the named ranks' data; the hook kept the step by dropping them"),
+    (
+        "AG130",
+        "error",
+        "ranks out of sync",
+        "distributed",
+        "the cross-rank audit found ranks whose scale, trackers, counters, precision or "
+        "parameter checksum differ",
+        "on_desync='repair' copies rank 0's state; find why the ranks diverged (rank-local code "
+        "paths, non-deterministic data)",
+    ),
+    (
+        "AG131",
+        "warning",
+        "overflows start on some ranks only",
+        "distributed",
+        "per-rank counts of non-finite local gradients are far apart",
+        "inspect the data shard and the hardware of the named ranks",
+    ),
+    (
+        "AG132",
+        "warning",
+        "non-finite gradients on some ranks",
+        "distributed",
+        "the non-finite-safe DDP hook saw non-finite local gradients on the named ranks",
+        "inspect the named ranks' data; the hook kept the step by dropping them",
+    ),
     # -- AG2xx: lint ------------------------------------------------------------------------------
-    ("AG200", "error", "file could not be parsed", "lint",
-     "a file that does not parse, is not UTF-8 (or its declared encoding), or cannot be read",
-     "fix the syntax or the encoding"),
-    ("AG201", "error", "gradient clipping on scaled gradients", "lint",
-     "clip_grad_norm_/clip_grad_value_ after scaler.scale(loss).backward() with no "
-     "scaler.unscale_(opt) before it in the step",
-     "call scaler.unscale_(optimizer) right before clipping"),
-    ("AG202", "error", "optimizer stepped twice", "lint",
-     "optimizer.step() in the same step as scaler.step(optimizer)",
-     "call only scaler.step(optimizer)"),
-    ("AG203", "warning", "GradScaler used with bfloat16", "lint",
-     "an enabled GradScaler with bf16 autocast (or precision='bf16-mixed', bf16=True) in the "
-     "same scope",
-     "drop the scaler for bf16, or GradScaler(enabled=(dtype == torch.float16))"),
-    ("AG204", "error", "scaler.update() missing or mistimed", "lint",
-     "scaler.step() repeated in a loop with no scaler.update() in between; update() on every "
-     "micro-batch of gradient accumulation",
-     "one update() right after each scaler.step()"),
-    ("AG205", "warning", "checkpoint without GradScaler state", "lint",
-     "torch.save of a dict with model and optimizer state but no scaler.state_dict(), in a file "
-     "that uses a GradScaler",
-     "add 'scaler': scaler.state_dict() and load it on resume"),
-    ("AG206", "warning", "deprecated AMP API", "lint",
-     "torch.cuda.amp.autocast/GradScaler/custom_fwd/custom_bwd, torch.cpu.amp.*",
-     "torch.amp.autocast('cuda', ...), torch.amp.GradScaler('cuda'), torch.amp.custom_fwd"),
-    ("AG207", "warning", "LR scheduler steps on skipped optimizer steps", "lint",
-     "scheduler.step() unconditionally right after scaler.step(...)",
-     "step the scheduler only when the optimizer stepped (StepResult.applied)"),
-    ("AG208", "warning", "unsafe checkpoint load", "lint",
-     "torch.load(..., weights_only=False), or no weights_only on torch < 2.6",
-     "weights_only=True (+ add_safe_globals) or ag.load_checkpoint"),
-    ("AG209", "warning", "log of softmax (numerically fragile loss)", "lint",
-     "torch.log(torch.softmax(x)), x.softmax(-1).log(), log(nn.Softmax(dim)(x))",
-     "log_softmax, cross_entropy"),
-    ("AG210", "error", "binary_cross_entropy / BCELoss inside autocast", "lint",
-     "binary_cross_entropy / nn.BCELoss inside a (non-CPU) autocast region",
-     "binary_cross_entropy_with_logits / BCEWithLogitsLoss on the logits"),
-    ("AG211", "error", "model cast to fp16 while a GradScaler is used", "lint",
-     "model.half() / .to(torch.float16) at module level or in the function that uses a GradScaler",
-     "keep fp32 parameters; autocast runs the ops in fp16"),
-    ("AG212", "warning", "GradScaler in no-grad or evaluation code", "lint",
-     "GradScaler(...) or scaler.scale(...) under no_grad/inference_mode or in evaluation code",
-     "use the scaler only in the training step"),
-    ("AG213", "info", "per-step host sync only for logging", "lint",
-     "a per-step loss.item() / scaler.get_scale() whose value is only logged",
-     "log every N steps, or accumulate on the device"),
-    ("AG214", "warning", "backward inside autocast", "lint",
-     "loss.backward(), scaler.scale(loss).backward(), accelerator.backward or autograd.grad "
-     "without create_graph inside an autocast region",
-     "dedent the backward call out of the with-autocast block: backward ops run in the dtype "
-     "their forward chose"),
+    (
+        "AG200",
+        "error",
+        "file could not be parsed",
+        "lint",
+        "a file that does not parse, is not UTF-8 (or its declared encoding), or cannot be read",
+        "fix the syntax or the encoding",
+    ),
+    (
+        "AG201",
+        "error",
+        "gradient clipping on scaled gradients",
+        "lint",
+        "clip_grad_norm_/clip_grad_value_ after scaler.scale(loss).backward() with no "
+        "scaler.unscale_(opt) before it in the step",
+        "call scaler.unscale_(optimizer) right before clipping",
+    ),
+    (
+        "AG202",
+        "error",
+        "optimizer stepped twice",
+        "lint",
+        "optimizer.step() in the same step as scaler.step(optimizer)",
+        "call only scaler.step(optimizer)",
+    ),
+    (
+        "AG203",
+        "warning",
+        "GradScaler used with bfloat16",
+        "lint",
+        "an enabled GradScaler with bf16 autocast (or precision='bf16-mixed', bf16=True) in the "
+        "same scope",
+        "drop the scaler for bf16, or GradScaler(enabled=(dtype == torch.float16))",
+    ),
+    (
+        "AG204",
+        "error",
+        "scaler.update() missing or mistimed",
+        "lint",
+        "scaler.step() repeated in a loop with no scaler.update() in between; update() on every "
+        "micro-batch of gradient accumulation",
+        "one update() right after each scaler.step()",
+    ),
+    (
+        "AG205",
+        "warning",
+        "checkpoint without GradScaler state",
+        "lint",
+        "torch.save of a dict with model and optimizer state but no scaler.state_dict(), in a file "
+        "that uses a GradScaler",
+        "add 'scaler': scaler.state_dict() and load it on resume",
+    ),
+    (
+        "AG206",
+        "warning",
+        "deprecated AMP API",
+        "lint",
+        "torch.cuda.amp.autocast/GradScaler/custom_fwd/custom_bwd, torch.cpu.amp.*",
+        "torch.amp.autocast('cuda', ...), torch.amp.GradScaler('cuda'), torch.amp.custom_fwd",
+    ),
+    (
+        "AG207",
+        "warning",
+        "LR scheduler steps on skipped optimizer steps",
+        "lint",
+        "scheduler.step() unconditionally right after scaler.step(...)",
+        "step the scheduler only when the optimizer stepped (StepResult.applied)",
+    ),
+    (
+        "AG208",
+        "warning",
+        "unsafe checkpoint load",
+        "lint",
+        "torch.load(..., weights_only=False), or no weights_only on torch < 2.6",
+        "weights_only=True (+ add_safe_globals) or ag.load_checkpoint",
+    ),
+    (
+        "AG209",
+        "warning",
+        "log of softmax (numerically fragile loss)",
+        "lint",
+        "torch.log(torch.softmax(x)), x.softmax(-1).log(), log(nn.Softmax(dim)(x))",
+        "log_softmax, cross_entropy",
+    ),
+    (
+        "AG210",
+        "error",
+        "binary_cross_entropy / BCELoss inside autocast",
+        "lint",
+        "binary_cross_entropy / nn.BCELoss inside a (non-CPU) autocast region",
+        "binary_cross_entropy_with_logits / BCEWithLogitsLoss on the logits",
+    ),
+    (
+        "AG211",
+        "error",
+        "model cast to fp16 while a GradScaler is used",
+        "lint",
+        "model.half() / .to(torch.float16) at module level or in the function that uses a "
+        "GradScaler",
+        "keep fp32 parameters; autocast runs the ops in fp16",
+    ),
+    (
+        "AG212",
+        "warning",
+        "GradScaler in no-grad or evaluation code",
+        "lint",
+        "GradScaler(...) or scaler.scale(...) under no_grad/inference_mode or in evaluation code",
+        "use the scaler only in the training step",
+    ),
+    (
+        "AG213",
+        "info",
+        "per-step host sync only for logging",
+        "lint",
+        "a per-step loss.item() / scaler.get_scale() whose value is only logged",
+        "log every N steps, or accumulate on the device",
+    ),
+    (
+        "AG214",
+        "warning",
+        "backward inside autocast",
+        "lint",
+        "loss.backward(), scaler.scale(loss).backward(), accelerator.backward or autograd.grad "
+        "without create_graph inside an autocast region",
+        "dedent the backward call out of the with-autocast block: backward ops run in the dtype "
+        "their forward chose",
+    ),
     # -- AG30x: forensics ---------------------------------------------------------------------
-    ("AG300", "info", "no non-finite value", "forensics",
-     "ag.locate found the loss and the gradients finite and nothing flushed to zero",
-     "none"),
-    ("AG301", "error", "fp16 overflow", "forensics",
-     "a value is non-finite only in fp16: beyond 65504 in forward, or a gradient even at scale 1",
-     "keep the named module in fp32 (keep_fp32=[...]) or use bf16"),
-    ("AG302", "warning", "fp16 underflow", "forensics",
-     "a layer's gradients are all zero in fp16 but not in fp32",
-     "a larger loss scale, or bf16"),
-    ("AG303", "error", "non-finite in fp32 too (not an AMP problem)", "forensics",
-     "fp32 goes non-finite as well (log of a negative, NaN weights): not an AMP problem",
-     "fix the model or the learning rate"),
-    ("AG304", "error", "the batch holds NaN/inf", "forensics",
-     "the batch holds NaN or inf; the module named is the first that consumed it",
-     "filter or repair the data"),
-    ("AG305", "info", "loss-scale probe overflow (benign)", "forensics",
-     "a backward overflow that is gone at loss scale 1: the scaler probing its level",
-     "none: the scaler backs off by design"),
-    ("AG306", "info", "auto_fallback kept a module in fp32", "forensics",
-     "auto_fallback kept a module that overflowed fp16 in fp32",
-     "add the module to keep_fp32=[...] for the next run"),
+    (
+        "AG300",
+        "info",
+        "no non-finite value",
+        "forensics",
+        "ag.locate found the loss and the gradients finite and nothing flushed to zero",
+        "none",
+    ),
+    (
+        "AG301",
+        "error",
+        "fp16 overflow",
+        "forensics",
+        "a value is non-finite only in fp16: beyond 65504 in forward, or a gradient even at scale "
+        "1",
+        "keep the named module in fp32 (keep_fp32=[...]) or use bf16",
+    ),
+    (
+        "AG302",
+        "warning",
+        "fp16 underflow",
+        "forensics",
+        "a layer's gradients are all zero in fp16 but not in fp32",
+        "a larger loss scale, or bf16",
+    ),
+    (
+        "AG303",
+        "error",
+        "non-finite in fp32 too (not an AMP problem)",
+        "forensics",
+        "fp32 goes non-finite as well (log of a negative, NaN weights): not an AMP problem",
+        "fix the model or the learning rate",
+    ),
+    (
+        "AG304",
+        "error",
+        "the batch holds NaN/inf",
+        "forensics",
+        "the batch holds NaN or inf; the module named is the first that consumed it",
+        "filter or repair the data",
+    ),
+    (
+        "AG305",
+        "info",
+        "loss-scale probe overflow (benign)",
+        "forensics",
+        "a backward overflow that is gone at loss scale 1: the scaler probing its level",
+        "none: the scaler backs off by design",
+    ),
+    (
+        "AG306",
+        "info",
+        "auto_fallback kept a module in fp32",
+        "forensics",
+        "auto_fallback kept a module that overflowed fp16 in fp32",
+        "add the module to keep_fp32=[...] for the next run",
+    ),
     # -- AG31x: autocast coverage ---------------------------------------------------------------
-    ("AG310", "warning", "module escaped autocast", "coverage",
-     "all of a module's matmul-family ops ran in fp32 under autocast",
-     "remove the autocast(enabled=False) / .float() island, or add custom_fwd/custom_bwd"),
-    ("AG311", "warning", "fragile op in half precision", "coverage",
-     "exp/log/pow, softmax or a large reduction ran in fp16/bf16 in the forward pass",
-     "compute it in fp32 (autocast does for most of these: check for a manual .half())"),
+    (
+        "AG310",
+        "warning",
+        "module escaped autocast",
+        "coverage",
+        "all of a module's matmul-family ops ran in fp32 under autocast",
+        "remove the autocast(enabled=False) / .float() island, or add custom_fwd/custom_bwd",
+    ),
+    (
+        "AG311",
+        "warning",
+        "fragile op in half precision",
+        "coverage",
+        "exp/log/pow, softmax or a large reduction ran in fp16/bf16 in the forward pass",
+        "compute it in fp32 (autocast does for most of these: check for a manual .half())",
+    ),
     # -- AG32x-AG33x: advisor and compare -------------------------------------------------------
-    ("AG320", "info", "BatchNorm-heavy model", "advisor",
-     "many BatchNorm layers: one overflowing batch poisons their running statistics",
-     "keep BatchNorm in fp32 or use bf16"),
-    ("AG321", "info", "saturating activations", "advisor",
-     "tanh/sigmoid-like activations; a warning when outputs round to +-1 only in fp16",
-     "keep the activation's module in fp32 or use bf16"),
-    ("AG322", "warning", "custom autograd.Function without custom_fwd/custom_bwd", "advisor",
-     "a custom autograd.Function runs under autocast without torch.amp.custom_fwd/custom_bwd",
-     "decorate forward/backward with torch.amp.custom_fwd/custom_bwd"),
-    ("AG323", "error", "optimizer trains fp16 parameters", "advisor",
-     "the optimizer holds fp16 parameters (GradScaler refuses them)",
-     "keep fp32 master weights; autocast casts the ops"),
-    ("AG324", "error", "optimizer eps rounds to zero in half precision", "advisor",
-     "an Adam-style eps that is zero in the parameters' half precision",
-     "keep fp32 parameters or raise eps"),
-    ("AG325", "warning", "modules already cast to half precision", "advisor",
-     "modules cast with .half() / .to(torch.bfloat16)",
-     "keep fp32 parameters and use autocast"),
-    ("AG326", "error", "fp16 forward overflow predicted", "advisor",
-     "a module's output passes 65504 in the fp32 probe",
-     "keep the named modules in fp32 (keep_fp32=[...]) or use bf16"),
-    ("AG327", "warning", "activations close to fp16's max", "advisor",
-     "activations within 8x of 65504", "watch the module; keep it in fp32 if it grows"),
-    ("AG328", "error", "gradients overflow fp16 even at loss scale 1", "advisor",
-     "gradients past 65504 even at loss scale 1: no scale helps",
-     "bf16, or keep the producing module in fp32"),
-    ("AG329", "warning", "gradients flushed to zero in fp16", "advisor",
-     "gradients flushed to zero at the largest scale that keeps the loudest module finite",
-     "bf16, or keep the loud module in fp32 so the scale can rise"),
-    ("AG330", "warning", "activations flushed to zero in fp16", "advisor",
-     "activations below 2**-25 become zero in fp16", "rescale the inputs or use bf16"),
-    ("AG331", "info", "precision plan", "advisor",
-     "the advisor's recommendation: bf16, or fp16 with a keep_fp32 list and an init_scale hint",
-     "the ag.Guard(...) line in the finding's fix"),
-    ("AG332", "error", "non-finite values already in fp32", "advisor",
-     "the fp32 probe itself is non-finite: not an AMP problem", "fix the model or the data"),
-    ("AG333", "info", "AMP trains like fp32", "compare",
-     "fp16 with dynamic scaling trains like fp32", "none"),
-    ("AG334", "warning", "dynamic loss scaling fails where a fixed small scale trains", "compare",
-     "dynamic scaling fails while a fixed scale trains",
-     "ScalerConfig(init_scale=64, max_scale=64) or a longer growth_interval"),
-    ("AG335", "error", "values leave fp16's range at any loss scale", "compare",
-     "the fixed scale fails too while fp32 trains",
-     "bf16, or keep_fp32=[...] for the module ag.locate names"),
-    ("AG336", "error", "fp32 fails too: not an AMP problem", "compare",
-     "fp32 is non-finite too or its final loss is 100x the first", "fix the LR, data or init"),
-    ("AG337", "info", "fp8 trains like bf16", "compare",
-     "the fp8 variant's final loss is close to bf16's", "none"),
-    ("AG338", "warning", "fp8 trains like bf16 only with some layers kept in bf16", "compare",
-     "naive fp8 misses bf16's loss while fp8 with the plan's filter trains like bf16",
-     "Guard(precision='fp8', fp8_plan=ag.fp8_plan(...)): the plan keeps the named layers in bf16"),
-    ("AG339", "error", "fp8 does not train like bf16", "compare",
-     "neither naive nor planned fp8 trains like bf16", "train in bf16"),
-    ("AG340", "info", "layers ready for fp8", "fp8",
-     "the fp8 plan found layers whose SQNR and flushed shares are within the thresholds",
-     "ag.Guard(model, optimizer, precision='fp8', fp8_plan=plan)"),
-    ("AG341", "warning", "outlier features flush a layer's fp8 input", "fp8",
-     "more than max_input_flushed of a layer's nonzero inputs become zero in e4m3 under the "
-     "recipe's scaling (massive-activation channels set the amax)",
-     "keep the layer in bf16, or the rowwise recipe"),
-    ("AG342", "warning", "a layer's output gradient flushes in fp8", "fp8",
-     "more than max_grad_flushed of the layer's nonzero output gradients become zero",
-     "keep the layer in bf16, or rescale the loss/gradients"),
-    ("AG343", "warning", "a layer's fp8 output is too noisy", "fp8",
-     "the layer's output with fp8 inputs and weight has an SQNR below min_sqnr_db against bf16",
-     "keep the layer in bf16, or the rowwise recipe"),
-    ("AG344", "warning", "a layer's weight flushes in e4m3", "fp8",
-     "more than max_weight_flushed of the weight's nonzero values become zero in e4m3",
-     "keep the layer in bf16, or rescale its initialisation"),
-    ("AG345", "info", "a layer shape fp8 matmuls do not accept", "fp8",
-     "in or out features are not multiples of 16", "it stays in bf16 (nothing to do), or pad it"),
-    ("AG346", "info", "a Linear layer the traced forward never called", "fp8",
-     "the plan's traced step never ran the layer, so it has no measurements",
-     "plan with a batch that exercises the layer; it is kept in bf16 meanwhile"),
+    (
+        "AG320",
+        "info",
+        "BatchNorm-heavy model",
+        "advisor",
+        "many BatchNorm layers: one overflowing batch poisons their running statistics",
+        "keep BatchNorm in fp32 or use bf16",
+    ),
+    (
+        "AG321",
+        "info",
+        "saturating activations",
+        "advisor",
+        "tanh/sigmoid-like activations; a warning when outputs round to +-1 only in fp16",
+        "keep the activation's module in fp32 or use bf16",
+    ),
+    (
+        "AG322",
+        "warning",
+        "custom autograd.Function without custom_fwd/custom_bwd",
+        "advisor",
+        "a custom autograd.Function runs under autocast without torch.amp.custom_fwd/custom_bwd",
+        "decorate forward/backward with torch.amp.custom_fwd/custom_bwd",
+    ),
+    (
+        "AG323",
+        "error",
+        "optimizer trains fp16 parameters",
+        "advisor",
+        "the optimizer holds fp16 parameters (GradScaler refuses them)",
+        "keep fp32 master weights; autocast casts the ops",
+    ),
+    (
+        "AG324",
+        "error",
+        "optimizer eps rounds to zero in half precision",
+        "advisor",
+        "an Adam-style eps that is zero in the parameters' half precision",
+        "keep fp32 parameters or raise eps",
+    ),
+    (
+        "AG325",
+        "warning",
+        "modules already cast to half precision",
+        "advisor",
+        "modules cast with .half() / .to(torch.bfloat16)",
+        "keep fp32 parameters and use autocast",
+    ),
+    (
+        "AG326",
+        "error",
+        "fp16 forward overflow predicted",
+        "advisor",
+        "a module's output passes 65504 in the fp32 probe",
+        "keep the named modules in fp32 (keep_fp32=[...]) or use bf16",
+    ),
+    (
+        "AG327",
+        "warning",
+        "activations close to fp16's max",
+        "advisor",
+        "activations within 8x of 65504",
+        "watch the module; keep it in fp32 if it grows",
+    ),
+    (
+        "AG328",
+        "error",
+        "gradients overflow fp16 even at loss scale 1",
+        "advisor",
+        "gradients past 65504 even at loss scale 1: no scale helps",
+        "bf16, or keep the producing module in fp32",
+    ),
+    (
+        "AG329",
+        "warning",
+        "gradients flushed to zero in fp16",
+        "advisor",
+        "gradients flushed to zero at the largest scale that keeps the loudest module finite",
+        "bf16, or keep the loud module in fp32 so the scale can rise",
+    ),
+    (
+        "AG330",
+        "warning",
+        "activations flushed to zero in fp16",
+        "advisor",
+        "activations below 2**-25 become zero in fp16",
+        "rescale the inputs or use bf16",
+    ),
+    (
+        "AG331",
+        "info",
+        "precision plan",
+        "advisor",
+        "the advisor's recommendation: bf16, or fp16 with a keep_fp32 list and an init_scale hint",
+        "the ag.Guard(...) line in the finding's fix",
+    ),
+    (
+        "AG332",
+        "error",
+        "non-finite values already in fp32",
+        "advisor",
+        "the fp32 probe itself is non-finite: not an AMP problem",
+        "fix the model or the data",
+    ),
+    (
+        "AG333",
+        "info",
+        "AMP trains like fp32",
+        "compare",
+        "fp16 with dynamic scaling trains like fp32",
+        "none",
+    ),
+    (
+        "AG334",
+        "warning",
+        "dynamic loss scaling fails where a fixed small scale trains",
+        "compare",
+        "dynamic scaling fails while a fixed scale trains",
+        "ScalerConfig(init_scale=64, max_scale=64) or a longer growth_interval",
+    ),
+    (
+        "AG335",
+        "error",
+        "values leave fp16's range at any loss scale",
+        "compare",
+        "the fixed scale fails too while fp32 trains",
+        "bf16, or keep_fp32=[...] for the module ag.locate names",
+    ),
+    (
+        "AG336",
+        "error",
+        "fp32 fails too: not an AMP problem",
+        "compare",
+        "fp32 is non-finite too or its final loss is 100x the first",
+        "fix the LR, data or init",
+    ),
+    (
+        "AG337",
+        "info",
+        "fp8 trains like bf16",
+        "compare",
+        "the fp8 variant's final loss is close to bf16's",
+        "none",
+    ),
+    (
+        "AG338",
+        "warning",
+        "fp8 trains like bf16 only with some layers kept in bf16",
+        "compare",
+        "naive fp8 misses bf16's loss while fp8 with the plan's filter trains like bf16",
+        "Guard(precision='fp8', fp8_plan=ag.fp8_plan(...)): the plan keeps the named layers in "
+        "bf16",
+    ),
+    (
+        "AG339",
+        "error",
+        "fp8 does not train like bf16",
+        "compare",
+        "neither naive nor planned fp8 trains like bf16",
+        "train in bf16",
+    ),
+    (
+        "AG340",
+        "info",
+        "layers ready for fp8",
+        "fp8",
+        "the fp8 plan found layers whose SQNR and flushed shares are within the thresholds",
+        "ag.Guard(model, optimizer, precision='fp8', fp8_plan=plan)",
+    ),
+    (
+        "AG341",
+        "warning",
+        "outlier features flush a layer's fp8 input",
+        "fp8",
+        "more than max_input_flushed of a layer's nonzero inputs become zero in e4m3 under the "
+        "recipe's scaling (massive-activation channels set the amax)",
+        "keep the layer in bf16, or the rowwise recipe",
+    ),
+    (
+        "AG342",
+        "warning",
+        "a layer's output gradient flushes in fp8",
+        "fp8",
+        "more than max_grad_flushed of the layer's nonzero output gradients become zero",
+        "keep the layer in bf16, or rescale the loss/gradients",
+    ),
+    (
+        "AG343",
+        "warning",
+        "a layer's fp8 output is too noisy",
+        "fp8",
+        "the layer's output with fp8 inputs and weight has an SQNR below min_sqnr_db against bf16",
+        "keep the layer in bf16, or the rowwise recipe",
+    ),
+    (
+        "AG344",
+        "warning",
+        "a layer's weight flushes in e4m3",
+        "fp8",
+        "more than max_weight_flushed of the weight's nonzero values become zero in e4m3",
+        "keep the layer in bf16, or rescale its initialisation",
+    ),
+    (
+        "AG345",
+        "info",
+        "a layer shape fp8 matmuls do not accept",
+        "fp8",
+        "in or out features are not multiples of 16",
+        "it stays in bf16 (nothing to do), or pad it",
+    ),
+    (
+        "AG346",
+        "info",
+        "a Linear layer the traced forward never called",
+        "fp8",
+        "the plan's traced step never ran the layer, so it has no measurements",
+        "plan with a batch that exercises the layer; it is kept in bf16 meanwhile",
+    ),
 )
 
 # A short script that fires each lint code (the findings page shows it; a test lints each).
 EXAMPLES: dict[str, str] = {
-    "AG200": (
-        'import torch\n'
-        'def train(:\n'
-        '    pass\n'
-    ),
+    "AG200": ("import torch\ndef train(:\n    pass\n"),
     "AG201": (
-        'import torch\n'
-        'scaler.scale(loss).backward()\n'
-        'torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AG201: clips scaled gradients\n'
-        'scaler.step(optimizer)\n'
-        'scaler.update()\n'
+        "import torch\n"
+        "scaler.scale(loss).backward()\n"
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # AG201: clips scaled gradients\n"
+        "scaler.step(optimizer)\n"
+        "scaler.update()\n"
     ),
     "AG202": (
-        'import torch\n'
-        'scaler.scale(loss).backward()\n'
-        'scaler.step(optimizer)\n'
-        'optimizer.step()  # AG202: a second update from the same gradients\n'
-        'scaler.update()\n'
+        "import torch\n"
+        "scaler.scale(loss).backward()\n"
+        "scaler.step(optimizer)\n"
+        "optimizer.step()  # AG202: a second update from the same gradients\n"
+        "scaler.update()\n"
     ),
     "AG203": (
-        'import torch\n'
+        "import torch\n"
         'scaler = torch.amp.GradScaler("cuda")\n'
         'with torch.autocast("cuda", dtype=torch.bfloat16):  # AG203: bf16 needs no scaler\n'
-        '    loss = model(x).sum()\n'
-        'scaler.scale(loss).backward()\n'
+        "    loss = model(x).sum()\n"
+        "scaler.scale(loss).backward()\n"
     ),
     "AG204": (
-        'import torch\n'
-        'for x in loader:\n'
-        '    scaler.scale(model(x).sum()).backward()\n'
-        '    scaler.step(optimizer)  # AG204: no scaler.update() in the loop\n'
+        "import torch\n"
+        "for x in loader:\n"
+        "    scaler.scale(model(x).sum()).backward()\n"
+        "    scaler.step(optimizer)  # AG204: no scaler.update() in the loop\n"
     ),
     "AG205": (
-        'import torch\n'
+        "import torch\n"
         'scaler = torch.amp.GradScaler("cuda")\n'
         'torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},\n'
         '           "ckpt.pt")  # AG205: the scaler\'s state is not saved\n'
     ),
     "AG206": (
-        'import torch\n'
+        "import torch\n"
         'scaler = torch.cuda.amp.GradScaler()  # AG206: use torch.amp.GradScaler("cuda")\n'
     ),
     "AG207": (
-        'import torch\n'
-        'scaler.step(optimizer)\n'
-        'scheduler.step()  # AG207: advances even when scaler.step skipped the update\n'
-        'scaler.update()\n'
+        "import torch\n"
+        "scaler.step(optimizer)\n"
+        "scheduler.step()  # AG207: advances even when scaler.step skipped the update\n"
+        "scaler.update()\n"
     ),
-    "AG208": (
-        'import torch\n'
-        'state = torch.load("ckpt.pt", weights_only=False)  # AG208\n'
-    ),
+    "AG208": ('import torch\nstate = torch.load("ckpt.pt", weights_only=False)  # AG208\n'),
     "AG209": (
-        'import torch\n'
-        'logp = torch.log(torch.softmax(logits, dim=-1))  # AG209: use log_softmax\n'
+        "import torch\nlogp = torch.log(torch.softmax(logits, dim=-1))  # AG209: use log_softmax\n"
     ),
     "AG210": (
-        'import torch\n'
+        "import torch\n"
         'with torch.autocast("cuda", dtype=torch.float16):\n'
-        '    loss = torch.nn.functional.binary_cross_entropy(torch.sigmoid(z), y)  # AG210\n'
+        "    loss = torch.nn.functional.binary_cross_entropy(torch.sigmoid(z), y)  # AG210\n"
     ),
     "AG211": (
-        'import torch\n'
-        'model = Net().half()  # AG211: fp16 weights, a GradScaler cannot help\n'
+        "import torch\n"
+        "model = Net().half()  # AG211: fp16 weights, a GradScaler cannot help\n"
         'scaler = torch.amp.GradScaler("cuda")\n'
     ),
     "AG212": (
-        'import torch\n'
-        'with torch.no_grad():\n'
+        "import torch\n"
+        "with torch.no_grad():\n"
         '    scaler = torch.amp.GradScaler("cuda")  # AG212: nothing to scale in evaluation\n'
     ),
     "AG213": (
-        'import torch\n'
-        'for x in loader:\n'
-        '    loss = model(x).sum()\n'
-        '    scaler.scale(loss).backward()\n'
-        '    scaler.step(optimizer)\n'
-        '    scaler.update()\n'
-        '    print(loss.item())  # AG213: a host sync every step, only to log\n'
+        "import torch\n"
+        "for x in loader:\n"
+        "    loss = model(x).sum()\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(optimizer)\n"
+        "    scaler.update()\n"
+        "    print(loss.item())  # AG213: a host sync every step, only to log\n"
     ),
     "AG214": (
-        'import torch\n'
-        'for x, y in loader:\n'
+        "import torch\n"
+        "for x, y in loader:\n"
         '    with torch.autocast("cuda", dtype=torch.float16):\n'
-        '        loss = loss_fn(model(x), y)\n'
-        '        scaler.scale(loss).backward()  # AG214: backward inside autocast\n'
-        '    scaler.step(optimizer)\n'
-        '    scaler.update()\n'
+        "        loss = loss_fn(model(x), y)\n"
+        "        scaler.scale(loss).backward()  # AG214: backward inside autocast\n"
+        "    scaler.step(optimizer)\n"
+        "    scaler.update()\n"
     ),
 }
 CATALOGUE.update({c: replace(CATALOGUE[c], example=text) for c, text in EXAMPLES.items()})
@@ -384,5 +742,7 @@ def lookup(code: str) -> Code:
     try:
         return CATALOGUE[code]
     except KeyError:
-        raise KeyError(f"finding code {code!r} is not in ampguard's catalogue "
-                       "(ampguard.findings.codes.CATALOGUE)") from None
+        raise KeyError(
+            f"finding code {code!r} is not in ampguard's catalogue "
+            "(ampguard.findings.codes.CATALOGUE)"
+        ) from None

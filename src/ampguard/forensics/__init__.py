@@ -43,8 +43,14 @@ from ampguard.forensics._text import explain, fix_for, title_for
 __all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
 
 KINDS = ("fp16_overflow", "fp16_underflow", "model_nonfinite", "input_nonfinite", "none")
-CODES = {"none": "AG300", "fp16_overflow": "AG301", "fp16_underflow": "AG302",
-         "model_nonfinite": "AG303", "input_nonfinite": "AG304", "probe": "AG305"}
+CODES = {
+    "none": "AG300",
+    "fp16_overflow": "AG301",
+    "fp16_underflow": "AG302",
+    "model_nonfinite": "AG303",
+    "input_nonfinite": "AG304",
+    "probe": "AG305",
+}
 _TINY = {"fp16": torch.finfo(torch.float16).tiny, "bf16": torch.finfo(torch.bfloat16).tiny}
 _MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -91,21 +97,31 @@ class Diagnosis:
         """
         fix = fix_for(self)
         message = self.explain().removesuffix(f" Fix: {fix}")
-        return make(self.code, message, title=title_for(self), step=step,
-                    evidence=self.to_dict(), fix=fix)
+        return make(
+            self.code, message, title=title_for(self), step=step, evidence=self.to_dict(), fix=fix
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; :meth:`from_dict` inverts it."""
-        return {"kind": self.kind, "phase": self.phase, "module": self.module, "op": self.op,
-                "stats": _json_safe(self.stats), "precision": self.precision,
-                "scale": self.scale, "benign": self.benign, "code": self.code}
+        return {
+            "kind": self.kind,
+            "phase": self.phase,
+            "module": self.module,
+            "op": self.op,
+            "stats": _json_safe(self.stats),
+            "precision": self.precision,
+            "scale": self.scale,
+            "benign": self.benign,
+            "code": self.code,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
         """Inverse of :meth:`to_dict` (``"nan"``/``"inf"`` strings become floats again)."""
         keys = ("kind", "phase", "module", "op", "precision", "scale", "benign")
-        return cls(**{k: data[k] for k in keys if k in data},
-                   stats=_json_restore(data.get("stats", {})))
+        return cls(
+            **{k: data[k] for k in keys if k in data}, stats=_json_restore(data.get("stats", {}))
+        )
 
     def __str__(self) -> str:
         if self.module is None and self.op is None:
@@ -114,8 +130,13 @@ class Diagnosis:
         return f"{self.code} {self.kind} ({self.phase or '-'}) at {where} {self.op or ''}".rstrip()
 
 
-def locate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-           batch: Any, precision: str = "fp16", scale: float | None = None) -> Diagnosis:
+def locate(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batch: Any,
+    precision: str = "fp16",
+    scale: float | None = None,
+) -> Diagnosis:
     """Find the module and op where ``batch`` first goes non-finite, and classify why.
 
     ``loss_fn(model, batch)`` returns the scalar loss. The batch runs like a training step in
@@ -150,9 +171,15 @@ def locate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tor
             return _at(ref, "model_nonfinite", policy.precision, low)
         if low.failed:
             return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
-        return _underflow(low, ref) or Diagnosis("none", None, None, None,
-                                                 {"loss": low.loss, "loss_fp32": ref.loss},
-                                                 policy.precision, scale)
+        return _underflow(low, ref) or Diagnosis(
+            "none",
+            None,
+            None,
+            None,
+            {"loss": low.loss, "loss_fp32": ref.loss},
+            policy.precision,
+            scale,
+        )
     finally:
         keep.close()
 
@@ -183,12 +210,14 @@ def _check_args(model: Any, loss_fn: Any, precision: Any, scale: Any) -> tuple[A
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got "
-                        f"{type(loss_fn).__name__}")
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}"
+        )
     allowed = ("fp16", "bf16", "auto")
     if precision not in allowed:
-        raise ValueError(f"precision must be one of {allowed} (locate compares it with fp32), "
-                         f"got {precision!r}")
+        raise ValueError(
+            f"precision must be one of {allowed} (locate compares it with fp32), got {precision!r}"
+        )
     policy = resolve_precision(precision, device_of(model.parameters()))
     if scale is None:
         scale = 2.0**16 if policy.needs_scaler else 1.0
@@ -228,8 +257,9 @@ def _keys(run: Run) -> dict[tuple, int]:
 
 
 def _counterpart(run: Run, e: OpEvent, other: Run) -> list[float] | None:
-    seen = sum(1 for x in run.events[:e.index]
-               if (x.phase, x.module, x.op) == (e.phase, e.module, e.op))
+    seen = sum(
+        1 for x in run.events[: e.index] if (x.phase, x.module, x.op) == (e.phase, e.module, e.op)
+    )
     i = _keys(other).get((e.phase, e.module, e.op, seen))
     return None if i is None else other.row(other.events[i])
 
@@ -239,9 +269,11 @@ def _event_stats(run: Run, e: OpEvent, other: Run | None, low_name: str) -> dict
     measured = row[3] >= 0  # counts exist for the first non-finite op of each pass
     stats: dict[str, Any] = {
         "dtype": str(e.out_dtype).replace("torch.", "") if e.out_dtype else None,
-        "shape": list(e.shape), "nan_count": int(row[3]) if measured else None,
+        "shape": list(e.shape),
+        "nan_count": int(row[3]) if measured else None,
         "inf_count": int(row[4]) if measured else None,
-        "scale": run.scale, "limit": _MAX.get(low_name),
+        "scale": run.scale,
+        "limit": _MAX.get(low_name),
     }
     key = "fp32" if run.precision == "fp32" else low_name
     numel = math.prod(e.shape)
@@ -258,17 +290,24 @@ def _event_stats(run: Run, e: OpEvent, other: Run | None, low_name: str) -> dict
     return stats
 
 
-def _at(run: Run, kind: str, low: str, other: Run | None = None,
-        benign: bool = False) -> Diagnosis:
+def _at(run: Run, kind: str, low: str, other: Run | None = None, benign: bool = False) -> Diagnosis:
     e = _first_new(run)
     if e is None:
         return Diagnosis(kind, None, None, None, {"loss": run.loss}, low, run.scale, benign)
-    return Diagnosis(kind, e.phase, e.module, e.op, _event_stats(run, e, other, low), low,
-                     run.scale, benign)
+    return Diagnosis(
+        kind, e.phase, e.module, e.op, _event_stats(run, e, other, low), low, run.scale, benign
+    )
 
 
-def _low_failed(model: torch.nn.Module, loss_fn: Callable, batch: Any, policy: Any,
-                keep: Preserved, low: Run, ref: Run) -> Diagnosis:
+def _low_failed(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    keep: Preserved,
+    low: Run,
+    ref: Run,
+) -> Diagnosis:
     """Low precision failed, fp32 did not: an fp16 problem, or only the scaler probing."""
     name = policy.precision
     e = _first_new(low)
@@ -282,11 +321,25 @@ def _low_failed(model: torch.nn.Module, loss_fn: Callable, batch: Any, policy: A
         if e1 is not None:
             diag.stats["at_scale_1"] = {"module": e1.module, "op": e1.op}
         return diag
-    peak = max((r[1] for ev, r in _rows(at_one) if ev.phase == "backward"
-                and ev.out_dtype in _LOW_DTYPES and math.isfinite(r[1])), default=0.0)
+    peak = max(
+        (
+            r[1]
+            for ev, r in _rows(at_one)
+            if ev.phase == "backward" and ev.out_dtype in _LOW_DTYPES and math.isfinite(r[1])
+        ),
+        default=0.0,
+    )
     safe = 2.0 ** math.floor(math.log2(_MAX[name] / peak)) if peak > 0 else None
-    return Diagnosis("none", e.phase, e.module, e.op, {**diag.stats, "max_safe_scale": safe},
-                     name, low.scale, benign=True)
+    return Diagnosis(
+        "none",
+        e.phase,
+        e.module,
+        e.op,
+        {**diag.stats, "max_safe_scale": safe},
+        name,
+        low.scale,
+        benign=True,
+    )
 
 
 def _classify_low(run: Run, ref: Run, e: OpEvent | None, name: str) -> Diagnosis:
@@ -309,13 +362,33 @@ def _underflow(low: Run, ref: Run) -> Diagnosis | None:
     if not dead:
         return None
     module = dead[0].rpartition(".")[0]
-    flush = next((e for e, r in _rows(low) if e.phase == "backward" and r[1] == 0.0
-                  and r[0] > 0.0 and _flushed_only_here(low, e, ref)), None)
-    stats = {"dead_parameters": dead, "grad_max_abs_fp32": ref.grads[dead[0]],
-             "grad_max_abs_" + low.precision: 0.0, "scale": low.scale,
-             "flushed_by": None if flush is None else {"module": flush.module, "op": flush.op}}
-    return Diagnosis("fp16_underflow", "backward", module, None if flush is None else flush.op,
-                     stats, low.precision, low.scale)
+    flush = next(
+        (
+            e
+            for e, r in _rows(low)
+            if e.phase == "backward"
+            and r[1] == 0.0
+            and r[0] > 0.0
+            and _flushed_only_here(low, e, ref)
+        ),
+        None,
+    )
+    stats = {
+        "dead_parameters": dead,
+        "grad_max_abs_fp32": ref.grads[dead[0]],
+        "grad_max_abs_" + low.precision: 0.0,
+        "scale": low.scale,
+        "flushed_by": None if flush is None else {"module": flush.module, "op": flush.op},
+    }
+    return Diagnosis(
+        "fp16_underflow",
+        "backward",
+        module,
+        None if flush is None else flush.op,
+        stats,
+        low.precision,
+        low.scale,
+    )
 
 
 def _flushed_only_here(low: Run, e: OpEvent, ref: Run) -> bool:
@@ -326,16 +399,27 @@ def _flushed_only_here(low: Run, e: OpEvent, ref: Run) -> bool:
 def _input_nonfinite(low: Run, bad: list[dict[str, Any]], scale: float) -> Diagnosis:
     bad_in = [e for e, r in _rows(low) if e.phase == "forward" and not math.isfinite(r[0])]
     first = next((e for e in bad_in if e.module is not None), bad_in[0] if bad_in else None)
-    stats = {"inputs": bad, "nan_count": sum(b["nan"] for b in bad),
-             "inf_count": sum(b["inf"] for b in bad)}
+    stats = {
+        "inputs": bad,
+        "nan_count": sum(b["nan"] for b in bad),
+        "inf_count": sum(b["inf"] for b in bad),
+    }
     if first is None:
         return Diagnosis("input_nonfinite", "forward", None, None, stats, low.precision, scale)
-    return Diagnosis("input_nonfinite", "forward", first.module, first.op, stats,
-                     low.precision, scale)
+    return Diagnosis(
+        "input_nonfinite", "forward", first.module, first.op, stats, low.precision, scale
+    )
 
 
 def _broken_state(model: torch.nn.Module, precision: str, scale: float) -> Diagnosis:
     named = list(model.named_parameters()) + list(model.named_buffers())
     bad = [n for n, t in named if t.is_floating_point() and not torch.isfinite(t).all()]
-    return Diagnosis("model_nonfinite", None, bad[0].rpartition(".")[0], None,
-                     {"nonfinite_tensors": bad}, precision, scale)
+    return Diagnosis(
+        "model_nonfinite",
+        None,
+        bad[0].rpartition(".")[0],
+        None,
+        {"nonfinite_tensors": bad},
+        precision,
+        scale,
+    )

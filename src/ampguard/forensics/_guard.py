@@ -43,23 +43,36 @@ FORENSICS_FILE = "forensics.json"
 COVERAGE_FILE = runlog.COVERAGE
 
 
-def attach(guard: Any, *, keep_fp32: Any = None, forensics: Any = False,
-           auto_fallback: Any = False, coverage_step: Any = None) -> GuardForensics | None:
+def attach(
+    guard: Any,
+    *,
+    keep_fp32: Any = None,
+    forensics: Any = False,
+    auto_fallback: Any = False,
+    coverage_step: Any = None,
+) -> GuardForensics | None:
     """Validate the Guard arguments; None when none of them is in use (zero cost)."""
     for name, value in (("forensics", forensics), ("auto_fallback", auto_fallback)):
         check_bool(name, value)
     check_int("coverage_step", coverage_step, optional=True)
     if not (keep_fp32 or forensics or auto_fallback or coverage_step):
         return None
-    return GuardForensics(guard, keep_fp32, forensics or auto_fallback, auto_fallback,
-                          coverage_step)
+    return GuardForensics(
+        guard, keep_fp32, forensics or auto_fallback, auto_fallback, coverage_step
+    )
 
 
 class GuardForensics:
     """State and hooks behind the Guard's forensics arguments (see the module docstring)."""
 
-    def __init__(self, guard: Any, patterns: Iterable[str] | str | None, enabled: bool,
-                 auto_fallback: bool, coverage_step: int | None) -> None:
+    def __init__(
+        self,
+        guard: Any,
+        patterns: Iterable[str] | str | None,
+        enabled: bool,
+        auto_fallback: bool,
+        coverage_step: int | None,
+    ) -> None:
         self.guard = guard
         self.islands = keep_fp32(guard.model, patterns) if patterns else Fp32Islands(guard.model)
         self.enabled = enabled
@@ -79,8 +92,10 @@ class GuardForensics:
     def check_replay(self, batch: Any, loss_fn: Any) -> None:
         """``Guard.step(batch=, loss_fn=)``: both or neither, and a callable loss_fn."""
         if (batch is None) != (loss_fn is None) or (loss_fn is not None and not callable(loss_fn)):
-            raise ValueError("Guard.step(batch=..., loss_fn=...) replays an overflowing batch "
-                             "with ampguard.locate: pass both, loss_fn(model, batch) -> loss")
+            raise ValueError(
+                "Guard.step(batch=..., loss_fn=...) replays an overflowing batch "
+                "with ampguard.locate: pass both, loss_fn(model, batch) -> loss"
+            )
 
     def session(self, phase: str) -> contextlib.AbstractContextManager:
         """Trace this pass when the window is armed or is the coverage step; else a no-op."""
@@ -101,8 +116,9 @@ class GuardForensics:
             if self.enabled and (self._seen_applied or self._overflows_in_a_row > 1):
                 self._armed = max(self._armed, ARM_STEPS)
 
-    def on_step(self, result: Any, batch: Any = None,
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+    def on_step(
+        self, result: Any, batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None
+    ) -> None:
         """End of a window: coverage, diagnosis of an armed or replayable overflow, fallback."""
         if not result.boundary:
             return
@@ -119,17 +135,24 @@ class GuardForensics:
         scale = self._scale_used()
         if batch is not None and loss_fn is not None:
             if not self._warming_up():
-                self._handle(result.step, locate(self.guard.model, loss_fn, batch,
-                                                 self.guard.precision, scale), "replay")
+                self._handle(
+                    result.step,
+                    locate(self.guard.model, loss_fn, batch, self.guard.precision, scale),
+                    "replay",
+                )
         elif armed and trace is not None:  # armed implies a trace; said for the checker
             floor = self.guard.scaler_config.min_scale
-            self._handle(result.step, diagnose_trace(trace, losses, scale, self.guard.precision,
-                                                     floor), "trace")
+            self._handle(
+                result.step,
+                diagnose_trace(trace, losses, scale, self.guard.precision, floor),
+                "trace",
+            )
 
     # ------------------------------------------------------------------ internals
     def _wanted(self) -> bool:
-        return self._armed > 0 or (self.coverage_step is not None
-                                   and self.guard.steps + 1 == self.coverage_step)
+        return self._armed > 0 or (
+            self.coverage_step is not None and self.guard.steps + 1 == self.coverage_step
+        )
 
     def _warming_up(self) -> bool:
         return not self._seen_applied and self._overflows_in_a_row <= 1
@@ -144,16 +167,31 @@ class GuardForensics:
             return
         self.diagnoses.append((step, diag, via))
         self._armed = ARM_STEPS  # a recurring overflow is caught again
-        if self.auto_fallback and diag.kind == "fp16_overflow" and diag.module is not None \
-                and self.islands.add(diag.module):
-            self.changes.append({"step": step, "module": diag.module, "phase": diag.phase,
-                                 "op": diag.op, "reason": "auto_fallback"})
+        if (
+            self.auto_fallback
+            and diag.kind == "fp16_overflow"
+            and diag.module is not None
+            and self.islands.add(diag.module)
+        ):
+            self.changes.append(
+                {
+                    "step": step,
+                    "module": diag.module,
+                    "phase": diag.phase,
+                    "op": diag.op,
+                    "reason": "auto_fallback",
+                }
+            )
         self._write()
 
     def _record_coverage(self, trace: OpTrace, step: int) -> None:
-        self.coverage = coverage_from_events(trace.events, self.guard.precision,
-                                             trace.autocast_on_entry,
-                                             kept=self.islands.modules, step=step)
+        self.coverage = coverage_from_events(
+            trace.events,
+            self.guard.precision,
+            trace.autocast_on_entry,
+            kept=self.islands.modules,
+            step=step,
+        )
         self._write()
 
     # ------------------------------------------------------------------ outputs
@@ -168,9 +206,22 @@ class GuardForensics:
         out = []
         for key, (d, via) in first.items():
             f = d.to_finding(step=seen[key][0])
-            out.append(Finding(f.code, f.severity, f.title, f.message, f.step,
-                               {**f.evidence, "via": via, "steps": seen[key][:20],
-                                "occurrences": len(seen[key])}, f.fix))
+            out.append(
+                Finding(
+                    f.code,
+                    f.severity,
+                    f.title,
+                    f.message,
+                    f.step,
+                    {
+                        **f.evidence,
+                        "via": via,
+                        "steps": seen[key][:20],
+                        "occurrences": len(seen[key]),
+                    },
+                    f.fix,
+                )
+            )
         out += [_fallback_finding(c) for c in self.changes]
         if self.coverage is not None:
             out += self.coverage.findings()
@@ -178,11 +229,13 @@ class GuardForensics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of diagnoses, fallbacks and coverage."""
-        return {"diagnoses": [{"step": s, "via": via, **d.to_dict()}
-                              for s, d, via in self.diagnoses],
-                "keep_fp32": list(self.islands.modules), "changes": list(self.changes),
-                "benign_probes": self.benign,
-                "coverage_step": self.coverage_step}
+        return {
+            "diagnoses": [{"step": s, "via": via, **d.to_dict()} for s, d, via in self.diagnoses],
+            "keep_fp32": list(self.islands.modules),
+            "changes": list(self.changes),
+            "benign_probes": self.benign,
+            "coverage_step": self.coverage_step,
+        }
 
     def state(self) -> dict[str, Any]:
         """What a resume needs: the modules in fp32 and the fallbacks that put them there."""
@@ -210,16 +263,22 @@ class GuardForensics:
 def _fallback_finding(change: dict[str, Any]) -> Finding:
     module = change["module"]
     return make(
-        "AG306", f"Step {change['step']}: {module!r} overflowed fp16 in the {change['phase']} "
+        "AG306",
+        f"Step {change['step']}: {module!r} overflowed fp16 in the {change['phase']} "
         f"pass ({change['op']}); auto_fallback runs it outside autocast in fp32 from the next "
-        "step on.", detail=repr(module), step=change["step"], evidence=dict(change),
+        "step on.",
+        detail=repr(module),
+        step=change["step"],
+        evidence=dict(change),
         fix=f"Make it permanent with Guard(..., keep_fp32=[{module!r}]), or bound its "
-            "values (normalisation, smaller init) so it fits fp16.")
+        "values (normalisation, smaller init) so it fits fp16.",
+    )
 
 
 # ---------------------------------------------------------------------- live diagnosis
-def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
-                   precision: str, floor: float = 1.0) -> Diagnosis:
+def diagnose_trace(
+    trace: OpTrace, losses: list[torch.Tensor], scale: float, precision: str, floor: float = 1.0
+) -> Diagnosis:
     """Diagnose an overflowing window from its own numerics trace (no fp32 replay).
 
     The first op that made a non-finite value names module, pass and op; its fp32 rerun (the
@@ -232,17 +291,25 @@ def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
     loss_ok = bool(torch.stack(losses).all()) if losses else True
     phases = ("backward",) if loss_ok else ("forward", "backward")
     rows = [(e, stats[e.row]) for e in trace.events if e.row is not None]
-    e, row = next(((e, r) for p in phases for e, r in rows
-                   if e.phase == p and is_new(r, e.intentional)), (None, None))
+    e, row = next(
+        ((e, r) for p in phases for e, r in rows if e.phase == p and is_new(r, e.intentional)),
+        (None, None),
+    )
     if e is None or row is None:
         return _untraced(rows, precision, scale)
     limit = _MAX.get(precision, math.inf)
     shadow = trace.shadow.get(e.index)
-    info = {"dtype": str(e.out_dtype).replace("torch.", ""), "shape": list(e.shape),
-            "nan_count": int(row[3]) if row[3] >= 0 else None,
-            "inf_count": int(row[4]) if row[4] >= 0 else None, "scale": scale,
-            "limit": limit, f"input_max_abs_{precision}": row[0], "max_abs_fp32": shadow,
-            "source": "armed training step (fp32 rerun of this op only)"}
+    info = {
+        "dtype": str(e.out_dtype).replace("torch.", ""),
+        "shape": list(e.shape),
+        "nan_count": int(row[3]) if row[3] >= 0 else None,
+        "inf_count": int(row[4]) if row[4] >= 0 else None,
+        "scale": scale,
+        "limit": limit,
+        f"input_max_abs_{precision}": row[0],
+        "max_abs_fp32": shadow,
+        "source": "armed training step (fp32 rerun of this op only)",
+    }
     if e.out_dtype not in LOW or (shadow is not None and not math.isfinite(shadow)):
         kind = "model_nonfinite"
     elif e.phase == "backward" and shadow is not None and shadow / scale * floor <= limit:
@@ -254,13 +321,26 @@ def diagnose_trace(trace: OpTrace, losses: list[torch.Tensor], scale: float,
     return Diagnosis(kind, e.phase, e.module, e.op, info, precision, scale)
 
 
-def _untraced(rows: list[tuple[OpEvent, list[float]]], precision: str,
-              scale: float) -> Diagnosis:
+def _untraced(rows: list[tuple[OpEvent, list[float]]], precision: str, scale: float) -> Diagnosis:
     """No op made the non-finite value: it came in with the batch (or the state)."""
-    e = next((e for e, r in rows if e.phase == "forward" and e.module is not None
-              and not math.isfinite(r[0])), None)
+    e = next(
+        (
+            e
+            for e, r in rows
+            if e.phase == "forward" and e.module is not None and not math.isfinite(r[0])
+        ),
+        None,
+    )
     if e is None:
-        return Diagnosis("none", None, None, None, {"note": "overflow not seen in the trace"},
-                         precision, scale)
-    return Diagnosis("input_nonfinite", "forward", e.module, e.op,
-                     {"source": "armed training step"}, precision, scale)
+        return Diagnosis(
+            "none", None, None, None, {"note": "overflow not seen in the trace"}, precision, scale
+        )
+    return Diagnosis(
+        "input_nonfinite",
+        "forward",
+        e.module,
+        e.op,
+        {"source": "armed training step"},
+        precision,
+        scale,
+    )

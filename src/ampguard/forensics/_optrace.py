@@ -42,8 +42,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampguard._util.tensors import device_type as _device_type
 
-__all__ = ["OpEvent", "OpTrace", "STAT_FIELDS", "HUNT_BATCH", "flatten_tensors", "op_name",
-           "is_new", "LOW"]
+__all__ = [
+    "OpEvent",
+    "OpTrace",
+    "STAT_FIELDS",
+    "HUNT_BATCH",
+    "flatten_tensors",
+    "op_name",
+    "is_new",
+    "LOW",
+]
 
 HUNT_BATCH = 64  # candidate ops per read of their numbers while hunting (one host sync each)
 
@@ -192,8 +200,9 @@ class OpTrace:
     ('body', 'aten._to_copy')
     """
 
-    def __init__(self, model: torch.nn.Module, *, numerics: bool = False,
-                 hunt: str = "low") -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, numerics: bool = False, hunt: str = "low"
+    ) -> None:
         if hunt not in ("low", "all"):
             raise ValueError(f"hunt must be 'low' or 'all', got {hunt!r}")
         self.model = model
@@ -307,10 +316,19 @@ class OpTrace:
         return None
 
     # ------------------------------------------------------------------ recording
-    def _record(self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor],
-                ins: list[torch.Tensor] | None, out: Any, nonfinite_scalar: bool) -> None:
-        outputs = _floating([out]) if isinstance(out, torch.Tensor) else \
-            _floating(flatten_tensors(out))
+    def _record(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        inputs: list[torch.Tensor],
+        ins: list[torch.Tensor] | None,
+        out: Any,
+        nonfinite_scalar: bool,
+    ) -> None:
+        outputs = (
+            _floating([out]) if isinstance(out, torch.Tensor) else _floating(flatten_tensors(out))
+        )
         name = op_name(func)
         row = None
         if self.numerics and (inputs or outputs):
@@ -319,26 +337,43 @@ class OpTrace:
         first_out = outputs[0] if outputs else None
         dtype = inputs[0].dtype if inputs else (first_out.dtype if first_out is not None else None)
         intentional = nonfinite_scalar or name.startswith(_UNINITIALISED)
-        if row is not None and first_out is not None and self._hunting[self.phase] and (
-                self.hunt == "all" or first_out.dtype in LOW):
-            self._candidates.append(_Candidate(
-                row, len(self.events), func, args, kwargs, name, inputs, outputs,
-                tuple(t._version for t in (*inputs, *outputs)), intentional,
-                first_out.dtype in LOW))
+        if (
+            row is not None
+            and first_out is not None
+            and self._hunting[self.phase]
+            and (self.hunt == "all" or first_out.dtype in LOW)
+        ):
+            self._candidates.append(
+                _Candidate(
+                    row,
+                    len(self.events),
+                    func,
+                    args,
+                    kwargs,
+                    name,
+                    inputs,
+                    outputs,
+                    tuple(t._version for t in (*inputs, *outputs)),
+                    intentional,
+                    first_out.dtype in LOW,
+                )
+            )
             if len(self._candidates) >= HUNT_BATCH:
                 self._hunt()
-        self.events.append(OpEvent(
-            index=len(self.events),
-            phase=self.phase,
-            module=self.current_module(),
-            op=name,
-            dtype=dtype,
-            out_dtype=first_out.dtype if first_out is not None else None,
-            shape=tuple(first_out.shape) if first_out is not None else (),
-            numel=max((t.numel() for t in inputs), default=0),
-            intentional=intentional,
-            row=row,
-        ))
+        self.events.append(
+            OpEvent(
+                index=len(self.events),
+                phase=self.phase,
+                module=self.current_module(),
+                op=name,
+                dtype=dtype,
+                out_dtype=first_out.dtype if first_out is not None else None,
+                shape=tuple(first_out.shape) if first_out is not None else (),
+                numel=max((t.numel() for t in inputs), default=0),
+                intentional=intentional,
+                row=row,
+            )
+        )
 
     # Numerics keep each tensor's (min, max) as device scalars from one aminmax; max |x| and
     # NaN are worked out on the host when the numbers are read (fewest kernels per op).
@@ -374,7 +409,7 @@ class OpTrace:
         out, at = [], 0
         for row in rows:
             k = sum(self._shapes[row])
-            out.append(flat[at:at + k])
+            out.append(flat[at : at + k])
             at += k
         return out
 
@@ -398,14 +433,17 @@ class OpTrace:
             with torch.autocast(self._device_type, enabled=False):
                 self._detail[c.row] = _detail(c.outputs) if unchanged_out else [-1.0] * 3
                 if c.low:
-                    self.shadow[c.event] = _shadow(c.func, c.args, c.kwargs, c.name,
-                                                   values[0]) if unchanged_in else None
+                    self.shadow[c.event] = (
+                        _shadow(c.func, c.args, c.kwargs, c.name, values[0])
+                        if unchanged_in
+                        else None
+                    )
             return
 
     @staticmethod
     def _amaxes(values: list[float], n_in: int, n_out: int) -> list[float]:
         """[max |x| of the inputs, of the outputs] (-1 for none, NaN if any NaN)."""
-        return [_absmax(values[:n_in]), _absmax(values[n_in:n_in + n_out])]
+        return [_absmax(values[:n_in]), _absmax(values[n_in : n_in + n_out])]
 
     def stats(self) -> list[list[float]]:
         """Per-row numerics (columns :data:`STAT_FIELDS`). Cost: one host sync."""
@@ -413,8 +451,9 @@ class OpTrace:
         if not self._rows:
             return []
         out = []
-        for i, (raw, (n_in, n_out)) in enumerate(zip(self._values(list(range(len(self._rows)))),
-                                                     self._shapes, strict=True)):
+        for i, (raw, (n_in, n_out)) in enumerate(
+            zip(self._values(list(range(len(self._rows)))), self._shapes, strict=True)
+        ):
             out.append(self._amaxes(raw, n_in, n_out) + self._detail.get(i, [-1.0, -1.0, -1.0]))
         return out
 
@@ -440,9 +479,14 @@ def _detail(outputs: list[torch.Tensor]) -> list[float]:
         nan.append(torch.isnan(a).sum().float())
         inf.append(torch.isinf(a).sum().float())
     device = outputs[0].device
-    vals = torch.stack([torch.stack([v.to(device) for v in col]).amax() if i == 0 else
-                        torch.stack([v.to(device) for v in col]).sum()
-                        for i, col in enumerate((finite, nan, inf))])
+    vals = torch.stack(
+        [
+            torch.stack([v.to(device) for v in col]).amax()
+            if i == 0
+            else torch.stack([v.to(device) for v in col]).sum()
+            for i, col in enumerate((finite, nan, inf))
+        ]
+    )
     return vals.tolist()
 
 

@@ -70,8 +70,8 @@ class Run:
     events: list[OpEvent]
     stats: list[list[float]]
     loss: float
-    grads: dict[str, float] = field(default_factory=dict)   # name -> max |grad| (nan/inf kept)
-    order: list[str] = field(default_factory=list)          # parameters in accumulation order
+    grads: dict[str, float] = field(default_factory=dict)  # name -> max |grad| (nan/inf kept)
+    order: list[str] = field(default_factory=list)  # parameters in accumulation order
     entered: dict[str, bool] = field(default_factory=dict)  # module -> autocast on at entry
 
     @property
@@ -84,15 +84,25 @@ class Run:
         return None if event.row is None else self.stats[event.row]
 
 
-def replay(model: torch.nn.Module, loss_fn: Callable[..., Any], batch: Any,
-           policy: PrecisionPolicy, scale: float, *, numerics: bool = True) -> Run:
+def replay(
+    model: torch.nn.Module,
+    loss_fn: Callable[..., Any],
+    batch: Any,
+    policy: PrecisionPolicy,
+    scale: float,
+    *,
+    numerics: bool = True,
+) -> Run:
     """Forward ``loss_fn(model, batch)`` under ``policy``'s autocast, backward of ``loss * scale``
     (as GradScaler does), all traced. Cost: one host sync at the end (plus the loss check)."""
     trace = OpTrace(model, numerics=numerics, hunt="all")
     names = {id(p): n for n, p in model.named_parameters()}
     order: list[str] = []
-    hooks = [p.register_post_accumulate_grad_hook(lambda t: order.append(names[id(t)]))
-             for p in model.parameters() if p.requires_grad]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda t: order.append(names[id(t)]))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
     try:
         with policy.autocast(), trace.session("forward"):
             loss = loss_fn(model, batch)
@@ -104,22 +114,34 @@ def replay(model: torch.nn.Module, loss_fn: Callable[..., Any], batch: Any,
         for h in hooks:
             h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    values = torch.stack([loss.detach().float().reshape(())] + [
-        g.detach().abs().amax().float().to(loss.device) for g in grads.values()
-    ]).tolist()
-    return Run(policy.precision, scale, trace.events, trace.stats(), values[0],
-               dict(zip(grads, values[1:], strict=True)), order, trace.autocast_on_entry)
+    values = torch.stack(
+        [loss.detach().float().reshape(())]
+        + [g.detach().abs().amax().float().to(loss.device) for g in grads.values()]
+    ).tolist()
+    return Run(
+        policy.precision,
+        scale,
+        trace.events,
+        trace.stats(),
+        values[0],
+        dict(zip(grads, values[1:], strict=True)),
+        order,
+        trace.autocast_on_entry,
+    )
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
     if loss.numel() != 1:
-        raise ValueError("loss_fn must return a single-element loss, got shape "
-                         f"{tuple(loss.shape)}")
+        raise ValueError(
+            f"loss_fn must return a single-element loss, got shape {tuple(loss.shape)}"
+        )
     if not loss.requires_grad:
-        raise ValueError("loss_fn returned a loss that does not require grad: it must depend on "
-                         "the model's trainable parameters")
+        raise ValueError(
+            "loss_fn returned a loss that does not require grad: it must depend on "
+            "the model's trainable parameters"
+        )
     return loss
 
 
@@ -133,8 +155,15 @@ def nonfinite_leaves(batch: Any, path: str = "batch") -> list[dict[str, Any]]:
         if batch.is_floating_point() and batch.numel():
             nan, inf = (int(v) for v in torch.stack([batch.isnan().sum(), batch.isinf().sum()]))
             if nan or inf:
-                found.append({"path": path, "nan": nan, "inf": inf, "dtype": str(batch.dtype),
-                              "shape": list(batch.shape)})
+                found.append(
+                    {
+                        "path": path,
+                        "nan": nan,
+                        "inf": inf,
+                        "dtype": str(batch.dtype),
+                        "shape": list(batch.shape),
+                    }
+                )
     elif isinstance(batch, (list, tuple)):
         for i, item in enumerate(batch):
             found += nonfinite_leaves(item, f"{path}[{i}]")

@@ -30,13 +30,16 @@ def title_for(d: Any) -> str:
         return f"{head}{at}"
     if d.kind in ("fp16_overflow", "fp16_underflow") and low != "fp16":
         head += f" ({low})"
-    return head + {
-        "none": "",
-        "fp16_overflow": f" in the {d.phase or 'training'} pass{at}",
-        "fp16_underflow": f": gradients flushed to zero{at}",
-        "model_nonfinite": at,
-        "input_nonfinite": at,
-    }[d.kind]
+    return (
+        head
+        + {
+            "none": "",
+            "fp16_overflow": f" in the {d.phase or 'training'} pass{at}",
+            "fp16_underflow": f": gradients flushed to zero{at}",
+            "model_nonfinite": at,
+            "input_nonfinite": at,
+        }[d.kind]
+    )
 
 
 def fix_for(d: Any) -> str:
@@ -44,22 +47,32 @@ def fix_for(d: Any) -> str:
     target = d.module if d.module is not None else "<module>"
     flushed = (d.stats.get("flushed_by") or {}).get("module")
     if d.benign:
-        return ("Nothing to fix: the scaler skips this step and lowers the scale. If probes recur "
-                "often, cap ScalerConfig(max_scale=...) near the largest safe scale or lengthen "
-                "growth_interval.")
+        return (
+            "Nothing to fix: the scaler skips this step and lowers the scale. If probes recur "
+            "often, cap ScalerConfig(max_scale=...) near the largest safe scale or lengthen "
+            "growth_interval."
+        )
     return {
         "none": "Nothing to fix.",
-        "fp16_overflow": (f"Keep {where(d.module)} in fp32: Guard(..., keep_fp32=[{target!r}]) or "
-                          "Guard(..., auto_fallback=True); or train in bf16 (precision='bf16'); "
-                          "or bound the values (normalisation, clamping, smaller init or LR)."),
-        "fp16_underflow": ("Raise the loss scale (ScalerConfig(init_scale=..., min_scale=...)), "
-                           f"keep {where(flushed if flushed is not None else d.module)} in fp32 "
-                           "(keep_fp32=[...]), or train in bf16 (precision='bf16')."),
-        "model_nonfinite": ("Fix the model's math, not the precision: clamp inputs of log/sqrt/"
-                            "pow/div, add an eps, check the data and the learning rate; restore "
-                            "the last good checkpoint if the weights are already non-finite."),
-        "input_nonfinite": ("Clean the data: find where the loader produces NaN/inf (check "
-                            "torch.isfinite(x).all() per batch) and fix or drop those samples."),
+        "fp16_overflow": (
+            f"Keep {where(d.module)} in fp32: Guard(..., keep_fp32=[{target!r}]) or "
+            "Guard(..., auto_fallback=True); or train in bf16 (precision='bf16'); "
+            "or bound the values (normalisation, clamping, smaller init or LR)."
+        ),
+        "fp16_underflow": (
+            "Raise the loss scale (ScalerConfig(init_scale=..., min_scale=...)), "
+            f"keep {where(flushed if flushed is not None else d.module)} in fp32 "
+            "(keep_fp32=[...]), or train in bf16 (precision='bf16')."
+        ),
+        "model_nonfinite": (
+            "Fix the model's math, not the precision: clamp inputs of log/sqrt/"
+            "pow/div, add an eps, check the data and the learning rate; restore "
+            "the last good checkpoint if the weights are already non-finite."
+        ),
+        "input_nonfinite": (
+            "Clean the data: find where the loader produces NaN/inf (check "
+            "torch.isfinite(x).all() per batch) and fix or drop those samples."
+        ),
     }[d.kind]
 
 
@@ -68,32 +81,45 @@ def explain(d: Any) -> str:
     s = d.stats
     low = d.precision
     at = f"{d.op} in {where(d.module)}" if d.op else where(d.module)
-    counts = ("non-finite values" if s.get("inf_count") is None else
-              f"{s.get('inf_count')} inf and {s.get('nan_count')} NaN values")
+    counts = (
+        "non-finite values"
+        if s.get("inf_count") is None
+        else f"{s.get('inf_count')} inf and {s.get('nan_count')} NaN values"
+    )
     if d.benign:
-        text = (f"Benign: the backward pass overflows {low} at loss scale {_g(d.scale)} "
-                f"({at}), but the same batch is finite at scale 1 and in fp32. This is only the "
-                f"loss scaler probing its level (largest safe scale about "
-                f"{_g(s.get('max_safe_scale'))}); the step is skipped and the scale lowered.")
+        text = (
+            f"Benign: the backward pass overflows {low} at loss scale {_g(d.scale)} "
+            f"({at}), but the same batch is finite at scale 1 and in fp32. This is only the "
+            f"loss scaler probing its level (largest safe scale about "
+            f"{_g(s.get('max_safe_scale'))}); the step is skipped and the scale lowered."
+        )
     elif d.kind == "none":
-        text = (f"Loss and gradients are finite in {low} at loss scale {_g(d.scale)} and no "
-                "layer's gradients flush to zero: mixed precision is fine for this batch.")
+        text = (
+            f"Loss and gradients are finite in {low} at loss scale {_g(d.scale)} and no "
+            "layer's gradients flush to zero: mixed precision is fine for this batch."
+        )
     elif d.kind == "fp16_overflow":
         text = _overflow(d, at, counts)
     elif d.kind == "fp16_underflow":
         text = _underflow(d, at)
     elif d.kind == "model_nonfinite":
         if "nonfinite_tensors" in s:
-            text = (f"The model's state is already non-finite before this batch: "
-                    f"{', '.join(s['nonfinite_tensors'][:5])} hold NaN/inf.")
+            text = (
+                f"The model's state is already non-finite before this batch: "
+                f"{', '.join(s['nonfinite_tensors'][:5])} hold NaN/inf."
+            )
         else:
-            text = (f"fp32 goes non-finite too: in the {d.phase} pass {at} produced {counts} "
-                    "from finite inputs even in fp32. This is not an AMP problem; no precision "
-                    "setting fixes it.")
+            text = (
+                f"fp32 goes non-finite too: in the {d.phase} pass {at} produced {counts} "
+                "from finite inputs even in fp32. This is not an AMP problem; no precision "
+                "setting fixes it."
+            )
     else:
         paths = ", ".join(b["path"] for b in s.get("inputs", [])[:5])
-        text = (f"The batch itself holds {s.get('nan_count', 0)} NaN and {s.get('inf_count', 0)} "
-                f"inf values ({paths}); the first module to consume them is {at}.")
+        text = (
+            f"The batch itself holds {s.get('nan_count', 0)} NaN and {s.get('inf_count', 0)} "
+            f"inf values ({paths}); the first module to consume them is {at}."
+        )
     return f"{text} Fix: {fix_for(d)}"
 
 
@@ -103,29 +129,42 @@ def _overflow(d: Any, at: str, counts: str) -> str:
     ref = s.get("max_abs_fp32")
     limit = _g(s.get("limit"))
     if d.phase == "forward" and d.op == "aten._to_copy":
-        return (f"In the forward pass autocast in {where(d.module)} cast a tensor of max |x| = "
-                f"{_g(s.get('input_max_abs_' + low))} (one of its weights or inputs) down to "
-                f"{s.get('dtype')} and it overflowed ({counts}, shape {s.get('shape')}): the "
-                f"value is beyond {low}'s largest value {limit}; fp32 stays finite.")
+        return (
+            f"In the forward pass autocast in {where(d.module)} cast a tensor of max |x| = "
+            f"{_g(s.get('input_max_abs_' + low))} (one of its weights or inputs) down to "
+            f"{s.get('dtype')} and it overflowed ({counts}, shape {s.get('shape')}): the "
+            f"value is beyond {low}'s largest value {limit}; fp32 stays finite."
+        )
     if d.phase == "forward":
-        return (f"In the forward pass {at} produced {counts} ({s.get('dtype')}, shape "
-                f"{s.get('shape')}) from finite inputs. In fp32 the same op reaches max |x| = "
-                f"{_g(ref)}, beyond {low}'s largest value {limit}; fp32 stays finite, so this "
-                f"is a {low} range overflow.")
+        return (
+            f"In the forward pass {at} produced {counts} ({s.get('dtype')}, shape "
+            f"{s.get('shape')}) from finite inputs. In fp32 the same op reaches max |x| = "
+            f"{_g(ref)}, beyond {low}'s largest value {limit}; fp32 stays finite, so this "
+            f"is a {low} range overflow."
+        )
     if d.op == "aten._to_copy":
-        what = (f"a gradient of max |x| = {_g(s.get('input_max_abs_' + low))} was cast down to "
-                f"the {s.get('dtype')} of an activation made by {where(d.module)} and overflowed "
-                f"({counts}, shape {s.get('shape')})")
+        what = (
+            f"a gradient of max |x| = {_g(s.get('input_max_abs_' + low))} was cast down to "
+            f"the {s.get('dtype')} of an activation made by {where(d.module)} and overflowed "
+            f"({counts}, shape {s.get('shape')})"
+        )
     else:
-        what = (f"the gradient made by {at} overflowed {low} ({counts}, {s.get('dtype')}, shape "
-                f"{s.get('shape')}); fp32 reaches max |x| = {_g(ref)} there, in the same units, "
-                "and stays finite")
+        what = (
+            f"the gradient made by {at} overflowed {low} ({counts}, {s.get('dtype')}, shape "
+            f"{s.get('shape')}); fp32 reaches max |x| = {_g(ref)} there, in the same units, "
+            "and stays finite"
+        )
     later = s.get("at_scale_1")
-    also = (f" At scale 1 it first breaks at {later['op']} in {where(later['module'])}."
-            if later and (later["module"], later["op"]) != (d.module, d.op) else "")
-    return (f"In the backward pass, at loss scale {_g(d.scale)}, {what}. The forward pass is "
-            f"finite and the overflow persists at loss scale 1, so no loss scale fixes it."
-            f"{also}")
+    also = (
+        f" At scale 1 it first breaks at {later['op']} in {where(later['module'])}."
+        if later and (later["module"], later["op"]) != (d.module, d.op)
+        else ""
+    )
+    return (
+        f"In the backward pass, at loss scale {_g(d.scale)}, {what}. The forward pass is "
+        f"finite and the overflow persists at loss scale 1, so no loss scale fixes it."
+        f"{also}"
+    )
 
 
 def _underflow(d: Any, at: str) -> str:
@@ -134,11 +173,14 @@ def _underflow(d: Any, at: str) -> str:
     if "dead_parameters" in s:
         dead = ", ".join(s["dead_parameters"][:4])
         by = s.get("flushed_by")
-        origin = (f" They were flushed by {by['op']} in {where(by['module'])}."
-                  if by else "")
-        return (f"Gradients of {where(d.module)} are all zero in {low} at loss scale "
-                f"{_g(d.scale)} but reach max |g| = {_g(s.get('grad_max_abs_fp32'))} in fp32: a "
-                f"dead layer ({dead}).{origin}")
-    return (f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
-            f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
-            f"below {low}'s smallest normal value).")
+        origin = f" They were flushed by {by['op']} in {where(by['module'])}." if by else ""
+        return (
+            f"Gradients of {where(d.module)} are all zero in {low} at loss scale "
+            f"{_g(d.scale)} but reach max |g| = {_g(s.get('grad_max_abs_fp32'))} in fp32: a "
+            f"dead layer ({dead}).{origin}"
+        )
+    return (
+        f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
+        f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
+        f"below {low}'s smallest normal value)."
+    )

@@ -37,16 +37,65 @@ from ampguard.forensics.islands import match_modules
 
 __all__ = ["Coverage", "coverage", "coverage_from_events", "is_heavy", "FRAGILE_OPS"]
 
-_HEAVY = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution",
-          "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d", "addmv", "mv",
-          "_scaled_mm", "_int_mm", "cudnn_convolution", "mkldnn_convolution"}
-FRAGILE_OPS = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "reciprocal",
-               "rsqrt", "sinh", "cosh", "erfinv", "_softmax", "softmax", "_log_softmax",
-               "log_softmax"}
-_REDUCTIONS = {"sum", "prod", "cumsum", "cumprod", "var", "std", "var_mean", "std_mean",
-               "linalg_vector_norm", "norm", "logsumexp"}
-_LABELS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-           torch.float64: "fp64"}
+_HEAVY = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "matmul",
+    "linear",
+    "convolution",
+    "_convolution",
+    "convolution_backward",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "addmv",
+    "mv",
+    "_scaled_mm",
+    "_int_mm",
+    "cudnn_convolution",
+    "mkldnn_convolution",
+}
+FRAGILE_OPS = {
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log2",
+    "log10",
+    "log1p",
+    "pow",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "cosh",
+    "erfinv",
+    "_softmax",
+    "softmax",
+    "_log_softmax",
+    "log_softmax",
+}
+_REDUCTIONS = {
+    "sum",
+    "prod",
+    "cumsum",
+    "cumprod",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "linalg_vector_norm",
+    "norm",
+    "logsumexp",
+}
+_LABELS = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
 _LOW = ("fp16", "bf16")
 
 
@@ -93,28 +142,44 @@ class Coverage:
     def findings(self) -> list[Finding]:
         """AG310 per escaped module, AG311 per (module, fragile op)."""
         return [_escaped_finding(e, self.step) for e in self.escaped] + [
-            _fragile_finding(f, self.step) for f in self.fragile]
+            _fragile_finding(f, self.step) for f in self.fragile
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; :meth:`from_dict` inverts it."""
-        return {"precision": self.precision, "modules": self.modules, "outside": self.outside,
-                "ops": self.ops, "escaped": self.escaped, "fragile": self.fragile,
-                "step": self.step}
+        return {
+            "precision": self.precision,
+            "modules": self.modules,
+            "outside": self.outside,
+            "ops": self.ops,
+            "escaped": self.escaped,
+            "fragile": self.fragile,
+            "step": self.step,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Coverage:
-        return cls(**{k: data[k] for k in ("precision", "modules", "outside", "ops", "escaped",
-                                            "fragile", "step") if k in data})
+        return cls(
+            **{
+                k: data[k]
+                for k in ("precision", "modules", "outside", "ops", "escaped", "fragile", "step")
+                if k in data
+            }
+        )
 
     def summary(self, limit: int = 20) -> str:
         """A plain-text table: module, heavy ops per dtype (fwd / bwd), all ops per dtype."""
-        rows = [f"autocast coverage ({self.precision}): "
-                f"{self.low_precision_share:.0%} of matmul-family ops in low precision",
-                f"{'module':<32} {'heavy fwd':<18} {'heavy bwd':<18} ops"]
+        rows = [
+            f"autocast coverage ({self.precision}): "
+            f"{self.low_precision_share:.0%} of matmul-family ops in low precision",
+            f"{'module':<32} {'heavy fwd':<18} {'heavy bwd':<18} ops",
+        ]
         for name, m in list(self.modules.items())[:limit]:
-            rows.append(f"{(name or '(root)'):<32} {_fmt(m['heavy_forward']):<18} "
-                        f"{_fmt(m['heavy_backward']):<18} "
-                        f"{_fmt(Counter(m['forward']) + Counter(m['backward']))}")
+            rows.append(
+                f"{(name or '(root)'):<32} {_fmt(m['heavy_forward']):<18} "
+                f"{_fmt(m['heavy_backward']):<18} "
+                f"{_fmt(Counter(m['forward']) + Counter(m['backward']))}"
+            )
         rows += [str(f) for f in self.findings()]
         return "\n".join(rows)
 
@@ -123,9 +188,15 @@ def _fmt(counts: dict[str, int]) -> str:
     return " ".join(f"{k}:{v}" for k, v in sorted(counts.items())) or "-"
 
 
-def coverage(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-             batch: Any, precision: str = "fp16", *, keep_fp32: Iterable[str] = (),
-             large_reduction: int = 4096) -> Coverage:
+def coverage(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batch: Any,
+    precision: str = "fp16",
+    *,
+    keep_fp32: Iterable[str] = (),
+    large_reduction: int = 4096,
+) -> Coverage:
     """Trace one forward+backward of ``batch`` under ``precision`` autocast and count, per
     module, what ran in which precision (see the module docstring for AG310/AG311).
 
@@ -143,8 +214,9 @@ def coverage(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], t
         raise ValueError(f"precision must be one of {allowed}, got {precision!r}")
     check_int("large_reduction", large_reduction)
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got "
-                        f"{type(loss_fn).__name__}")
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}"
+        )
     policy = resolve_precision(precision, device_of(model.parameters()))
     kept = match_modules(model, keep_fp32) if keep_fp32 else []
     keep = Preserved(model)
@@ -153,13 +225,20 @@ def coverage(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], t
         run = replay(model, loss_fn, batch, policy, 1.0, numerics=False)
     finally:
         keep.close()
-    return coverage_from_events(run.events, policy.precision, run.entered, kept=kept,
-                                large_reduction=large_reduction)
+    return coverage_from_events(
+        run.events, policy.precision, run.entered, kept=kept, large_reduction=large_reduction
+    )
 
 
-def coverage_from_events(events: list[OpEvent], precision: str, entered: dict[str, bool], *,
-                         kept: Iterable[str] = (), large_reduction: int = 4096,
-                         step: int | None = None) -> Coverage:
+def coverage_from_events(
+    events: list[OpEvent],
+    precision: str,
+    entered: dict[str, bool],
+    *,
+    kept: Iterable[str] = (),
+    large_reduction: int = 4096,
+    step: int | None = None,
+) -> Coverage:
     """Build a :class:`Coverage` from traced events (``OpTrace.events``) of one step."""
     kept = tuple(kept)
     modules: dict[str, dict[str, Any]] = {name: _empty(entered[name]) for name in entered}
@@ -178,13 +257,20 @@ def coverage_from_events(events: list[OpEvent], precision: str, entered: dict[st
                 _count(free.setdefault(n, _empty(modules[n]["autocast"])), e, label)
     escaped = _escaped(free, kept) if precision in _LOW else []
     fragile = _fragile(events, large_reduction)
-    return Coverage(precision, modules, outside, {k: dict(v) for k, v in ops.items()},
-                    escaped, fragile, step)
+    return Coverage(
+        precision, modules, outside, {k: dict(v) for k, v in ops.items()}, escaped, fragile, step
+    )
 
 
 def _empty(autocast: bool | None) -> dict[str, Any]:
-    return {"forward": {}, "backward": {}, "heavy_forward": {}, "heavy_backward": {},
-            "casts": 0, "autocast": autocast}
+    return {
+        "forward": {},
+        "backward": {},
+        "heavy_forward": {},
+        "heavy_backward": {},
+        "casts": 0,
+        "autocast": autocast,
+    }
 
 
 def _count(target: dict[str, Any], e: OpEvent, label: str) -> None:
@@ -217,11 +303,24 @@ def _escaped(modules: dict[str, dict[str, Any]], kept: tuple[str, ...]) -> list[
         low_fwd = sum(fwd.get(k, 0) for k in _LOW)
         if fwd.get("fp32", 0) and not low_fwd:
             reason = "called_without_autocast" if m["autocast"] is False else "fp32_inside"
-            found.append({"module": name, "phase": "forward", "reason": reason,
-                          "heavy_fp32": fwd["fp32"] + bwd.get("fp32", 0)})
+            found.append(
+                {
+                    "module": name,
+                    "phase": "forward",
+                    "reason": reason,
+                    "heavy_fp32": fwd["fp32"] + bwd.get("fp32", 0),
+                }
+            )
         elif bwd.get("fp32", 0) and low_fwd and not any(bwd.get(k, 0) for k in _LOW):
-            found.append({"module": name, "phase": "backward", "reason": "backward_in_fp32",
-                          "heavy_fp32": bwd["fp32"], "heavy_low_forward": low_fwd})
+            found.append(
+                {
+                    "module": name,
+                    "phase": "backward",
+                    "reason": "backward_in_fp32",
+                    "heavy_fp32": bwd["fp32"],
+                    "heavy_low_forward": low_fwd,
+                }
+            )
     return found
 
 
@@ -232,9 +331,16 @@ def _fragile(events: list[OpEvent], large_reduction: int) -> list[dict[str, Any]
         if e.phase != "forward" or _label(e.dtype) not in _LOW:
             continue
         if name in FRAGILE_OPS or (name in _REDUCTIONS and e.numel >= large_reduction):
-            hit = hits.setdefault((e.module, e.op), {"module": e.module, "op": e.op,
-                                                     "dtype": _label(e.dtype), "count": 0,
-                                                     "max_numel": 0})
+            hit = hits.setdefault(
+                (e.module, e.op),
+                {
+                    "module": e.module,
+                    "op": e.op,
+                    "dtype": _label(e.dtype),
+                    "count": 0,
+                    "max_numel": 0,
+                },
+            )
             hit["count"] += 1
             hit["max_numel"] = max(hit["max_numel"], e.numel)
     return list(hits.values())
@@ -261,16 +367,21 @@ _COUNTED = {"forward": "forward and backward", "backward": "backward"}
 
 
 def _escaped_finding(e: dict[str, Any], step: int | None) -> Finding:
-    fix = ("Decorate the Function's forward with @torch.amp.custom_fwd(device_type=...) and its "
-           "backward with @torch.amp.custom_bwd(device_type=...)."
-           if e["reason"] == "backward_in_fp32" else
-           "Call it inside the autocast block (e.g. with guard.autocast():) so its matmuls run "
-           "in low precision; if fp32 is intended, declare it with keep_fp32=[...].")
+    fix = (
+        "Decorate the Function's forward with @torch.amp.custom_fwd(device_type=...) and its "
+        "backward with @torch.amp.custom_bwd(device_type=...)."
+        if e["reason"] == "backward_in_fp32"
+        else "Call it inside the autocast block (e.g. with guard.autocast():) so its matmuls run "
+        "in low precision; if fp32 is intended, declare it with keep_fp32=[...]."
+    )
     return make(
         "AG310",
         f"{_where(e['module'])} ran all {e['heavy_fp32']} of its {_COUNTED[e['phase']]} "
         f"matmul-family ops in fp32: it {_REASONS[e['reason']]}.",
-        detail=_where(e["module"]), step=step, evidence=dict(e), fix=fix,
+        detail=_where(e["module"]),
+        step=step,
+        evidence=dict(e),
+        fix=fix,
     )
 
 
@@ -280,7 +391,11 @@ def _fragile_finding(f: dict[str, Any], step: int | None) -> Finding:
         f"{f['op']} ran {f['count']} time(s) in {f['dtype']} in the forward pass of "
         f"{_where(f['module'])} (up to {f['max_numel']} elements per input); its result can "
         f"overflow or lose range in {f['dtype']}.",
-        detail=f"{f['op']} in {_where(f['module'])} ({f['dtype']})", step=step, evidence=dict(f),
-        fix=(f"Compute it in fp32: x.float() before {f['op'].rpartition('.')[2]} inside "
-             f"torch.autocast(enabled=False), or keep_fp32=[{f['module']!r}]; or use bf16."),
+        detail=f"{f['op']} in {_where(f['module'])} ({f['dtype']})",
+        step=step,
+        evidence=dict(f),
+        fix=(
+            f"Compute it in fp32: x.float() before {f['op'].rpartition('.')[2]} inside "
+            f"torch.autocast(enabled=False), or keep_fp32=[{f['module']!r}]; or use bf16."
+        ),
     )

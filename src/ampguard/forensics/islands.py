@@ -29,8 +29,9 @@ __all__ = ["Fp32Islands", "keep_fp32", "match_modules"]
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def match_modules(model: torch.nn.Module, patterns: str | Iterable[str], *,
-                  argument: str = "keep_fp32") -> list[str]:
+def match_modules(
+    model: torch.nn.Module, patterns: str | Iterable[str], *, argument: str = "keep_fp32"
+) -> list[str]:
     """Names in ``model.named_modules()`` matching any pattern, in model order.
 
     Raises ``TypeError`` for patterns that are not strings and ``ValueError``, naming
@@ -56,12 +57,15 @@ def _patterns(patterns: Any, argument: str) -> list[str]:
     try:
         pats = list(patterns)
     except TypeError:
-        raise TypeError(f"{argument} must be a list of module-name patterns (str), got "
-                        f"{type(patterns).__name__}") from None
+        raise TypeError(
+            f"{argument} must be a list of module-name patterns (str), got "
+            f"{type(patterns).__name__}"
+        ) from None
     for pat in pats:
         if not isinstance(pat, str):
-            raise TypeError(f"{argument} must hold module-name patterns (str), got "
-                            f"{type(pat).__name__} {pat!r}")
+            raise TypeError(
+                f"{argument} must hold module-name patterns (str), got {type(pat).__name__} {pat!r}"
+            )
     return pats
 
 

@@ -118,14 +118,25 @@ class Fp8Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become None)."""
-        return {"recipe": self.recipe, "thresholds": asdict(self.thresholds),
-                "seconds": self.seconds,
-                "layers": {n: {k: finite_or_none(v) for k, v in info.items()}
-                           for n, info in self.layers.items()}}
+        return {
+            "recipe": self.recipe,
+            "thresholds": asdict(self.thresholds),
+            "seconds": self.seconds,
+            "layers": {
+                n: {k: finite_or_none(v) for k, v in info.items()}
+                for n, info in self.layers.items()
+            },
+        }
 
 
-def fp8_plan(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any,
-             *, recipe: str = "tensorwise", thresholds: Fp8Thresholds | None = None) -> Fp8Plan:
+def fp8_plan(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    *,
+    recipe: str = "tensorwise",
+    thresholds: Fp8Thresholds | None = None,
+) -> Fp8Plan:
     """Trace one bf16 forward + backward of ``loss_fn(model, batch)`` and judge every Linear.
 
     Parameters, gradients, buffers, RNG state and training modes are as before afterwards, and
@@ -151,13 +162,15 @@ def _check(model: Any, loss_fn: Any, recipe: Any, thresholds: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got "
-                        f"{type(loss_fn).__name__}")
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}"
+        )
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {tuple(RECIPES)}, got {recipe!r}")
     if thresholds is not None and not isinstance(thresholds, Fp8Thresholds):
-        raise TypeError(f"thresholds must be an ampguard.Fp8Thresholds or None, got "
-                        f"{type(thresholds).__name__}")
+        raise TypeError(
+            f"thresholds must be an ampguard.Fp8Thresholds or None, got {type(thresholds).__name__}"
+        )
 
 
 @contextlib.contextmanager
@@ -181,8 +194,12 @@ def _preserved(model: nn.Module) -> Iterator[None]:
                     b.copy_(buffers[n])
 
 
-def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any,
-           linears: dict[str, nn.Linear]) -> dict[str, dict[str, torch.Tensor]]:
+def _trace(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    linears: dict[str, nn.Linear],
+) -> dict[str, dict[str, torch.Tensor]]:
     captured: dict[str, dict[str, torch.Tensor]] = {}
 
     def hook_for(name: str) -> Callable[..., None]:
@@ -192,6 +209,7 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], 
             cap = captured[name] = {"x": args[0].detach()}
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda g: cap.__setitem__("g", g.detach()))
+
         return hook
 
     device_type = device_of(model.parameters()).type
@@ -214,27 +232,46 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)[:_MAX_ROWS].to(torch.bfloat16)  # what the fp8 cast sees
 
 
-def _measure(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor | None,
-             rec: Recipe) -> dict[str, float | None]:
+def _measure(
+    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor | None, rec: Recipe
+) -> dict[str, float | None]:
     xq, wq = quantize(x, E4M3, rec), quantize(w, E4M3, rec)
-    stats = torch.stack([sqnr_db(x.float() @ w.float().T, xq @ wq.T),
-                         flushed_share(x, xq), flushed_share(w, wq)])
-    out: dict[str, float | None] = dict(zip(("sqnr_db", "input_flushed", "weight_flushed"),
-                                            stats.tolist(), strict=True))
-    out["grad_flushed"] = None if g is None else \
-        float(flushed_share(g, quantize(g, rec.grad_dtype, rec)))
+    stats = torch.stack(
+        [sqnr_db(x.float() @ w.float().T, xq @ wq.T), flushed_share(x, xq), flushed_share(w, wq)]
+    )
+    out: dict[str, float | None] = dict(
+        zip(("sqnr_db", "input_flushed", "weight_flushed"), stats.tolist(), strict=True)
+    )
+    out["grad_flushed"] = (
+        None if g is None else float(flushed_share(g, quantize(g, rec.grad_dtype, rec)))
+    )
     return out
 
 
-def _assess(mod: nn.Linear, cap: dict[str, torch.Tensor] | None, rec: Recipe,
-            alt: Recipe | None, th: Fp8Thresholds) -> dict[str, Any]:
+def _assess(
+    mod: nn.Linear,
+    cap: dict[str, torch.Tensor] | None,
+    rec: Recipe,
+    alt: Recipe | None,
+    th: Fp8Thresholds,
+) -> dict[str, Any]:
     shape = (mod.in_features, mod.out_features)
     eligible = all(d % _MULTIPLE == 0 and d > 0 for d in shape)
-    info: dict[str, Any] = {"ready": False, "reason": "", "fix": "keep_bf16",
-                            "problem": "unused", "eligible": eligible, "shape": shape,
-                            "sqnr_db": None,
-                            "input_flushed": None, "weight_flushed": None, "grad_flushed": None,
-                            "input_amax": None, "input_outlier_ratio": None, "grad_amax": None}
+    info: dict[str, Any] = {
+        "ready": False,
+        "reason": "",
+        "fix": "keep_bf16",
+        "problem": "unused",
+        "eligible": eligible,
+        "shape": shape,
+        "sqnr_db": None,
+        "input_flushed": None,
+        "weight_flushed": None,
+        "grad_flushed": None,
+        "input_amax": None,
+        "input_outlier_ratio": None,
+        "grad_amax": None,
+    }
     if cap is None:
         info["reason"] = "not called in the traced forward: nothing to measure, kept in bf16"
         return info
@@ -250,8 +287,11 @@ def _assess(mod: nn.Linear, cap: dict[str, torch.Tensor] | None, rec: Recipe,
         info["input_outlier_ratio"] = amax / float(nz.median()) if nz.numel() else None
         info["grad_amax"] = None if g is None else float(g.float().abs().max())
         problem = _problem(info, th)
-        alt_ok = alt is not None and problem in ("input", "weight", "sqnr") and \
-            _problem({**info, **_measure(x, w, g, alt)}, th) is None
+        alt_ok = (
+            alt is not None
+            and problem in ("input", "weight", "sqnr")
+            and _problem({**info, **_measure(x, w, g, alt)}, th) is None
+        )
     info["reason"], info["fix"] = _verdict(info, problem, alt_ok, rec, th)
     info["ready"], info["problem"] = problem is None, problem
     return info
@@ -276,29 +316,45 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return "e5m2" if dtype == torch.float8_e5m2 else "e4m3"
 
 
-def _verdict(info: dict[str, Any], problem: str | None, alt_ok: bool, rec: Recipe,
-             th: Fp8Thresholds) -> tuple[str, str]:
+def _verdict(
+    info: dict[str, Any], problem: str | None, alt_ok: bool, rec: Recipe, th: Fp8Thresholds
+) -> tuple[str, str]:
     """(one-line reason, fix) for a measured layer."""
     i, o = info["shape"]
     sq = f"SQNR {info['sqnr_db']:.1f} dB"
     if problem is None:
         grad = "-" if info["grad_flushed"] is None else f"{info['grad_flushed']:.2%}"
-        return (f"{sq}; flushed: input {info['input_flushed']:.2%}, weight "
-                f"{info['weight_flushed']:.2%}, gradient {grad}", "fine")
+        return (
+            f"{sq}; flushed: input {info['input_flushed']:.2%}, weight "
+            f"{info['weight_flushed']:.2%}, gradient {grad}",
+            "fine",
+        )
     then = "rowwise" if alt_ok else "keep_bf16"
     if problem == "shape":
-        return (f"shape {i}x{o}: fp8 matmuls need in and out features that are multiples of "
-                f"{_MULTIPLE}", "keep_bf16")
+        return (
+            f"shape {i}x{o}: fp8 matmuls need in and out features that are multiples of "
+            f"{_MULTIPLE}",
+            "keep_bf16",
+        )
     if problem == "input":
         ratio = info["input_outlier_ratio"]
         why = f" (input amax {ratio:.3g}x its median: outlier features)" if ratio else ""
-        return (f"{info['input_flushed']:.2%} of the input flushes to zero in e4m3 "
-                f"(limit {th.max_input_flushed:.2%}){why}", then)
+        return (
+            f"{info['input_flushed']:.2%} of the input flushes to zero in e4m3 "
+            f"(limit {th.max_input_flushed:.2%}){why}",
+            then,
+        )
     if problem == "weight":
-        return (f"{info['weight_flushed']:.2%} of the weight flushes to zero in e4m3 "
-                f"(limit {th.max_weight_flushed:.2%})", then)
+        return (
+            f"{info['weight_flushed']:.2%} of the weight flushes to zero in e4m3 "
+            f"(limit {th.max_weight_flushed:.2%})",
+            then,
+        )
     if problem == "grad":
-        return (f"{info['grad_flushed']:.2%} of the output gradient flushes to zero in "
-                f"{_dtype_name(rec.grad_dtype)} (limit {th.max_grad_flushed:.2%}): it spans "
-                "more than fp8's window under one scale", "rescale")
+        return (
+            f"{info['grad_flushed']:.2%} of the output gradient flushes to zero in "
+            f"{_dtype_name(rec.grad_dtype)} (limit {th.max_grad_flushed:.2%}): it spans "
+            "more than fp8's window under one scale",
+            "rescale",
+        )
     return f"{sq} below the {th.min_sqnr_db:g} dB limit", then

@@ -23,8 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Fp8UnavailableError", "require_torchao", "Fp8State", "attach",
-           "eligible", "has_fp8_matmul", "TORCHAO_PIN"]
+__all__ = [
+    "Fp8UnavailableError",
+    "require_torchao",
+    "Fp8State",
+    "attach",
+    "eligible",
+    "has_fp8_matmul",
+    "TORCHAO_PIN",
+]
 
 TORCHAO_PIN = "torchao==0.18.0"
 _MULTIPLE = 16
@@ -59,15 +66,20 @@ def require_torchao() -> Any:
     except ImportError as exc:
         raise Fp8UnavailableError(
             f"precision='fp8' needs torchao (fp8 training): pip install \"ampguard[fp8]\" "
-            f"(installs {TORCHAO_PIN}); import failed: {exc}") from exc
+            f"(installs {TORCHAO_PIN}); import failed: {exc}"
+        ) from exc
     return float8
 
 
 def eligible(module: nn.Module) -> bool:
     """A Linear whose in and out features are multiples of 16 (what fp8 matmuls accept)."""
-    return isinstance(module, nn.Linear) and module.in_features % _MULTIPLE == 0 \
-        and module.out_features % _MULTIPLE == 0 and module.in_features > 0 \
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % _MULTIPLE == 0
+        and module.out_features % _MULTIPLE == 0
+        and module.in_features > 0
         and module.out_features > 0
+    )
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
@@ -84,8 +96,10 @@ class Fp8State:
         from ampguard.fp8 import Fp8Plan
 
         if plan is not None and not isinstance(plan, Fp8Plan):
-            raise TypeError(f"fp8_plan must be an ampguard.Fp8Plan (from ag.fp8_plan) or None, "
-                            f"got {type(plan).__name__}")
+            raise TypeError(
+                f"fp8_plan must be an ampguard.Fp8Plan (from ag.fp8_plan) or None, "
+                f"got {type(plan).__name__}"
+            )
         float8 = require_torchao()
         model: nn.Module = guard.model
         self.plan = plan
@@ -94,8 +108,10 @@ class Fp8State:
         if plan is not None:
             unknown = sorted(set(plan.layers) - set(linears))
             if unknown:
-                raise ValueError(f"fp8_plan was made for another model: its layers {unknown[:5]} "
-                                 "are not Linear layers of this model")
+                raise ValueError(
+                    f"fp8_plan was made for another model: its layers {unknown[:5]} "
+                    "are not Linear layers of this model"
+                )
         self.emulated = not has_fp8_matmul(guard._device)
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
         if self.emulated:
@@ -105,14 +121,19 @@ class Fp8State:
         if chosen:
             with _quiet_logs():
                 float8.convert_to_float8_training(
-                    model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
-        self.layers = [n for n, m in model.named_modules()
-                       if isinstance(m, float8.float8_linear.Float8Linear)]
+                    model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen
+                )
+        self.layers = [
+            n for n, m in model.named_modules() if isinstance(m, float8.float8_linear.Float8Linear)
+        ]
         self.kept = [n for n in linears if n not in self.layers]
         if not self.layers:
-            warnings.warn("precision='fp8': no Linear layer is converted to fp8 (none eligible, "
-                          "or the plan keeps them all in bf16); training runs in bf16",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
+                "or the plan keeps them all in bf16); training runs in bf16",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         self.monitor: Any = None
 
     def watch(self, guard: Any) -> None:
@@ -133,11 +154,17 @@ class Fp8State:
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready: recipe, emulated, converted and kept layers, the plan's verdicts."""
-        out: dict[str, Any] = {"recipe": self.recipe, "emulated": self.emulated,
-                               "converted": list(self.layers), "kept_bf16": list(self.kept)}
+        out: dict[str, Any] = {
+            "recipe": self.recipe,
+            "emulated": self.emulated,
+            "converted": list(self.layers),
+            "kept_bf16": list(self.kept),
+        }
         if self.plan is not None:
-            out["plan"] = {n: {"ready": i["ready"], "fix": i["fix"], "reason": i["reason"]}
-                           for n, i in self.plan.layers.items()}
+            out["plan"] = {
+                n: {"ready": i["ready"], "fix": i["fix"], "reason": i["reason"]}
+                for n, i in self.plan.layers.items()
+            }
         if self.monitor is not None:
             out["layers"] = self.monitor.last()
         return out
@@ -155,18 +182,22 @@ def _warn_emulated(device: torch.device) -> None:
     if device.type in _warned_emulation:
         return
     _warned_emulation.add(device.type)
-    warnings.warn(f"precision='fp8' on {device.type}: this device has no fp8 matmul, so torchao "
-                  "emulates it (real fp8 casts, the matmul in high precision): numerics as on an "
-                  "fp8 GPU, speed not", RuntimeWarning, stacklevel=5)
-
-
+    warnings.warn(
+        f"precision='fp8' on {device.type}: this device has no fp8 matmul, so torchao "
+        "emulates it (real fp8 casts, the matmul in high precision): numerics as on an "
+        "fp8 GPU, speed not",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def attach(guard: Any, plan: Any) -> Fp8State | None:
     """Convert ``guard.model``'s Linear layers for ``precision='fp8'``; None otherwise."""
     if guard._policy.precision != "fp8":
         if plan is not None:
-            raise ValueError(f"fp8_plan is only used with precision='fp8', got "
-                             f"precision={guard._requested_precision!r}")
+            raise ValueError(
+                f"fp8_plan is only used with precision='fp8', got "
+                f"precision={guard._requested_precision!r}"
+            )
         return None
     return Fp8State(guard, plan)

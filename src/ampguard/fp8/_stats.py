@@ -26,8 +26,14 @@ from ampguard.fp8._cast import E4M3, RECIPES, flushed_share, quantize
 
 __all__ = ["Fp8Monitor", "FIELDS"]
 
-FIELDS = ("input_amax", "input_flushed", "weight_amax", "weight_flushed", "grad_amax",
-          "grad_flushed")
+FIELDS = (
+    "input_amax",
+    "input_flushed",
+    "weight_amax",
+    "weight_flushed",
+    "grad_amax",
+    "grad_flushed",
+)
 _WRITE_EVERY = 8  # pending samples before one host sync writes them out
 
 
@@ -57,8 +63,12 @@ class Fp8Monitor:
     def _sampling(self) -> int | None:
         g = self.guard
         step = g._steps + 1
-        if g._micro or step % self.telemetry.range_every or not torch.is_grad_enabled() \
-                or self.telemetry.closed:
+        if (
+            g._micro
+            or step % self.telemetry.range_every
+            or not torch.is_grad_enabled()
+            or self.telemetry.closed
+        ):
             return None
         return step
 
@@ -78,6 +88,7 @@ class Fp8Monitor:
             self._current[1][name] = row
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda g: self._on_grad(row, g))
+
         return hook
 
     def _on_grad(self, row: torch.Tensor, grad: torch.Tensor) -> None:
@@ -104,8 +115,10 @@ class Fp8Monitor:
         for (step, _), layer_names in zip(pending, names, strict=True):
             layers = {}
             for n in layer_names:
-                layers[n] = {f: finite_or_none(v)  # JSON: no NaN/inf
-                             for f, v in zip(FIELDS, values[k], strict=True)}
+                layers[n] = {
+                    f: finite_or_none(v)  # JSON: no NaN/inf
+                    for f, v in zip(FIELDS, values[k], strict=True)
+                }
                 k += 1
             records.append({"kind": "fp8", "step": step, "layers": layers})
         self.samples.extend(records)
@@ -126,9 +139,11 @@ class Fp8Monitor:
         out = []
         for name in self.layers:
             rows = [(r["step"], r["layers"][name]) for r in self.samples if name in r["layers"]]
-            for key, limit, code in (("input_flushed", th.max_input_flushed, "AG111"),
-                                     ("weight_flushed", th.max_weight_flushed, "AG111"),
-                                     ("grad_flushed", th.max_grad_flushed, "AG112")):
+            for key, limit, code in (
+                ("input_flushed", th.max_input_flushed, "AG111"),
+                ("weight_flushed", th.max_weight_flushed, "AG111"),
+                ("grad_flushed", th.max_grad_flushed, "AG112"),
+            ):
                 f = _drift(name, rows, key, limit, code, self.recipe)
                 if f is not None:
                     out.append(f)
@@ -139,8 +154,14 @@ class Fp8Monitor:
             h.remove()
 
 
-def _drift(name: str, rows: list[tuple[int, dict[str, Any]]], key: str, limit: float,
-           code: str, recipe: Any) -> Finding | None:
+def _drift(
+    name: str,
+    rows: list[tuple[int, dict[str, Any]]],
+    key: str,
+    limit: float,
+    code: str,
+    recipe: Any,
+) -> Finding | None:
     seen = [(s, v[key]) for s, v in rows if v.get(key) is not None]
     bad = [(s, x) for s, x in seen if x > limit]
     if not seen or 2 * len(bad) < len(seen):
@@ -153,10 +174,24 @@ def _drift(name: str, rows: list[tuple[int, dict[str, Any]]], key: str, limit: f
         f"{name}: on {len(bad)} of {len(seen)} samples more than {limit:.2%} of its {what}'s "
         f"nonzero values flushed to zero in {dtype} (worst {worst:.2%}, first at step "
         f"{bad[0][0]}); its {'updates' if code == 'AG112' else 'outputs'} lose that signal",
-        detail=None if code == "AG112" else what, step=bad[0][0],
-        evidence={"layer": name, "field": key, "samples": len(seen), "over_limit": len(bad),
-                  "worst": worst, "limit": limit, "recipe": recipe.name},
-        fix=(f"keep {name!r} in bf16 (make a plan with ag.fp8_plan and pass fp8_plan=, or "
-             f"leave it out of module_filter_fn)" + (", or rescale the loss terms feeding it"
-                                                     if code == "AG112" else
-                                                     ", or use recipe='rowwise'")))
+        detail=None if code == "AG112" else what,
+        step=bad[0][0],
+        evidence={
+            "layer": name,
+            "field": key,
+            "samples": len(seen),
+            "over_limit": len(bad),
+            "worst": worst,
+            "limit": limit,
+            "recipe": recipe.name,
+        },
+        fix=(
+            f"keep {name!r} in bf16 (make a plan with ag.fp8_plan and pass fp8_plan=, or "
+            f"leave it out of module_filter_fn)"
+            + (
+                ", or rescale the loss terms feeding it"
+                if code == "AG112"
+                else ", or use recipe='rowwise'"
+            )
+        ),
+    )

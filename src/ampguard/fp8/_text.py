@@ -22,13 +22,17 @@ FIX_TEXT = {
     "fine": "fine: train it in fp8",
     "keep_bf16": "keep it in bf16 (the plan's module_filter_fn leaves it out)",
     "rowwise": "train it in fp8 with recipe='rowwise' (per-row scales absorb the outliers), "
-               "or keep it in bf16",
+    "or keep it in bf16",
     "rescale": "rescale: bring the loss terms or activations that feed this gradient to "
-               "comparable magnitudes (or recipe='rowwise'); until then keep it in bf16",
+    "comparable magnitudes (or recipe='rowwise'); until then keep it in bf16",
 }
 
 _CODES = {  # problem -> code (title and severity: ampguard.findings.codes.CATALOGUE)
-    "input": "AG341", "grad": "AG342", "sqnr": "AG343", "weight": "AG344", "shape": "AG345",
+    "input": "AG341",
+    "grad": "AG342",
+    "sqnr": "AG343",
+    "weight": "AG344",
+    "shape": "AG345",
     "unused": "AG346",
 }
 
@@ -45,20 +49,40 @@ def _db(v: Any) -> str:
 
 def plan_table(plan: Any) -> str:
     """One row per Linear layer: shape, eligible, SQNR, flushed shares, ready, fix, reason."""
-    rows = [("layer", "in x out", "eligible", "SQNR dB", "input flushed", "grad flushed",
-             "ready", "fix")]
+    rows = [
+        (
+            "layer",
+            "in x out",
+            "eligible",
+            "SQNR dB",
+            "input flushed",
+            "grad flushed",
+            "ready",
+            "fix",
+        )
+    ]
     for name, info in plan.layers.items():
         i, o = info["shape"]
-        rows.append((name or "(root)", f"{i}x{o}", "yes" if info["eligible"] else "no",
-                     _db(info["sqnr_db"]), _pct(info["input_flushed"]),
-                     _pct(info["grad_flushed"]), "yes" if info["ready"] else "NO", info["fix"]))
+        rows.append(
+            (
+                name or "(root)",
+                f"{i}x{o}",
+                "yes" if info["eligible"] else "no",
+                _db(info["sqnr_db"]),
+                _pct(info["input_flushed"]),
+                _pct(info["grad_flushed"]),
+                "yes" if info["ready"] else "NO",
+                info["fix"],
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     n_ready = len(plan.ready_layers)
     lines.append("")
-    lines.append(f"fp8 plan ({plan.recipe}): {n_ready} of {len(plan.layers)} Linear layers "
-                 f"ready; {plan.seconds * 1e3:.0f} ms")
+    lines.append(
+        f"fp8 plan ({plan.recipe}): {n_ready} of {len(plan.layers)} Linear layers "
+        f"ready; {plan.seconds * 1e3:.0f} ms"
+    )
     for name, info in plan.layers.items():
         if not info["ready"]:
             lines.append(f"  {name or '(root)'}: {info['reason']}")
@@ -75,15 +99,24 @@ def plan_findings(plan: Any) -> list[Finding]:
         evidence = {k: v for k, v in info.items() if k not in ("reason", "ready", "problem")}
         evidence["layer"] = label
         evidence["recipe"] = plan.recipe
-        out.append(make(_CODES[info["problem"]], f"{label}: {info['reason']}",
-                        evidence=evidence, fix=f"{label}: {FIX_TEXT[info['fix']]}"))
+        out.append(
+            make(
+                _CODES[info["problem"]],
+                f"{label}: {info['reason']}",
+                evidence=evidence,
+                fix=f"{label}: {FIX_TEXT[info['fix']]}",
+            )
+        )
     ready = plan.ready_layers
     if ready:
-        out.append(make(
-            "AG340",
-            f"{len(ready)} of {len(plan.layers)} Linear layers are ready for fp8 "
-            f"({plan.recipe}): {', '.join(n or '(root)' for n in ready)}",
-            evidence={"ready": ready, "recipe": plan.recipe},
-            fix="fine: ag.Guard(model, optimizer, precision='fp8', fp8_plan=plan), or "
-                "convert_to_float8_training(model, module_filter_fn=plan.module_filter_fn)"))
+        out.append(
+            make(
+                "AG340",
+                f"{len(ready)} of {len(plan.layers)} Linear layers are ready for fp8 "
+                f"({plan.recipe}): {', '.join(n or '(root)' for n in ready)}",
+                evidence={"ready": ready, "recipe": plan.recipe},
+                fix="fine: ag.Guard(model, optimizer, precision='fp8', fp8_plan=plan), or "
+                "convert_to_float8_training(model, module_filter_fn=plan.module_filter_fn)",
+            )
+        )
     return out

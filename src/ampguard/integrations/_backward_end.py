@@ -33,8 +33,11 @@ class BackwardEnd:
     def __init__(self, params: Sequence[torch.Tensor], fn: Callable[[], None]) -> None:
         self._fn = fn
         self._queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                         for p in params if p.requires_grad]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+            for p in params
+            if p.requires_grad
+        ]
 
     def _grad_ready(self, _param: Any) -> None:
         if self._queued:

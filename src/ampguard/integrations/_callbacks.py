@@ -22,15 +22,23 @@ class WatchingCallback:
     it ends; ``_detach()`` is where it removes hooks of its own before the watch closes.
     """
 
-    def __init__(self, telemetry: Any = None, *, report: bool = True,
-                 min_scale: float | None = None, max_scale: float | None = None,
-                 hysteresis: int = 1, consecutive_hysteresis: bool = False,
-                 on_collapse: str = "warn") -> None:
+    def __init__(
+        self,
+        telemetry: Any = None,
+        *,
+        report: bool = True,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        on_collapse: str = "warn",
+    ) -> None:
         check_bool("report", report)
         self.telemetry = telemetry
         self.report = report
-        self.policy = AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
-                                   on_collapse)
+        self.policy = AttachPolicy(
+            min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse
+        )
         self.watch: Watch | None = None
         self._findings: list[Finding] = []
 

@@ -35,39 +35,53 @@ def attach_findings(watch: Any) -> list[Finding]:
 def _skip_flag_mismatch(watch: Any, flags: dict[int, bool]) -> list[Finding]:
     run = runlog.load_run(watch.run_dir)
     truth = {int(s): not bool(a) for s, a in zip(run.steps, run.applied, strict=True)}
-    missed = sorted(s for s, skipped in flags.items()
-                    if truth.get(s) is True and not skipped)
-    invented = sorted(s for s, skipped in flags.items()
-                      if truth.get(s) is False and skipped)
+    missed = sorted(s for s, skipped in flags.items() if truth.get(s) is True and not skipped)
+    invented = sorted(s for s, skipped in flags.items() if truth.get(s) is False and skipped)
     name = watch.framework or "the framework"
     out = []
     if missed:
-        out.append(make(
-            "AG120", detail="skipped steps reported as applied",
-            message=(f"{count(len(missed), 'optimizer step')} "
-                     f"{'was' if len(missed) == 1 else 'were'} skipped by the GradScaler "
-                     f"(non-finite gradients) but {name} reported "
-                     f"{'it' if len(missed) == 1 else 'them'} as applied. With a fused optimizer "
-                     "GradScaler calls optimizer.step() even when it skips (the kernel skips "
-                     f"itself), and {name} takes 'step() was called' to mean 'applied', so its "
-                     "LR scheduler and step counters advanced on skipped steps."),
-            step=missed[0],
-            evidence={"steps": missed[:_MAX_STEPS], "count": len(missed), "framework": name},
-            fix=("Gate the scheduler on ampguard's record (events.jsonl 'applied') or use a "
-                 "non-fused optimizer (fused=False) until the framework reads found_inf; "
-                 "ampguard's run log and report already count these steps as skipped."),
-        ))
+        out.append(
+            make(
+                "AG120",
+                detail="skipped steps reported as applied",
+                message=(
+                    f"{count(len(missed), 'optimizer step')} "
+                    f"{'was' if len(missed) == 1 else 'were'} skipped by the GradScaler "
+                    f"(non-finite gradients) but {name} reported "
+                    f"{'it' if len(missed) == 1 else 'them'} as applied. With a fused optimizer "
+                    "GradScaler calls optimizer.step() even when it skips (the kernel skips "
+                    f"itself), and {name} takes 'step() was called' to mean 'applied', so its "
+                    "LR scheduler and step counters advanced on skipped steps."
+                ),
+                step=missed[0],
+                evidence={"steps": missed[:_MAX_STEPS], "count": len(missed), "framework": name},
+                fix=(
+                    "Gate the scheduler on ampguard's record (events.jsonl 'applied') or use a "
+                    "non-fused optimizer (fused=False) until the framework reads found_inf; "
+                    "ampguard's run log and report already count these steps as skipped."
+                ),
+            )
+        )
     if invented:
-        out.append(make(
-            "AG120", detail="applied steps reported as skipped",
-            message=(f"{count(len(invented), 'optimizer step')} "
-                     f"{'was' if len(invented) == 1 else 'were'} applied but {name} reported "
-                     f"{'it' if len(invented) == 1 else 'them'} as skipped, so its LR scheduler "
-                     "did not advance there."),
-            step=invented[0],
-            evidence={"steps": invented[:_MAX_STEPS], "count": len(invented), "framework": name},
-            fix="Trust ampguard's run log for skipped steps; report the mismatch upstream.",
-        ))
+        out.append(
+            make(
+                "AG120",
+                detail="applied steps reported as skipped",
+                message=(
+                    f"{count(len(invented), 'optimizer step')} "
+                    f"{'was' if len(invented) == 1 else 'were'} applied but {name} reported "
+                    f"{'it' if len(invented) == 1 else 'them'} as skipped, so its LR scheduler "
+                    "did not advance there."
+                ),
+                step=invented[0],
+                evidence={
+                    "steps": invented[:_MAX_STEPS],
+                    "count": len(invented),
+                    "framework": name,
+                },
+                fix="Trust ampguard's run log for skipped steps; report the mismatch upstream.",
+            )
+        )
     return out
 
 
@@ -77,24 +91,40 @@ def _interventions(watch: Any) -> list[Finding]:
         return []
     pol = watch.policy
     parts = []
-    for n, (noun, what) in zip(counts, (
+    for n, (noun, what) in zip(
+        counts,
+        (
             ("overflow", f"absorbed by hysteresis={pol.hysteresis}"),
             ("backoff", f"stopped at min_scale={pol.min_scale}"),
-            ("growth", f"held at max_scale={pol.max_scale}")), strict=True):
+            ("growth", f"held at max_scale={pol.max_scale}"),
+        ),
+        strict=True,
+    ):
         if n:
             parts.append(f"{count(n, noun)} {what}")
     steps = [s for s in first if s > 0]
-    return [make(
-        "AG121",
-        message=("The scale differs from what the bare GradScaler would have set: "
-                 + "; ".join(parts) + ". Parameters stay identical on every other step."),
-        step=min(steps) if steps else None,
-        evidence={"absorbed": counts[0], "floored": counts[1], "capped": counts[2],
-                  "first_step": {"absorbed": first[0], "floored": first[1], "capped": first[2]},
-                  "policy": pol.to_dict()},
-        fix=("Nothing to do if intended. Frequent floor hits mean fp16 cannot hold these "
-             "gradients: consider bf16 or keeping the overflowing module in fp32."),
-    )]
+    return [
+        make(
+            "AG121",
+            message=(
+                "The scale differs from what the bare GradScaler would have set: "
+                + "; ".join(parts)
+                + ". Parameters stay identical on every other step."
+            ),
+            step=min(steps) if steps else None,
+            evidence={
+                "absorbed": counts[0],
+                "floored": counts[1],
+                "capped": counts[2],
+                "first_step": {"absorbed": first[0], "floored": first[1], "capped": first[2]},
+                "policy": pol.to_dict(),
+            },
+            fix=(
+                "Nothing to do if intended. Frequent floor hits mean fp16 cannot hold these "
+                "gradients: consider bf16 or keeping the overflowing module in fp32."
+            ),
+        )
+    ]
 
 
 def fp16_inactive(framework: str, detail: str, actual: str = "fp32") -> Finding:
@@ -102,9 +132,13 @@ def fp16_inactive(framework: str, detail: str, actual: str = "fp32") -> Finding:
     (``actual``: the precision it trains in instead)."""
     return make(
         "AG122",
-        message=(f"{framework} was asked for fp16 mixed precision but runs without a loss scaler "
-                 f"and without fp16 autocast on this device ({detail}): training is {actual}."),
+        message=(
+            f"{framework} was asked for fp16 mixed precision but runs without a loss scaler "
+            f"and without fp16 autocast on this device ({detail}): training is {actual}."
+        ),
         evidence={"framework": framework, "detail": detail, "actual": actual},
-        fix=("Use bf16 on this device (bf16=True / precision='bf16-mixed'), or run on a device "
-             "where the framework supports fp16 autocast with a GradScaler."),
+        fix=(
+            "Use bf16 on this device (bf16=True / precision='bf16-mixed'), or run on a device "
+            "where the framework supports fp16 autocast with a GradScaler."
+        ),
     )

@@ -28,6 +28,10 @@ def close_and_report(handle: Any, report: bool) -> list[Finding]:
     if serious:
         codes = ", ".join(sorted({f.code for f in serious}))
         where = handle.run_dir
-        warnings.warn(f"ampguard: {len(serious)} finding(s) ({codes}); see {where}/report.html "
-                      f"or `ampguard report {where}`", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"ampguard: {len(serious)} finding(s) ({codes}); see {where}/report.html "
+            f"or `ampguard report {where}`",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return found

@@ -55,19 +55,39 @@ class AttachPolicy:
     def __post_init__(self) -> None:
         lo, hi = self.min_scale, self.max_scale
         if lo is not None:
-            _check(is_number(lo) and math.isfinite(lo) and lo > 0, "min_scale",
-                   "must be None or a finite number > 0", lo)
+            _check(
+                is_number(lo) and math.isfinite(lo) and lo > 0,
+                "min_scale",
+                "must be None or a finite number > 0",
+                lo,
+            )
         if hi is not None:
-            _check(is_number(hi) and math.isfinite(hi) and hi > 0, "max_scale",
-                   "must be None or a finite number > 0", hi)
+            _check(
+                is_number(hi) and math.isfinite(hi) and hi > 0,
+                "max_scale",
+                "must be None or a finite number > 0",
+                hi,
+            )
         if lo is not None and hi is not None:
             _check(hi >= lo, "max_scale", f"must be >= min_scale ({lo})", hi)
-        _check(is_int(self.hysteresis) and self.hysteresis >= 1, "hysteresis",
-               "must be an integer >= 1", self.hysteresis)
-        _check(isinstance(self.consecutive_hysteresis, bool), "consecutive_hysteresis",
-               "must be a bool", self.consecutive_hysteresis)
-        _check(self.on_collapse in COLLAPSE_POLICIES, "on_collapse",
-               f"must be one of {COLLAPSE_POLICIES}", self.on_collapse)
+        _check(
+            is_int(self.hysteresis) and self.hysteresis >= 1,
+            "hysteresis",
+            "must be an integer >= 1",
+            self.hysteresis,
+        )
+        _check(
+            isinstance(self.consecutive_hysteresis, bool),
+            "consecutive_hysteresis",
+            "must be a bool",
+            self.consecutive_hysteresis,
+        )
+        _check(
+            self.on_collapse in COLLAPSE_POLICIES,
+            "on_collapse",
+            f"must be one of {COLLAPSE_POLICIES}",
+            self.on_collapse,
+        )
 
     @property
     def active(self) -> bool:
@@ -75,10 +95,13 @@ class AttachPolicy:
         return self.min_scale is not None or self.max_scale is not None or self.hysteresis > 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"min_scale": self.min_scale, "max_scale": self.max_scale,
-                "hysteresis": self.hysteresis,
-                "consecutive_hysteresis": self.consecutive_hysteresis,
-                "on_collapse": self.on_collapse}
+        return {
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "hysteresis": self.hysteresis,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+            "on_collapse": self.on_collapse,
+        }
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
@@ -93,8 +116,9 @@ class PolicyState:
         self.policy = policy
         self._budget: torch.Tensor | None = None
 
-    def apply(self, scale: torch.Tensor, tracker: torch.Tensor, prev: torch.Tensor,
-              found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        self, scale: torch.Tensor, tracker: torch.Tensor, prev: torch.Tensor, found: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Correct ``scale`` in place after torch's update; return ``(collapse, kinds)``.
 
         ``scale``/``tracker`` are the scaler's own tensors, ``prev`` the scale before the update,
@@ -144,12 +168,16 @@ def grad_scaler(config: Any, device: str = "cuda") -> torch.amp.GradScaler:
     if not isinstance(config, ScalerConfig):
         raise TypeError(f"config must be an ampguard.ScalerConfig, got {type(config).__name__}")
     if not config.dynamic:
-        raise ValueError("config.dynamic=False (a fixed scale) has no GradScaler equivalent; "
-                         "use dynamic=True")
-    return torch.amp.GradScaler(device, init_scale=config.init_scale,
-                                growth_factor=config.growth_factor,
-                                backoff_factor=config.backoff_factor,
-                                growth_interval=config.growth_interval)
+        raise ValueError(
+            "config.dynamic=False (a fixed scale) has no GradScaler equivalent; use dynamic=True"
+        )
+    return torch.amp.GradScaler(
+        device,
+        init_scale=config.init_scale,
+        growth_factor=config.growth_factor,
+        backoff_factor=config.backoff_factor,
+        growth_interval=config.growth_interval,
+    )
 
 
 def guard_options(config: Any) -> dict[str, Any]:
@@ -163,9 +191,14 @@ def guard_options(config: Any) -> dict[str, Any]:
     if not isinstance(config, ScalerConfig):
         raise TypeError(f"config must be an ampguard.ScalerConfig, got {type(config).__name__}")
     if config.on_collapse not in COLLAPSE_POLICIES:
-        raise ValueError(f"on_collapse={config.on_collapse!r} needs ampguard.Guard (it changes "
-                         f"the loop's precision); attach mode supports {COLLAPSE_POLICIES}")
-    return {"min_scale": config.min_scale, "max_scale": config.max_scale,
-            "hysteresis": config.hysteresis,
-            "consecutive_hysteresis": config.consecutive_hysteresis,
-            "on_collapse": config.on_collapse}
+        raise ValueError(
+            f"on_collapse={config.on_collapse!r} needs ampguard.Guard (it changes "
+            f"the loop's precision); attach mode supports {COLLAPSE_POLICIES}"
+        )
+    return {
+        "min_scale": config.min_scale,
+        "max_scale": config.max_scale,
+        "hysteresis": config.hysteresis,
+        "consecutive_hysteresis": config.consecutive_hysteresis,
+        "on_collapse": config.on_collapse,
+    }

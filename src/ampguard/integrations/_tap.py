@@ -29,14 +29,20 @@ class TapListener(Protocol):
 
     def on_scaler_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
 
-    def on_scaler_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
-                         scale_before: torch.Tensor, manual: bool) -> None: ...
+    def on_scaler_update(
+        self,
+        found: dict[int, torch.Tensor],
+        found_all: torch.Tensor,
+        scale_before: torch.Tensor,
+        manual: bool,
+    ) -> None: ...
 
 
 def is_grad_scaler(obj: Any) -> bool:
     """Duck-typed: a ``torch.amp.GradScaler`` (or subclass: sharded, cuda.amp)."""
     return all(callable(getattr(obj, m, None)) for m in _METHODS) and hasattr(
-        obj, "_per_optimizer_states")
+        obj, "_per_optimizer_states"
+    )
 
 
 def scaler_stage(scaler: Any, optimizer: torch.optim.Optimizer) -> str:
@@ -59,8 +65,9 @@ class ScalerTap:
 
     def __init__(self, scaler: Any, listener: TapListener, watched: set[int]) -> None:
         if is_watched(scaler):
-            raise ValueError("scaler is already watched by ampguard; close() the other handle "
-                             "first")
+            raise ValueError(
+                "scaler is already watched by ampguard; close() the other handle first"
+            )
         self.scaler = scaler
         self.listener = listener
         self.watched = watched
@@ -68,8 +75,12 @@ class ScalerTap:
         self._seen: set[int] = set()  # optimizers whose gradients were observed this iteration
         self._originals = {m: getattr(scaler, m) for m in _METHODS}
         self._installed: dict[str, Callable[..., Any]] = {}
-        for name, wrapper in (("scale", self._scale), ("unscale_", self._unscale),
-                              ("step", self._step), ("update", self._update)):
+        for name, wrapper in (
+            ("scale", self._scale),
+            ("unscale_", self._unscale),
+            ("step", self._step),
+            ("update", self._update),
+        ):
             marked = _marked(wrapper)
             scaler.__dict__[name] = marked
             self._installed[name] = marked
@@ -104,10 +115,14 @@ class ScalerTap:
         # torch adds the found_inf tensors up *in place* into the first one, so read them first.
         per_opt = {
             key: _sum_found(state["found_inf_per_device"], self.scaler._scale.device)
-            for key, state in states.items() if state["found_inf_per_device"]
+            for key, state in states.items()
+            if state["found_inf_per_device"]
         }
-        found_all = (torch.stack(list(per_opt.values())).sum() if per_opt
-                     else torch.zeros((), device=self.scaler._scale.device))
+        found_all = (
+            torch.stack(list(per_opt.values())).sum()
+            if per_opt
+            else torch.zeros((), device=self.scaler._scale.device)
+        )
         before = self.scaler._scale.clone()
         result = self._originals["update"](new_scale)
         self._seen.clear()
@@ -119,8 +134,11 @@ class ScalerTap:
         scaler = self.scaler
         if not (self.active and scaler.is_enabled() and id(optimizer) in self.watched):
             return
-        if id(optimizer) in self._seen or scaler._scale is None \
-                or scaler_stage(scaler, optimizer) != "READY":
+        if (
+            id(optimizer) in self._seen
+            or scaler._scale is None
+            or scaler_stage(scaler, optimizer) != "READY"
+        ):
             return  # already unscaled (or stepped) this iteration: observed then
         self._seen.add(id(optimizer))
         self.listener.on_scaler_grads(optimizer)  # the gradients still carry the scale

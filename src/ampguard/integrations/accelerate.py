@@ -37,10 +37,18 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 __all__ = ["watch_accelerator", "observe_skip_flags", "accelerate_precision"]
 
 
-def watch_accelerator(accelerator: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any,
-                      *, min_scale: float | None = None, max_scale: float | None = None,
-                      hysteresis: int = 1, consecutive_hysteresis: bool = False,
-                      on_collapse: str = "warn") -> Watch:
+def watch_accelerator(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    telemetry: Any,
+    *,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    on_collapse: str = "warn",
+) -> Watch:
     """Attach ampguard to a prepared Accelerate loop; return the :class:`Watch` handle.
 
     ``model``/``optimizer``: what ``accelerator.prepare`` returned (one optimizer or a list).
@@ -50,15 +58,21 @@ def watch_accelerator(accelerator: Any, model: torch.nn.Module, optimizer: Any, 
     :func:`ampguard.watch` (fp16 only). Cost: as :func:`ampguard.watch`.
     """
     if not hasattr(accelerator, "backward") or not hasattr(accelerator, "mixed_precision"):
-        raise TypeError(f"accelerator must be an accelerate.Accelerator, got "
-                        f"{type(accelerator).__name__}")
+        raise TypeError(
+            f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
+        )
     scaler = accelerator.scaler
-    precision, note = accelerate_precision(accelerator.mixed_precision, scaler,
-                                           accelerator.device)
-    handle = Watch(scaler, accelerator.unwrap_model(model), optimizer, telemetry,
-                   precision=precision, framework="accelerate", loss_from_scaler=False,
-                   policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
-                                       on_collapse))
+    precision, note = accelerate_precision(accelerator.mixed_precision, scaler, accelerator.device)
+    handle = Watch(
+        scaler,
+        accelerator.unwrap_model(model),
+        optimizer,
+        telemetry,
+        precision=precision,
+        framework="accelerate",
+        loss_from_scaler=False,
+        policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
+    )
     if note is not None:
         handle.add_finding(note)
     _record_backward_loss(handle, accelerator)
@@ -75,8 +89,9 @@ def accelerate_precision(mixed_precision: str, scaler: Any, device: Any) -> tupl
         return "bf16", None
     if mixed_precision == "fp16":
         return "fp32", fp16_inactive(
-            "accelerate", f"Accelerate creates no GradScaler and no fp16 autocast on device "
-            f"{str(device)!r}")
+            "accelerate",
+            f"Accelerate creates no GradScaler and no fp16 autocast on device {str(device)!r}",
+        )
     return "fp32", None
 
 
@@ -117,5 +132,8 @@ def _record_backward_loss(handle: Watch, accelerator: Any) -> None:
 
     accelerator.__dict__["backward"] = backward
     handle.on_close(
-        lambda: accelerator.__dict__.get("backward") is backward
-        and accelerator.__dict__.pop("backward"))
+        lambda: (
+            accelerator.__dict__.get("backward") is backward
+            and accelerator.__dict__.pop("backward")
+        )
+    )

@@ -36,8 +36,14 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 __all__ = ["AmpGuardCallback", "lightning_precision"]
 
-_PRECISIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf16",
-               "bf16-true": "bf16", "32-true": "fp32", "64-true": "fp32"}
+_PRECISIONS = {
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "32-true": "fp32",
+    "64-true": "fp32",
+}
 _ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 
@@ -52,15 +58,22 @@ class AmpGuardCallback(WatchingCallback, Callback):
     only). After the fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
     """
 
-    def __init__(self, telemetry: Any = None, *, precision: str | int | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, telemetry: Any = None, *, precision: str | int | None = None, **options: Any
+    ) -> None:
         super().__init__(telemetry, **options)
-        if precision is not None and str(precision) not in _PRECISIONS and \
-                str(precision) not in _ALIASES:
-            raise ValueError(f"precision must be one of Lightning's precision values "
-                             f"{sorted(_PRECISIONS)}, got {precision!r}")
-        self.requested_precision = None if precision is None else \
-            _ALIASES.get(str(precision), str(precision))
+        if (
+            precision is not None
+            and str(precision) not in _PRECISIONS
+            and str(precision) not in _ALIASES
+        ):
+            raise ValueError(
+                f"precision must be one of Lightning's precision values "
+                f"{sorted(_PRECISIONS)}, got {precision!r}"
+            )
+        self.requested_precision = (
+            None if precision is None else _ALIASES.get(str(precision), str(precision))
+        )
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -92,16 +105,31 @@ class AmpGuardCallback(WatchingCallback, Callback):
         self._close()
         plugin = trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
-        telemetry = self.telemetry if self.telemetry is not None else \
-            os.path.join(trainer.default_root_dir, "ampguard")
-        self.watch = Watch(scaler, pl_module, list(trainer.optimizers), telemetry,
-                           precision=lightning_precision(plugin, scaler), policy=self.policy,
-                           framework="lightning", grads_from_optimizer_hooks=False)
+        telemetry = (
+            self.telemetry
+            if self.telemetry is not None
+            else os.path.join(trainer.default_root_dir, "ampguard")
+        )
+        self.watch = Watch(
+            scaler,
+            pl_module,
+            list(trainer.optimizers),
+            telemetry,
+            precision=lightning_precision(plugin, scaler),
+            policy=self.policy,
+            framework="lightning",
+            grads_from_optimizer_hooks=False,
+        )
         actual = str(getattr(plugin, "precision", "32-true"))
         if self.requested_precision == "16-mixed" and self.watch.scaler is None:
-            self.watch.add_finding(fp16_inactive(
-                "lightning", f"precision='16-mixed' became {actual!r} on "
-                f"{type(trainer.accelerator).__name__}", actual=_PRECISIONS.get(actual, "fp32")))
+            self.watch.add_finding(
+                fp16_inactive(
+                    "lightning",
+                    f"precision='16-mixed' became {actual!r} on "
+                    f"{type(trainer.accelerator).__name__}",
+                    actual=_PRECISIONS.get(actual, "fp32"),
+                )
+            )
 
 
 def lightning_precision(plugin: Any, scaler: Any) -> str:

@@ -35,12 +35,16 @@ def _tag(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-/]", "_", name) or "_"
 
 
-def step_metrics(record: dict[str, Any], skip_rate: float,
-                 layers: Sequence[str]) -> dict[str, float]:
+def step_metrics(
+    record: dict[str, Any], skip_rate: float, layers: Sequence[str]
+) -> dict[str, float]:
     """The finite scalar metrics of one step record, keyed ``ampguard/...``."""
     values: dict[str, Any] = {
-        "scale": record.get("scale"), "skip_rate": skip_rate, "loss": record.get("loss"),
-        "grad_norm": record.get("grad_norm"), "applied": float(bool(record.get("applied", True))),
+        "scale": record.get("scale"),
+        "skip_rate": skip_rate,
+        "loss": record.get("loss"),
+        "grad_norm": record.get("grad_norm"),
+        "applied": float(bool(record.get("applied", True))),
     }
     per_layer = (record.get("layers") or {}).get("grad_norm") or []
     for name, value in zip(layers, per_layer, strict=False):
@@ -94,8 +98,13 @@ class MlflowSink:
     (default: MLflow's own setting).
     """
 
-    def __init__(self, run_id: str | None = None, *, experiment: str = "ampguard",
-                 tracking_uri: str | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str | None = None,
+        *,
+        experiment: str = "ampguard",
+        tracking_uri: str | None = None,
+    ) -> None:
         self._mlflow = require("mlflow", "MlflowSink")
         from mlflow.tracking import MlflowClient
 
@@ -112,10 +121,14 @@ class MlflowSink:
         run_id = self._given or (active.info.run_id if active is not None else None)
         if run_id is None:
             exp = self._client.get_experiment_by_name(self._experiment)
-            exp_id = exp.experiment_id if exp is not None else \
-                self._client.create_experiment(self._experiment)
-            run_id = self._client.create_run(exp_id, tags={"ampguard.run_dir": str(run_dir)}
-                                             ).info.run_id
+            exp_id = (
+                exp.experiment_id
+                if exp is not None
+                else self._client.create_experiment(self._experiment)
+            )
+            run_id = self._client.create_run(
+                exp_id, tags={"ampguard.run_dir": str(run_dir)}
+            ).info.run_id
             self._owned = True
         self.run_id = run_id
 
@@ -123,11 +136,13 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, int(rec["step"]))
-                   for rec, rate in zip(records, skip_rate, strict=True)
-                   for key, value in step_metrics(rec, rate, self._layers).items()]
+        metrics = [
+            Metric(key, value, now, int(rec["step"]))
+            for rec, rate in zip(records, skip_rate, strict=True)
+            for key, value in step_metrics(rec, rate, self._layers).items()
+        ]
         for start in range(0, len(metrics), _MLFLOW_BATCH):
-            self._client.log_batch(self.run_id, metrics=metrics[start:start + _MLFLOW_BATCH])
+            self._client.log_batch(self.run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
 
     def close(self) -> None:
         if self._owned and self.run_id is not None:

@@ -46,18 +46,37 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
     _loss_hook: Any = None  # the forward hook taking the loss when there is no scaler
 
     # ------------------------------------------------------------------ Trainer events
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
-                       optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self._close()
         if model is None or optimizer is None:
-            raise ValueError("AmpGuardCallback needs the Trainer's model and optimizer "
-                             "(transformers passes them to on_train_begin)")
+            raise ValueError(
+                "AmpGuardCallback needs the Trainer's model and optimizer "
+                "(transformers passes them to on_train_begin)"
+            )
         scaler = getattr(optimizer, "scaler", None)
         precision, note = _trainer_precision(args, scaler)
-        telemetry = self.telemetry if self.telemetry is not None else \
-            os.path.join(args.output_dir, "ampguard")
-        self.watch = Watch(scaler, model, optimizer, telemetry, precision=precision,
-                           policy=self.policy, framework="transformers")
+        telemetry = (
+            self.telemetry
+            if self.telemetry is not None
+            else os.path.join(args.output_dir, "ampguard")
+        )
+        self.watch = Watch(
+            scaler,
+            model,
+            optimizer,
+            telemetry,
+            precision=precision,
+            policy=self.policy,
+            framework="transformers",
+        )
         if note is not None:
             self.watch.add_finding(note)
         observe_skip_flags(self.watch, optimizer)
@@ -88,6 +107,8 @@ def _trainer_precision(args: Any, scaler: Any) -> tuple[str, Finding | None]:
         return "bf16", None
     if getattr(args, "fp16", False):
         return "fp32", fp16_inactive(
-            "transformers.Trainer", f"fp16=True, but Accelerate creates no GradScaler and no "
-            f"fp16 autocast on device {str(getattr(args, 'device', '?'))!r}")
+            "transformers.Trainer",
+            f"fp16=True, but Accelerate creates no GradScaler and no "
+            f"fp16 autocast on device {str(getattr(args, 'device', '?'))!r}",
+        )
     return "fp32", None

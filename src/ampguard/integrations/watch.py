@@ -51,10 +51,19 @@ __all__ = ["watch", "Watch", "WatchSource", "PRECISIONS"]
 PRECISIONS = ("fp16", "bf16", "fp32")
 
 
-def watch(scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *,
-          precision: str | None = None, min_scale: float | None = None,
-          max_scale: float | None = None, hysteresis: int = 1,
-          consecutive_hysteresis: bool = False, on_collapse: str = "warn") -> Watch:
+def watch(
+    scaler: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    telemetry: Any,
+    *,
+    precision: str | None = None,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    on_collapse: str = "warn",
+) -> Watch:
     """Observe a loop that calls ``scaler.scale/step/update`` itself; return a :class:`Watch`.
 
     ``scaler``: the loop's ``torch.amp.GradScaler`` (or a subclass), or ``None`` for a bf16/fp32
@@ -77,9 +86,14 @@ def watch(scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *
     except the telemetry flush every ``flush_every`` steps. Without a scaler: one multi-tensor
     finiteness check per step and a cheap hook call per parameter per backward pass.
     """
-    return Watch(scaler, model, optimizer, telemetry, precision=precision,
-                 policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis,
-                                     on_collapse))
+    return Watch(
+        scaler,
+        model,
+        optimizer,
+        telemetry,
+        precision=precision,
+        policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
+    )
 
 
 class Watch:
@@ -89,27 +103,41 @@ class Watch:
     ``steps`` counts optimizer steps seen (one per ``scaler.update``, applied or skipped).
     """
 
-    def __init__(self, scaler: Any, model: torch.nn.Module, optimizer: Any, telemetry: Any, *,
-                 precision: str | None = None, policy: AttachPolicy | None = None,
-                 framework: str | None = None, loss_from_scaler: bool = True,
-                 grads_from_optimizer_hooks: bool = True) -> None:
+    def __init__(
+        self,
+        scaler: Any,
+        model: torch.nn.Module,
+        optimizer: Any,
+        telemetry: Any,
+        *,
+        precision: str | None = None,
+        policy: AttachPolicy | None = None,
+        framework: str | None = None,
+        loss_from_scaler: bool = True,
+        grads_from_optimizer_hooks: bool = True,
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if scaler is not None and not is_grad_scaler(scaler):
-            raise TypeError("scaler must be a torch.amp.GradScaler (or subclass) or None, got "
-                            f"{type(scaler).__name__}")
+            raise TypeError(
+                "scaler must be a torch.amp.GradScaler (or subclass) or None, got "
+                f"{type(scaler).__name__}"
+            )
         self.optimizers = as_optimizer_list(optimizer)
         self.policy = policy or AttachPolicy()
         self.framework = framework
         enabled = scaler is not None and scaler.is_enabled()
         self.precision = _resolve_precision(precision, enabled)
         if self.policy.active and not enabled:
-            raise ValueError("min_scale, max_scale and hysteresis need an enabled GradScaler "
-                             "(fp16); this loop has none")
+            raise ValueError(
+                "min_scale, max_scale and hysteresis need an enabled GradScaler "
+                "(fp16); this loop has none"
+            )
         self.scaler = scaler if enabled else None
         if self.scaler is not None and is_watched(self.scaler):
-            raise ValueError("scaler is already watched by ampguard; close() the other handle "
-                             "first")
+            raise ValueError(
+                "scaler is already watched by ampguard; close() the other handle first"
+            )
         # Integrations that see the loss and the final gradients in their own hooks turn these off.
         self._loss_from_scaler = loss_from_scaler and self.scaler is not None
         self._grads_from_hooks = grads_from_optimizer_hooks
@@ -119,8 +147,9 @@ class Watch:
         self._framework_flags: dict[int, bool] = {}
         self._collapses_seen = 0
         self._collapsing = False
-        self.source = WatchSource(model, self.optimizers, self.scaler, self.precision,
-                                  self.policy, framework)
+        self.source = WatchSource(
+            model, self.optimizers, self.scaler, self.precision, self.policy, framework
+        )
         self.telemetry = _resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
         self._tap: ScalerTap | None = None
@@ -137,8 +166,10 @@ class Watch:
             self._tap = ScalerTap(self.scaler, self, {id(o) for o in self.optimizers})
         else:
             primary = self.optimizers[0]
-            self._hooks = [primary.register_step_pre_hook(self._pre_step),
-                           primary.register_step_post_hook(self._post_step)]
+            self._hooks = [
+                primary.register_step_pre_hook(self._pre_step),
+                primary.register_step_post_hook(self._post_step),
+            ]
             # the gradient sample is taken when backward ends: before the loop clips them
             self._backward_end = BackwardEnd(self.source.params, self._sample_after_backward)
 
@@ -170,8 +201,12 @@ class Watch:
         With an enabled scaler the loss handed to ``scaler.scale`` is recorded automatically and
         this call does nothing.
         """
-        if not self._loss_from_scaler and not self._closed and isinstance(loss, torch.Tensor) \
-                and loss.numel() == 1:
+        if (
+            not self._loss_from_scaler
+            and not self._closed
+            and isinstance(loss, torch.Tensor)
+            and loss.numel() == 1
+        ):
             self.telemetry.on_backward(loss.detach())
 
     def findings(self) -> list[Finding]:
@@ -213,8 +248,9 @@ class Watch:
             self.telemetry.close()
             self._check_collapse(in_step=False)
             path = self._findings_path
-            rules_found = [Finding.from_dict(d) for d in runlog.read_findings(path)] \
-                if path.exists() else []
+            rules_found = (
+                [Finding.from_dict(d) for d in runlog.read_findings(path)] if path.exists() else []
+            )
             self._merge(rules_found)
         finally:
             self._closed = True
@@ -279,8 +315,13 @@ class Watch:
         self._grads_seen = True
         self.telemetry.on_grads(self._done + 1, True)
 
-    def on_scaler_update(self, found: dict[int, torch.Tensor], found_all: torch.Tensor,
-                         scale_before: torch.Tensor, manual: bool) -> None:
+    def on_scaler_update(
+        self,
+        found: dict[int, torch.Tensor],
+        found_all: torch.Tensor,
+        scale_before: torch.Tensor,
+        manual: bool,
+    ) -> None:
         """``scaler.update`` is about to consume ``found`` (per optimizer id) and ``found_all``;
         ``scale_before`` is the scale the step used; ``manual``: update(new_scale)."""
         scaler = self.scaler
@@ -289,8 +330,9 @@ class Watch:
         zero = torch.zeros((), dtype=torch.float32, device=scale_before.device)
         status = results.pack([found.get(id(o), zero) for o in self.optimizers], None)
         if self._state is not None and scaler is not None and not manual:  # _on_update: a scaler
-            collapse, kinds = self._state.apply(scaler._scale, scaler._growth_tracker,
-                                                scale_before, found_all)
+            collapse, kinds = self._state.apply(
+                scaler._scale, scaler._growth_tracker, scale_before, found_all
+            )
             status = results.add_collapse(status, collapse, len(self.optimizers))
             self._count_interventions(kinds, step)
         self._record_step(status)
@@ -304,7 +346,6 @@ class Watch:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._grads_from_hooks:
             self.observe_grads()
-
 
     def _sample_after_backward(self) -> None:
         """A backward pass ended: (re-)sample the gradients, unscaled and not yet clipped; the
@@ -340,10 +381,12 @@ class Watch:
         if not new:
             self._collapsing = False
             return
-        msg = (f"loss scale collapsed: gradients overflow even at min_scale="
-               f"{self.policy.min_scale:g} ({total} collapsed steps so far, last flush at step "
-               f"{self._done}). Try bf16, keeping the overflowing module in fp32 "
-               "(ampguard.locate names it), or a lower learning rate.")
+        msg = (
+            f"loss scale collapsed: gradients overflow even at min_scale="
+            f"{self.policy.min_scale:g} ({total} collapsed steps so far, last flush at step "
+            f"{self._done}). Try bf16, keeping the overflowing module in fp32 "
+            "(ampguard.locate names it), or a lower learning rate."
+        )
         if self.policy.on_collapse == "raise" and in_step:
             raise ScaleCollapseError(msg)
         if not self._collapsing:
@@ -390,15 +433,18 @@ class _ScalerInfo:
         if scaler is not None:
             scale = scaler._scale
             # the scale at attach time: the run log's first "scale before"
-            self.init_scale = float(scale.item()) if scale is not None else \
-                float(scaler._init_scale)
+            self.init_scale = (
+                float(scale.item()) if scale is not None else float(scaler._init_scale)
+            )
             self._data.update(
-                scaler_class=type(scaler).__name__, init_scale=self.init_scale,
+                scaler_class=type(scaler).__name__,
+                init_scale=self.init_scale,
                 growth_factor=scaler.get_growth_factor(),
                 backoff_factor=scaler.get_backoff_factor(),
                 growth_interval=scaler.get_growth_interval(),
                 # unset guard features are left out: the rules then use their defaults
-                **{k: v for k, v in policy.to_dict().items() if v is not None})
+                **{k: v for k, v in policy.to_dict().items() if v is not None},
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._data)
@@ -412,9 +458,15 @@ class WatchSource:
     with the telemetry hooks. Cost: one host sync when made (the scale at attach time).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                 scaler: Any, precision: str, policy: AttachPolicy,
-                 framework: str | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        scaler: Any,
+        precision: str,
+        policy: AttachPolicy,
+        framework: str | None,
+    ) -> None:
         self.model = model
         self.optimizers = optimizers
         self.params = params_of(optimizers)
@@ -430,14 +482,18 @@ class WatchSource:
 def _resolve_precision(precision: str | None, scaled: bool) -> str:
     if precision is None:
         if not scaled:
-            raise ValueError("watch() without an enabled GradScaler needs precision='bf16' or "
-                             "'fp32' (the loop's autocast dtype)")
+            raise ValueError(
+                "watch() without an enabled GradScaler needs precision='bf16' or "
+                "'fp32' (the loop's autocast dtype)"
+            )
         return "fp16"
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if scaled and precision != "fp16":
-        raise ValueError(f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
-                         "scaling); pass precision='fp16' or None")
+        raise ValueError(
+            f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
+            "scaling); pass precision='fp16' or None"
+        )
     return precision
 
 
@@ -446,5 +502,7 @@ def _resolve_telemetry(telemetry: Any) -> Any:
         return _telemetry.Telemetry(telemetry)
     if isinstance(telemetry, _telemetry.Telemetry):
         return telemetry
-    raise TypeError("telemetry must be a run folder path or an ampguard.Telemetry, got "
-                    f"{type(telemetry).__name__}")
+    raise TypeError(
+        "telemetry must be a run folder path or an ampguard.Telemetry, got "
+        f"{type(telemetry).__name__}"
+    )

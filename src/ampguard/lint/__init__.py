@@ -29,15 +29,29 @@ from ampguard.lint._source import MAX_FILE_BYTES, read_source
 from ampguard.lint.rules import RULES, Rule
 
 __all__ = [
-    "DEFAULT_EXCLUDES", "FORMATS", "MAX_FILE_BYTES", "RULES", "Rule", "format_findings",
-    "iter_python_files", "lint_paths", "lint_source", "parse_codes",
+    "DEFAULT_EXCLUDES",
+    "FORMATS",
+    "MAX_FILE_BYTES",
+    "RULES",
+    "Rule",
+    "format_findings",
+    "iter_python_files",
+    "lint_paths",
+    "lint_source",
+    "parse_codes",
 ]
 
 Codes = str | Iterable[str] | None
 
 
-def lint_source(text: str | bytes, filename: str = "<string>", *, select: Codes = None,
-                ignore: Codes = None, torch_version: str | None = None) -> list[Finding]:
+def lint_source(
+    text: str | bytes,
+    filename: str = "<string>",
+    *,
+    select: Codes = None,
+    ignore: Codes = None,
+    torch_version: str | None = None,
+) -> list[Finding]:
     """Lint one file's contents; returns sorted findings with ``path``/``line``/``col`` set.
 
     ``text`` may be ``bytes`` (read as Python reads a source file: UTF-8 unless a coding comment
@@ -54,9 +68,15 @@ def lint_source(text: str | bytes, filename: str = "<string>", *, select: Codes 
     return sort_findings(lint_bytes(text, filename, options))
 
 
-def lint_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *, select: Codes = None,
-               ignore: Codes = None, exclude: Iterable[str] = (),
-               torch_version: str | None = None, project: bool = True) -> list[Finding]:
+def lint_paths(
+    paths: str | os.PathLike | Iterable[str | os.PathLike],
+    *,
+    select: Codes = None,
+    ignore: Codes = None,
+    exclude: Iterable[str] = (),
+    torch_version: str | None = None,
+    project: bool = True,
+) -> list[Finding]:
     """Lint files and folders (recursing into ``*.py``); returns sorted findings.
 
     Folders skip :data:`DEFAULT_EXCLUDES` (``.git``, ``.venv``, ``build``, ``site-packages``, ...)

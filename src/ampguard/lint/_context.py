@@ -13,22 +13,62 @@ from ampguard.lint._names import AUTOCASTS, NO_GRAD, dotted, terminal
 from ampguard.lint._scalers import scaler_state
 
 __all__ = [
-    "Autocast", "autocast_info", "bf16_precision", "dtype_kind", "enclosing_autocast",
-    "grad_disabled", "is_eval_function", "is_model_like", "is_scheduler_like", "keyword",
+    "Autocast",
+    "autocast_info",
+    "bf16_precision",
+    "dtype_kind",
+    "enclosing_autocast",
+    "grad_disabled",
+    "is_eval_function",
+    "is_model_like",
+    "is_scheduler_like",
+    "keyword",
     "scaler_state",
 ]
 
 # default autocast dtype per device type when none is given
 _DEFAULT_DTYPE: dict[str | None, str] = {
-    "cuda": "fp16", "cpu": "bf16", "xpu": "bf16", "mps": "fp16", "hpu": "bf16"}
-_EVAL_WORDS = frozenset({
-    "eval", "evaluate", "evaluation", "validate", "validation", "valid", "val", "predict",
-    "prediction", "infer", "inference",
-})
-_MODULE_WORDS = frozenset({
-    "model", "net", "network", "module", "encoder", "decoder", "backbone", "generator",
-    "discriminator", "unet", "vae", "transformer", "classifier", "policy", "critic", "actor",
-})
+    "cuda": "fp16",
+    "cpu": "bf16",
+    "xpu": "bf16",
+    "mps": "fp16",
+    "hpu": "bf16",
+}
+_EVAL_WORDS = frozenset(
+    {
+        "eval",
+        "evaluate",
+        "evaluation",
+        "validate",
+        "validation",
+        "valid",
+        "val",
+        "predict",
+        "prediction",
+        "infer",
+        "inference",
+    }
+)
+_MODULE_WORDS = frozenset(
+    {
+        "model",
+        "net",
+        "network",
+        "module",
+        "encoder",
+        "decoder",
+        "backbone",
+        "generator",
+        "discriminator",
+        "unet",
+        "vae",
+        "transformer",
+        "classifier",
+        "policy",
+        "critic",
+        "actor",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +119,9 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
             return None
         first = found[0]
         maybe = len(found) < len(values) or first.maybe
-        return Autocast(first.call, first.dtype, first.device, first.enabled, first.enabled_text,
-                        maybe)
+        return Autocast(
+            first.call, first.dtype, first.device, first.enabled, first.enabled_text, maybe
+        )
     if not isinstance(expr, ast.Call):
         return None
     qual = model.call_name(expr)
@@ -90,8 +131,11 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
             return Autocast(expr, None, None, None, None, maybe=True)  # accelerator.autocast()
         return _helper_autocast(model, expr, depth)
     partial = _partial_of(model, expr.func)
-    merged = ast.Call(func=expr.func, args=[*(partial.args[1:] if partial else []), *expr.args],
-                      keywords=[*(partial.keywords if partial else []), *expr.keywords])
+    merged = ast.Call(
+        func=expr.func,
+        args=[*(partial.args[1:] if partial else []), *expr.args],
+        keywords=[*(partial.keywords if partial else []), *expr.keywords],
+    )
     if qual == "torch.amp.autocast":
         device_node = keyword(merged, "device_type", 0)
         device = _constant(device_node)
@@ -102,8 +146,13 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
         enabled_node, dtype_node = keyword(merged, "enabled", 0), keyword(merged, "dtype", 1)
     dtype = dtype_kind(model, dtype_node) if dtype_node is not None else _DEFAULT_DTYPE.get(device)
     enabled = _constant(enabled_node) if enabled_node is not None else True
-    return Autocast(expr, dtype, device, enabled if isinstance(enabled, bool) else None,
-                    ast.unparse(enabled_node) if enabled_node is not None else None)
+    return Autocast(
+        expr,
+        dtype,
+        device,
+        enabled if isinstance(enabled, bool) else None,
+        ast.unparse(enabled_node) if enabled_node is not None else None,
+    )
 
 
 def _helper_autocast(model: FileModel, call: ast.Call, depth: int) -> Autocast | None:
@@ -119,9 +168,16 @@ def _helper_autocast(model: FileModel, call: ast.Call, depth: int) -> Autocast |
         if isinstance(node, ast.Return) and node.value is not None:
             info = autocast_info(owner, node.value, depth + 1)
         elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
-                isinstance(n, (ast.Yield, ast.YieldFrom)) for s in node.body for n in ast.walk(s)):
-            info = next((i for item in node.items
-                         if (i := autocast_info(owner, item.context_expr, depth + 1))), None)
+            isinstance(n, (ast.Yield, ast.YieldFrom)) for s in node.body for n in ast.walk(s)
+        ):
+            info = next(
+                (
+                    i
+                    for item in node.items
+                    if (i := autocast_info(owner, item.context_expr, depth + 1))
+                ),
+                None,
+            )
         else:
             continue
         if info is not None:
@@ -194,8 +250,7 @@ def grad_disabled(model: FileModel, node: ast.AST) -> bool:
     return False
 
 
-def is_eval_function(
-        func: ast.AST | None) -> TypeGuard[ast.FunctionDef | ast.AsyncFunctionDef]:
+def is_eval_function(func: ast.AST | None) -> TypeGuard[ast.FunctionDef | ast.AsyncFunctionDef]:
     """A ``def`` whose name says it evaluates (``evaluate``, ``validate``, ``val_step``, ...)."""
     if not isinstance(func, FUNCS):
         return False
@@ -223,8 +278,11 @@ def _words(text: str) -> list[str]:
 
 def is_model_like(model: FileModel, expr: ast.AST) -> bool:
     """``expr`` is very likely an ``nn.Module``: by its name or by the class it was built from."""
-    while isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) \
-            and expr.func.attr in ("to", "cuda", "cpu", "train", "float", "half"):
+    while (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr in ("to", "cuda", "cpu", "train", "float", "half")
+    ):
         expr = expr.func.value
     if isinstance(expr, ast.Call):
         return _is_module_ctor(expr)

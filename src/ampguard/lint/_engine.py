@@ -17,12 +17,31 @@ from ampguard.lint._source import Parsed, noqa_codes, parse, syntax_finding
 from ampguard.lint.rules import RULES, Context
 
 __all__ = [
-    "DEFAULT_EXCLUDES", "Options", "iter_python_files", "lint_bytes", "make_options", "parse_codes",
+    "DEFAULT_EXCLUDES",
+    "Options",
+    "iter_python_files",
+    "lint_bytes",
+    "make_options",
+    "parse_codes",
 ]
 
 DEFAULT_EXCLUDES = (
-    ".git", ".hg", ".svn", ".venv", "venv", "__pycache__", "build", "dist", "node_modules",
-    ".tox", ".nox", ".eggs", "*.egg-info", "site-packages", ".mypy_cache", ".pytest_cache",
+    ".git",
+    ".hg",
+    ".svn",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "build",
+    "dist",
+    "node_modules",
+    ".tox",
+    ".nox",
+    ".eggs",
+    "*.egg-info",
+    "site-packages",
+    ".mypy_cache",
+    ".pytest_cache",
     ".ruff_cache",
 )
 _CODE = re.compile(r"^AG\d{0,3}$")
@@ -51,8 +70,10 @@ def parse_codes(value: str | Iterable[str] | None, argument: str) -> list[str]:
         if not code:
             continue
         if code != "ALL" and not (_CODE.match(code) and any(c.startswith(code) for c in RULES)):
-            raise ValueError(f"{argument}: unknown code {item.strip()!r}; known codes are "
-                             f"{min(RULES)}..{max(RULES)} (prefixes such as AG20 and ALL work)")
+            raise ValueError(
+                f"{argument}: unknown code {item.strip()!r}; known codes are "
+                f"{min(RULES)}..{max(RULES)} (prefixes such as AG20 and ALL work)"
+            )
         out.append(code)
     return out
 
@@ -61,9 +82,11 @@ def _matches(code: str, prefixes: list[str]) -> bool:
     return any(p == "ALL" or code.startswith(p) for p in prefixes)
 
 
-def make_options(select: str | Iterable[str] | None = None,
-                 ignore: str | Iterable[str] | None = None,
-                 torch_version: str | None = None) -> Options:
+def make_options(
+    select: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+    torch_version: str | None = None,
+) -> Options:
     """Validate the user's choices into :class:`Options`."""
     chosen = parse_codes(select, "select") or ["ALL"]
     dropped = parse_codes(ignore, "ignore")
@@ -74,7 +97,8 @@ def make_options(select: str | Iterable[str] | None = None,
         version = _version(torch_version)
         if version is None:
             raise ValueError(
-                f"torch_version must look like '2.5' or '2.5.1', got {torch_version!r}")
+                f"torch_version must look like '2.5' or '2.5.1', got {torch_version!r}"
+            )
     else:
         raise TypeError(f"torch_version must be a version string or None, got {torch_version!r}")
     return Options(codes, version)
@@ -96,8 +120,9 @@ def _installed_torch() -> tuple[int, int] | None:
         return None
 
 
-def lint_bytes(source: str | bytes, path: str, options: Options,
-               project: Project | None = None) -> list[Finding]:
+def lint_bytes(
+    source: str | bytes, path: str, options: Options, project: Project | None = None
+) -> list[Finding]:
     """All findings for one file's contents, ``# noqa`` applied, unsorted.
 
     With ``project`` (project mode), names imported from the other files of the run resolve.
@@ -105,9 +130,13 @@ def lint_bytes(source: str | bytes, path: str, options: Options,
     parsed = parse(source, path)
     if isinstance(parsed, Finding):
         return [parsed] if "AG200" in options.codes else []
-    checks = [check for c in sorted(options.codes)
-              if (check := RULES[c].check) is not None and _mentions(source, _TRIGGERS[c])
-              and (not _REQUIRES[c][0] or _mentions(source, _REQUIRES[c]))]
+    checks = [
+        check
+        for c in sorted(options.codes)
+        if (check := RULES[c].check) is not None
+        and _mentions(source, _TRIGGERS[c])
+        and (not _REQUIRES[c][0] or _mentions(source, _REQUIRES[c]))
+    ]
     if not checks:
         return []
     try:
@@ -137,8 +166,9 @@ def _finish(findings: list[Finding], parsed: Parsed) -> list[Finding]:
     for finding in findings:
         line = finding.line or 1
         end = int(finding.evidence.get("end_line", line))
-        if _silenced(finding.code, lines, line) or (end != line and _silenced(finding.code,
-                                                                               lines, end)):
+        if _silenced(finding.code, lines, line) or (
+            end != line and _silenced(finding.code, lines, end)
+        ):
             continue
         text = lines[line - 1] if 0 < line <= len(lines) else ""
         col = finding.col or 1
@@ -160,8 +190,9 @@ def _excluded(name: str, rel: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(rel, p) for p in patterns)
 
 
-def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str] = ()) -> \
-        Iterator[str]:
+def iter_python_files(
+    paths: Iterable[str | os.PathLike], exclude: Iterable[str] = ()
+) -> Iterator[str]:
     """Files to lint: each file named, and the ``*.py`` files under each folder named.
 
     Folders skip :data:`DEFAULT_EXCLUDES` and ``exclude`` (glob patterns matched against a name
@@ -178,8 +209,9 @@ def iter_python_files(paths: Iterable[str | os.PathLike], exclude: Iterable[str]
             yield path
 
 
-def _walk(paths: Iterable[str | os.PathLike], patterns: tuple[str, ...],
-          exclude: tuple[str, ...]) -> Iterator[str]:
+def _walk(
+    paths: Iterable[str | os.PathLike], patterns: tuple[str, ...], exclude: tuple[str, ...]
+) -> Iterator[str]:
     for raw in paths:
         path = os.fspath(raw)
         if not os.path.isdir(path):
@@ -189,8 +221,11 @@ def _walk(paths: Iterable[str | os.PathLike], patterns: tuple[str, ...],
             continue
         for root, dirs, files in os.walk(path):
             rel_root = os.path.relpath(root, path)
-            dirs[:] = sorted(d for d in dirs if not _excluded(
-                d, os.path.normpath(os.path.join(rel_root, d)), patterns))
+            dirs[:] = sorted(
+                d
+                for d in dirs
+                if not _excluded(d, os.path.normpath(os.path.join(rel_root, d)), patterns)
+            )
             for name in sorted(files):
                 rel = os.path.normpath(os.path.join(rel_root, name))
                 if name.endswith(".py") and not _excluded(name, rel, exclude):

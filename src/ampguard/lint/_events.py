@@ -56,12 +56,16 @@ class Events:
 
     def _call(self, call: ast.Call) -> list[Event]:
         func = call.func
-        if isinstance(func, ast.Attribute) and self.model.project is not None \
-                and (self.model.qualname(func) or "torch").split(".", 1)[0] != "torch":
+        if (
+            isinstance(func, ast.Attribute)
+            and self.model.project is not None
+            and (self.model.qualname(func) or "torch").split(".", 1)[0] != "torch"
+        ):
             helper, owner = self._helper(call)  # engine.backward(loss, scaler): a module's def
             if helper is not None:
-                return [Event("call", call, target=helper, mapping=_mapping(helper, call),
-                              owner=owner)]
+                return [
+                    Event("call", call, target=helper, mapping=_mapping(helper, call), owner=owner)
+                ]
         if isinstance(func, ast.Attribute):
             attr, key = func.attr, dotted(func.value)
             if attr == "backward":
@@ -77,8 +81,10 @@ class Events:
                 if not is_scheduler_like(self.model, func.value):
                     return [Event("ostep", call, key)]
                 return []
-            if attr == "update" and (key in self.scalers or (
-                    not call.args and not call.keywords and self._is_parameter(func.value))):
+            if attr == "update" and (
+                key in self.scalers
+                or (not call.args and not call.keywords and self._is_parameter(func.value))
+            ):
                 return [Event("update", call, key)]
             if attr == "zero_grad":
                 return [Event("zero", call)]
@@ -86,8 +92,7 @@ class Events:
             return [Event("clip", call)]
         helper, owner = self._helper(call)
         if helper is not None:
-            return [Event("call", call, target=helper, mapping=_mapping(helper, call),
-                          owner=owner)]
+            return [Event("call", call, target=helper, mapping=_mapping(helper, call), owner=owner)]
         return [Event("opaque", call, key) for key in self._opaque_keys(call)]
 
     def _is_parameter(self, node: ast.AST) -> bool:
@@ -97,14 +102,18 @@ class Events:
         func = self.model.function_of(node)
         args = func.args if func is not None else None
         return args is not None and any(
-            a.arg == node.id for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
+            a.arg == node.id for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+        )
 
     def _scaled_source(self, recv: ast.AST) -> str | None:
         if isinstance(recv, ast.Name):  # scaled = scaler.scale(loss); scaled.backward()
             value = self.model.single_value(recv)
             recv = value if value is not None else recv
-        if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Attribute) \
-                and recv.func.attr == "scale":
+        if (
+            isinstance(recv, ast.Call)
+            and isinstance(recv.func, ast.Attribute)
+            and recv.func.attr == "scale"
+        ):
             key = dotted(recv.func.value)
             if key not in self.scalers:
                 return None
@@ -112,8 +121,9 @@ class Events:
             return None if ctor is not None and scaler_state(self.model, ctor) == "off" else key
         return None
 
-    def _helper(self, call: ast.Call) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef | None,
-                                               FileModel | None]:
+    def _helper(
+        self, call: ast.Call
+    ) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef | None, FileModel | None]:
         """The ``def`` a call runs: same file, a method of ``self``, or (project mode) a
         function of another linted file."""
         func = call.func
@@ -169,8 +179,9 @@ def _calls_in(roots: list[ast.AST]) -> list[ast.Call]:
     return out
 
 
-def _mapping(helper: ast.FunctionDef | ast.AsyncFunctionDef,
-             call: ast.Call) -> tuple[tuple[str, str], ...]:
+def _mapping(
+    helper: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call
+) -> tuple[tuple[str, str], ...]:
     params = [a.arg for a in (*helper.args.posonlyargs, *helper.args.args)]
     if params and params[0] in ("self", "cls") and isinstance(call.func, ast.Attribute):
         params = params[1:]

@@ -233,8 +233,12 @@ class Interpreter:
         else:
             yes, no = self._split(state, fixed)
         a, b = self._block(stmt.body, yes, env), self._block(stmt.orelse, no, env)
-        return _Out(self._pjoin(a.out, b.out), self._pjoin(a.brk, b.brk),
-                    self._pjoin(a.cont, b.cont), self._pjoin(a.ret, b.ret))
+        return _Out(
+            self._pjoin(a.out, b.out),
+            self._pjoin(a.brk, b.brk),
+            self._pjoin(a.cont, b.cont),
+            self._pjoin(a.ret, b.ret),
+        )
 
     def _split(self, state: Paths, fixed: tuple[str, bool]) -> tuple[Paths | None, Paths | None]:
         key, value = fixed
@@ -268,11 +272,16 @@ class Interpreter:
         forever = is_while and isinstance(stmt.test, ast.Constant) and bool(stmt.test.value)
         normal = None if forever else entry
         orelse = self._block(stmt.orelse, normal, env) if normal is not None else _Out()
-        return _Out(self._pjoin(orelse.out, body.brk), orelse.brk, orelse.cont,
-                    self._pjoin(body.ret, orelse.ret))
+        return _Out(
+            self._pjoin(orelse.out, body.brk),
+            orelse.brk,
+            orelse.cont,
+            self._pjoin(body.ret, orelse.ret),
+        )
 
-    def _enter(self, head: Paths | None, stmt: ast.AST, env: Env,
-               targets: frozenset[str]) -> Paths | None:
+    def _enter(
+        self, head: Paths | None, stmt: ast.AST, env: Env, targets: frozenset[str]
+    ) -> Paths | None:
         """One iteration's entry: a ``while`` test runs; a ``for`` target is assigned anew."""
         if isinstance(stmt, ast.While):
             return self._apply(head, stmt, env)

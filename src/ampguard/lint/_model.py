@@ -22,10 +22,25 @@ _TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 _SKIP_FIELDS = frozenset({"ctx", "op", "ops"})
 _PARENT = "_ag_parent"
 # node types ``FileModel._collect`` records something for
-_COLLECTED = frozenset({
-    ast.Call, ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.AugAssign, ast.Import, ast.ImportFrom,
-    *_SCOPES, ast.ClassDef, ast.For, ast.AsyncFor, ast.While, ast.comprehension, ast.withitem,
-    ast.ExceptHandler})
+_COLLECTED = frozenset(
+    {
+        ast.Call,
+        ast.Assign,
+        ast.AnnAssign,
+        ast.NamedExpr,
+        ast.AugAssign,
+        ast.Import,
+        ast.ImportFrom,
+        *_SCOPES,
+        ast.ClassDef,
+        ast.For,
+        ast.AsyncFor,
+        ast.While,
+        ast.comprehension,
+        ast.withitem,
+        ast.ExceptHandler,
+    }
+)
 
 # What ``FileModel.top_unit`` returns: a module-level def or class, or the module itself.
 TopUnit = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Module
@@ -120,8 +135,9 @@ class FileModel(ScalerFacts):
                 elif isinstance(value, ast.AST):
                     push((value, node, scope))
 
-    def _enter(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda,
-               scope: Scope) -> Scope:
+    def _enter(
+        self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, scope: Scope
+    ) -> Scope:
         if not isinstance(node, ast.Lambda):
             scope.bind(node.name, node)
             self.functions.setdefault(node.name, []).append(node)
@@ -349,11 +365,18 @@ class FileModel(ScalerFacts):
         for scope in self.scopes.values():
             names.update(n for n, t in scope.imports.items() if canonical(t) in targets)
             for name, values in scope.assigns.items():
-                if len(values) == 1 and isinstance(values[0], (ast.Name, ast.Attribute)) \
-                        and self.qualname(values[0]) in targets:
+                if (
+                    len(values) == 1
+                    and isinstance(values[0], (ast.Name, ast.Attribute))
+                    and self.qualname(values[0]) in targets
+                ):
                     names.add(name)
-        found = [c for n in sorted(names) for c in self.by_terminal.get(n, ())
-                 if self.call_name(c) in targets]
+        found = [
+            c
+            for n in sorted(names)
+            for c in self.by_terminal.get(n, ())
+            if self.call_name(c) in targets
+        ]
         self._calls_to[targets] = found
         return found
 

@@ -5,32 +5,59 @@ from __future__ import annotations
 import ast
 
 __all__ = [
-    "AUTOCASTS", "BCE_FUNCTIONS", "BCE_MODULES", "CLIPS", "DEPRECATED", "GRAD_SCALERS", "NO_GRAD",
-    "SOFTMAXES", "FUNCS", "canonical", "dotted", "terminal",
+    "AUTOCASTS",
+    "BCE_FUNCTIONS",
+    "BCE_MODULES",
+    "CLIPS",
+    "DEPRECATED",
+    "GRAD_SCALERS",
+    "NO_GRAD",
+    "SOFTMAXES",
+    "FUNCS",
+    "canonical",
+    "dotted",
+    "terminal",
 ]
 
 FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)  # a ``def`` of either kind
-GRAD_SCALERS = frozenset({
-    "torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler",
-    "torch.distributed.fsdp.ShardedGradScaler",
-})
+GRAD_SCALERS = frozenset(
+    {
+        "torch.amp.GradScaler",
+        "torch.cuda.amp.GradScaler",
+        "torch.cpu.amp.GradScaler",
+        "torch.distributed.fsdp.ShardedGradScaler",
+    }
+)
 AUTOCASTS = frozenset({"torch.amp.autocast", "torch.cuda.amp.autocast", "torch.cpu.amp.autocast"})
 # deprecated name -> (replacement, device string it needs, how to spell the call)
 DEPRECATED: dict[str, tuple[str, str, str]] = {
     "torch.cuda.amp.autocast": ("torch.amp.autocast", "cuda", "torch.amp.autocast('cuda', ...)"),
-    "torch.cuda.amp.GradScaler": ("torch.amp.GradScaler", "cuda",
-                                  "torch.amp.GradScaler('cuda', ...)"),
-    "torch.cuda.amp.custom_fwd": ("torch.amp.custom_fwd", "cuda",
-                                  "torch.amp.custom_fwd(device_type='cuda')"),
-    "torch.cuda.amp.custom_bwd": ("torch.amp.custom_bwd", "cuda",
-                                  "torch.amp.custom_bwd(device_type='cuda')"),
+    "torch.cuda.amp.GradScaler": (
+        "torch.amp.GradScaler",
+        "cuda",
+        "torch.amp.GradScaler('cuda', ...)",
+    ),
+    "torch.cuda.amp.custom_fwd": (
+        "torch.amp.custom_fwd",
+        "cuda",
+        "torch.amp.custom_fwd(device_type='cuda')",
+    ),
+    "torch.cuda.amp.custom_bwd": (
+        "torch.amp.custom_bwd",
+        "cuda",
+        "torch.amp.custom_bwd(device_type='cuda')",
+    ),
     "torch.cpu.amp.autocast": ("torch.amp.autocast", "cpu", "torch.amp.autocast('cpu', ...)"),
     "torch.cpu.amp.GradScaler": ("torch.amp.GradScaler", "cpu", "torch.amp.GradScaler('cpu', ...)"),
 }
-CLIPS = frozenset({
-    "torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_",
-    "torch.nn.utils.clip_grad_norm", "torch.nn.utils.clip_grads_with_norm_",
-})
+CLIPS = frozenset(
+    {
+        "torch.nn.utils.clip_grad_norm_",
+        "torch.nn.utils.clip_grad_value_",
+        "torch.nn.utils.clip_grad_norm",
+        "torch.nn.utils.clip_grads_with_norm_",
+    }
+)
 NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad"})
 SOFTMAXES = frozenset({"torch.softmax", "torch.nn.functional.softmax", "torch.special.softmax"})
 BCE_FUNCTIONS = frozenset({"torch.nn.functional.binary_cross_entropy"})
@@ -66,7 +93,7 @@ def canonical(name: str) -> str:
         return name
     for prefix, public in _PREFIXES:
         if name.startswith(prefix):
-            name = public + name[len(prefix):]
+            name = public + name[len(prefix) :]
             break
     return _EXACT.get(name, name)
 

@@ -46,32 +46,47 @@ def _sarif(findings: list[Finding]) -> dict:
     from ampguard import __version__
 
     codes = sorted(RULES)
-    rules = [{
-        "id": code,
-        "name": RULES[code].title.replace(" ", "-"),
-        "shortDescription": {"text": RULES[code].title},
-        "fullDescription": {"text": f"{RULES[code].title}. Fix: {RULES[code].fix}"},
-        "help": {"text": RULES[code].fix},
-        "defaultConfiguration": {"level": _SARIF_LEVEL[RULES[code].severity]},
-    } for code in codes]
-    results = [{
-        "ruleId": f.code,
-        "ruleIndex": codes.index(f.code) if f.code in RULES else 0,
-        "level": _SARIF_LEVEL.get(f.severity, "warning"),
-        "message": {"text": f"{f.message}. Fix: {f.fix}" if f.fix else f.message},
-        "locations": [{"physicalLocation": {
-            "artifactLocation": {"uri": _uri(f.path)},
-            "region": {"startLine": f.line or 1, "startColumn": f.col or 1},
-        }}],
-    } for f in findings]
+    rules = [
+        {
+            "id": code,
+            "name": RULES[code].title.replace(" ", "-"),
+            "shortDescription": {"text": RULES[code].title},
+            "fullDescription": {"text": f"{RULES[code].title}. Fix: {RULES[code].fix}"},
+            "help": {"text": RULES[code].fix},
+            "defaultConfiguration": {"level": _SARIF_LEVEL[RULES[code].severity]},
+        }
+        for code in codes
+    ]
+    results = [
+        {
+            "ruleId": f.code,
+            "ruleIndex": codes.index(f.code) if f.code in RULES else 0,
+            "level": _SARIF_LEVEL.get(f.severity, "warning"),
+            "message": {"text": f"{f.message}. Fix: {f.fix}" if f.fix else f.message},
+            "locations": [
+                {
+                    "physicalLocation": {
+                        "artifactLocation": {"uri": _uri(f.path)},
+                        "region": {"startLine": f.line or 1, "startColumn": f.col or 1},
+                    }
+                }
+            ],
+        }
+        for f in findings
+    ]
     return {
         "$schema": _SARIF_SCHEMA,
         "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {
-                "name": "ampguard-lint", "version": __version__,
-                "rules": rules,
-            }},
-            "results": results,
-        }],
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "ampguard-lint",
+                        "version": __version__,
+                        "rules": rules,
+                    }
+                },
+                "results": results,
+            }
+        ],
     }

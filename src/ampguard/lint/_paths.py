@@ -18,8 +18,18 @@ __all__ = ["MAX_PATHS", "Assumption", "condition", "stored_heads"]
 
 MAX_PATHS = 16  # more assumption sets than this are merged back into one state
 Assumption = tuple[str, bool]
-_NOT_FIXED = (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr, ast.Lambda,
-              ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_NOT_FIXED = (
+    ast.Call,
+    ast.Await,
+    ast.Yield,
+    ast.YieldFrom,
+    ast.NamedExpr,
+    ast.Lambda,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+)
 _STORES = "_ag_stored_heads"
 
 
@@ -38,8 +48,12 @@ def condition(test: ast.AST, rename: dict[str, str]) -> tuple[str, bool] | None:
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         inner = condition(test.operand, rename)
         return None if inner is None else (inner[0], not inner[1])
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 \
-            and isinstance(test.ops[0], (ast.Is, ast.IsNot)) and _is_none(test.comparators[0]):
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+        and _is_none(test.comparators[0])
+    ):
         text = _renamed(dotted(test.left), rename)
         return None if text is None else (f"{text} is None", isinstance(test.ops[0], ast.Is))
     if isinstance(test, (ast.Name, ast.Attribute)):

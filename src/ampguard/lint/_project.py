@@ -73,8 +73,11 @@ class Project:
         try:
             if os.path.getsize(key) <= MAX_FILE_BYTES:
                 data = read_source(key)  # regular files only: a FIFO or device is never read
-                parsed = parse(data, path) if isinstance(data, bytes) \
-                    and len(data) <= MAX_FILE_BYTES else None
+                parsed = (
+                    parse(data, path)
+                    if isinstance(data, bytes) and len(data) <= MAX_FILE_BYTES
+                    else None
+                )
                 if isinstance(parsed, Parsed):
                     model = FileModel(parsed.tree, path=path, project=self)
         except (OSError, RecursionError, MemoryError):
@@ -122,8 +125,7 @@ class Project:
                         if count == len(parts):
                             return None  # a module, not a def
                         model = self.model(candidate)
-                        return None if model is None else self._lookup(
-                            model, parts[count:], hops)
+                        return None if model is None else self._lookup(model, parts[count:], hops)
         return None
 
     def _lookup(self, model: FileModel, attrs: list[str], hops: int) -> _Resolved | None:

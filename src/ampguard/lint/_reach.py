@@ -46,8 +46,11 @@ def _index(model: FileModel, unit: ast.AST) -> dict[str, list[_Entry]]:
             _add(out, node.target, None, node)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             _add(out, node.target, None, node)
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None \
-                and isinstance(with_ := model.parent(node), (ast.With, ast.AsyncWith)):
+        elif (
+            isinstance(node, ast.withitem)
+            and node.optional_vars is not None
+            and isinstance(with_ := model.parent(node), (ast.With, ast.AsyncWith))
+        ):
             _add(out, node.optional_vars, None, with_)
     for entries in out.values():
         entries.sort(key=lambda e: (e[0], e[1]))
@@ -55,11 +58,13 @@ def _index(model: FileModel, unit: ast.AST) -> dict[str, list[_Entry]]:
     return out
 
 
-def _add(out: dict[str, list[_Entry]], target: ast.AST, value: ast.AST | None,
-         stmt: ast.stmt) -> None:
+def _add(
+    out: dict[str, list[_Entry]], target: ast.AST, value: ast.AST | None, stmt: ast.stmt
+) -> None:
     if isinstance(target, ast.Name):
         out.setdefault(target.id, []).append(
-            (getattr(stmt, "lineno", 0), getattr(stmt, "col_offset", 0), stmt, value))
+            (getattr(stmt, "lineno", 0), getattr(stmt, "col_offset", 0), stmt, value)
+        )
     elif isinstance(target, (ast.Tuple, ast.List)):
         for elt in target.elts:
             _add(out, elt, None, stmt)

@@ -33,8 +33,11 @@ class ScalerFacts:
     @cached_property
     def scaler_ctors(self) -> list[ast.Call]:
         """Calls that construct a GradScaler (any spelling, resolved through imports)."""
-        out = [c for c in self.calls_to(GRAD_SCALERS)
-               if terminal(c.func) not in ("GradScaler", "ShardedGradScaler")]
+        out = [
+            c
+            for c in self.calls_to(GRAD_SCALERS)
+            if terminal(c.func) not in ("GradScaler", "ShardedGradScaler")
+        ]
         for name in ("GradScaler", "ShardedGradScaler"):
             for call in self.by_terminal.get(name, ()):
                 qual = self.call_name(call)
@@ -131,8 +134,12 @@ class ScalerFacts:
                 keys.add(key)
         for call in self.by_terminal.get("backward", ()):
             inner = call.func.value if isinstance(call.func, ast.Attribute) else None
-            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
-                    and inner.func.attr == "scale" and (key := dotted(inner.func.value)):
+            if (
+                isinstance(inner, ast.Call)
+                and isinstance(inner.func, ast.Attribute)
+                and inner.func.attr == "scale"
+                and (key := dotted(inner.func.value))
+            ):
                 keys.add(key)
         return frozenset(keys)
 

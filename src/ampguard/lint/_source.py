@@ -45,10 +45,13 @@ class Parsed:
 def syntax_finding(path: str, message: str, line: int | None = 1, col: int | None = 1) -> Finding:
     """The AG200 finding for a file that could not be read or parsed."""
     return make(
-        "AG200", message,
+        "AG200",
+        message,
         fix="fix the syntax or save the file as UTF-8 (or declare its encoding with a coding "
-            "comment); the other rules cannot check a file that does not parse",
-        path=path, line=max(int(line or 1), 1), col=max(int(col or 1), 1),
+        "comment); the other rules cannot check a file that does not parse",
+        path=path,
+        line=max(int(line or 1), 1),
+        col=max(int(col or 1), 1),
     )
 
 
@@ -68,8 +71,10 @@ def read_source(path: str) -> bytes | Finding:
         if not stat.S_ISREG(mode):
             return syntax_finding(path, f"not read: {_kind(mode)}, not a regular file")
         if size > MAX_FILE_BYTES:
-            return syntax_finding(path, f"not read: {size:,} bytes, over lint's "
-                                        f"{MAX_FILE_BYTES:,}-byte cap for one file")
+            return syntax_finding(
+                path,
+                f"not read: {size:,} bytes, over lint's {MAX_FILE_BYTES:,}-byte cap for one file",
+            )
         try:
             data = fh.read(MAX_FILE_BYTES + 1)
         except OSError as err:
@@ -80,9 +85,13 @@ def read_source(path: str) -> bytes | Finding:
 
 
 def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISSOCK, "a socket"))
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
     return next((name for test, name in kinds if test(mode)), "a special file")
 
 

@@ -21,8 +21,10 @@ from ampguard.reporting.summary import run_facts, summary_text
 __all__ = ["report", "summary", "print_summary"]
 
 
-def _analyse(run_dir: str | os.PathLike, config: rules.RuleConfig | None,
-             ) -> tuple[runlog.RunLog, list[Finding], dict[str, list[int]], dict[str, Any]]:
+def _analyse(
+    run_dir: str | os.PathLike,
+    config: rules.RuleConfig | None,
+) -> tuple[runlog.RunLog, list[Finding], dict[str, list[int]], dict[str, Any]]:
     run = runlog.load_run(run_dir)
     found = rules.evaluate(run, config)
     causes = rules.skip_causes(run, config)
@@ -48,12 +50,14 @@ def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise ImportError("ampguard.reporting needs matplotlib: pip install 'ampguard[report]'"
-                          ) from exc
+        raise ImportError(
+            "ampguard.reporting needs matplotlib: pip install 'ampguard[report]'"
+        ) from exc
 
 
-def _write(run: runlog.RunLog, found: list[Finding], causes: dict[str, list[int]],
-           facts: dict[str, object]) -> Path:
+def _write(
+    run: runlog.RunLog, found: list[Finding], causes: dict[str, list[int]], facts: dict[str, object]
+) -> Path:
     """findings.json and report.html of an analysed run (what :func:`report` does after the
     analysis; the CLI calls it to read the log once for the summary and the page)."""
     import matplotlib
@@ -75,7 +79,11 @@ def summary(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = Non
     return summary_text(run, found, facts)
 
 
-def print_summary(run_dir: str | os.PathLike, file: TextIO | None = None, *,
-                  config: rules.RuleConfig | None = None) -> None:
+def print_summary(
+    run_dir: str | os.PathLike,
+    file: TextIO | None = None,
+    *,
+    config: rules.RuleConfig | None = None,
+) -> None:
     """Print :func:`summary` to ``file`` (stdout by default)."""
     print(summary(run_dir, config=config), file=file or sys.stdout)

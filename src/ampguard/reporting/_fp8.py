@@ -43,8 +43,10 @@ def _head(run: Any) -> str | None:
         return None
     mode = "emulated (no fp8 matmul on this device)" if info.get("emulated") else "fp8 matmuls"
     kept = ", ".join(n or "(root)" for n in info.get("kept_bf16", [])) or "none"
-    return (f"fp8 ({info.get('recipe')}, {mode}): {len(info.get('converted', []))} Linear "
-            f"layer(s) in fp8; kept in bf16: {kept}")
+    return (
+        f"fp8 ({info.get('recipe')}, {mode}): {len(info.get('converted', []))} Linear "
+        f"layer(s) in fp8; kept in bf16: {kept}"
+    )
 
 
 def html_section(run: Any) -> str:
@@ -55,15 +57,27 @@ def html_section(run: Any) -> str:
     e = html.escape
     rows = []
     for name, n, last, worst in fp8_rows(run):
-        cells = (name or "(root)", n, _g(last.get("input_amax")), _pct(last.get("input_flushed")),
-                 _g(last.get("weight_amax")), _pct(last.get("weight_flushed")),
-                 _g(last.get("grad_amax")), _pct(last.get("grad_flushed")),
-                 " / ".join(_pct(worst.get(c)) for c in _COLS))
+        cells = (
+            name or "(root)",
+            n,
+            _g(last.get("input_amax")),
+            _pct(last.get("input_flushed")),
+            _g(last.get("weight_amax")),
+            _pct(last.get("weight_flushed")),
+            _g(last.get("grad_amax")),
+            _pct(last.get("grad_flushed")),
+            " / ".join(_pct(worst.get(c)) for c in _COLS),
+        )
         rows.append("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in cells) + "</tr>")
-    table = ("<table><tr><th>layer</th><th>samples</th><th>input amax</th><th>input flushed</th>"
-             "<th>weight amax</th><th>weight flushed</th><th>grad amax</th><th>grad flushed</th>"
-             "<th>worst flushed (input / weight / grad)</th></tr>" + "".join(rows) + "</table>"
-             ) if rows else "<p>No fp8 samples (telemetry range_every=0 or too few steps).</p>"
+    table = (
+        (
+            "<table><tr><th>layer</th><th>samples</th><th>input amax</th><th>input flushed</th>"
+            "<th>weight amax</th><th>weight flushed</th><th>grad amax</th><th>grad flushed</th>"
+            "<th>worst flushed (input / weight / grad)</th></tr>" + "".join(rows) + "</table>"
+        )
+        if rows
+        else "<p>No fp8 samples (telemetry range_every=0 or too few steps).</p>"
+    )
     return f"<h2>fp8 layers</h2><p>{e(head)}</p>{table}"
 
 
@@ -74,7 +88,9 @@ def text_lines(run: Any) -> list[str]:
         return []
     out = [head]
     for name, n, _last, worst in fp8_rows(run):
-        out.append(f"  {name or '(root)'}: {n} samples, worst flushed input "
-                   f"{_pct(worst.get('input_flushed'))}, weight {_pct(worst.get('weight_flushed'))}"
-                   f", gradient {_pct(worst.get('grad_flushed'))}")
+        out.append(
+            f"  {name or '(root)'}: {n} samples, worst flushed input "
+            f"{_pct(worst.get('input_flushed'))}, weight {_pct(worst.get('weight_flushed'))}"
+            f", gradient {_pct(worst.get('grad_flushed'))}"
+        )
     return out

@@ -25,9 +25,13 @@ def write_report(run_dir: str | os.PathLike) -> Path | None:
         return None  # no run log here (the telemetry never started one)
     try:
         from ampguard.reporting import report
+
         return report(run_dir)
     except ImportError:
-        warnings.warn(f"ampguard: no report.html written for {run_dir} (needs matplotlib: pip "
-                      "install 'ampguard[report]'); `ampguard report` renders it later",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"ampguard: no report.html written for {run_dir} (needs matplotlib: pip "
+            "install 'ampguard[report]'); `ampguard report` renders it later",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None

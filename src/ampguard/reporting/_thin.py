@@ -13,8 +13,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["MAX_POINTS", "MAX_MARKERS", "Envelope", "changes", "envelope", "pick",
-           "bucket_columns", "plain_text"]
+__all__ = [
+    "MAX_POINTS",
+    "MAX_MARKERS",
+    "Envelope",
+    "changes",
+    "envelope",
+    "pick",
+    "bucket_columns",
+    "plain_text",
+]
 
 MAX_POINTS = 4000
 MAX_MARKERS = 2000
@@ -71,8 +79,9 @@ def pick(indices: np.ndarray, limit: int = MAX_MARKERS) -> np.ndarray:
     return indices[np.linspace(0, len(indices) - 1, num=limit).astype(np.int64)]
 
 
-def bucket_columns(x: np.ndarray, data: np.ndarray, buckets: int = MAX_POINTS // 2
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def bucket_columns(
+    x: np.ndarray, data: np.ndarray, buckets: int = MAX_POINTS // 2
+) -> tuple[np.ndarray, np.ndarray]:
     """Columns of ``data`` (rows x samples) averaged over buckets of samples, NaN ignored;
     returns the bucket's first x and the reduced matrix."""
     if data.shape[1] <= buckets:

@@ -47,25 +47,35 @@ def _e(value: Any) -> str:
 def _finding(f: Finding) -> str:
     where = f" &middot; step {f.step}" if f.step is not None else ""
     evidence = json.dumps(f.evidence, indent=None, default=str)
-    return (f'<div class="finding {_e(f.severity)}"><span class="code">{_e(f.code)}</span> '
-            f"[{_e(f.severity)}] <b>{_e(f.title)}</b>{where}<div>{_e(f.message)}</div>"
-            f'<div class="fix"><b>Fix:</b> {_e(f.fix)}</div>'
-            f"<pre>{_e(evidence)}</pre></div>")
+    return (
+        f'<div class="finding {_e(f.severity)}"><span class="code">{_e(f.code)}</span> '
+        f"[{_e(f.severity)}] <b>{_e(f.title)}</b>{where}<div>{_e(f.message)}</div>"
+        f'<div class="fix"><b>Fix:</b> {_e(f.fix)}</div>'
+        f"<pre>{_e(evidence)}</pre></div>"
+    )
 
 
 def _facts(facts: dict[str, Any]) -> str:
-    items = [("steps", facts["steps"]), ("skipped", f"{facts['skipped']} "
-                                                     f"({facts['skip_share']:.1%})"),
-             ("precision", facts["precision"]), ("scale now", _g(facts["scale_last"])),
-             ("lowest scale", _g(facts["scale_min"])), ("scale changes", facts["scale_changes"]),
-             ("micro-batches dropped", facts["dropped"])]
+    items = [
+        ("steps", facts["steps"]),
+        ("skipped", f"{facts['skipped']} ({facts['skip_share']:.1%})"),
+        ("precision", facts["precision"]),
+        ("scale now", _g(facts["scale_last"])),
+        ("lowest scale", _g(facts["scale_min"])),
+        ("scale changes", facts["scale_changes"]),
+        ("micro-batches dropped", facts["dropped"]),
+    ]
     diag = facts.get("diagnostics") or {}
     if diag:  # Guard.diagnostics() at close: what the run log alone does not say
         items.append(("consecutive skips at end", diag.get("consecutive_skips", "-")))
-        items.append(("fallbacks", "; ".join(_fallback_text(f) for f in diag.get("fallbacks", []))
-                      or "none"))
-    return '<div class="facts">' + "".join(
-        f'<div class="fact">{_e(k)}<b>{_e(v)}</b></div>' for k, v in items) + "</div>"
+        items.append(
+            ("fallbacks", "; ".join(_fallback_text(f) for f in diag.get("fallbacks", [])) or "none")
+        )
+    return (
+        '<div class="facts">'
+        + "".join(f'<div class="fact">{_e(k)}<b>{_e(v)}</b></div>' for k, v in items)
+        + "</div>"
+    )
 
 
 def _fallback_text(change: dict[str, Any]) -> str:
@@ -82,19 +92,28 @@ def _coverage(run: RunLog, limit: int = 40) -> str:
         return ""
     rows = []
     for name, m in list(cov.get("modules", {}).items())[:limit]:
-        cells = (name or "(root)", _counts(m.get("heavy_forward")),
-                 _counts(m.get("heavy_backward")), _counts(m.get("forward")),
-                 _counts(m.get("backward")))
+        cells = (
+            name or "(root)",
+            _counts(m.get("heavy_forward")),
+            _counts(m.get("heavy_backward")),
+            _counts(m.get("forward")),
+            _counts(m.get("backward")),
+        )
         rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     escaped = ", ".join(str(e.get("module") or "(root)") for e in cov.get("escaped") or [])
-    fragile = ", ".join(sorted({f"{f.get('module') or '(root)'}: {f.get('op')}"
-                                for f in cov.get("fragile") or []}))
-    flagged = [f"escaped autocast (AG310): {_e(escaped or 'none')}",
-               f"fragile ops in low precision (AG311): {_e(fragile or 'none')}"]
-    return (f"<h2>Autocast coverage (step {_e(cov.get('step'))}, {_e(cov.get('precision'))})</h2>"
-            f"<p>{' &middot; '.join(flagged)}</p><table><tr><th>module</th>"
-            "<th>matmul-family ops, forward</th><th>matmul-family ops, backward</th>"
-            "<th>all ops, forward</th><th>all ops, backward</th></tr>" + "".join(rows) + "</table>")
+    fragile = ", ".join(
+        sorted({f"{f.get('module') or '(root)'}: {f.get('op')}" for f in cov.get("fragile") or []})
+    )
+    flagged = [
+        f"escaped autocast (AG310): {_e(escaped or 'none')}",
+        f"fragile ops in low precision (AG311): {_e(fragile or 'none')}",
+    ]
+    return (
+        f"<h2>Autocast coverage (step {_e(cov.get('step'))}, {_e(cov.get('precision'))})</h2>"
+        f"<p>{' &middot; '.join(flagged)}</p><table><tr><th>module</th>"
+        "<th>matmul-family ops, forward</th><th>matmul-family ops, backward</th>"
+        "<th>all ops, forward</th><th>all ops, backward</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def _counts(counts: dict[str, int] | None) -> str:
@@ -114,36 +133,53 @@ def _causes(causes: dict[str, list[int]], total: int) -> str:
             continue
         shown = ", ".join(str(s) for s in steps[:12]) + (" ..." if len(steps) > 12 else "")
         share = f"{len(steps) / total:.1%}" if total else "-"
-        rows.append(f"<tr><td>{_e(cause)}</td><td>{len(steps)}</td><td>{share}</td>"
-                    f"<td>{_e(shown)}</td></tr>")
+        rows.append(
+            f"<tr><td>{_e(cause)}</td><td>{len(steps)}</td><td>{share}</td>"
+            f"<td>{_e(shown)}</td></tr>"
+        )
     if not rows:
         return '<p class="ok">No step was skipped.</p>'
-    return ("<table><tr><th>cause</th><th>steps</th><th>share of all steps</th>"
-            "<th>which</th></tr>" + "".join(rows) + "</table>")
+    return (
+        "<table><tr><th>cause</th><th>steps</th><th>share of all steps</th>"
+        "<th>which</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def _meta(run: RunLog) -> str:
     m = run.meta
     rows = [
-        ("run folder", str(run.run_dir)), ("model", m.get("model")),
+        ("run folder", str(run.run_dir)),
+        ("model", m.get("model")),
         ("precision", f"{m.get('precision')} (requested {m.get('requested_precision')})"),
-        ("scaler", m.get("scaler")), ("guard", m.get("guard")),
-        ("telemetry", m.get("telemetry")), ("device", m.get("device")),
-        ("torch", m.get("torch_version")), ("ampguard", m.get("ampguard_version")),
-        ("python", m.get("python")), ("platform", m.get("platform")),
-        ("started", m.get("start_time")), ("ended", m.get("end_time", "-")),
-        ("layers", len(run.layers)), ("resumes", m.get("resumes") or "none"),
+        ("scaler", m.get("scaler")),
+        ("guard", m.get("guard")),
+        ("telemetry", m.get("telemetry")),
+        ("device", m.get("device")),
+        ("torch", m.get("torch_version")),
+        ("ampguard", m.get("ampguard_version")),
+        ("python", m.get("python")),
+        ("platform", m.get("platform")),
+        ("started", m.get("start_time")),
+        ("ended", m.get("end_time", "-")),
+        ("layers", len(run.layers)),
+        ("resumes", m.get("resumes") or "none"),
     ]
     if m.get("distributed"):
         rows.append(("distributed", m["distributed"]))
     body = "".join(
         f"<tr><th>{_e(k)}</th><td>{_e(json.dumps(v, default=str) if isinstance(v, (dict, list)) else v)}</td></tr>"  # noqa: E501
-        for k, v in rows)
+        for k, v in rows
+    )
     return f"<table>{body}</table>"
 
 
-def render(run: RunLog, findings: list[Finding], facts: dict[str, Any],
-           causes: dict[str, list[int]], figures: list[tuple[str, bytes | None]]) -> str:
+def render(
+    run: RunLog,
+    findings: list[Finding],
+    facts: dict[str, Any],
+    causes: dict[str, list[int]],
+    figures: list[tuple[str, bytes | None]],
+) -> str:
     """The whole page as a string (UTF-8, no external resources)."""
     if findings:
         found = "".join(_finding(f) for f in findings)
@@ -155,8 +191,9 @@ def render(run: RunLog, findings: list[Finding], facts: dict[str, Any],
             figs.append(f"<h2>{_e(title)}</h2><p>Not recorded in this run.</p>")
             continue
         data = base64.b64encode(png).decode("ascii")
-        figs.append(f'<h2>{_e(title)}</h2><img alt="{_e(title)}" '
-                    f'src="data:image/png;base64,{data}">')
+        figs.append(
+            f'<h2>{_e(title)}</h2><img alt="{_e(title)}" src="data:image/png;base64,{data}">'
+        )
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -56,13 +56,26 @@ _MAX_EVENTS = 50  # resume / fallback markers drawn (a log with more is not a tr
 def _markers(ax: Axes, run: RunLog) -> None:
     for r in run.resumes[:_MAX_EVENTS]:
         ax.axvline(int(r["step"]), color="#7b2cbf", ls="--", lw=1.2)
-        ax.annotate("resume", (int(r["step"]), 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(3, -12), textcoords="offset points", color="#7b2cbf", fontsize=8)
+        ax.annotate(
+            "resume",
+            (int(r["step"]), 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            color="#7b2cbf",
+            fontsize=8,
+        )
     for f in run.fallbacks[:_MAX_EVENTS]:
         ax.axvline(int(f["step"]), color="#d00000", ls=":", lw=1.2)
-        ax.annotate(plain_text(f"{f.get('from')}->{f.get('to')}"), (int(f["step"]), 1.0),
-                    xycoords=("data", "axes fraction"), xytext=(3, -24),
-                    textcoords="offset points", color="#d00000", fontsize=8)
+        ax.annotate(
+            plain_text(f"{f.get('from')}->{f.get('to')}"),
+            (int(f["step"]), 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -24),
+            textcoords="offset points",
+            color="#d00000",
+            fontsize=8,
+        )
 
 
 def scale_plot(run: RunLog) -> bytes | None:
@@ -75,20 +88,40 @@ def scale_plot(run: RunLog) -> bytes | None:
     skipped = np.flatnonzero(~run.applied)
     if len(skipped):
         shown = pick(skipped)
-        ax.scatter(run.steps[shown], run.scale_before[shown], marker="x", color="#e63946",
-                   s=22, zorder=3, label=f"skipped step ({len(skipped)}"
-                   + (f", {len(shown)} drawn)" if len(shown) < len(skipped) else ")"))
+        ax.scatter(
+            run.steps[shown],
+            run.scale_before[shown],
+            marker="x",
+            color="#e63946",
+            s=22,
+            zorder=3,
+            label=f"skipped step ({len(skipped)}"
+            + (f", {len(shown)} drawn)" if len(shown) < len(skipped) else ")"),
+        )
     keep = pick(np.arange(len(run.range_steps)), MAX_POINTS)
     lo, hi = run.window[keep, 0], run.window[keep, 1]
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(lo) & np.isfinite(hi) & (lo <= hi) & run.range_applied[keep]
     if finite.sum() >= 8:
-        ax.fill_between(run.range_steps[keep][finite], lo[finite], hi[finite], step="mid",
-                        color="#2a9d8f", alpha=0.18, label="safe fp16 scale window")
+        ax.fill_between(
+            run.range_steps[keep][finite],
+            lo[finite],
+            hi[finite],
+            step="mid",
+            color="#2a9d8f",
+            alpha=0.18,
+            label="safe fp16 scale window",
+        )
     elif finite.any():  # few samples: one bar each
-        ax.vlines(run.range_steps[keep][finite], lo[finite], hi[finite], color="#2a9d8f",
-                  alpha=0.45,
-                  lw=5, label="safe fp16 scale window")
+        ax.vlines(
+            run.range_steps[keep][finite],
+            lo[finite],
+            hi[finite],
+            color="#2a9d8f",
+            alpha=0.45,
+            lw=5,
+            label="safe fp16 scale window",
+        )
     positive = run.scale[np.isfinite(run.scale) & (run.scale > 0)]
     if len(positive):
         ax.set_ylim(positive.min() / 16, positive.max() * 16)
@@ -106,12 +139,19 @@ def _scale_line(ax: Axes, steps: np.ndarray, scale: np.ndarray) -> None:
     many, the min-max band per bucket with the bucket's highest scale as the line."""
     keep = changes(scale)
     if len(keep) <= MAX_POINTS:
-        ax.step(steps[keep], scale[keep], where="post", color="#1d3557", lw=1.4,
-                label="loss scale")
+        ax.step(steps[keep], scale[keep], where="post", color="#1d3557", lw=1.4, label="loss scale")
         return
     env = envelope(steps, scale)
-    ax.fill_between(env.x, env.lo, env.hi, step="post", color="#1d3557", alpha=0.25, lw=0,
-                    label=f"loss scale range per {len(steps) // len(env.x):,} steps")
+    ax.fill_between(
+        env.x,
+        env.lo,
+        env.hi,
+        step="post",
+        color="#1d3557",
+        alpha=0.25,
+        lw=0,
+        label=f"loss scale range per {len(steps) // len(env.x):,} steps",
+    )
     ax.step(env.x, env.hi, where="post", color="#1d3557", lw=1.0, label="loss scale (highest)")
 
 
@@ -127,17 +167,38 @@ def loss_plot(run: RunLog) -> bytes | None:
         ax.plot(steps, loss, color="#457b9d", lw=1.0, label="loss")
     else:
         env = envelope(steps, loss)
-        ax.fill_between(env.x, env.lo, env.hi, color="#457b9d", alpha=0.3, lw=0,
-                        label=f"loss min-max per {len(loss) // len(env.x):,} steps")
+        ax.fill_between(
+            env.x,
+            env.lo,
+            env.hi,
+            color="#457b9d",
+            alpha=0.3,
+            lw=0,
+            label=f"loss min-max per {len(loss) // len(env.x):,} steps",
+        )
         ax.plot(env.x, env.mean, color="#457b9d", lw=1.0, label="loss (mean)")
     skipped = pick(np.flatnonzero(~run.applied & finite), MAX_MARKERS)
     if len(skipped):
-        ax.scatter(run.steps[skipped], run.loss[skipped], marker="x", color="#e63946", s=18,
-                   zorder=3, label="skipped step")
+        ax.scatter(
+            run.steps[skipped],
+            run.loss[skipped],
+            marker="x",
+            color="#e63946",
+            s=18,
+            zorder=3,
+            label="skipped step",
+        )
     bad = run.loss_nonfinite  # NaN/inf losses: no point on the line, a mark along the top
     if bad.any():
-        ax.scatter(run.steps[bad], np.full(int(bad.sum()), run.loss[finite].max()), marker="v",
-                   color="#9b2226", s=22, zorder=3, label=f"non-finite loss ({int(bad.sum())})")
+        ax.scatter(
+            run.steps[bad],
+            np.full(int(bad.sum()), run.loss[finite].max()),
+            marker="v",
+            color="#9b2226",
+            s=22,
+            zorder=3,
+            label=f"non-finite loss ({int(bad.sum())})",
+        )
     if (run.loss[finite] > 0).all():
         ax.set_yscale("log")
         _plain_log_labels(ax)
@@ -220,11 +281,22 @@ def range_plot(run: RunLog) -> bytes | None:
     top = np.where(np.isfinite(hi), hi, np.nanmax(np.r_[hi[np.isfinite(hi)], scale]) * 256)
     bottom = np.where(np.isfinite(lo), lo, 1.0)
     good = bottom <= top
-    ax.barh(y[good], (top / bottom)[good], left=bottom[good], color="#2a9d8f", alpha=0.6,
-            label="safe scale window")
+    ax.barh(
+        y[good],
+        (top / bottom)[good],
+        left=bottom[good],
+        color="#2a9d8f",
+        alpha=0.6,
+        label="safe scale window",
+    )
     if (~good).any():
-        ax.scatter(np.sqrt(top * bottom)[~good], y[~good], marker="s", color="#e63946",
-                   label="empty window")
+        ax.scatter(
+            np.sqrt(top * bottom)[~good],
+            y[~good],
+            marker="s",
+            color="#e63946",
+            label="empty window",
+        )
     ax.axvline(scale, color="#1d3557", lw=1.5, label=f"scale in use ({scale:g})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("loss scale")
@@ -234,10 +306,16 @@ def range_plot(run: RunLog) -> bytes | None:
     ax.set_title(f"step {int(run.range_steps[k])}", fontsize=9)
     under = np.nan_to_num(run.underflow[k], nan=0.0)
     ax2.barh(y, under * 100, color="#f4a261", label="underflow % (nonzero grads)")
-    for i, bits in enumerate(run.headroom_bits[k][:2 * _MAX_LABELS]):
+    for i, bits in enumerate(run.headroom_bits[k][: 2 * _MAX_LABELS]):
         if np.isfinite(bits):
-            ax2.annotate(f"{bits:.1f} bits", (0, i), xytext=(2, -3), textcoords="offset points",
-                         fontsize=7, color="#333")
+            ax2.annotate(
+                f"{bits:.1f} bits",
+                (0, i),
+                xytext=(2, -3),
+                textcoords="offset points",
+                fontsize=7,
+                color="#333",
+            )
     ax2.set_xlim(0, max(5.0, float(under.max()) * 110))
     ax2.set_xlabel("% below fp16 normal  /  headroom to 65504")
     ax2.legend(loc="lower right", fontsize=7)

@@ -43,8 +43,10 @@ def _wrap(text: str, indent: str) -> str:
 def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) -> str:
     """Plain-text summary: each finding with its fix, then steps, skips, scale, resumes."""
     model = run.meta.get("model", {})
-    lines = [f"ampguard report: {run.run_dir}  ({model.get('class', '?')}, "
-             f"{model.get('parameters', 0):,} parameters, {facts['precision']})"]
+    lines = [
+        f"ampguard report: {run.run_dir}  ({model.get('class', '?')}, "
+        f"{model.get('parameters', 0):,} parameters, {facts['precision']})"
+    ]
     if findings:
         lines.append(f"findings ({len(findings)}):")
         for f in findings:
@@ -57,16 +59,22 @@ def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) ->
         lines.append("findings: none")
     if facts["steps"]:
         causes = ", ".join(f"{k} {v}" for k, v in facts["causes"].items()) or "none"
-        lines.append(f"steps {facts['first_step']}-{facts['last_step']}: {facts['skipped']} "
-                     f"skipped ({facts['skip_share']:.1%}; {causes})")
-        lines.append(f"loss scale {facts['scale_first']:g} -> {facts['scale_last']:g} (lowest "
-                     f"{facts['scale_min']:g}, {facts['scale_changes']} changes)")
+        lines.append(
+            f"steps {facts['first_step']}-{facts['last_step']}: {facts['skipped']} "
+            f"skipped ({facts['skip_share']:.1%}; {causes})"
+        )
+        lines.append(
+            f"loss scale {facts['scale_first']:g} -> {facts['scale_last']:g} (lowest "
+            f"{facts['scale_min']:g}, {facts['scale_changes']} changes)"
+        )
     else:
         lines.append("no steps recorded yet")
     for r in run.resumes:
         prev = r.get("previous_scale")
-        lines.append(f"resumed at step {r['step']}: scale {r.get('scale')} (before: {prev}"
-                     f"{', reset' if r.get('scale_reset') else ''})")
+        lines.append(
+            f"resumed at step {r['step']}: scale {r.get('scale')} (before: {prev}"
+            f"{', reset' if r.get('scale_reset') else ''})"
+        )
     for fb in run.fallbacks:
         lines.append(f"fallback at step {fb['step']}: {fb.get('from')} -> {fb.get('to')}")
     lines.extend(fp8_text_lines(run))  # fp8 runs: converted layers, worst flushed shares

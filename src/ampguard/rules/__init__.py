@@ -66,8 +66,11 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
     for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108, ag109, ag110):
         found.extend(rule(run, cfg, warm))
     # --- findings recorded during the run (forensics, distributed, attach mode) ---
-    recorded = {(e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
-                for e in run.events if e.get("kind") == "finding" and "finding" in e}
+    recorded = {
+        (e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
+        for e in run.events
+        if e.get("kind") == "finding" and "finding" in e
+    }
     found.extend(recorded.values())  # the last event per code and title wins
     # --- end of recorded findings ---
     order = {"error": 0, "warning": 1, "info": 2}
@@ -83,8 +86,11 @@ def warmup_mask(run: RunLog, cfg: RuleConfig) -> np.ndarray:
     """
     n = len(run.steps)
     warm = np.zeros(n, dtype=bool)
-    starts = [0] + [int(np.searchsorted(run.steps, int(r["step"]), side="right"))
-                    for r in run.resumes if r.get("scale_reset")]
+    starts = [0] + [
+        int(np.searchsorted(run.steps, int(r["step"]), side="right"))
+        for r in run.resumes
+        if r.get("scale_reset")
+    ]
     for start in sorted(set(starts)):
         clean = 0
         end = min(n, start + cfg.warmup_max_steps)
@@ -109,9 +115,13 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
     warm = warmup_mask(run, cfg or RuleConfig())
     confirmed = _forensics_confirmed(run)
     accumulation = int(run.meta.get("guard", {}).get("accumulation_steps", 1))
-    out: dict[str, list[int]] = {"warm-up overflow": [], "collapse": [],
-                                 "all micro-batches dropped": [], "overflow": [],
-                                 "non-finite gradients (no loss scaler)": []}
+    out: dict[str, list[int]] = {
+        "warm-up overflow": [],
+        "collapse": [],
+        "all micro-batches dropped": [],
+        "overflow": [],
+        "non-finite gradients (no loss scaler)": [],
+    }
     for i in np.flatnonzero(~run.applied):
         step = int(run.steps[i])
         if run.collapse[i]:
@@ -132,8 +142,11 @@ def _forensics_confirmed(run: RunLog) -> set[int]:
     out: set[int] = set()
     for e in run.events:
         f = e.get("finding") if e.get("kind") == "finding" else None
-        if not (isinstance(f, dict) and f.get("severity") == "error"
-                and str(f.get("code", "")).startswith("AG30")):
+        if not (
+            isinstance(f, dict)
+            and f.get("severity") == "error"
+            and str(f.get("code", "")).startswith("AG30")
+        ):
             continue
         steps = (f.get("evidence") or {}).get("steps") or []  # every step the diagnosis saw
         out.update(int(s) for s in [f.get("step"), *steps] if isinstance(s, int))
@@ -144,34 +157,56 @@ def _forensics_confirmed(run: RunLog) -> set[int]:
 def _ag101(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     sc = run.scaler_config()
     min_scale = float(sc.get("min_scale", 1.0))
-    fix = ("Find the module that overflows (ampguard.locate) and keep it in fp32 "
-           "(ampguard.forensics.islands.keep_fp32(model, [name])), lower the learning rate or clip "
-           "gradients, or train "
-           "in bf16 (precision='bf16'); ScalerConfig(on_collapse='fallback') switches "
-           "automatically.")
+    fix = (
+        "Find the module that overflows (ampguard.locate) and keep it in fp32 "
+        "(ampguard.forensics.islands.keep_fp32(model, [name])), lower the learning rate or clip "
+        "gradients, or train "
+        "in bf16 (precision='bf16'); ScalerConfig(on_collapse='fallback') switches "
+        "automatically."
+    )
     if run.collapse.any():
         idx = np.flatnonzero(run.collapse)
         step = int(run.steps[idx[0]])
-        return [_finding("AG101", "error",
-                         f"the loss scale collapsed: gradients overflowed at min_scale="
-                         f"{min_scale:g} on {count(len(idx), 'step')}, first at step {step}; "
-                         f"{'it was' if len(idx) == 1 else 'they were'} skipped and the model "
-                         f"did not learn from {'it' if len(idx) == 1 else 'them'}.",
-                         step, {"collapse_steps": run.steps[idx[:20]].tolist(),
-                                "collapses": len(idx), "min_scale": min_scale}, fix)]
+        return [
+            _finding(
+                "AG101",
+                "error",
+                f"the loss scale collapsed: gradients overflowed at min_scale="
+                f"{min_scale:g} on {count(len(idx), 'step')}, first at step {step}; "
+                f"{'it was' if len(idx) == 1 else 'they were'} skipped and the model "
+                f"did not learn from {'it' if len(idx) == 1 else 'them'}.",
+                step,
+                {
+                    "collapse_steps": run.steps[idx[:20]].tolist(),
+                    "collapses": len(idx),
+                    "min_scale": min_scale,
+                },
+                fix,
+            )
+        ]
     if not sc.get("dynamic", True) or len(run.steps) == 0:
         return []
     floor = min_scale * cfg.collapse_floor_factor
     low = np.flatnonzero(run.overflow & (run.scale <= floor))
     if len(low) and float(sc.get("init_scale", 2.0**16)) > floor:
         i = int(low[0])
-        return [_finding("AG101", "warning",
-                         f"overflows drove the loss scale down to {run.scale[i]:g} at step "
-                         f"{int(run.steps[i])}, within {cfg.collapse_floor_factor:g}x of "
-                         f"min_scale={min_scale:g}: one more bad stretch and every step is "
-                         "skipped.", int(run.steps[i]),
-                         {"scale": run.scale[i], "min_scale": min_scale,
-                          "overflow_steps": run.steps[low[:20]].tolist()}, fix)]
+        return [
+            _finding(
+                "AG101",
+                "warning",
+                f"overflows drove the loss scale down to {run.scale[i]:g} at step "
+                f"{int(run.steps[i])}, within {cfg.collapse_floor_factor:g}x of "
+                f"min_scale={min_scale:g}: one more bad stretch and every step is "
+                "skipped.",
+                int(run.steps[i]),
+                {
+                    "scale": run.scale[i],
+                    "min_scale": min_scale,
+                    "overflow_steps": run.steps[low[:20]].tolist(),
+                },
+                fix,
+            )
+        ]
     return _net_drop(run, cfg, warm, fix)
 
 
@@ -187,12 +222,18 @@ def _net_drop(run: RunLog, cfg: RuleConfig, warm: np.ndarray, fix: str) -> list[
     if drop[worst] < cfg.collapse_halvings:
         return []
     step = int(run.steps[post[worst]])
-    return [_finding("AG101", "warning",
-                     f"the loss scale fell by 2^{drop[worst]:.0f} (to {run.scale[post[worst]]:g})"
-                     f" within {w} steps, ending at step {step}: the gradients keep overflowing "
-                     "and the scale is heading for min_scale.", step,
-                     {"halvings": drop[worst], "window_steps": w,
-                      "scale": run.scale[post[worst]]}, fix)]
+    return [
+        _finding(
+            "AG101",
+            "warning",
+            f"the loss scale fell by 2^{drop[worst]:.0f} (to {run.scale[post[worst]]:g})"
+            f" within {w} steps, ending at step {step}: the gradients keep overflowing "
+            "and the scale is heading for min_scale.",
+            step,
+            {"halvings": drop[worst], "window_steps": w, "scale": run.scale[post[worst]]},
+            fix,
+        )
+    ]
 
 
 def _ag102(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
@@ -200,11 +241,16 @@ def _ag102(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     if len(post) == 0:
         return []
     before, after = run.scale_before[post], run.scale[post]
-    events = [(i, "grow" if a > b else "back") for i, b, a in zip(post, before, after,
-                                                                  strict=True) if a != b]
-    cycles = [(int(run.steps[j]), float(run.scale[i]))
-              for (i, e1), (j, e2) in zip(events, events[1:], strict=False)
-              if e1 == "grow" and e2 == "back" and run.scale_before[j] == run.scale[i]]
+    events = [
+        (i, "grow" if a > b else "back")
+        for i, b, a in zip(post, before, after, strict=True)
+        if a != b
+    ]
+    cycles = [
+        (int(run.steps[j]), float(run.scale[i]))
+        for (i, e1), (j, e2) in zip(events, events[1:], strict=False)
+        if e1 == "grow" and e2 == "back" and run.scale_before[j] == run.scale[i]
+    ]
     if len(cycles) < cfg.osc_min_cycles or len(cycles) / len(post) < cfg.osc_min_rate:
         return []
     tops, counts = np.unique([top for _, top in cycles], return_counts=True)
@@ -212,14 +258,25 @@ def _ag102(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     interval = int(run.scaler_config().get("growth_interval", 2000))
     gaps = np.diff([s for s, _ in cycles])
     period = float(np.median(gaps)) if len(gaps) else math.nan
-    return [_finding("AG102", "warning",
-                     f"the loss scale oscillated: {len(cycles)} grow -> overflow -> back-off "
-                     f"cycles after warm-up (one every ~{period:.0f} steps), most often at "
-                     f"scale {top:g}; each cycle skips a step.", cycles[0][0],
-                     {"cycles": len(cycles), "top_scale": top, "median_period": period,
-                      "growth_interval": interval, "cycle_steps": [s for s, _ in cycles[:20]]},
-                     f"Grow less often: ScalerConfig(growth_interval={interval * 4}), or cap the "
-                     f"scale below the cycle's top: ScalerConfig(max_scale={top / 2:g}).")]
+    return [
+        _finding(
+            "AG102",
+            "warning",
+            f"the loss scale oscillated: {len(cycles)} grow -> overflow -> back-off "
+            f"cycles after warm-up (one every ~{period:.0f} steps), most often at "
+            f"scale {top:g}; each cycle skips a step.",
+            cycles[0][0],
+            {
+                "cycles": len(cycles),
+                "top_scale": top,
+                "median_period": period,
+                "growth_interval": interval,
+                "cycle_steps": [s for s, _ in cycles[:20]],
+            },
+            f"Grow less often: ScalerConfig(growth_interval={interval * 4}), or cap the "
+            f"scale below the cycle's top: ScalerConfig(max_scale={top / 2:g}).",
+        )
+    ]
 
 
 def _ag103(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
@@ -234,16 +291,26 @@ def _ag103(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
         return []
     first, last = int(run.steps[post[worst]]), int(run.steps[post[worst + w - 1]])
     causes = {k: len(v) for k, v in skip_causes(run, cfg).items() if v}
-    return [_finding("AG103", "warning",
-                     f"{rates[worst]:.0%} of steps {first}-{last} were skipped (threshold "
-                     f"{cfg.skip_rate:.0%}, warm-up excluded); {int(skipped.sum())} of "
-                     f"{len(post)} steps after warm-up skipped in all.", first,
-                     {"window": [first, last], "rate": rates[worst],
-                      "skipped_after_warmup": int(skipped.sum()), "steps_after_warmup": len(post),
-                      "causes": causes},
-                     "Skipped steps are lost work: see the AG101/AG102 findings if present; "
-                     "otherwise find the overflowing module (ampguard.locate) and keep it in "
-                     "fp32, lower the learning rate or clip gradients, or use precision='bf16'.")]
+    return [
+        _finding(
+            "AG103",
+            "warning",
+            f"{rates[worst]:.0%} of steps {first}-{last} were skipped (threshold "
+            f"{cfg.skip_rate:.0%}, warm-up excluded); {int(skipped.sum())} of "
+            f"{len(post)} steps after warm-up skipped in all.",
+            first,
+            {
+                "window": [first, last],
+                "rate": rates[worst],
+                "skipped_after_warmup": int(skipped.sum()),
+                "steps_after_warmup": len(post),
+                "causes": causes,
+            },
+            "Skipped steps are lost work: see the AG101/AG102 findings if present; "
+            "otherwise find the overflowing module (ampguard.locate) and keep it in "
+            "fp32, lower the learning rate or clip gradients, or use precision='bf16'.",
+        )
+    ]
 
 
 def _short_run_skips(run: RunLog, cfg: RuleConfig) -> list[Finding]:
@@ -260,15 +327,25 @@ def _short_run_skips(run: RunLog, cfg: RuleConfig) -> list[Finding]:
     if other / n <= cfg.skip_rate and skipped / n <= 0.5:
         return []
     said = ", ".join(f"{k} {v}" for k, v in causes.items())
-    return [_finding("AG103", "info",
-                     f"{skipped} of {n} steps were skipped ({said}); the run is too short to "
-                     f"judge its skip rate (fewer than {cfg.skip_min_steps} steps after warm-up)"
-                     ", so this is a summary, not a warning.", int(run.steps[~run.applied][0]),
-                     {"skipped": skipped, "steps": n, "causes": causes,
-                      "skip_min_steps": cfg.skip_min_steps},
-                     "Warm-up overflows are the scale finding its level and cost a few steps "
-                     "once; other overflows: find the overflowing module (ampguard.locate) or "
-                     "use precision='bf16'. Train longer for the skip-rate verdict.")]
+    return [
+        _finding(
+            "AG103",
+            "info",
+            f"{skipped} of {n} steps were skipped ({said}); the run is too short to "
+            f"judge its skip rate (fewer than {cfg.skip_min_steps} steps after warm-up)"
+            ", so this is a summary, not a warning.",
+            int(run.steps[~run.applied][0]),
+            {
+                "skipped": skipped,
+                "steps": n,
+                "causes": causes,
+                "skip_min_steps": cfg.skip_min_steps,
+            },
+            "Warm-up overflows are the scale finding its level and cost a few steps "
+            "once; other overflows: find the overflowing module (ampguard.locate) or "
+            "use precision='bf16'. Train longer for the skip-rate verdict.",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- resume and range
@@ -283,16 +360,30 @@ def _ag107(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
         if not ((reset and gap > 0) or gap >= cfg.resume_gap_bits):
             continue
         step = int(r["step"])
-        why = "was reset to init_scale (the checkpoint had no loss-scaler state)" if reset \
+        why = (
+            "was reset to init_scale (the checkpoint had no loss-scaler state)"
+            if reset
             else f"differs by 2^{gap:.0f} from the one before the interruption"
-        out.append(_finding(
-            "AG107", "warning",
-            f"resumed at step {step} with loss scale {new:g}, which {why} ({prev:g}): the next "
-            "steps probe the scale again, overflowing or underflowing meanwhile.", step,
-            {"step": step, "previous_scale": prev, "scale": new, "gap_bits": gap,
-             "scale_reset": reset},
-            "Lower the learning rate for a few hundred steps after the resume "
-            "(Guard(..., resume_warmup=ampguard.ResumeWarmup(steps=200, lr_factor=0.1))), and "
-            "save the Guard with the checkpoint (ampguard.save_checkpoint(..., guard=guard)) so "
-            "the scale is restored."))
+        )
+        out.append(
+            _finding(
+                "AG107",
+                "warning",
+                f"resumed at step {step} with loss scale {new:g}, which {why} ({prev:g}): the next "
+                "steps probe the scale again, overflowing or underflowing meanwhile.",
+                step,
+                {
+                    "step": step,
+                    "previous_scale": prev,
+                    "scale": new,
+                    "gap_bits": gap,
+                    "scale_reset": reset,
+                },
+                "Lower the learning rate for a few hundred steps after the resume "
+                "(Guard(..., resume_warmup=ampguard.ResumeWarmup(steps=200, lr_factor=0.1))), and "
+                "save the Guard with the checkpoint (ampguard.save_checkpoint(..., guard=guard)) "
+                "so "
+                "the scale is restored.",
+            )
+        )
     return out

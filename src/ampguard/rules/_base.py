@@ -15,8 +15,21 @@ from ampguard.findings.codes import lookup
 __all__ = ["TITLES", "RuleConfig", "make_finding", "fp16_mask"]
 
 # The rules' titles, read from the catalogue (kept as a name: ``ampguard.rules.TITLES``).
-TITLES = {code: lookup(code).title for code in (
-    "AG101", "AG102", "AG103", "AG104", "AG105", "AG106", "AG107", "AG108", "AG109", "AG110")}
+TITLES = {
+    code: lookup(code).title
+    for code in (
+        "AG101",
+        "AG102",
+        "AG103",
+        "AG104",
+        "AG105",
+        "AG106",
+        "AG107",
+        "AG108",
+        "AG109",
+        "AG110",
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -40,22 +53,34 @@ class RuleConfig:
     bf16_min_samples: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("warmup_clean_steps", "warmup_max_steps", "collapse_halvings",
-                     "collapse_window", "osc_min_cycles", "skip_window", "skip_min_steps",
-                     "dead_steps", "resume_gap_bits", "bf16_min_samples"):
+        for name in (
+            "warmup_clean_steps",
+            "warmup_max_steps",
+            "collapse_halvings",
+            "collapse_window",
+            "osc_min_cycles",
+            "skip_window",
+            "skip_min_steps",
+            "dead_steps",
+            "resume_gap_bits",
+            "bf16_min_samples",
+        ):
             check_int(f"RuleConfig.{name}", getattr(self, name))
         for name in ("collapse_floor_factor", "saturation_factor"):
             if not getattr(self, name) >= 1:
-                raise ValueError(f"RuleConfig.{name} must be a number >= 1, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"RuleConfig.{name} must be a number >= 1, got {getattr(self, name)!r}"
+                )
         for name in ("osc_min_rate", "skip_rate", "underflow_frac"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"RuleConfig.{name} must be in [0, 1), got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"RuleConfig.{name} must be in [0, 1), got {getattr(self, name)!r}"
+                )
 
 
-def make_finding(code: str, severity: str, message: str, step: int | None,
-                 evidence: dict[str, Any], fix: str) -> Finding:
+def make_finding(
+    code: str, severity: str, message: str, step: int | None, evidence: dict[str, Any], fix: str
+) -> Finding:
     """A :class:`Finding` with the catalogue's title and JSON-plain evidence (NaN/inf -> None)."""
     return make(code, message, severity=severity, step=step, evidence=_plain(evidence), fix=fix)
 

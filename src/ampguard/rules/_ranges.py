@@ -72,8 +72,9 @@ def summarize(hist: np.ndarray, amax: np.ndarray, scale: float) -> dict[str, obj
         safe_hi = np.where(finite & (amax > 0), FP16_MAX / np.where(amax > 0, amax, 1.0), np.inf)
         safe_hi = np.where(finite, safe_hi, np.nan)
         scaled = amax * scale
-        headroom = np.where(scaled > 0, np.log2(FP16_MAX / np.where(scaled > 0, scaled, 1.0)),
-                            np.inf)
+        headroom = np.where(
+            scaled > 0, np.log2(FP16_MAX / np.where(scaled > 0, scaled, 1.0)), np.inf
+        )
         headroom = np.where(finite, headroom, np.nan)
     safe_lo = _lowest_safe_scale(hist)
     underflow = _underflow(hist, scale)

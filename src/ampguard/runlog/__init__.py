@@ -70,8 +70,10 @@ def num(value: Any) -> float | None:
 def floats(values: Any) -> list[float | None]:
     """A JSON-safe list of floats (7 significant digits, ``None`` for non-finite)."""
     isfinite = math.isfinite
-    return [float(f"{x:.7g}") if isfinite(x) else None
-            for x in np.asarray(values, dtype=np.float64).ravel().tolist()]
+    return [
+        float(f"{x:.7g}") if isfinite(x) else None
+        for x in np.asarray(values, dtype=np.float64).ravel().tolist()
+    ]
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -107,7 +109,7 @@ class EventLog:
         ).encode()
         view = memoryview(data)
         while view:
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
 
     def sync(self) -> None:
         """fsync the log (survives power loss, not only a killed process)."""
@@ -131,8 +133,12 @@ def _cut_torn_tail(path: Path) -> None:
         if fh.read(1) == b"\n":
             return
         keep = _last_newline(fh, size)
-        warnings.warn(f"{path}: cutting a torn last line ({size - keep} bytes) left by a crash "
-                      "before continuing the run log", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{path}: cutting a torn last line ({size - keep} bytes) left by a crash "
+            "before continuing the run log",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         fh.truncate(keep)
 
 
@@ -166,9 +172,12 @@ def last_step_record(path: str | os.PathLike, at_most: int | None = None) -> dic
             lines = fh.read(size - start).split(b"\n")
             for line in reversed(lines[1:] if start > 0 else lines):  # lines[0] may be partial
                 rec = _parse(line)
-                if rec is not None and rec.get("kind", "step") == "step" \
-                        and check_record(rec, _width(rec)) is None \
-                        and (at_most is None or rec["step"] <= at_most):
+                if (
+                    rec is not None
+                    and rec.get("kind", "step") == "step"
+                    and check_record(rec, _width(rec)) is None
+                    and (at_most is None or rec["step"] <= at_most)
+                ):
                     return rec
             if start == 0:
                 return None
@@ -256,8 +265,10 @@ def load_run(run_dir: str | os.PathLike) -> RunLog:
     run_dir = Path(run_dir)
     meta_path, events_path = run_dir / META, run_dir / EVENTS
     if not meta_path.exists() or not events_path.exists():
-        raise RunFolderError(f"run_dir {str(run_dir)!r} is not an ampguard run folder (needs "
-                             f"{META} and {EVENTS}, written by ampguard.Telemetry)")
+        raise RunFolderError(
+            f"run_dir {str(run_dir)!r} is not an ampguard run folder (needs "
+            f"{META} and {EVENTS}, written by ampguard.Telemetry)"
+        )
     meta = read_meta(meta_path)
     layers = list((meta.get("layers") or {}).get("names") or [])
     cols = read_columns(events_path, len(layers))
@@ -276,7 +287,6 @@ def append_findings(run_dir: str | os.PathLike, found: list[Any]) -> None:
         return
     log = EventLog(path, fresh=False)
     try:
-        log.append([{"kind": FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
-                    for f in found])
+        log.append([{"kind": FINDING_EVENT, "step": f.step, "finding": f.to_dict()} for f in found])
     finally:
         log.close()

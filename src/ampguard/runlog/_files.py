@@ -79,8 +79,9 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """``meta.json`` checked against :data:`META_FIELDS`: a wrong field is dropped, warned."""
     meta = read_json_file(path)
     if type(meta) is not dict:
-        raise RunFolderError(f"{path} must hold a JSON object (the run's metadata), got a JSON "
-                             f"{type(meta).__name__}")
+        raise RunFolderError(
+            f"{path} must hold a JSON object (the run's metadata), got a JSON {type(meta).__name__}"
+        )
     note = LineWarnings(path)
     check_meta(meta, note)
     note.close()
@@ -92,8 +93,9 @@ def read_findings(path: str | os.PathLike) -> list[dict[str, Any]]:
     the entry when it is not."""
     data = read_json_file(path)
     if type(data) is not list:
-        raise RunFolderError(f"{path} must hold a JSON list of findings, got a JSON "
-                             f"{type(data).__name__}")
+        raise RunFolderError(
+            f"{path} must hold a JSON list of findings, got a JSON {type(data).__name__}"
+        )
     for i, item in enumerate(data):
         bad = check_finding(item)
         if bad is not None:
@@ -110,7 +112,10 @@ def read_coverage(path: str | os.PathLike) -> dict[str, Any] | None:
         return None
     ok = coverage_ok(cov)
     if not ok:
-        warnings.warn(f"{path}: not an autocast census written by ampguard; the coverage "
-                      "section is left out", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{path}: not an autocast census written by ampguard; the coverage section is left out",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
     return cov

@@ -29,8 +29,13 @@ def _f(v: Any) -> float:
 class _Family:
     """Rows of one record family (every step, layer samples, range samples)."""
 
-    def __init__(self, floats: tuple[str, ...], bools: tuple[str, ...], ints: tuple[str, ...],
-                 texts: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        floats: tuple[str, ...],
+        bools: tuple[str, ...],
+        ints: tuple[str, ...],
+        texts: tuple[str, ...],
+    ) -> None:
         self.steps = array("q")
         self.cols: dict[str, Any] = {k: array("d") for k in floats}
         self.cols.update({k: bytearray() for k in bools})
@@ -52,7 +57,7 @@ class _Family:
         if self.sorted:  # the rows to drop are a tail
             cut = int(keep.sum())
             for col in (self.steps, *self.cols.values()):
-                del col[cut * (len(col) // n):]
+                del col[cut * (len(col) // n) :]
             return
         self.sorted = True
         for key, col in [("steps", self.steps), *self.cols.items()]:
@@ -63,8 +68,9 @@ class _Family:
             elif isinstance(col, bytearray):
                 new = bytearray(np.frombuffer(col, dtype=np.uint8)[mask].tobytes())
             else:
-                new = array(col.typecode, np.frombuffer(col, dtype=_DT[col.typecode])[mask]
-                            .tobytes())
+                new = array(
+                    col.typecode, np.frombuffer(col, dtype=_DT[col.typecode])[mask].tobytes()
+                )
             if key == "steps":
                 self.steps = new
             else:
@@ -88,12 +94,14 @@ _DT = {"d": np.float64, "q": np.int64}
 class _Reader:
     def __init__(self, width: int) -> None:
         self.width = width
-        self.main = _Family(("scale_before", "scale", "loss", "grad_norm"),
-                            ("applied", "overflow", "collapse", "nonfinite", "loss_nonfinite"),
-                            ("dropped",), ("precision",))
+        self.main = _Family(
+            ("scale_before", "scale", "loss", "grad_norm"),
+            ("applied", "overflow", "collapse", "nonfinite", "loss_nonfinite"),
+            ("dropped",),
+            ("precision",),
+        )
         self.layer = _Family(("norm",), ("applied",), (), ())
-        self.range = _Family(("scale", *RANGE_FIELDS, "window"), ("applied",), (),
-                             ("precision",))
+        self.range = _Family(("scale", *RANGE_FIELDS, "window"), ("applied",), (), ("precision",))
         self.events: list[dict[str, Any]] = []
         self._texts: dict[str, str] = {}
         self._bind()
@@ -101,9 +109,22 @@ class _Reader:
     def _bind(self) -> None:
         """Bound ``append`` methods of the main columns (re-bound after a resume rebuilds them)."""
         c = self.main.cols
-        self._append = tuple(c[k].append for k in (
-            "scale_before", "scale", "loss", "grad_norm", "applied", "overflow", "collapse",
-            "nonfinite", "loss_nonfinite", "dropped", "precision"))
+        self._append = tuple(
+            c[k].append
+            for k in (
+                "scale_before",
+                "scale",
+                "loss",
+                "grad_norm",
+                "applied",
+                "overflow",
+                "collapse",
+                "nonfinite",
+                "loss_nonfinite",
+                "dropped",
+                "precision",
+            )
+        )
 
     def add_step(self, rec: dict[str, Any]) -> None:
         get = rec.get
@@ -111,8 +132,19 @@ class _Reader:
         precision = get("precision", "")
         precision = self._texts.setdefault(precision, precision)  # one str object per value
         self.main.start(step)
-        (a_before, a_scale, a_loss, a_norm, a_applied, a_over, a_coll, a_nonfinite,
-         a_loss_nonfinite, a_drop, a_prec) = self._append
+        (
+            a_before,
+            a_scale,
+            a_loss,
+            a_norm,
+            a_applied,
+            a_over,
+            a_coll,
+            a_nonfinite,
+            a_loss_nonfinite,
+            a_drop,
+            a_prec,
+        ) = self._append
         v = get("scale_before")
         a_before(_NAN if v is None else v)
         v = get("scale")
@@ -164,8 +196,11 @@ def read_columns(path: Path, width: int) -> dict[str, Any]:
         rec = parse_line(line)
         bad = rec if isinstance(rec, str) else check_record(rec, width)
         if bad is not None:
-            where = f"line {number}" if complete else \
-                f"line {number} (a torn last line: the writer was killed mid-append)"
+            where = (
+                f"line {number}"
+                if complete
+                else f"line {number} (a torn last line: the writer was killed mid-append)"
+            )
             note.warn(where, bad)
             continue
         assert isinstance(rec, dict)
@@ -181,18 +216,26 @@ def _arrays(r: _Reader, bad: int) -> dict[str, Any]:
     m, lay, rng, w = r.main, r.layer, r.range, r.width
     return {
         "steps": np.frombuffer(m.steps, dtype=np.int64).copy(),
-        "scale_before": m.array("scale_before"), "scale": m.array("scale"),
-        "applied": m.array("applied"), "overflow": m.array("overflow"),
-        "collapse": m.array("collapse"), "dropped": m.array("dropped"),
-        "nonfinite": m.array("nonfinite"), "loss_nonfinite": m.array("loss_nonfinite"),
-        "loss": m.array("loss"), "grad_norm": m.array("grad_norm"),
+        "scale_before": m.array("scale_before"),
+        "scale": m.array("scale"),
+        "applied": m.array("applied"),
+        "overflow": m.array("overflow"),
+        "collapse": m.array("collapse"),
+        "dropped": m.array("dropped"),
+        "nonfinite": m.array("nonfinite"),
+        "loss_nonfinite": m.array("loss_nonfinite"),
+        "loss": m.array("loss"),
+        "grad_norm": m.array("grad_norm"),
         "precision": list(m.cols["precision"]),
         "layer_steps": np.frombuffer(lay.steps, dtype=np.int64).copy(),
-        "layer_applied": lay.array("applied"), "layer_norm": lay.array("norm", w),
+        "layer_applied": lay.array("applied"),
+        "layer_norm": lay.array("norm", w),
         "range_steps": np.frombuffer(rng.steps, dtype=np.int64).copy(),
-        "range_applied": rng.array("applied"), "range_scale": rng.array("scale"),
+        "range_applied": rng.array("applied"),
+        "range_scale": rng.array("scale"),
         "range_precision": list(rng.cols["precision"]),
         **{k: rng.array(k, w) for k in RANGE_FIELDS},
         "window": rng.array("window", 2),
-        "events": r.events, "bad_lines": bad,
+        "events": r.events,
+        "bad_lines": bad,
     }

@@ -42,9 +42,19 @@ from ampguard.findings import SEVERITIES
 from ampguard.findings.codes import CATALOGUE
 
 __all__ = [
-    "RunFolderError", "MAX_WARNINGS", "LineWarnings", "STEP_FIELDS", "EVENT_FIELDS",
-    "RANGE_FIELDS", "META_FIELDS", "NONFINITE", "check_record", "check_meta", "check_finding",
-    "coverage_ok", "parse_line",
+    "RunFolderError",
+    "MAX_WARNINGS",
+    "LineWarnings",
+    "STEP_FIELDS",
+    "EVENT_FIELDS",
+    "RANGE_FIELDS",
+    "META_FIELDS",
+    "NONFINITE",
+    "check_record",
+    "check_meta",
+    "check_finding",
+    "coverage_ok",
+    "parse_line",
 ]
 
 MAX_WARNINGS = 10
@@ -115,54 +125,103 @@ def _list(v: Any) -> bool:
 
 _Check = Callable[[Any], bool]
 _WHAT: dict[_Check, str] = {
-    _int: "an integer", _count: "an integer >= 0", _num: "a number or null",
-    _number: "a number", _bool: "true or false", _str: "a string", _opt_str: "a string or null",
-    _opt_int: "an integer or null", _nums: "a list of numbers or nulls",
-    _ints: "a list of integers", _nonfinite: 'one of "nan", "inf", "-inf"',
-    _dict: "a JSON object", _list: "a list",
+    _int: "an integer",
+    _count: "an integer >= 0",
+    _num: "a number or null",
+    _number: "a number",
+    _bool: "true or false",
+    _str: "a string",
+    _opt_str: "a string or null",
+    _opt_int: "an integer or null",
+    _nums: "a list of numbers or nulls",
+    _ints: "a list of integers",
+    _nonfinite: 'one of "nan", "inf", "-inf"',
+    _dict: "a JSON object",
+    _list: "a list",
 }
 
 # field -> (check, required)
 STEP_FIELDS: dict[str, tuple[_Check, bool]] = {
-    "step": (_int, True), "scale_before": (_num, False), "scale": (_num, False),
-    "applied": (_bool, False), "overflow": (_bool, False), "collapse": (_bool, False),
-    "dropped": (_count, False), "nonfinite": (_bool, False), "loss": (_num, False),
+    "step": (_int, True),
+    "scale_before": (_num, False),
+    "scale": (_num, False),
+    "applied": (_bool, False),
+    "overflow": (_bool, False),
+    "collapse": (_bool, False),
+    "dropped": (_count, False),
+    "nonfinite": (_bool, False),
+    "loss": (_num, False),
     "loss_nonfinite": (_nonfinite, False),
-    "grad_norm": (_num, False), "precision": (_str, False), "overflowed": (_ints, False),
-    "layers": (_dict, False), "range": (_dict, False),
+    "grad_norm": (_num, False),
+    "precision": (_str, False),
+    "overflowed": (_ints, False),
+    "layers": (_dict, False),
+    "range": (_dict, False),
 }
 RANGE_FIELDS = ("zero_frac", "amax", "headroom_bits", "underflow", "safe_lo", "safe_hi")
 _FINDING_FIELDS: dict[str, tuple[_Check, bool]] = {
-    "code": (_str, True), "severity": (_str, True), "title": (_str, True),
-    "message": (_str, True), "step": (_opt_int, False), "evidence": (_dict, False),
-    "fix": (_str, False), "path": (_opt_str, False), "line": (_opt_int, False),
+    "code": (_str, True),
+    "severity": (_str, True),
+    "title": (_str, True),
+    "message": (_str, True),
+    "step": (_opt_int, False),
+    "evidence": (_dict, False),
+    "fix": (_str, False),
+    "path": (_opt_str, False),
+    "line": (_opt_int, False),
     "col": (_opt_int, False),
 }
 EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
-    "resume": {"step": (_int, True), "scale": (_num, False), "previous_scale": (_num, False),
-               "scale_reset": (_bool, False), "time": (_str, False)},
+    "resume": {
+        "step": (_int, True),
+        "scale": (_num, False),
+        "previous_scale": (_num, False),
+        "scale_reset": (_bool, False),
+        "time": (_str, False),
+    },
     "fallback": {"step": (_int, True), "from": (_str, False), "to": (_str, False)},
     "finding": {"step": (_opt_int, False), "finding": (_dict, True)},
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
 META_FIELDS: dict[str, _Check] = {
-    "format": _int, "ampguard_version": _str, "torch_version": _str, "python": _str,
-    "platform": _str, "start_time": _str, "end_time": _str, "device": _str,
-    "model": _dict, "model.class": _str, "model.parameters": _int,
-    "model.trainable_tensors": _int, "model.layers": _int,
-    "layers": _dict, "layers.names": lambda v: type(v) is list and all(type(x) is str for x in v),
+    "format": _int,
+    "ampguard_version": _str,
+    "torch_version": _str,
+    "python": _str,
+    "platform": _str,
+    "start_time": _str,
+    "end_time": _str,
+    "device": _str,
+    "model": _dict,
+    "model.class": _str,
+    "model.parameters": _int,
+    "model.trainable_tensors": _int,
+    "model.layers": _int,
+    "layers": _dict,
+    "layers.names": lambda v: type(v) is list and all(type(x) is str for x in v),
     "layers.numel": lambda v: type(v) is list and all(_opt_int(x) for x in v),
-    "precision": _str, "requested_precision": _opt_str,
-    "scaler": _dict, "scaler.init_scale": _number, "scaler.min_scale": _number,
-    "scaler.growth_interval": _int, "scaler.dynamic": _bool,
-    "guard": _dict, "guard.accumulation_steps": lambda v: type(v) is int and v >= 1,
-    "telemetry": _dict, "resumes": _list, "diagnostics": _dict,
+    "precision": _str,
+    "requested_precision": _opt_str,
+    "scaler": _dict,
+    "scaler.init_scale": _number,
+    "scaler.min_scale": _number,
+    "scaler.growth_interval": _int,
+    "scaler.dynamic": _bool,
+    "guard": _dict,
+    "guard.accumulation_steps": lambda v: type(v) is int and v >= 1,
+    "telemetry": _dict,
+    "resumes": _list,
+    "diagnostics": _dict,
     "diagnostics.fallbacks": lambda v: type(v) is list and all(type(x) is dict for x in v),
 }
-_WHAT.update({META_FIELDS["layers.names"]: "a list of strings",
-              META_FIELDS["layers.numel"]: "a list of integers or nulls",
-              META_FIELDS["guard.accumulation_steps"]: "an integer >= 1",
-              META_FIELDS["diagnostics.fallbacks"]: "a list of JSON objects"})
+_WHAT.update(
+    {
+        META_FIELDS["layers.names"]: "a list of strings",
+        META_FIELDS["layers.numel"]: "a list of integers or nulls",
+        META_FIELDS["guard.accumulation_steps"]: "an integer >= 1",
+        META_FIELDS["diagnostics.fallbacks"]: "a list of JSON objects",
+    }
+)
 
 
 def _what(check: _Check) -> str:
@@ -179,13 +238,16 @@ class LineWarnings:
     def warn(self, where: str, problem: str) -> None:
         self.count += 1
         if self.count <= self.limit:
-            warnings.warn(f"{self.path}: {where}: {problem}; skipped", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(f"{self.path}: {where}: {problem}; skipped", RuntimeWarning, stacklevel=4)
 
     def close(self) -> None:
         if self.count > self.limit:
-            warnings.warn(f"{self.path}: {self.count - self.limit} more malformed line(s) or "
-                          f"field(s) skipped ({self.count} in all)", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"{self.path}: {self.count - self.limit} more malformed line(s) or "
+                f"field(s) skipped ({self.count} in all)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 # ---------------------------------------------------------------------- events.jsonl lines
@@ -204,8 +266,9 @@ def parse_line(line: bytes) -> dict[str, Any] | str:
     return rec
 
 
-def _fields(rec: dict[str, Any], spec: dict[str, tuple[_Check, bool]], prefix: str = ""
-            ) -> str | None:
+def _fields(
+    rec: dict[str, Any], spec: dict[str, tuple[_Check, bool]], prefix: str = ""
+) -> str | None:
     for key, (check, required) in spec.items():
         if key in rec:
             if not check(rec[key]):
@@ -252,11 +315,21 @@ def check_record(rec: dict[str, Any], width: int) -> str | None:
 # then the few value checks below.
 _NONE = type(None)
 _STEP_TYPES: dict[str, tuple[type, ...]] = {
-    "step": (int,), "scale_before": (float, _NONE), "scale": (float, _NONE),
-    "loss": (float, _NONE), "grad_norm": (float, _NONE), "applied": (bool,),
-    "overflow": (bool,), "collapse": (bool,), "nonfinite": (bool,), "dropped": (int,),
+    "step": (int,),
+    "scale_before": (float, _NONE),
+    "scale": (float, _NONE),
+    "loss": (float, _NONE),
+    "grad_norm": (float, _NONE),
+    "applied": (bool,),
+    "overflow": (bool,),
+    "collapse": (bool,),
+    "nonfinite": (bool,),
+    "dropped": (int,),
     "precision": (str,),
-    "loss_nonfinite": (str,), "overflowed": (list,), "layers": (dict,), "range": (dict,),
+    "loss_nonfinite": (str,),
+    "overflowed": (list,),
+    "layers": (dict,),
+    "range": (dict,),
     "kind": (str,),
 }
 _SIGNATURES: dict[tuple[tuple[str, ...], tuple[type, ...]], bool] = {}
@@ -266,8 +339,7 @@ def _step_types_ok(rec: dict[str, Any]) -> bool:
     sig = (tuple(rec), tuple(map(type, rec.values())))
     ok = _SIGNATURES.get(sig)
     if ok is None:
-        ok = "step" in rec and all(t in _STEP_TYPES.get(k, (t,)) for k, t in zip(*sig,
-                                                                                   strict=True))
+        ok = "step" in rec and all(t in _STEP_TYPES.get(k, (t,)) for k, t in zip(*sig, strict=True))
         if len(_SIGNATURES) < 4096:  # a hostile file must not grow the cache without bound
             _SIGNATURES[sig] = ok
     return ok
@@ -286,13 +358,11 @@ def _step_values(rec: dict[str, Any]) -> str | None:
     return None
 
 
-def _per_layer(group: dict[str, Any], keys: tuple[str, ...], width: int, prefix: str
-               ) -> str | None:
+def _per_layer(group: dict[str, Any], keys: tuple[str, ...], width: int, prefix: str) -> str | None:
     for key in keys:
         values: Any = group.get(key)
         if not _nums(values):
-            return f"field {prefix}{key!r} must be a list of numbers or nulls, got " \
-                   f"{_short(values)}"
+            return f"field {prefix}{key!r} must be a list of numbers or nulls, got {_short(values)}"
         if len(values) != width:
             return f"field {prefix}{key!r} has {len(values)} values for {width} layer(s)"
     return None
@@ -303,8 +373,7 @@ def _range(group: dict[str, Any], width: int) -> str | None:
     if bad is None:
         window: Any = group.get("window")
         if not (_nums(window) and len(window) == 2):
-            bad = f"field 'range.window' must be [lo, hi] (numbers or nulls), got " \
-                  f"{_short(window)}"
+            bad = f"field 'range.window' must be [lo, hi] (numbers or nulls), got {_short(window)}"
     return bad
 
 
@@ -330,11 +399,12 @@ def _finding(data: dict[str, Any], prefix: str) -> str | None:
     if bad is None and _too_deep(data.get("evidence")):
         bad = f"field {prefix}'evidence' is nested more than {_MAX_DEPTH} deep"
     if bad is None and data["severity"] not in SEVERITIES:
-        bad = f"field {prefix}'severity' must be one of {', '.join(SEVERITIES)}, got " \
-              f"{_short(data['severity'])}"
+        bad = (
+            f"field {prefix}'severity' must be one of {', '.join(SEVERITIES)}, got "
+            f"{_short(data['severity'])}"
+        )
     if bad is None and data["code"] not in CATALOGUE:
-        bad = f"field {prefix}'code' must be a catalogued 'AGnnn' code, got " \
-              f"{_short(data['code'])}"
+        bad = f"field {prefix}'code' must be a catalogued 'AGnnn' code, got {_short(data['code'])}"
     return bad
 
 
@@ -351,14 +421,18 @@ def check_meta(meta: dict[str, Any], note: LineWarnings) -> None:
             note.warn(f"field {dotted!r}", f"must be {_what(check)}, got {_short(holder[key])}")
             del holder[key]
     layers = meta.get("layers")
-    if type(layers) is dict and "numel" in layers \
-            and len(layers["numel"]) != len(layers.get("names") or []):
+    if (
+        type(layers) is dict
+        and "numel" in layers
+        and len(layers["numel"]) != len(layers.get("names") or [])
+    ):
         note.warn("field 'layers.numel'", "has another length than 'layers.names'")
         del layers["numel"]
     resumes = meta.get("resumes")
     if resumes is not None:
-        meta["resumes"] = [r for r in resumes if type(r) is dict and
-                           _fields(r, EVENT_FIELDS["resume"]) is None]
+        meta["resumes"] = [
+            r for r in resumes if type(r) is dict and _fields(r, EVENT_FIELDS["resume"]) is None
+        ]
 
 
 def check_finding(item: Any) -> str | None:
@@ -369,6 +443,11 @@ def check_finding(item: Any) -> str | None:
 def coverage_ok(cov: Any) -> bool:
     """Whether ``cov`` has the shape of the autocast census ``coverage.json`` holds."""
     modules = cov.get("modules", {}) if type(cov) is dict else None
-    return type(modules) is dict and all(type(m) is dict for m in modules.values()) \
-        and all(type(cov.get(k) or []) is list and all(type(e) is dict for e in cov.get(k) or [])
-                for k in ("escaped", "fragile"))
+    return (
+        type(modules) is dict
+        and all(type(m) is dict for m in modules.values())
+        and all(
+            type(cov.get(k) or []) is list and all(type(e) is dict for e in cov.get(k) or [])
+            for k in ("escaped", "fragile")
+        )
+    )

@@ -96,15 +96,28 @@ class Telemetry:
     :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, flush_every: int = 100,
-                 layer_stats: bool = True, layer_every: int = 10, range_every: int = 100,
-                 tensorboard: bool = False, *, resume: bool = True,
-                 sinks: Any = ()) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        flush_every: int = 100,
+        layer_stats: bool = True,
+        layer_every: int = 10,
+        range_every: int = 100,
+        tensorboard: bool = False,
+        *,
+        resume: bool = True,
+        sinks: Any = (),
+    ) -> None:
         if not isinstance(run_dir, (str, os.PathLike)):
-            raise TypeError(f"Telemetry run_dir must be a path (str or os.PathLike), got "
-                            f"{type(run_dir).__name__}")
-        for name, value in (("layer_stats", layer_stats), ("tensorboard", tensorboard),
-                            ("resume", resume)):
+            raise TypeError(
+                f"Telemetry run_dir must be a path (str or os.PathLike), got "
+                f"{type(run_dir).__name__}"
+            )
+        for name, value in (
+            ("layer_stats", layer_stats),
+            ("tensorboard", tensorboard),
+            ("resume", resume),
+        ):
             check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
         self.flush_every = _positive_int("flush_every", flush_every)
@@ -113,6 +126,7 @@ class Telemetry:
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
         if tensorboard:
             from ampguard.telemetry._tensorboard import require_tensorboard
+
             require_tensorboard()
         self._source: TelemetrySource | None = None
         self._closed = False
@@ -122,15 +136,21 @@ class Telemetry:
         self.sinks = tuple(sinks)
         for sink in self.sinks:
             if not all(callable(getattr(sink, m, None)) for m in ("start", "write", "close")):
-                raise TypeError("Telemetry sinks must have start(run_dir, layers), "
-                                f"write(records, skip_rate) and close(); got {type(sink).__name__}")
+                raise TypeError(
+                    "Telemetry sinks must have start(run_dir, layers), "
+                    f"write(records, skip_rate) and close(); got {type(sink).__name__}"
+                )
         # --- end of extra sinks ---
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments as a plain dict (recorded in ``meta.json``)."""
-        return {"flush_every": self.flush_every, "layer_stats": self.layer_stats,
-                "layer_every": self.layer_every, "range_every": self.range_every,
-                "tensorboard": self.tensorboard}
+        return {
+            "flush_every": self.flush_every,
+            "layer_stats": self.layer_stats,
+            "layer_every": self.layer_every,
+            "range_every": self.range_every,
+            "tensorboard": self.tensorboard,
+        }
 
     # ------------------------------------------------------------------ attach and layout
     def _attach(self, source: TelemetrySource) -> None:
@@ -145,22 +165,22 @@ class Telemetry:
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
-        self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every \
-            else []
+        self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every else []
         # histogram row start of each chunk item (int32: the histogram keys are int32)
         self._offsets = [(ch.layer * _ranges.BINS).to(torch.int32) for ch in self._chunks]
         self._sizes = [[b - a for _, a, b in ch.items] for ch in self._chunks]
         self._width = _FIXED + n_layers
         self._rwidth = n_layers * (1 + _ranges.BINS)
-        self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every \
-            else 0
+        self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every else 0
         split = self.flush_every * self._width
-        self._buf = torch.zeros(split + self._rrows * self._rwidth, dtype=torch.float32,
-                                device=self._device)
+        self._buf = torch.zeros(
+            split + self._rrows * self._rwidth, dtype=torch.float32, device=self._device
+        )
         self._rows = self._buf[:split].view(self.flush_every, self._width)
         self._ranges = self._buf[split:].view(self._rrows, self._rwidth)
-        self._views = [_Views(r[_SCALE], r[_STATUS], r[_LOSS], r[_NORM],
-                              r[_FIXED:]) for r in self._rows]
+        self._views = [
+            _Views(r[_SCALE], r[_STATUS], r[_LOSS], r[_NORM], r[_FIXED:]) for r in self._rows
+        ]
         self._norms = torch.zeros(len(layout.params), dtype=torch.float32, device=self._device)
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
@@ -172,8 +192,9 @@ class Telemetry:
         self._loss: torch.Tensor | None = None  # this window's loss so far (no device op yet)
         self._row = self._rslot = self._micro = 0
         self._this_step: tuple[bool, int, bool] = (False, -1, False)
-        self._scale_carry = float(source.scaler_config.init_scale) \
-            if source.loss_scaler is not None else 1.0
+        self._scale_carry = (
+            float(source.scaler_config.init_scale) if source.loss_scaler is not None else 1.0
+        )
         self._tally = RunTally(source.accumulation_steps)
         self._open_folder(source)
 
@@ -187,14 +208,16 @@ class Telemetry:
         if self._log_pending:
             why = _cannot_continue(self._meta_path, self.layers)
             if why:
-                warnings.warn(f"{self.run_dir}: {why}; starting a new log", RuntimeWarning,
-                              stacklevel=4)
+                warnings.warn(
+                    f"{self.run_dir}: {why}; starting a new log", RuntimeWarning, stacklevel=4
+                )
                 self._log_pending = False
         if not self._log_pending:
             self._start_log()
         self._sink = None
         if self.tensorboard:
             from ampguard.telemetry._tensorboard import TensorBoardSink
+
             self._sink = TensorBoardSink(self.run_dir / runlog.TB_DIR, self.layers)
         for sink in self.sinks:  # extra sinks
             sink.start(self.run_dir, list(self.layers))
@@ -259,8 +282,9 @@ class Telemetry:
                 self._range_stats(grads, slot, grads_scaled)
         self._this_step = (layers, slot, grads_scaled)
 
-    def on_step(self, step: int, status: torch.Tensor | None,
-                grad_norm: torch.Tensor | None) -> None:
+    def on_step(
+        self, step: int, status: torch.Tensor | None, grad_norm: torch.Tensor | None
+    ) -> None:
         """Window ``step``'s optimizer step and scale update are done (``status``: the packed
         flags of :func:`ampguard.core.results.pack`, or None; ``grad_norm``: the unscaled total
         norm the producer computed, or None). Reads the source's ``loss_scaler`` and
@@ -281,8 +305,7 @@ class Telemetry:
         # The flags, loss and norm are new tensors of this step: keep references and write
         # them into the buffer with one gather at the flush (absent: the row's own cell).
         refs, k = self._refs, 3 * row
-        refs[k] = v.status if status is None else status.reshape(()) if status.dim() \
-            else status
+        refs[k] = v.status if status is None else status.reshape(()) if status.dim() else status
         refs[k + 1] = v.loss if self._loss is None else self._loss
         norm = grad_norm if grad_norm is not None and use_guard_norm else v.norm
         refs[k + 2] = norm.reshape(()) if norm.dim() else norm
@@ -311,8 +334,12 @@ class Telemetry:
 
     def _grads(self) -> list[torch.Tensor]:
         if self._sharded:  # FSDP2: statistics of this rank's gradient shards
-            return [self._zero.expand(_layers.local(p).shape) if p.grad is None
-                    else _layers.local(p.grad) for p in self._layout.params]
+            return [
+                self._zero.expand(_layers.local(p).shape)
+                if p.grad is None
+                else _layers.local(p.grad)
+                for p in self._layout.params
+            ]
         out: list[Any] = [p.grad for p in self._layout.params]
         for i, g in enumerate(out):
             if g is None:
@@ -331,7 +358,7 @@ class Telemetry:
 
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
         row = self._ranges[slot]
-        amax, hist = row[:len(self.layers)], row[len(self.layers):]
+        amax, hist = row[: len(self.layers)], row[len(self.layers) :]
         scaler = self._source.loss_scaler if grads_scaled and self._source is not None else None
         inv = scaler.inv_scale() if scaler is not None else None
         for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
@@ -373,12 +400,20 @@ class Telemetry:
         if source.loss_scaler is None:
             scale = 1.0
         else:
-            scale = source.scaler_config.init_scale if scale_reset or saved_scale is None \
+            scale = (
+                source.scaler_config.init_scale
+                if scale_reset or saved_scale is None
                 else float(saved_scale)
+            )
         self._scale_carry = scale
-        event = {"kind": "resume", "step": step, "scale": runlog.num(scale),
-                 "previous_scale": previous, "scale_reset": scale_reset,
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        event = {
+            "kind": "resume",
+            "step": step,
+            "scale": runlog.num(scale),
+            "previous_scale": previous,
+            "scale_reset": scale_reset,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         self._log.append([event])
         self._meta.setdefault("resumes", []).append(event)
         runlog.write_json_atomic(self._meta_path, self._meta)
@@ -424,9 +459,9 @@ class Telemetry:
             info = self._info
             pending = [RowInfo(*(col[i] for col in info)) for i in range(n)]
             if n:  # the rows' flags, losses and norms: one gather, one strided copy
-                refs = cast("list[torch.Tensor]", self._refs[:3 * n])
-                self._rows[:n, _STATUS:_NORM + 1].copy_(torch.stack(refs).view(n, 3))
-                self._refs[:3 * n] = [None] * (3 * n)
+                refs = cast("list[torch.Tensor]", self._refs[: 3 * n])
+                self._rows[:n, _STATUS : _NORM + 1].copy_(torch.stack(refs).view(n, 3))
+                self._refs[: 3 * n] = [None] * (3 * n)
             self._stage.push(self._buf[:end], (pending, used))  # the one transfer
             self._rows[:n].zero_()
             if used:
@@ -445,8 +480,13 @@ class Telemetry:
             rows = host[: n * self._width].reshape(n, self._width)
             ranges = host[split:].reshape(-1, self._rwidth) if used else host[:0]
             records, self._scale_carry = build_records(
-                pending, rows, ranges, carry=self._scale_carry, n_layers=len(self.layers),
-                layer_stats=self.layer_stats)
+                pending,
+                rows,
+                ranges,
+                carry=self._scale_carry,
+                n_layers=len(self.layers),
+                layer_stats=self.layer_stats,
+            )
             assert self._log is not None
             self._log.append(records)
             rates = self._tally.add(records)
@@ -504,8 +544,12 @@ class Telemetry:
             return
         self.flush()
         if self._log is not None:
-            self._log.append([{"kind": runlog.FINDING_EVENT, "step": f.step,
-                               "finding": f.to_dict()} for f in fresh])
+            self._log.append(
+                [
+                    {"kind": runlog.FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
+                    for f in fresh
+                ]
+            )
             self._recorded.update(repr(f.to_dict()) for f in fresh)
 
     def close(self) -> None:
@@ -549,8 +593,10 @@ def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
     if isinstance(telemetry, (str, os.PathLike)):
         telemetry = Telemetry(telemetry)
     elif not isinstance(telemetry, Telemetry):
-        raise TypeError("telemetry must be None, a run folder path or an ampguard.Telemetry, got "
-                        f"{type(telemetry).__name__}")
+        raise TypeError(
+            "telemetry must be None, a run folder path or an ampguard.Telemetry, got "
+            f"{type(telemetry).__name__}"
+        )
     telemetry._attach(source)
     return telemetry
 

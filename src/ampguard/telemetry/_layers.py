@@ -78,7 +78,9 @@ def build_layout(model: torch.nn.Module, params: list[torch.Tensor]) -> Layout:
         flat.extend(by_layer[name])
         layer_of.extend([i] * len(by_layer[name]))
     return Layout(
-        names=names, params=flat, layer_of=layer_of,
+        names=names,
+        params=flat,
+        layer_of=layer_of,
         numel=[sum(local(p).numel() for p in by_layer[n]) for n in names],
         tensors=[len(by_layer[n]) for n in names],
     )
@@ -95,8 +97,9 @@ def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list
         nonlocal items, size
         if items:
             lengths = torch.tensor([b - a for _, a, b in items], dtype=torch.int64, device=device)
-            layer = torch.tensor([layout.layer_of[i] for i, _, _ in items], dtype=torch.int64,
-                                 device=device)
+            layer = torch.tensor(
+                [layout.layer_of[i] for i, _, _ in items], dtype=torch.int64, device=device
+            )
             chunks.append(Chunk(items, lengths, layer, size))
         items, size = [], 0
 
@@ -112,8 +115,9 @@ def plan_chunks(layout: Layout, device: torch.device, max_elements: int) -> list
     return chunks
 
 
-def run_meta(source: TelemetrySource, layout: Layout,
-             telemetry_config: dict[str, Any]) -> dict[str, Any]:
+def run_meta(
+    source: TelemetrySource, layout: Layout, telemetry_config: dict[str, Any]
+) -> dict[str, Any]:
     """The ``meta.json`` content of a new run of ``source`` (a Guard or a watched loop)."""
     from ampguard import __version__
 

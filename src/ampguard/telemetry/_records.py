@@ -30,8 +30,15 @@ class RowInfo(NamedTuple):
     n_opt: int
 
 
-def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *, carry: float,
-                  n_layers: int, layer_stats: bool) -> tuple[list[dict[str, Any]], float]:
+def build_records(
+    infos: list[RowInfo],
+    rows: np.ndarray,
+    ranges: np.ndarray,
+    *,
+    carry: float,
+    n_layers: int,
+    layer_stats: bool,
+) -> tuple[list[dict[str, Any]], float]:
     """Records for ``infos``; ``carry`` is the scale before the first row. Returns the records
     and the scale after the last row (the next flush's carry)."""
     out = []
@@ -40,9 +47,14 @@ def build_records(infos: list[RowInfo], rows: np.ndarray, ranges: np.ndarray, *,
         after = float(row[SCALE]) if info.scaled else 1.0
         flags = results.decode(int(row[STATUS]), info.n_opt, info.scaled)
         rec: dict[str, Any] = {
-            "step": info.step, "scale_before": num(before), "scale": num(after),
-            "applied": flags.applied, "overflow": flags.overflow, "collapse": flags.collapse,
-            "nonfinite": flags.nonfinite, "dropped": flags.dropped,
+            "step": info.step,
+            "scale_before": num(before),
+            "scale": num(after),
+            "applied": flags.applied,
+            "overflow": flags.overflow,
+            "collapse": flags.collapse,
+            "nonfinite": flags.nonfinite,
+            "dropped": flags.dropped,
             "loss": num(row[LOSS] / info.micro) if info.micro else None,
             "precision": info.precision,
         }
@@ -78,9 +90,12 @@ def _range_record(row: np.ndarray, n_layers: int, scale: float) -> dict[str, Any
     lo, hi = cast("tuple[float, float]", s["window"])
     return {
         "zero_frac": floats(hist[:, 0] / np.maximum(hist.sum(axis=1), 1.0)),
-        "amax": floats(s["amax"]), "headroom_bits": floats(s["headroom_bits"]),
-        "underflow": floats(s["underflow"]), "safe_lo": floats(s["safe_lo"]),
-        "safe_hi": floats(s["safe_hi"]), "window": [num(lo), num(hi)],
+        "amax": floats(s["amax"]),
+        "headroom_bits": floats(s["headroom_bits"]),
+        "underflow": floats(s["underflow"]),
+        "safe_lo": floats(s["safe_lo"]),
+        "safe_hi": floats(s["safe_hi"]),
+        "window": [num(lo), num(hi)],
     }
 
 
@@ -91,8 +106,13 @@ class RunTally:
         self.accumulation_steps = accumulation_steps
         self.recent: deque[tuple[int, float]] = deque(maxlen=recent)
         self.skips = {"overflow": 0, "dropped_microbatches": 0, "collapse": 0, "nonfinite": 0}
-        self.totals = {"steps": 0, "scale_changes": 0, "consecutive_skips": 0,
-                       "microbatches_dropped": 0, "last_step": 0}
+        self.totals = {
+            "steps": 0,
+            "scale_changes": 0,
+            "consecutive_skips": 0,
+            "microbatches_dropped": 0,
+            "last_step": 0,
+        }
 
     def add(self, records: list[dict[str, Any]]) -> list[float]:
         """Count ``records``; returns the running skip rate after each."""
@@ -107,9 +127,15 @@ class RunTally:
                 t["consecutive_skips"] = 0
             else:
                 t["consecutive_skips"] += 1
-                cause = "collapse" if rec["collapse"] else "dropped_microbatches" \
-                    if rec["dropped"] >= self.accumulation_steps else \
-                    "nonfinite" if rec.get("nonfinite") else "overflow"
+                cause = (
+                    "collapse"
+                    if rec["collapse"]
+                    else "dropped_microbatches"
+                    if rec["dropped"] >= self.accumulation_steps
+                    else "nonfinite"
+                    if rec.get("nonfinite")
+                    else "overflow"
+                )
                 self.skips[cause] += 1
             rates.append(sum(self.skips.values()) / t["steps"])
         return rates

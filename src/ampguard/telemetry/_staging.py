@@ -30,8 +30,10 @@ class HostStaging:
     def __init__(self, numel: int, device: torch.device) -> None:
         self.asynchronous = device.type == "cuda" and torch.cuda.is_available()
         count = 2 if self.asynchronous else 1  # one in flight while the next fills
-        self._free = [torch.empty(numel, dtype=torch.float32, pin_memory=self.asynchronous)
-                      for _ in range(count)]
+        self._free = [
+            torch.empty(numel, dtype=torch.float32, pin_memory=self.asynchronous)
+            for _ in range(count)
+        ]
         self._pending: deque[tuple[Any, torch.Tensor, int, Any]] = deque()
 
     @property

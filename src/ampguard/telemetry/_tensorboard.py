@@ -18,8 +18,9 @@ def require_tensorboard() -> None:
     try:
         import tensorboard.summary.writer.event_file_writer  # noqa: F401
     except ImportError as exc:
-        raise ImportError(f"Telemetry(tensorboard=True) needs the tensorboard package: {_INSTALL}"
-                          ) from exc
+        raise ImportError(
+            f"Telemetry(tensorboard=True) needs the tensorboard package: {_INSTALL}"
+        ) from exc
 
 
 def _tag(name: str) -> str:
@@ -42,10 +43,13 @@ class TensorBoardSink:
         self._layer_tags = [f"ampguard/layer_grad_norm/{_tag(n)}" for n in layers]
 
     def _scalars(self, step: int, wall: float, values: dict[str, float | None]) -> None:
-        summary = self._summary_pb2.Summary(value=[
-            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
-            for tag, v in values.items() if v is not None
-        ])
+        summary = self._summary_pb2.Summary(
+            value=[
+                self._summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
+                for tag, v in values.items()
+                if v is not None
+            ]
+        )
         self._writer.add_event(self._event_pb2.Event(wall_time=wall, step=step, summary=summary))
 
     def write(self, records: Sequence[dict[str, Any]], skip_rate: Sequence[float]) -> None:

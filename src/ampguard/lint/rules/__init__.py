@@ -18,11 +18,27 @@ __all__ = ["RULES", "Context", "Rule"]
 
 AG200 = Rule.from_code(
     "AG200",
-    fix="fix the syntax error or save the file as UTF-8 (or declare its encoding)", triggers=(),
+    fix="fix the syntax error or save the file as UTF-8 (or declare its encoding)",
+    triggers=(),
 )
 
 RULES: dict[str, Rule] = {
     rule.code: rule
-    for rule in (AG200, AG201, AG202, AG203, AG204, AG205, AG206, AG207, AG208, AG209, AG210,
-                 AG211, AG212, AG213, AG214)
+    for rule in (
+        AG200,
+        AG201,
+        AG202,
+        AG203,
+        AG204,
+        AG205,
+        AG206,
+        AG207,
+        AG208,
+        AG209,
+        AG210,
+        AG211,
+        AG212,
+        AG213,
+        AG214,
+    )
 }

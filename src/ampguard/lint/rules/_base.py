@@ -28,8 +28,14 @@ class Context:
         line = getattr(node, "lineno", 1)
         evidence["end_line"] = getattr(node, "end_lineno", line) or line
         return Finding(
-            code=rule.code, severity=rule.severity, title=rule.title, message=message,
-            evidence=evidence, fix=rule.fix, path=self.path, line=line,
+            code=rule.code,
+            severity=rule.severity,
+            title=rule.title,
+            message=message,
+            evidence=evidence,
+            fix=rule.fix,
+            path=self.path,
+            line=line,
             col=getattr(node, "col_offset", 0) + 1,
         )
 
@@ -53,12 +59,24 @@ class Rule:
     requires: tuple[str, ...] = ()
 
     @classmethod
-    def from_code(cls, code: str, *, triggers: tuple[str, ...],
-                  check: Callable[[Context], Iterable[Finding]] | None = None,
-                  requires: tuple[str, ...] = (), fix: str | None = None) -> Rule:
+    def from_code(
+        cls,
+        code: str,
+        *,
+        triggers: tuple[str, ...],
+        check: Callable[[Context], Iterable[Finding]] | None = None,
+        requires: tuple[str, ...] = (),
+        fix: str | None = None,
+    ) -> Rule:
         """The rule of catalogued ``code``: severity and title from the catalogue; ``fix``
         (the longer advice lint prints) defaults to the catalogue's."""
         entry = lookup(code)
-        return cls(code=code, severity=entry.severity, title=entry.title,
-                   fix=entry.fix if fix is None else fix, triggers=triggers, check=check,
-                   requires=requires)
+        return cls(
+            code=code,
+            severity=entry.severity,
+            title=entry.title,
+            fix=entry.fix if fix is None else fix,
+            triggers=triggers,
+            check=check,
+            requires=requires,
+        )

@@ -27,7 +27,8 @@ def save_sites(ctx: Context) -> list[tuple[ast.Call, ast.AST | None]]:
         return ctx.cache["save_sites"]
     model = ctx.model
     sites: list[tuple[ast.Call, ast.AST | None]] = [
-        (call, keyword(call, "obj", 0)) for call in model.calls_to(_SAVE)]
+        (call, keyword(call, "obj", 0)) for call in model.calls_to(_SAVE)
+    ]
     seen = {id(call) for call, _ in sites}
     memo: dict[int, _Param | None] = {}
     for call in model.calls:
@@ -60,8 +61,9 @@ def _argument(call: ast.Call, param: _Param, func: Any) -> ast.AST | None:
     return None
 
 
-def _saved_param(model: FileModel, func: Any, depth: int,
-                 memo: dict[int, _Param | None]) -> _Param | None:
+def _saved_param(
+    model: FileModel, func: Any, depth: int, memo: dict[int, _Param | None]
+) -> _Param | None:
     """The parameter ``func`` hands to ``torch.save`` unchanged (no entries added), if any."""
     if id(func) in memo:
         return memo[id(func)]
@@ -74,16 +76,22 @@ def _saved_param(model: FileModel, func: Any, depth: int,
             continue
         if model.call_name(node) in _SAVE:  # torch.save(*args, **kwargs) keeps the Starred
             obj = node.args[0] if node.args else keyword(node, "obj")
-        elif depth < _MAX_DEPTH and (inner := resolve_def(model, node.func)) is not None \
-                and isinstance(inner[1], FUNCS):
+        elif (
+            depth < _MAX_DEPTH
+            and (inner := resolve_def(model, node.func)) is not None
+            and isinstance(inner[1], FUNCS)
+        ):
             param = _saved_param(inner[0], inner[1], depth + 1, memo)
             obj = _argument(node, param, inner[1]) if param is not None else None
         else:
             continue
         if isinstance(obj, ast.Name) and obj.id in params:
             found = (params.index(obj.id), obj.id)
-        elif isinstance(obj, ast.Starred) and isinstance(obj.value, ast.Name) \
-                and obj.value.id == vararg:
+        elif (
+            isinstance(obj, ast.Starred)
+            and isinstance(obj.value, ast.Name)
+            and obj.value.id == vararg
+        ):
             found = (len(params), obj.value.id)  # save_on_master(*args): the first extra one
         if found is not None:
             break
@@ -96,10 +104,17 @@ def _saved_param(model: FileModel, func: Any, depth: int,
 def _adds_entries(model: FileModel, func: Any, name: str) -> bool:
     """``state["scaler"] = ...`` or ``state.update(...)`` inside the helper."""
     for node in model.statements(func.body):
-        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
-                and dotted(node.value) == name:
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.ctx, ast.Store)
+            and dotted(node.value) == name
+        ):
             return True
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in ("update", "setdefault") and dotted(node.func.value) == name:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("update", "setdefault")
+            and dotted(node.func.value) == name
+        ):
             return True
     return False

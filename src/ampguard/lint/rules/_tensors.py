@@ -40,8 +40,11 @@ def _tensor_names(model: FileModel) -> dict[int, tuple[ast.AST, set[str]]]:
             add(call.func.value, call)
     for call in model.by_terminal.get("scale", ()):
         func = call.func
-        if isinstance(func, ast.Attribute) and dotted(func.value) in model.scaler_keys \
-                and call.args:
+        if (
+            isinstance(func, ast.Attribute)
+            and dotted(func.value) in model.scaler_keys
+            and call.args
+        ):
             add(call.args[0], call)
     return out
 
@@ -63,13 +66,21 @@ def _sites(model: FileModel, unit: Any, names: set[str]) -> Iterator[tuple[ast.A
                 for arg in node.args:
                     if isinstance(arg, ast.Name) and arg.id in names:
                         yield arg, arg
-            elif isinstance(func, ast.Attribute) and func.attr == "format" \
-                    and isinstance(func.value, ast.Constant) and isinstance(func.value.value, str):
+            elif (
+                isinstance(func, ast.Attribute)
+                and func.attr == "format"
+                and isinstance(func.value, ast.Constant)
+                and isinstance(func.value.value, str)
+            ):
                 for arg in node.args:
                     if isinstance(arg, ast.Name) and arg.id in names:
                         yield node, arg
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) \
-                and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
+        elif (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Mod)
+            and isinstance(node.left, ast.Constant)
+            and isinstance(node.left.value, str)
+        ):
             right = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
             for arg in right:
                 if isinstance(arg, ast.Name) and arg.id in names:
@@ -80,7 +91,8 @@ def _is_number(value: ast.AST | None) -> bool:
     if isinstance(value, ast.Constant):
         return True
     return value is not None and any(
-        isinstance(n, ast.Call) and terminal(n.func) in _TO_NUMBER for n in ast.walk(value))
+        isinstance(n, ast.Call) and terminal(n.func) in _TO_NUMBER for n in ast.walk(value)
+    )
 
 
 def _still_tensor(model: FileModel, name: ast.Name) -> bool:

@@ -10,8 +10,17 @@ from ampguard.lint.rules._base import Context
 
 __all__ = ["events", "flow_units"]
 
-_PROTOCOL = ("backward", "step", "update", "unscale_", "zero_grad", "clip_grad_norm_",
-             "clip_grad_value_", "clip_grad_norm", "clip_grads_with_norm_")
+_PROTOCOL = (
+    "backward",
+    "step",
+    "update",
+    "unscale_",
+    "zero_grad",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_grad_norm",
+    "clip_grads_with_norm_",
+)
 
 
 def events(ctx: Context) -> Events:

@@ -49,16 +49,22 @@ def _check(ctx: Context) -> Iterator[Finding]:
             continue
         line = getattr(region.call, "lineno", 0)
         yield ctx.finding(
-            AG214, call, f"{what} runs inside the autocast region opened at line {line}: run "
+            AG214,
+            call,
+            f"{what} runs inside the autocast region opened at line {line}: run "
             "only the forward pass and the loss under autocast and call backward after the with "
-            "block", autocast_line=line)
+            "block",
+            autocast_line=line,
+        )
 
 
 AG214 = Rule.from_code(
     "AG214",
     fix="dedent the backward call (scaler.scale(loss).backward()) out of the "
-        "'with torch.autocast(...)' block; backward ops already run in the dtype autocast chose "
-        "for their forward ops",
+    "'with torch.autocast(...)' block; backward ops already run in the dtype autocast chose "
+    "for their forward ops",
     # a region: torch's autocast, or (project mode) a helper such as amp_ctx() / maybe_amp()
-    triggers=("autocast", "amp_", "_amp"), requires=(".backward(", "autograd.grad"), check=_check,
+    triggers=("autocast", "amp_", "_amp"),
+    requires=(".backward(", "autograd.grad"),
+    check=_check,
 )

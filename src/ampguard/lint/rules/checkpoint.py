@@ -36,13 +36,18 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
     for call, entries, kinds in saves:
         if {"model", "optimizer"} <= kinds and "unknown" not in kinds:
             yield ctx.finding(
-                AG205, call, "checkpoint saves the model and optimizer but not the GradScaler: "
+                AG205,
+                call,
+                "checkpoint saves the model and optimizer but not the GradScaler: "
                 "a resumed run restarts the loss scale at its initial value (more skipped "
-                "steps, different numerics)", keys=sorted(k for k, _ in entries if k))
+                "steps, different numerics)",
+                keys=sorted(k for k, _ in entries if k),
+            )
 
 
-def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call,
-             site_ids: set[int]) -> _Entries | None:
+def _entries(
+    ctx: Context, obj: ast.AST | None, save: ast.Call, site_ids: set[int]
+) -> _Entries | None:
     """The (key, value) pairs of the dict being saved; ``None`` when they cannot all be known.
 
     A name is followed to the assignment that reaches the save (``ckpt = torch.load(...)`` at
@@ -61,8 +66,11 @@ def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call,
     start = reach.stmt.lineno
     scope = model.scope_of(obj)
     for target, value in model.subscript_sets:
-        if dotted(target.value) == obj.id and target.lineno > start \
-                and model.scope_of(target) is scope:
+        if (
+            dotted(target.value) == obj.id
+            and target.lineno > start
+            and model.scope_of(target) is scope
+        ):
             key = target.slice.value if isinstance(target.slice, ast.Constant) else None
             literal.append((key if isinstance(key, str) else None, value))
     for call in model.calls:
@@ -70,8 +78,11 @@ def _entries(ctx: Context, obj: ast.AST | None, save: ast.Call,
             continue  # another save of the same dict (best / last) adds nothing
         func = call.func
         if isinstance(func, ast.Attribute) and dotted(func.value) == obj.id:
-            more = _literal(call.args[0]) if call.args else _literal(ast.Call(
-                func=ast.Name("dict"), args=[], keywords=call.keywords))
+            more = (
+                _literal(call.args[0])
+                if call.args
+                else _literal(ast.Call(func=ast.Name("dict"), args=[], keywords=call.keywords))
+            )
             if func.attr != "update" or more is None:
                 return None
             literal.extend(more)
@@ -84,10 +95,17 @@ def _literal(node: ast.AST | None) -> _Entries | None:
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):
             return None
-        return [(k.value if isinstance(k, ast.Constant) and isinstance(k.value, str) else None, v)
-                for k, v in zip(node.keys, node.values, strict=True)]
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" \
-            and not node.args and all(kw.arg is not None for kw in node.keywords):
+        return [
+            (k.value if isinstance(k, ast.Constant) and isinstance(k.value, str) else None, v)
+            for k, v in zip(node.keys, node.values, strict=True)
+        ]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "dict"
+        and not node.args
+        and all(kw.arg is not None for kw in node.keywords)
+    ):
         return [(kw.arg, kw.value) for kw in node.keywords]
     return None
 
@@ -98,8 +116,13 @@ def _kind(ctx: Context, key: str | None, value: ast.AST) -> str:
     holder = _state_dict_holder(value)
     holder_text = (dotted(holder) or "").lower() if holder is not None else ""
     last = holder_text.rsplit(".", 1)[-1]
-    if "scaler" in k or k in ("amp", "scale", "loss_scale") or "scaler" in last or last == "amp" \
-            or (holder is not None and dotted(holder) in ctx.model.scaler_keys):
+    if (
+        "scaler" in k
+        or k in ("amp", "scale", "loss_scale")
+        or "scaler" in last
+        or last == "amp"
+        or (holder is not None and dotted(holder) in ctx.model.scaler_keys)
+    ):
         return "scaler"
     if "optim" in k:
         return "optimizer"
@@ -118,8 +141,11 @@ def _kind(ctx: Context, key: str | None, value: ast.AST) -> str:
 
 
 def _state_dict_holder(value: ast.AST) -> ast.AST | None:
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
-            and value.func.attr == "state_dict":
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr == "state_dict"
+    ):
         return value.func.value
     return None
 
@@ -130,28 +156,39 @@ def _check_load(ctx: Context) -> Iterator[Finding]:
         flag = keyword(call, "weights_only")
         if flag is not None:
             if isinstance(flag, ast.Constant) and flag.value is False:
-                yield ctx.finding(AG208, call, "torch.load(..., weights_only=False) unpickles "
-                                  "arbitrary objects: loading an untrusted checkpoint runs its "
-                                  "code", weights_only=False)
+                yield ctx.finding(
+                    AG208,
+                    call,
+                    "torch.load(..., weights_only=False) unpickles "
+                    "arbitrary objects: loading an untrusted checkpoint runs its "
+                    "code",
+                    weights_only=False,
+                )
             continue
         if any(kw.arg is None for kw in call.keywords) or ctx.torch_version is None:
             continue
         if ctx.torch_version < WEIGHTS_ONLY_DEFAULT_SINCE:
             version = ".".join(map(str, ctx.torch_version))
-            yield ctx.finding(AG208, call, f"torch.load without weights_only: torch {version} "
-                              "defaults to weights_only=False and unpickles arbitrary objects",
-                              torch_version=version)
+            yield ctx.finding(
+                AG208,
+                call,
+                f"torch.load without weights_only: torch {version} "
+                "defaults to weights_only=False and unpickles arbitrary objects",
+                torch_version=version,
+            )
 
 
 AG205 = Rule.from_code(
     "AG205",
     fix="add 'scaler': scaler.state_dict() to the checkpoint and call "
-        "scaler.load_state_dict(ckpt['scaler']) when resuming",
-    triggers=("GradScaler", "unscale_", ".scale(", "caler"), check=_check_checkpoint,
+    "scaler.load_state_dict(ckpt['scaler']) when resuming",
+    triggers=("GradScaler", "unscale_", ".scale(", "caler"),
+    check=_check_checkpoint,
 )
 AG208 = Rule.from_code(
     "AG208",
     fix="load with torch.load(path, weights_only=True) (register extra types with "
-        "torch.serialization.add_safe_globals) or use ampguard.load_checkpoint",
-    triggers=("weights_only", "torch.load", "import load", "serialization"), check=_check_load,
+    "torch.serialization.add_safe_globals) or use ampguard.load_checkpoint",
+    triggers=("weights_only", "torch.load", "import load", "serialization"),
+    check=_check_load,
 )

@@ -30,14 +30,19 @@ def _report(ctx: Context, node: ast.AST, qual: str | None) -> Iterator[Finding]:
         return
     new, device, spelling = DEPRECATED[qual]
     yield ctx.finding(
-        AG206, node, f"{qual} is deprecated: use {spelling}",
-        deprecated=qual, replacement=new, device=device,
+        AG206,
+        node,
+        f"{qual} is deprecated: use {spelling}",
+        deprecated=qual,
+        replacement=new,
+        device=device,
     )
 
 
 AG206 = Rule.from_code(
     "AG206",
     fix="replace torch.cuda.amp.X(...) with torch.amp.X('cuda', ...) and torch.cpu.amp.X(...) "
-        "with torch.amp.X('cpu', ...) (for autocast: torch.amp.autocast(device_type=...))",
-    triggers=("cuda.amp", "cpu.amp", "import amp"), check=_check,
+    "with torch.amp.X('cpu', ...) (for autocast: torch.amp.autocast(device_type=...))",
+    triggers=("cuda.amp", "cpu.amp", "import amp"),
+    check=_check,
 )

@@ -28,13 +28,18 @@ def _check(ctx: Context) -> Iterator[Finding]:
         else:
             continue
         yield ctx.finding(
-            AG212, call, f"{what} {where}: there are no gradients to scale here; loss scaling "
-            "belongs to the training step", context=where)
+            AG212,
+            call,
+            f"{what} {where}: there are no gradients to scale here; loss scaling "
+            "belongs to the training step",
+            context=where,
+        )
 
 
 AG212 = Rule.from_code(
     "AG212",
     fix="compute evaluation losses without the scaler (plain loss.item() or a metric), and create "
-        "and use the GradScaler only in the training step",
-    triggers=("GradScaler", ".scale("), check=_check,
+    "and use the GradScaler only in the training step",
+    triggers=("GradScaler", ".scale("),
+    check=_check,
 )

@@ -13,7 +13,6 @@ from ampguard.lint.rules._base import Context, Rule
 __all__ = ["AG209", "AG210"]
 
 
-
 def _squash(ctx: Context, node: ast.AST, depth: int = 0) -> str | None:
     """``"softmax"`` when ``node`` is (an index of, or a name bound to) a softmax."""
     if isinstance(node, ast.Subscript):
@@ -47,9 +46,13 @@ def _check_log(ctx: Context) -> Iterator[Finding]:
                 continue
             if inner is not None:
                 yield ctx.finding(
-                    AG209, call, "log of softmax: the probabilities underflow to 0 (log -> -inf) "
+                    AG209,
+                    call,
+                    "log of softmax: the probabilities underflow to 0 (log -> -inf) "
                     "for confident predictions, worse in fp16; use log_softmax (or cross_entropy "
-                    "on the logits)", op=inner)
+                    "on the logits)",
+                    op=inner,
+                )
 
 
 def _is_bce(ctx: Context, call: ast.Call) -> str | None:
@@ -77,20 +80,27 @@ def _check_bce(ctx: Context) -> Iterator[Finding]:
         if region is None or region.enabled is False or region.device == "cpu":
             continue
         yield ctx.finding(
-            AG210, call, f"{what} inside autocast: it is unsafe in float16 and autocast raises "
+            AG210,
+            call,
+            f"{what} inside autocast: it is unsafe in float16 and autocast raises "
             "an error for it on CUDA; use binary_cross_entropy_with_logits / BCEWithLogitsLoss "
-            "on the logits", loss=what, autocast_line=region.call.lineno)
+            "on the logits",
+            loss=what,
+            autocast_line=region.call.lineno,
+        )
 
 
 AG209 = Rule.from_code(
     "AG209",
     fix="use torch.log_softmax(x, dim), or F.cross_entropy / F.nll_loss(F.log_softmax(x)) for a "
-        "loss, instead of taking the log of softmax probabilities",
-    triggers=("softmax",), check=_check_log,
+    "loss, instead of taking the log of softmax probabilities",
+    triggers=("softmax",),
+    check=_check_log,
 )
 AG210 = Rule.from_code(
     "AG210",
     fix="feed the logits to F.binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss (they are "
-        "autocast-safe), instead of sigmoid + BCE",
-    triggers=("binary_cross_entropy", "BCELoss"), check=_check_bce,
+    "autocast-safe), instead of sigmoid + BCE",
+    triggers=("binary_cross_entropy", "BCELoss"),
+    check=_check_bce,
 )

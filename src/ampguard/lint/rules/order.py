@@ -41,7 +41,8 @@ class _ClipAnalysis:
             pending = sorted(f[1] for f in state if isinstance(f, tuple) and f[0] == "pending")
             if pending and id(event.node) not in self.found:
                 self.found[id(event.node)] = self.ctx.finding(
-                    AG201, event.node,
+                    AG201,
+                    event.node,
                     f"gradient clipping runs on scaled gradients: no {pending[0]}.unscale_"
                     f"(optimizer) after {pending[0]}.scale(loss).backward() in this step",
                     scaler=pending[0],
@@ -73,14 +74,24 @@ class _DoubleStepAnalysis:
         if kind == "sstep" and event.arg is not None:
             opt: str | None = env.rename(event.arg)
             if self._earlier(state, "plain", opt, event.node):
-                self._report(event, env, opt, f"{env.rename(event.key)}.step({opt}) after {opt}"
-                             f".step() in the same step: the optimizer steps twice")
+                self._report(
+                    event,
+                    env,
+                    opt,
+                    f"{env.rename(event.key)}.step({opt}) after {opt}"
+                    f".step() in the same step: the optimizer steps twice",
+                )
             return may | {("scaler", opt, event.node)}, must | {("scaler", opt)}
         if kind == "ostep":
             opt = env.rename(event.key)
             if self._earlier(state, "scaler", opt, event.node):
-                self._report(event, env, opt, f"{opt}.step() after scaler.step({opt}) in the same "
-                             "step: the optimizer steps twice (scaler.step already stepped it)")
+                self._report(
+                    event,
+                    env,
+                    opt,
+                    f"{opt}.step() after scaler.step({opt}) in the same "
+                    "step: the optimizer steps twice (scaler.step already stepped it)",
+                )
             return may | {("plain", opt, event.node)}, must | {("plain", opt)}
         return state
 
@@ -91,9 +102,12 @@ class _DoubleStepAnalysis:
         model = self.ctx.model
         here = model.branch_path(node)
         for fact in may:
-            if fact[0] == kind and fact[1] == opt \
-                    and model.function_of(fact[2]) is model.function_of(node) \
-                    and model.branch_path(fact[2])[: len(here)] == here:
+            if (
+                fact[0] == kind
+                and fact[1] == opt
+                and model.function_of(fact[2]) is model.function_of(node)
+                and model.branch_path(fact[2])[: len(here)] == here
+            ):
                 return True
         return False
 
@@ -102,8 +116,9 @@ class _DoubleStepAnalysis:
             self.found[id(event.node)] = self.ctx.finding(AG202, event.node, message, optimizer=opt)
 
 
-def _run(ctx: Context, analysis: _ClipAnalysis | _DoubleStepAnalysis,
-         start: object) -> Iterator[Finding]:
+def _run(
+    ctx: Context, analysis: _ClipAnalysis | _DoubleStepAnalysis, start: object
+) -> Iterator[Finding]:
     extractor = events(ctx)
     for unit in flow_units(ctx):
         try:
@@ -124,12 +139,14 @@ def _check_double(ctx: Context) -> Iterator[Finding]:
 AG201 = Rule.from_code(
     "AG201",
     fix="call scaler.unscale_(optimizer) after scaler.scale(loss).backward() and before "
-        "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
-    triggers=("clip_grad",), check=_check_clip,  # also needs a scaler: cheap to find out
+    "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
+    triggers=("clip_grad",),
+    check=_check_clip,  # also needs a scaler: cheap to find out
 )
 AG202 = Rule.from_code(
     "AG202",
     fix="call only scaler.step(optimizer); it runs optimizer.step() itself unless the gradients "
-        "overflowed",
-    triggers=("caler", "unscale_", ".scale("), check=_check_double,
+    "overflowed",
+    triggers=("caler", "unscale_", ".scale("),
+    check=_check_double,
 )

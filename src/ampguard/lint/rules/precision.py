@@ -23,8 +23,22 @@ from ampguard.lint.rules._base import Context, Rule
 __all__ = ["AG203", "AG211"]
 
 # functions that halve a model for something other than training
-_NOT_TRAINING = frozenset({"export", "convert", "quantize", "deploy", "serve", "save",
-                           "benchmark", "generate", "sample", "inference", "trace", "script"})
+_NOT_TRAINING = frozenset(
+    {
+        "export",
+        "convert",
+        "quantize",
+        "deploy",
+        "serve",
+        "save",
+        "benchmark",
+        "generate",
+        "sample",
+        "inference",
+        "trace",
+        "script",
+    }
+)
 
 
 def _bf16_sources(ctx: Context) -> list[tuple[ast.Call, Autocast | None]]:
@@ -52,13 +66,18 @@ def _check_bf16(ctx: Context) -> Iterator[Finding]:
         for source, info in sources:
             if not _same_scope(ctx, ctor, source):
                 continue
-            if state == "unknown" and (info is None or enabled is None
-                                       or info.enabled_text != ast.unparse(enabled)):
+            if state == "unknown" and (
+                info is None or enabled is None or info.enabled_text != ast.unparse(enabled)
+            ):
                 continue
             yield ctx.finding(
-                AG203, ctor, f"GradScaler is enabled while autocast runs in bfloat16 (line "
+                AG203,
+                ctor,
+                f"GradScaler is enabled while autocast runs in bfloat16 (line "
                 f"{source.lineno}): bf16 has fp32's range, so loss scaling only adds work and "
-                "can skip steps for nothing", bf16_line=source.lineno)
+                "can skip steps for nothing",
+                bf16_line=source.lineno,
+            )
             break
 
 
@@ -81,8 +100,10 @@ def _mentions(ctx: Context, unit: TopUnit, key: str | None) -> bool:
     """A module-level scaler is used inside ``unit`` (a module-level def or class)."""
     if key is None:
         return False
-    return any(isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == key
-               for n in ctx.model.statements(unit.body))
+    return any(
+        isinstance(n, (ast.Name, ast.Attribute)) and dotted(n) == key
+        for n in ctx.model.statements(unit.body)
+    )
 
 
 def _fp16_cast(ctx: Context, call: ast.Call) -> bool:
@@ -93,8 +114,7 @@ def _fp16_cast(ctx: Context, call: ast.Call) -> bool:
         return not call.args and not call.keywords and not _cast_back(ctx, call)
     if func.attr in ("to", "type"):
         dtypes = [*call.args, *(kw.value for kw in call.keywords if kw.arg == "dtype")]
-        return any(dtype_kind(ctx.model, d) == "fp16" for d in dtypes) \
-            and not _cast_back(ctx, call)
+        return any(dtype_kind(ctx.model, d) == "fp16" for d in dtypes) and not _cast_back(ctx, call)
     return False
 
 
@@ -102,15 +122,17 @@ def _cast_back(ctx: Context, call: ast.Call) -> bool:
     """``model.half().float()``: the fp16 copy is cast straight back, so parameters stay fp32."""
     attr = ctx.model.parent(call)
     outer = ctx.model.parent(attr) if isinstance(attr, ast.Attribute) else None
-    if not (isinstance(attr, ast.Attribute) and isinstance(outer, ast.Call)
-            and outer.func is attr):
+    if not (isinstance(attr, ast.Attribute) and isinstance(outer, ast.Call) and outer.func is attr):
         return False
     if attr.attr == "float":
         return not outer.args and not outer.keywords
     if attr.attr == "to":
         dtypes = [*outer.args, *(kw.value for kw in outer.keywords if kw.arg == "dtype")]
-        return any(ctx.model.qualname(d) == "torch.float32" for d in dtypes
-                   if isinstance(d, (ast.Name, ast.Attribute)))
+        return any(
+            ctx.model.qualname(d) == "torch.float32"
+            for d in dtypes
+            if isinstance(d, (ast.Name, ast.Attribute))
+        )
     return False
 
 
@@ -120,8 +142,12 @@ def _scaler_users(ctx: Context) -> list[ast.AST]:
     ShardedGradScaler is left out: it is built to unscale fp16 gradients (pure fp16 + FSDP).
     """
     model = ctx.model
-    users: list[ast.AST] = [c for c in model.scaler_ctors if scaler_state(model, c) != "off"
-                            and "Sharded" not in (model.call_name(c) or ast.unparse(c.func))]
+    users: list[ast.AST] = [
+        c
+        for c in model.scaler_ctors
+        if scaler_state(model, c) != "off"
+        and "Sharded" not in (model.call_name(c) or ast.unparse(c.func))
+    ]
     sharded = {k for k, c in model.ctor_targets.items() if "Sharded" in ast.unparse(c.func)}
     for name in ("unscale_", "scale"):
         for call in model.by_terminal.get(name, ()):
@@ -139,12 +165,16 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
     for name in ("half", "to", "type"):
         for call in model.by_terminal.get(name, ()):
             cast = call.func
-            if not isinstance(cast, ast.Attribute) or not _fp16_cast(ctx, call) \
-                    or not is_model_like(model, cast.value):
+            if (
+                not isinstance(cast, ast.Attribute)
+                or not _fp16_cast(ctx, call)
+                or not is_model_like(model, cast.value)
+            ):
                 continue
             func = model.function_of(call)
-            if is_eval_function(func) or (func is not None and _NOT_TRAINING & set(
-                    func.name.lower().split("_"))):
+            if is_eval_function(func) or (
+                func is not None and _NOT_TRAINING & set(func.name.lower().split("_"))
+            ):
                 continue
             # a module-level cast halves the model for the whole script
             same = users if func is None else [u for u in users if model.function_of(u) is func]
@@ -152,20 +182,26 @@ def _check_half(ctx: Context) -> Iterator[Finding]:
                 continue
             what = dotted(cast.value) or "the model"
             yield ctx.finding(
-                AG211, call, f"{what} is cast to float16 while a GradScaler is used: fp16 "
+                AG211,
+                call,
+                f"{what} is cast to float16 while a GradScaler is used: fp16 "
                 "master weights make scaler.unscale_ fail ('Attempting to unscale FP16 "
-                "gradients') and small updates round away", model=what)
+                "gradients') and small updates round away",
+                model=what,
+            )
 
 
 AG203 = Rule.from_code(
     "AG203",
     fix="drop the GradScaler for bf16 (or build it with enabled=(dtype == torch.float16)); "
-        "scaling is only needed for float16",
-    triggers=("GradScaler", "caler"), check=_check_bf16,  # "caler": a project scaler factory
+    "scaling is only needed for float16",
+    triggers=("GradScaler", "caler"),
+    check=_check_bf16,  # "caler": a project scaler factory
 )
 AG211 = Rule.from_code(
     "AG211",
     fix="keep the parameters in float32 and let autocast run the ops in fp16; remove "
-        "model.half() / model.to(torch.float16)",
-    triggers=("GradScaler", "unscale_", ".scale("), check=_check_half,
+    "model.half() / model.to(torch.float16)",
+    triggers=("GradScaler", "unscale_", ".scale("),
+    check=_check_half,
 )

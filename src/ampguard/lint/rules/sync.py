@@ -19,11 +19,26 @@ from ampguard.lint.rules._tensors import formatted_tensors
 
 __all__ = ["AG213"]
 
-_LOG_METHODS = frozenset({
-    "info", "debug", "warning", "warn", "error", "critical", "exception", "log", "log_metric",
-    "log_metrics", "add_scalar", "add_scalars", "set_postfix", "set_postfix_str",
-    "set_description", "write",
-})
+_LOG_METHODS = frozenset(
+    {
+        "info",
+        "debug",
+        "warning",
+        "warn",
+        "error",
+        "critical",
+        "exception",
+        "log",
+        "log_metric",
+        "log_metrics",
+        "add_scalar",
+        "add_scalars",
+        "set_postfix",
+        "set_postfix_str",
+        "set_description",
+        "write",
+    }
+)
 _METER_WORDS = ("meter", "metric", "smooth", "logger", "tracker", "averager", "running_avg")
 _METER_CLASSES = ("Meter", "MetricLogger", "SmoothedValue", "Averager", "Tracker", "RunningAverage")
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
@@ -39,10 +54,14 @@ def _check(ctx: Context) -> Iterator[Finding]:
         if len(what) > 40:
             what = what[:37] + "..."
         yield ctx.finding(
-            AG213, node, f"{what} runs on every training step ({found[0]}) only to be logged: "
+            AG213,
+            node,
+            f"{what} runs on every training step ({found[0]}) only to be logged: "
             "each call waits for the device (a host sync); log every N steps or accumulate on "
-            "the device", sync=what, unit=unit.name
-            if (unit := model.function_of(node)) is not None else "<module>")
+            "the device",
+            sync=what,
+            unit=unit.name if (unit := model.function_of(node)) is not None else "<module>",
+        )
 
 
 def _syncs(ctx: Context) -> Iterator[tuple[ast.AST, str]]:
@@ -72,8 +91,9 @@ def _per_step(ctx: Context, node: ast.AST) -> tuple[str, ast.AST] | None:
             if isinstance(anc, FUNCS) and anc.name == "training_step":
                 return "training_step", anc
             return None
-        if isinstance(anc, ast.withitem) or (isinstance(anc, (ast.If, ast.While)) and child is
-                                             anc.test):
+        if isinstance(anc, ast.withitem) or (
+            isinstance(anc, (ast.If, ast.While)) and child is anc.test
+        ):
             return None
         child = anc
     return None
@@ -97,8 +117,11 @@ def _training_call(ctx: Context, call: ast.Call, depth: int) -> bool:
     if isinstance(func, ast.Attribute):
         if func.attr == "backward":
             return True
-        if func.attr == "step" and dotted(func.value) is not None \
-                and not is_scheduler_like(ctx.model, func.value):
+        if (
+            func.attr == "step"
+            and dotted(func.value) is not None
+            and not is_scheduler_like(ctx.model, func.value)
+        ):
             return True
     if depth >= 2 or not isinstance(func, ast.Name):
         return False
@@ -132,8 +155,10 @@ def _is_meter(ctx: Context, recv: ast.AST) -> bool:
     if any(word in last for word in _METER_WORDS):
         return True
     values, _ = ctx.model.values_of(recv)
-    return any(isinstance(v, ast.Call) and (terminal(v.func) or "").endswith(_METER_CLASSES)
-               for v in values)
+    return any(
+        isinstance(v, ast.Call) and (terminal(v.func) or "").endswith(_METER_CLASSES)
+        for v in values
+    )
 
 
 def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
@@ -152,18 +177,29 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
     if isinstance(stmt, ast.AugAssign) and child is stmt.value:
         key = dotted(stmt.target)
         body = where.body if isinstance(where, _LOOPS) else [where]
-        uses = [n for n in model.statements(body) if n is not stmt.target
-                and isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Load)
-                and dotted(n) == key]
+        uses = [
+            n
+            for n in model.statements(body)
+            if n is not stmt.target
+            and isinstance(n, (ast.Name, ast.Attribute))
+            and isinstance(n.ctx, ast.Load)
+            and dotted(n) == key
+        ]
         return key is not None and all(_inside_log(ctx, n) for n in uses)
-    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-            and isinstance(stmt.targets[0], ast.Name)):
+    if not (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+    ):
         return False
     name = stmt.targets[0].id
     unit = model.function_of(node)
     body = unit.body if unit is not None else model.tree.body
-    uses = [n for n in model.statements(body)
-            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+    uses = [
+        n
+        for n in model.statements(body)
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    ]
     return bool(uses) and all(_inside_log(ctx, n) for n in uses)
 
 
@@ -181,6 +217,7 @@ def _inside_log(ctx: Context, node: ast.AST) -> bool:
 AG213 = Rule.from_code(
     "AG213",
     fix="log every N steps (if step % N == 0: print(loss.item())), or accumulate on the device "
-        "(running += loss.detach()) and read it once per N steps",
-    triggers=(".item()", "get_scale", ".backward("), check=_check,
+    "(running += loss.detach()) and read it once per N steps",
+    triggers=(".item()", "get_scale", ".backward("),
+    check=_check,
 )

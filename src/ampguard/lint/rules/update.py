@@ -39,8 +39,14 @@ class _LoopAnalysis:
         key = env.rename(event.key)
         if event.kind == "sstep":
             opt = env.rename(event.arg) or "?"
-            if self.armed and env.record and ("p", key, opt) in may and ("u", key, opt) not in may \
-                    and ("u", key, "*") not in may and not self._per_optimizer(event.node, opt):
+            if (
+                self.armed
+                and env.record
+                and ("p", key, opt) in may
+                and ("u", key, opt) not in may
+                and ("u", key, "*") not in may
+                and not self._per_optimizer(event.node, opt)
+            ):
                 self._missing(event.node, key)
             may = (may - {("u", key, opt)}) | {("p", key, opt), ("S", key)}
             return may, must | {("S", key)}
@@ -58,15 +64,20 @@ class _LoopAnalysis:
         head = opt.split(".", 1)[0]
         for anc in self.ctx.model.ancestors(node):
             if isinstance(anc, (ast.For, ast.AsyncFor)) and any(
-                    isinstance(n, ast.Name) and n.id == head for n in ast.walk(anc.target)):
+                isinstance(n, ast.Name) and n.id == head for n in ast.walk(anc.target)
+            ):
                 return True
         return False
 
     def _missing(self, node: ast.AST, key: str | None) -> None:
         if id(node) not in self.found:
             self.found[id(node)] = self.ctx.finding(
-                AG204, node, f"{key}.step() runs again on the next loop iteration with no "
-                f"{key}.update() in between: the loss scale never changes", scaler=key)
+                AG204,
+                node,
+                f"{key}.step() runs again on the next loop iteration with no "
+                f"{key}.update() in between: the loss scale never changes",
+                scaler=key,
+            )
 
 
 def _check(ctx: Context) -> Iterator[Finding]:
@@ -105,9 +116,13 @@ def _loop(ctx: Context, loop: _Loop, interp: Interpreter, analysis: _LoopAnalysi
             node = _first_update(ctx, loop, key)
             if node is not None and id(node) not in analysis.found:
                 analysis.found[id(node)] = ctx.finding(
-                    AG204, node, f"{key}.update() runs on every micro-batch but {key}.step() "
+                    AG204,
+                    node,
+                    f"{key}.update() runs on every micro-batch but {key}.step() "
                     "does not (gradient accumulation): update once per optimizer step, right "
-                    f"after {key}.step()", scaler=key)
+                    f"after {key}.step()",
+                    scaler=key,
+                )
 
 
 def _direct_step(ctx: Context, loop: _Loop, key: str) -> bool:
@@ -115,11 +130,25 @@ def _direct_step(ctx: Context, loop: _Loop, key: str) -> bool:
     stack: list[ast.AST] = list(loop.body)
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef,
-                             ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+        if isinstance(
+            node,
+            (
+                ast.For,
+                ast.AsyncFor,
+                ast.While,
+                ast.FunctionDef,
+                ast.AsyncFunctionDef,
+                ast.Lambda,
+                ast.ClassDef,
+            ),
+        ):
             continue
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "step" and dotted(node.func.value) == key:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "step"
+            and dotted(node.func.value) == key
+        ):
             return True
         stack.extend(ast.iter_child_nodes(node))
     return False
@@ -129,16 +158,24 @@ def _steps_outside(ctx: Context, loop: _Loop, key: str) -> bool:
     model = ctx.model
     unit = model.function_of(loop)
     for call in model.by_terminal.get("step", ()):
-        if isinstance(call.func, ast.Attribute) and dotted(call.func.value) == key \
-                and model.function_of(call) is unit and loop not in model.ancestors(call):
+        if (
+            isinstance(call.func, ast.Attribute)
+            and dotted(call.func.value) == key
+            and model.function_of(call) is unit
+            and loop not in model.ancestors(call)
+        ):
             return True
     return False
 
 
 def _first_update(ctx: Context, loop: _Loop, key: str) -> ast.AST | None:
     for node in ctx.model.statements(loop.body):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "update" and dotted(node.func.value) == key:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "update"
+            and dotted(node.func.value) == key
+        ):
             return node
     return None
 
@@ -147,16 +184,27 @@ def _never_updated(ctx: Context, already: set[int]) -> Iterator[Finding]:
     """A scaler built in this file that is stepped but never updated, passed on or returned."""
     model = ctx.model
     for key in model.ctor_targets:
-        steps = [c for c in model.by_terminal.get("step", ())
-                 if isinstance(c.func, ast.Attribute) and dotted(c.func.value) == key and c.args]
+        steps = [
+            c
+            for c in model.by_terminal.get("step", ())
+            if isinstance(c.func, ast.Attribute) and dotted(c.func.value) == key and c.args
+        ]
         if not steps or any(id(s) in already for s in steps):
             continue
-        updates = [c for c in model.by_terminal.get("update", ())
-                   if isinstance(c.func, ast.Attribute) and dotted(c.func.value) == key]
+        updates = [
+            c
+            for c in model.by_terminal.get("update", ())
+            if isinstance(c.func, ast.Attribute) and dotted(c.func.value) == key
+        ]
         if updates or _escapes(ctx, key):
             continue
-        yield ctx.finding(AG204, steps[0], f"{key}.step() is never followed by {key}.update() "
-                          "anywhere in this file: the loss scale never changes", scaler=key)
+        yield ctx.finding(
+            AG204,
+            steps[0],
+            f"{key}.step() is never followed by {key}.update() "
+            "anywhere in this file: the loss scale never changes",
+            scaler=key,
+        )
 
 
 def _escapes(ctx: Context, key: str) -> bool:
@@ -174,8 +222,9 @@ def _escapes(ctx: Context, key: str) -> bool:
     return False
 
 
-def _values(node: ast.Return | ast.Yield | ast.Assign | ast.Dict | ast.List | ast.Tuple,
-            ) -> list[ast.AST]:
+def _values(
+    node: ast.Return | ast.Yield | ast.Assign | ast.Dict | ast.List | ast.Tuple,
+) -> list[ast.AST]:
     if isinstance(node, (ast.Return, ast.Yield, ast.Assign)):
         return [node.value] if node.value is not None else []
     if isinstance(node, ast.Dict):
@@ -186,6 +235,7 @@ def _values(node: ast.Return | ast.Yield | ast.Assign | ast.Dict | ast.List | as
 AG204 = Rule.from_code(
     "AG204",
     fix="call scaler.update() exactly once per optimizer step, right after scaler.step(optimizer) "
-        "(inside the same accumulation branch)",
-    triggers=("caler", "unscale_", ".scale("), check=_check,
+    "(inside the same accumulation branch)",
+    triggers=("caler", "unscale_", ".scale("),
+    check=_check,
 )
