@@ -714,38 +714,6 @@ def _crash(kind: str, rank: int, world: int) -> dict[str, Any]:
     return _until_failure(lambda: window(guard, model, 2, rank, world))
 
 
-def sleep_before_step_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _sleep_before_step("ddp", rank, world)
-
-
-def sleep_before_step_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _sleep_before_step("fsdp2", rank, world)
-
-
-def sleep_before_step_plain(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _sleep_before_step("plain", rank, world)
-
-
-def sleep_in_audit_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _sleep_in_audit("ddp", rank, world)
-
-
-def sleep_in_audit_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _sleep_in_audit("fsdp2", rank, world)
-
-
-def sleep_in_audit_plain(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _sleep_in_audit("plain", rank, world)
-
-
-def crash_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _crash("ddp", rank, world)
-
-
-def crash_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    return _crash("fsdp2", rank, world)
-
-
 def demo_fsdp2(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from ampguard.demo.distributed import run_distributed_demo
 
@@ -771,14 +739,6 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
         demo_fsdp2,
         inf_after_reduce,
         fault_after_reduce_plain_ddp,
-        sleep_before_step_ddp,
-        sleep_before_step_fsdp2,
-        sleep_before_step_plain,
-        sleep_in_audit_ddp,
-        sleep_in_audit_fsdp2,
-        sleep_in_audit_plain,
-        crash_ddp,
-        crash_fsdp2,
     )
 }
 
@@ -805,3 +765,21 @@ def fsdp2_bf16_nonfinite(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 SCENARIOS[fsdp2_bf16_nonfinite.__name__] = fsdp2_bf16_nonfinite
+
+
+def _per_wrapping(fault: Callable[[str, int, int], Any], kind: str) -> Callable[..., Any]:
+    def scenario(rank: int, world: int, tmp: str) -> Any:
+        return fault(kind, rank, world)
+
+    return scenario
+
+
+# The peer-fault scenarios run once per wrapping; the name says which ("crash_fsdp2"). Ranks
+# look scenarios up by name, so these need no top-level function of their own.
+for _name, _fault, _kinds in (
+    ("sleep_before_step", _sleep_before_step, ("ddp", "fsdp2", "plain")),
+    ("sleep_in_audit", _sleep_in_audit, ("ddp", "fsdp2", "plain")),
+    ("crash", _crash, ("ddp", "fsdp2")),
+):
+    for _kind in _kinds:
+        SCENARIOS[f"{_name}_{_kind}"] = _per_wrapping(_fault, _kind)

@@ -88,16 +88,10 @@ def scale_plot(run: RunLog) -> bytes | None:
     skipped = np.flatnonzero(~run.applied)
     if len(skipped):
         shown = pick(skipped)
-        ax.scatter(
-            run.steps[shown],
-            run.scale_before[shown],
-            marker="x",
-            color="#e63946",
-            s=22,
-            zorder=3,
-            label=f"skipped step ({len(skipped)}"
-            + (f", {len(shown)} drawn)" if len(shown) < len(skipped) else ")"),
+        label = f"skipped step ({len(skipped)}" + (
+            f", {len(shown)} drawn)" if len(shown) < len(skipped) else ")"
         )
+        _mark_skipped(ax, run.steps[shown], run.scale_before[shown], 22, label)
     keep = pick(np.arange(len(run.range_steps)), MAX_POINTS)
     lo, hi = run.window[keep, 0], run.window[keep, 1]
     with np.errstate(invalid="ignore"):
@@ -179,15 +173,7 @@ def loss_plot(run: RunLog) -> bytes | None:
         ax.plot(env.x, env.mean, color="#457b9d", lw=1.0, label="loss (mean)")
     skipped = pick(np.flatnonzero(~run.applied & finite), MAX_MARKERS)
     if len(skipped):
-        ax.scatter(
-            run.steps[skipped],
-            run.loss[skipped],
-            marker="x",
-            color="#e63946",
-            s=18,
-            zorder=3,
-            label="skipped step",
-        )
+        _mark_skipped(ax, run.steps[skipped], run.loss[skipped], 18, "skipped step")
     bad = run.loss_nonfinite  # NaN/inf losses: no point on the line, a mark along the top
     if bad.any():
         ax.scatter(
@@ -220,6 +206,11 @@ def _plain_log_labels(ax: Axes) -> None:
 
     ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
     ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+
+
+def _mark_skipped(ax: Axes, x: np.ndarray, y: np.ndarray, size: float, label: str) -> None:
+    """Red crosses on the skipped steps (one style in every plot)."""
+    ax.scatter(x, y, marker="x", color="#e63946", s=size, zorder=3, label=label)
 
 
 def _column_edges(steps: np.ndarray) -> np.ndarray:
