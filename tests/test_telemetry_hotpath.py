@@ -1,5 +1,5 @@
 """Telemetry's hot path: the integer-bit exponent histogram equals the frexp definition, and a
-plain step (no statistics, no flush) costs one device op."""
+plain step (no statistics, no flush) moves no data on the CPU and copies one value on a device."""
 
 import json
 
@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampguard as ag
 from ampguard.rules import _ranges
 from ampguard.telemetry import _layers, _range_keys
+from ampguard.telemetry._device import host_view
 
 
 def _frexp_keys(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,8 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_plain_step_costs_one_device_op(tmp_path):
+def _plain_step_ops(tmp_path) -> list[str]:
+    """The torch ops inside telemetry's hooks during a plain step (no sample, no flush)."""
     model = torch.nn.Linear(8, 8)
     tel = ag.Telemetry(tmp_path, layer_every=1000, range_every=0)
     guard = ag.Guard(
@@ -83,16 +85,38 @@ def test_a_plain_step_costs_one_device_op(tmp_path):
                 return _hook(*a, **k)
 
         setattr(tel, name, traced)
-    for _ in range(3):  # step 0 has statistics (0 % layer_every == 0): count steps 1 and 2
+    for _ in range(3):
         with guard.autocast():
             loss = model(torch.randn(4, 8)).float().pow(2).mean()
-        guard.backward(loss)
         before = len(seen.ops)
+        guard.backward(loss)
         guard.step()
     ops = seen.ops[before:]
-    assert ops == ["aten.copy_.default"]  # the scale copy; flags, loss, norm are gathered later
     tel.close()  # and the gathered values reach the log
     records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     steps = [r for r in records if "scale" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(r["loss"] > 0 and r["applied"] for r in steps)
+    assert all(r["loss"] > 0 and r["applied"] and r["scale"] == 65536.0 for r in steps)
+    return ops
+
+
+def test_a_plain_cpu_step_moves_no_data(tmp_path):
+    # the loss is kept by reference (a detached alias, no data moves), the scale is read from
+    # host memory; flags, loss and norm are gathered at the flush
+    assert _plain_step_ops(tmp_path) == ["aten.detach.default"]
+
+
+def test_a_plain_device_step_costs_one_copy(tmp_path, monkeypatch):
+    # where the scale lives on a device (no host view), the step copies it: one op
+    monkeypatch.setattr("ampguard.telemetry.host_view", lambda t: None)
+    assert _plain_step_ops(tmp_path) == ["aten.detach.default", "aten.copy_.default"]
+
+
+def test_host_view_follows_in_place_updates_of_cpu_fp32_scalars():
+    for t in (torch.tensor(2.0), torch.full((1,), 3.0)):
+        view = host_view(t)
+        assert view is not None and view[0] == t.item()
+        t.mul_(4)
+        assert view[0] == t.item()
+    assert host_view(torch.tensor(2.0, dtype=torch.float64)) is None
+    assert host_view(torch.zeros(2)) is None

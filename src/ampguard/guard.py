@@ -379,9 +379,9 @@ class Guard:
         agree = (
             None if self._dist is None else self._dist.start_consensus(found, dropped, self._steps)
         )
-        if self._telemetry is not None:
-            # fused, no clip: the gradients are still scaled
-            self._telemetry.on_grads(self._steps, not unscale_now)
+        tel = self._telemetry
+        if tel is not None and self._steps >= tel.next_sample:  # a gradient sample is due
+            tel.on_grads(self._steps, not unscale_now)  # fused, no clip: grads still scaled
         grad_norm = self._clip(found)
         if agree is not None and self._dist is not None:  # agree implies _dist
             found, dropped = agree.wait()

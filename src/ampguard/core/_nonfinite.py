@@ -71,8 +71,9 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
     agree = (
         None if guard._dist is None else guard._dist.start_consensus(found, dropped, guard._steps)
     )
-    if guard._telemetry is not None:
-        guard._telemetry.on_grads(guard._steps, False)
+    tel = guard._telemetry
+    if tel is not None and guard._steps >= tel.next_sample:  # a gradient sample is due
+        tel.on_grads(guard._steps, False)
     grad_norm = guard._clip(found)
     if agree is not None:
         found, dropped = agree.wait()
@@ -110,8 +111,9 @@ def _step_unchecked(
     micro-batches were all dropped has zero gradients and must skip)."""
     n = len(guard.optimizers)
     status = None if all_dropped is None else results.pack([all_dropped] * n, dropped)
-    if guard._telemetry is not None:
-        guard._telemetry.on_grads(guard._steps, False)
+    tel = guard._telemetry
+    if tel is not None and guard._steps >= tel.next_sample:  # a gradient sample is due
+        tel.on_grads(guard._steps, False)
     grad_norm = guard._clip(None)
     if guard._dist is not None:
         grad_norm = guard._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor

@@ -46,6 +46,7 @@ __all__ = [
     "read_json",
     "floats",
     "num",
+    "number_texts",
     "last_step_record",
     "RunFolderError",
     "read_meta",
@@ -76,6 +77,30 @@ def floats(values: Any) -> list[float | None]:
     ]
 
 
+def number_texts(values: Any) -> list[str]:
+    """The JSON text :func:`num` gives each value (``"null"`` for non-finite ones), without
+    building a float or a dict per value: the run-log writer formats whole columns with it
+    (a value that repeats, such as the loss scale, is formatted once)."""
+    known: dict[float, str] = {}
+    out = []
+    if isinstance(values, np.ndarray):
+        values = values.ravel().tolist()
+    elif not isinstance(values, list):
+        values = np.asarray(values, dtype=np.float64).ravel().tolist()
+    for x in values:
+        text = known.get(x)
+        if text is None:
+            if x - x == 0.0:  # finite
+                text = f"{x:.7g}"
+                if "." not in text and "e" not in text:
+                    text += ".0"
+            else:  # NaN never matches itself in ``known``; inf is cached like any value
+                text = "null"
+            known[x] = text
+        out.append(text)
+    return out
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (temporary file, fsync, rename)."""
     atomic.write_text(path, json.dumps(obj, indent=1, allow_nan=False, default=str))
@@ -100,14 +125,17 @@ class EventLog:
 
     def append(self, records: list[dict[str, Any]]) -> None:
         """Append ``records`` as lines in a single write (atomic position with ``O_APPEND``)."""
-        if not records:
+        self.write_lines(
+            [json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n" for r in records]
+        )
+
+    def write_lines(self, lines: list[str]) -> None:
+        """Append already-encoded JSON lines (each ending in a newline) in a single write."""
+        if not lines:
             return
         if self._fd is None:
             raise ValueError(f"event log {self.path} is closed")
-        data = "".join(
-            json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n" for r in records
-        ).encode()
-        view = memoryview(data)
+        view = memoryview("".join(lines).encode())
         while view:
             view = view[os.write(self._fd, view) :]
 

@@ -1,15 +1,17 @@
 """Telemetry: per-step AMP records kept on the device and written to the run folder lazily.
 
-Every step the Guard's hooks write the loss scale, the packed step flags (applied, overflow per
-optimizer, collapse, dropped micro-batches) and the loss into a preallocated device ring buffer of
-``flush_every`` rows; every ``layer_every`` steps the unscaled total and per-layer gradient norms
-(one multi-tensor norm: the cost does not grow with the number of parameter tensors); every
-``range_every`` steps a per-layer exponent histogram of the unscaled gradients, from which the
-host derives the fraction of exact zeros, fp16 headroom, underflow and the safe loss-scale
-window.
-The buffer is copied to the host in one transfer every ``flush_every`` steps (and on ``flush``,
-``close``, ``Guard.state_dict``), so between flushes telemetry adds no host sync; on CUDA the
-periodic copy goes to pinned memory without blocking and is written out at the next flush.
+Every step the Guard's hooks record the loss scale after the step, the packed step flags
+(applied, overflow per optimizer, collapse, dropped micro-batches) and the loss: the flags and the
+loss are tensors the step made anyway, kept by reference; the scale, updated in place, is read
+from host memory on the CPU and copied into a preallocated device buffer elsewhere. Every
+``layer_every`` steps: the unscaled total and per-layer gradient norms (one multi-tensor norm: the
+cost does not grow with the number of parameter tensors); every ``range_every`` steps: a
+per-layer exponent histogram of the unscaled gradients, from which the host derives the fraction
+of exact zeros, fp16 headroom, underflow and the safe loss-scale window.
+Every ``flush_every`` steps (and on ``flush``, ``close``, ``Guard.state_dict``) the kept tensors
+are gathered into the buffer and it is copied to the host in one transfer, so between flushes
+telemetry adds no host sync; on CUDA the copy goes to pinned memory without blocking and is
+written out at the next flush. The host formats the run-log lines from the copied columns.
 
 >>> with ag.Guard(model, opt, precision="fp16", telemetry="runs/exp1") as guard:
 ...     for x, y in data:
@@ -22,13 +24,14 @@ periodic copy goes to pinned memory without blocking and is written out at the n
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ampguard import runlog
@@ -36,21 +39,15 @@ from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
 from ampguard.rules import _ranges
 from ampguard.telemetry import _layers
-from ampguard.telemetry._records import FIXED as _FIXED
-from ampguard.telemetry._records import LOSS as _LOSS
-from ampguard.telemetry._records import NORM as _NORM
-from ampguard.telemetry._records import SCALE as _SCALE
-from ampguard.telemetry._records import STATUS as _STATUS
-from ampguard.telemetry._records import RowInfo, RunTally, build_records
+from ampguard.telemetry._device import DeviceBuffer, host_view
+from ampguard.telemetry._records import Facts, RunTally, Shape, build_lines
 from ampguard.telemetry._staging import HostStaging
 from ampguard.telemetry.source import TelemetrySource
 
 __all__ = ["Resumed", "Telemetry", "TelemetrySource", "attach"]
 
-# the flush gathers (status, loss, norm) of every row into adjacent columns in this order
-assert (_LOSS, _NORM) == (_STATUS + 1, _STATUS + 2)
-
 _CHUNK = 1 << 20  # range stats flatten at most this many gradient elements at once
+_NO_SAMPLE = (-1, -1, False)  # (stats slot, range slot, grads scaled) of a window not sampled
 
 
 class Resumed(NamedTuple):
@@ -58,14 +55,6 @@ class Resumed(NamedTuple):
 
     step: int  # the step count the run continues from (the producer adopts it)
     previous_scale: float | None  # the scale the log had at that step before the interruption
-
-
-class _Views(NamedTuple):
-    scale: torch.Tensor
-    status: torch.Tensor
-    loss: torch.Tensor
-    norm: torch.Tensor
-    stats: torch.Tensor  # (layers,): squared gradient norms
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -87,13 +76,15 @@ class Telemetry:
     :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
     ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
 
-    Cost: no host sync between flushes. Per step: one tiny kernel (the scale copy; the step's
-    flags, loss and norm tensors are kept by reference and gathered at the flush); on statistics
-    steps 1 multi-tensor norm plus 3 kernels; on range steps about 8 elementwise kernels (mostly
-    integer ops on the fp32 bits) over the flattened gradients, in chunks of 2**20 elements. A
-    flush is one gather and one device-to-host copy: on CUDA into pinned memory without a host
-    sync, its records written at the next flush (so the cheap reads lag one flush on CUDA);
-    :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync).
+    Cost: no host sync between flushes. Per step: no device op on the CPU, one tiny copy (the
+    scale) on a device, and a detached reference to each micro-batch's loss; on statistics steps
+    one multi-tensor norm (its per-tensor results are kept and stacked at the flush); on range
+    steps about 15 ops, mostly integer ops on the fp32 bits of the flattened gradients, in chunks
+    of 2**20 elements. A flush is one stack of the kept tensors and one device-to-host copy: on
+    CUDA into pinned memory without a host sync, its records written at the next flush (so the
+    cheap reads lag one flush on CUDA); :meth:`flush`, :meth:`findings` and :meth:`close` wait
+    for it (one sync). Producers may skip :meth:`on_grads` while the step is below
+    :attr:`next_sample`.
     """
 
     def __init__(
@@ -124,6 +115,8 @@ class Telemetry:
         self.layer_every = _positive_int("layer_every", layer_every)
         self.range_every = _positive_int("range_every", range_every, minimum=0)
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
+        # the first step whose gradients are sampled: a producer may skip on_grads before it
+        self.next_sample = self._due_after(0)
         if tensorboard:
             from ampguard.telemetry._tensorboard import require_tensorboard
 
@@ -164,34 +157,35 @@ class Telemetry:
         self.layers = layout.names
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
-        self._layer_idx = torch.tensor(layout.layer_of, dtype=torch.int64, device=self._device)
         self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every else []
         # histogram row start of each chunk item (int32: the histogram keys are int32)
         self._offsets = [(ch.layer * _ranges.BINS).to(torch.int32) for ch in self._chunks]
         self._sizes = [[b - a for _, a, b in ch.items] for ch in self._chunks]
-        self._width = _FIXED + n_layers
-        self._rwidth = n_layers * (1 + _ranges.BINS)
-        self._rrows = math.ceil(self.flush_every / self.range_every) + 1 if self.range_every else 0
-        split = self.flush_every * self._width
-        self._buf = torch.zeros(
-            split + self._rrows * self._rwidth, dtype=torch.float32, device=self._device
+        self._cells = DeviceBuffer(
+            self.flush_every,
+            len(layout.params),
+            n_layers,
+            self.layer_every,
+            self.range_every,
+            self._device,
         )
-        self._rows = self._buf[:split].view(self.flush_every, self._width)
-        self._ranges = self._buf[split:].view(self._rrows, self._rwidth)
-        self._views = [
-            _Views(r[_SCALE], r[_STATUS], r[_LOSS], r[_NORM], r[_FIXED:]) for r in self._rows
-        ]
-        self._norms = torch.zeros(len(layout.params), dtype=torch.float32, device=self._device)
+        self._shape = Shape(
+            self._n_optimizers,
+            np.flatnonzero(np.diff(layout.layer_of, prepend=-1)),
+            self.layer_stats,
+        )
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
-        # per row: the step's (status, loss, grad norm) tensors, gathered at the flush
-        self._refs: list[torch.Tensor | None] = [None] * (3 * self.flush_every)
-        # host-side facts of each buffered row, in preallocated columns (no object per step)
-        self._info: list[list[Any]] = [[0] * self.flush_every for _ in RowInfo._fields]
-        self._stage = HostStaging(self._buf.numel(), self._device)
-        self._loss: torch.Tensor | None = None  # this window's loss so far (no device op yet)
-        self._row = self._rslot = self._micro = 0
-        self._this_step: tuple[bool, int, bool] = (False, -1, False)
+        self._stage = HostStaging(self._cells.flat.numel(), self._device)
+        # per recorded step, one tuple: the fields of Facts (step, micro-batches, scaled, scale,
+        # stats slot, range slot, grads scaled, precision), then its flags and grad-norm tensors;
+        # and every recorded micro-batch's loss, in order
+        self._pending: list[tuple[Any, ...]] = []
+        self._losses: list[torch.Tensor] = []
+        self._micro = self._stats_used = self._ranges_used = 0
+        self._this_step: tuple[int, int, bool] = _NO_SAMPLE
+        self._scale_tensor: torch.Tensor | None = None  # the scaler's live tensor last seen
+        self._scale_view: memoryview[float] | None = None  # its value in host memory (CPU only)
         self._scale_carry = (
             float(source.scaler_config.init_scale) if source.loss_scaler is not None else 1.0
         )
@@ -241,46 +235,48 @@ class Telemetry:
     # The producer side of the contract (ampguard.telemetry.source): a Guard or a Watch calls
     # on_backward per micro-batch, then on_grads and on_step (or on_abort) once per window.
     def on_backward(self, loss: torch.Tensor) -> None:
-        """A micro-batch's (unscaled, undivided) loss: summed over the window. Cost: no device
-        op until the step's row is written."""
+        """A micro-batch's (unscaled, undivided) loss: summed over the window at the flush.
+        Cost: no device op (a detached reference is kept)."""
         if self._closed:
             return
-        loss = loss.detach()
-        if loss.dim():
-            loss = loss.reshape(())
-        # the first micro-batch's loss is only kept; it reaches the row with the step's write
-        self._loss = loss if self._loss is None else self._loss + loss
+        self._losses.append(loss.detach())
         self._micro += 1
 
     def on_grads(self, step: int, grads_scaled: bool) -> None:
         """Gradients of window ``step`` (1-based) are final (unscaled unless ``grads_scaled``,
         then ``loss_scaler.inv_scale()`` unscales the range sample). Called at most once per
-        window before :meth:`on_step` (a repeat re-samples). Cost: no host sync; device work
-        only on statistics steps."""
+        window before :meth:`on_step` (a repeat re-samples); a producer may skip the call while
+        ``step < next_sample`` (nothing is sampled then). Cost: no host sync; device work only
+        on statistics steps."""
         if self._closed:
             return
         if self._log_pending:  # the first step came without a resume: a new run
             self._start_log()
-        if self._this_step[0]:  # the last window raised between its hooks: drop its stats
-            self._views[self._row].stats.zero_()
         layers = step % self.layer_every == 0
-        ranged = bool(self.range_every) and step % self.range_every == 0
-        slot = -1
-        if layers or ranged:
-            grads = self._grads()
-            if layers:
-                self._grad_stats(grads, self._views[self._row])
-            if ranged:
-                slot = self._this_step[1]  # a re-sample of this window reuses its slot
-                if slot >= 0:
-                    self._ranges[slot].zero_()
-                else:
-                    if self._rslot >= self._rrows:
-                        self._flush(wait=False)
-                    slot = self._rslot
-                    self._rslot += 1
-                self._range_stats(grads, slot, grads_scaled)
-        self._this_step = (layers, slot, grads_scaled)
+        ranged = self.range_every and step % self.range_every == 0
+        if not (layers or ranged):
+            return
+        self._sample(layers, bool(ranged), grads_scaled)
+
+    def _sample(self, layers: bool, ranged: bool, grads_scaled: bool) -> None:
+        stats_slot, range_slot, _ = self._this_step  # a re-sample of this window reuses them
+        cells = self._cells
+        if (layers and stats_slot < 0 and self._stats_used == cells.stats_slots) or (
+            ranged and range_slot < 0 and self._ranges_used == cells.range_slots
+        ):
+            self._flush(wait=False)  # every slot taken (a safety net: they are sized for this)
+            stats_slot, range_slot, _ = self._this_step
+        grads = self._grads()
+        if layers:
+            if stats_slot < 0:
+                stats_slot, self._stats_used = self._stats_used, self._stats_used + 1
+            # one multi-tensor norm; the flush stacks every sample's norms into the buffer
+            cells.hold_norms(stats_slot, torch._foreach_norm(grads))
+        if ranged:
+            if range_slot < 0:
+                range_slot, self._ranges_used = self._ranges_used, self._ranges_used + 1
+            self._range_stats(grads, range_slot, grads_scaled)
+        self._this_step = (stats_slot, range_slot, grads_scaled)
 
     def on_step(
         self, step: int, status: torch.Tensor | None, grad_norm: torch.Tensor | None
@@ -295,42 +291,57 @@ class Telemetry:
             self._start_log()
         source = self._source
         assert source is not None
-        row = self._row
-        v = self._views[row]
+        pending = self._pending
         scaler = source.loss_scaler
-        layers, slot, grads_scaled = self._this_step
-        use_guard_norm = grad_norm is not None and not layers
-        if scaler is not None:  # updated in place by the next step: the step's one device op
-            v.scale.copy_(scaler.scale_tensor)
-        # The flags, loss and norm are new tensors of this step: keep references and write
-        # them into the buffer with one gather at the flush (absent: the row's own cell).
-        refs, k = self._refs, 3 * row
-        refs[k] = v.status if status is None else status.reshape(()) if status.dim() else status
-        refs[k + 1] = v.loss if self._loss is None else self._loss
-        norm = grad_norm if grad_norm is not None and use_guard_norm else v.norm
-        refs[k + 2] = norm.reshape(()) if norm.dim() else norm
-        info = self._info
-        info[0][row], info[1][row], info[2][row] = step, self._micro, scaler is not None
-        info[3][row], info[4][row], info[5][row] = grads_scaled, layers, use_guard_norm
-        info[6][row], info[7][row], info[8][row] = slot, source.precision, self._n_optimizers
-        self._this_step = (False, -1, False)
-        self._loss = None
-        self._row += 1
+        scale = None
+        if scaler is not None:  # updated in place by the next step: take its value now
+            tensor = scaler.scale_tensor
+            if tensor is not self._scale_tensor:
+                self._scale_tensor, self._scale_view = tensor, host_view(tensor)
+            if self._scale_view is not None:  # CPU: read from host memory, no torch op
+                scale = self._scale_view[0]
+            else:  # a device: the step's one device op
+                self._cells.scale_cells[len(pending)].copy_(tensor)
+        # the flags, loss and norm are new tensors of this step: gathered at the flush
+        pending.append(
+            (
+                step,
+                self._micro,
+                scaler is not None,
+                scale,
+                *self._this_step,
+                source.precision,
+                status,
+                grad_norm,
+            )
+        )
+        self._this_step = _NO_SAMPLE
         self._micro = 0
-        if self._row == self.flush_every:
+        if step >= self.next_sample:
+            self.next_sample = self._due_after(step)
+        if len(pending) == self.flush_every:
             self._flush(wait=False)
+
+    def _due_after(self, step: int) -> int:
+        """The first step after ``step`` whose gradients are sampled."""
+        return min(step // k * k + k for k in (self.layer_every, self.range_every) if k)
 
     def on_abort(self) -> None:
         """The window in progress ended without a step (an exception inside ``Guard.step``, or a
         load mid-window): forget its loss and gradient statistics. Cost: no host sync."""
         if self._closed or self._source is None:
             return
-        v = self._views[self._row]
-        v.loss.zero_()
-        v.stats.zero_()
-        self._loss = None
+        if self._micro:
+            del self._losses[-self._micro :]
+        stats_slot, range_slot, _ = self._this_step
+        if stats_slot >= 0:
+            self._cells.drop_norms(stats_slot)
+        if stats_slot >= 0 and stats_slot == self._stats_used - 1:
+            self._stats_used -= 1
+        if range_slot >= 0 and range_slot == self._ranges_used - 1:
+            self._ranges_used -= 1
         self._micro = 0
-        self._this_step = (False, -1, False)
+        self._this_step = _NO_SAMPLE
 
     def _grads(self) -> list[torch.Tensor]:
         if self._sharded:  # FSDP2: statistics of this rank's gradient shards
@@ -342,27 +353,24 @@ class Telemetry:
             ]
         out: list[Any] = [p.grad for p in self._layout.params]
         for i, g in enumerate(out):
-            if g is None:
-                out[i] = self._zero.expand(self._layout.params[i].shape)  # no grad: all zeros
-            elif g.is_sparse:
-                out[i] = g.to_dense()
+            if g is None or g.is_sparse:
+                out[i] = (  # no grad: all zeros
+                    self._zero.expand(self._layout.params[i].shape) if g is None else g.to_dense()
+                )
         return out
 
-    def _grad_stats(self, grads: list[torch.Tensor], v: _Views) -> None:
-        # one multi-tensor norm, gathered into a preallocated fp32 buffer
-        torch.stack(torch._foreach_norm(grads), out=self._norms)
-        if not self.layer_stats:
-            torch.linalg.vector_norm(self._norms, out=v.norm)
-            return
-        v.stats.index_add_(0, self._layer_idx, self._norms.square_())
-
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
-        row = self._ranges[slot]
-        amax, hist = row[: len(self.layers)], row[len(self.layers) :]
+        row, amax, hist = self._cells.ranges[slot]
+        row.zero_()
         scaler = self._source.loss_scaler if grads_scaled and self._source is not None else None
         inv = scaler.inv_scale() if scaler is not None else None
         for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
-            flat = torch.cat([grads[i].reshape(-1)[a:b] for i, a, b in ch.items]).float()
+            flat = torch.cat(
+                [  # most items are whole tensors: no slice
+                    grads[i].reshape(-1) if b - a == grads[i].numel() else grads[i].reshape(-1)[a:b]
+                    for i, a, b in ch.items
+                ]
+            ).float()
             if inv is not None:
                 flat.mul_(inv)
             # fp32 bits with the sign cleared: as a float that is |g| (NaN stays NaN); as an
@@ -371,7 +379,11 @@ class Telemetry:
             bits = flat.view(torch.int32).bitwise_and_(0x7FFFFFFF)
             peaks = torch.stack(torch._foreach_max(bits.view(torch.float32).split(sizes)))
             amax.scatter_reduce_(0, ch.layer, peaks, "amax")
-            hist.index_add_(0, _range_keys(bits, offsets, ch), self._one.expand(ch.total))
+            keys = _range_keys(bits, offsets, ch)
+            if keys.device.type == "cpu":  # a counting pass, ~7x faster than index_add_ here
+                hist.add_(torch.bincount(keys, minlength=hist.numel()))
+            else:  # CUDA's bincount syncs the host (it sizes its output); index_add_ does not
+                hist.index_add_(0, keys, self._one.expand(ch.total))
 
     # ------------------------------------------------------------------ resume and events
     def on_resume(self, step: int, scale_reset: bool, saved_scale: float | None) -> Resumed:
@@ -406,6 +418,7 @@ class Telemetry:
                 else float(saved_scale)
             )
         self._scale_carry = scale
+        self.next_sample = self._due_after(step)
         event = {
             "kind": "resume",
             "step": step,
@@ -452,52 +465,47 @@ class Telemetry:
         if self._source is None or self._closed:
             return
         self._write_ready(wait=False)  # earlier copies that completed; frees a host buffer
-        n, used = self._row, self._rslot
-        if n or used:
-            split = self.flush_every * self._width
-            end = split + used * self._rwidth if used else n * self._width
-            info = self._info
-            pending = [RowInfo(*(col[i] for col in info)) for i in range(n)]
-            if n:  # the rows' flags, losses and norms: one gather, one strided copy
-                refs = cast("list[torch.Tensor]", self._refs[: 3 * n])
-                self._rows[:n, _STATUS : _NORM + 1].copy_(torch.stack(refs).view(n, 3))
-                self._refs[: 3 * n] = [None] * (3 * n)
-            self._stage.push(self._buf[:end], (pending, used))  # the one transfer
-            self._rows[:n].zero_()
-            if used:
-                self._ranges[:used].zero_()
-            if self._micro and n:  # a window is half-way: carry its statistics to row 0
-                self._rows[0].copy_(self._rows[n])
-                self._rows[n].zero_()
-            self._row = self._rslot = 0
+        pending, self._pending = self._pending, []
+        if pending:
+            columns = list(zip(*pending, strict=True))
+            statuses, norms = columns[-2:]
+            facts = Facts._make([*columns[:-2], tuple(g is not None for g in norms)])
+            used = sum(facts.micro)
+            losses, self._losses = self._losses[:used], self._losses[used:]
+            # with the kept gradient norms (also those of a window in progress: carried below)
+            self._cells.gather(statuses, norms, losses, facts.micro)
+            counts = (self._stats_used, self._ranges_used)
+            self._stage.push(self._cells.used(*counts), (facts, counts))  # the one transfer
+        # the window in progress (gradients sampled, no step yet) keeps its samples in slot 0
+        stats_slot, range_slot, grads_scaled = self._this_step
+        if stats_slot >= 0:
+            self._cells.write_norms()
+            stats_slot = self._cells.carry("stats", stats_slot)
+        if range_slot >= 0:
+            range_slot = self._cells.carry("ranges", range_slot)
+        self._stats_used, self._ranges_used = int(stats_slot >= 0), int(range_slot >= 0)
+        self._this_step = (stats_slot, range_slot, grads_scaled)
         self._write_ready(wait=wait)
 
     def _write_ready(self, wait: bool) -> None:
         """Write the records of every completed copy (all of them with ``wait``)."""
-        split = self.flush_every * self._width
-        for host, (pending, used) in self._stage.ready(wait):
-            n = len(pending)
-            rows = host[: n * self._width].reshape(n, self._width)
-            ranges = host[split:].reshape(-1, self._rwidth) if used else host[:0]
-            records, self._scale_carry = build_records(
-                pending,
-                rows,
-                ranges,
-                carry=self._scale_carry,
-                n_layers=len(self.layers),
-                layer_stats=self.layer_stats,
+        for host, (facts, counts) in self._stage.ready(wait):
+            values = self._cells.host_values(host, *counts)
+            lines, outcome, self._scale_carry = build_lines(
+                facts, values, carry=self._scale_carry, shape=self._shape
             )
             assert self._log is not None
-            self._log.append(records)
-            rates = self._tally.add(records)
-            if self._sink is not None:
-                self._sink.write(records, rates)
-            for sink in self.sinks:  # extra sinks
-                sink.write(records, rates)
+            self._log.write_lines(lines)
+            rates = self._tally.add(outcome)
+            if self._sink is not None or self.sinks:
+                records = [json.loads(line) for line in lines]
+                for sink in (self._sink, *self.sinks):  # TensorBoard, then the extra sinks
+                    if sink is not None:
+                        sink.write(records, rates)
             self.flushes += 1
 
     # ------------------------------------------------------------------ cheap accessors
-    def recent_scales(self, k: int = 32) -> list[tuple[int, float]]:
+    def recent_scales(self, k: int = 32) -> list[tuple[int, float | None]]:
         """The last ``k`` (step, scale after the step) pairs up to the last flush. No sync."""
         return self._tally.recent_scales(k)
 

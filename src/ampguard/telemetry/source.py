@@ -9,7 +9,9 @@ Two sides, both public:
   (both may change during a run: a collapse fallback drops the scaler, a load may replace it).
 * **What the producer tells Telemetry**, in this order per accumulation window: the producer
   side of the contract is :meth:`Telemetry.on_backward` (every micro-batch),
-  :meth:`Telemetry.on_grads` (the window's gradients are final), :meth:`Telemetry.on_step` (the
+  :meth:`Telemetry.on_grads` (the window's gradients are final; may be skipped while the
+  step is below :attr:`Telemetry.next_sample`, when nothing would be sampled),
+  :meth:`Telemetry.on_step` (the
   optimizer step and scale update are done), or :meth:`Telemetry.on_abort` (the window ended
   without a step); and, outside the hot path, :meth:`Telemetry.on_fallback` and
   :meth:`Telemetry.on_resume`. The step number travels with the hooks, so Telemetry never reads
