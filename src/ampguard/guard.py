@@ -405,9 +405,10 @@ class Guard:
             return result
         status = results.add_collapse(status, scaler.update(signal, skipped), len(found))
         self._remember_scale()
+        packed = int(status.item())  # the sync torch has in step()
         if self._telemetry is not None:
-            self._telemetry.on_step(self._steps, status, grad_norm)
-        flags = results.decode(int(status.item()), len(found))  # the sync torch has in step()
+            self._telemetry.on_step(self._steps, packed, grad_norm)
+        flags = results.decode(packed, len(found))
         for opt, f, ok, is_fused in zip(
             self.optimizers, found, flags.applied_per_optimizer, fused, strict=True
         ):

@@ -80,15 +80,18 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
         grad_norm = guard._dist.plain_tensor(grad_norm)
     status = results.pack(found, dropped)
     fused = [_is_fused(opt) for opt in guard.optimizers]
-    if guard._telemetry is not None:
-        guard._telemetry.on_step(guard._steps, status, grad_norm)
     if all(fused):  # no host sync: the kernels skip themselves on found_inf
+        if guard._telemetry is not None:
+            guard._telemetry.on_step(guard._steps, status, grad_norm)
         for opt, f in zip(guard.optimizers, found, strict=True):
             _fused_step(opt, f, kwargs)
         result = StepResult(guard._steps, True, grad_norm, None, owner=guard)
         guard._pending.append((result, status))
         return result
-    flags = results.decode(int(status.item()), len(found), scaled=False)  # the one sync
+    packed = int(status.item())  # the one sync
+    if guard._telemetry is not None:
+        guard._telemetry.on_step(guard._steps, packed, grad_norm)
+    flags = results.decode(packed, len(found), scaled=False)
     for opt, f, ok, is_fused in zip(
         guard.optimizers, found, flags.applied_per_optimizer, fused, strict=True
     ):
@@ -117,16 +120,13 @@ def _step_unchecked(
     grad_norm = guard._clip(None)
     if guard._dist is not None:
         grad_norm = guard._dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
-    flags = (
-        results.Decoded((True,) * n, False, 0, False)
-        if status is None
-        else results.decode(int(status.item()), n, scaled=False)
-    )
+    packed = 0 if status is None else int(status.item())
+    flags = results.decode(packed, n, scaled=False)
     if flags.applied:
         for opt in guard.optimizers:
             opt.step(**kwargs)
     if guard._telemetry is not None:
-        guard._telemetry.on_step(guard._steps, status, grad_norm)
+        guard._telemetry.on_step(guard._steps, packed, grad_norm)
     guard._counts.record(flags)
     return StepResult(guard._steps, True, grad_norm, flags)
 

@@ -2,13 +2,15 @@
 
 Layout (``F`` = ``flush_every``, ``P`` = parameter tensors, ``L`` = layers)::
 
-    [ scale | status | loss | norm ]   FIXED columns of F values, one per recorded step
+    [ scale | norm | status | loss ]   FIXED columns of F values, one per recorded step
     [ S x P per-tensor grad norms  ]   one row per gradient sample (S slots)
     [ R x L*(1+BINS) range stats   ]   one row per range sample (R slots)
 
-A plain step writes one value (the scale after it, a copy of the scaler's live tensor); the
-step's flags, loss and norm are tensors the step made anyway, kept by reference and gathered
-into their columns at the flush, a few device ops for the whole flush.
+On the CPU a plain step writes nothing here (the scale is read from host memory); on a device
+it copies the scaler's live scale into its cell. The step's flags (unless the producer read
+them), loss and norm are tensors the step made anyway, kept by reference, and so are the
+per-tensor gradient norms of a sample: the flush stacks them into their places, one op for each
+run of adjacent places (losses and samples are adjacent).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from ampguard.rules import _ranges
-from ampguard.telemetry._records import FIXED, LOSS, NORM, STATUS, Values
+from ampguard.telemetry._records import FIXED, LOSS, NORM, SCALE, STATUS, Values
 
 __all__ = ["DeviceBuffer", "host_view", "stack_values"]
 
@@ -50,7 +52,7 @@ class DeviceBuffer:
         total = self._ranges_at + self.range_slots * self.range_width
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         self.fixed = self.flat[: self._stats_at].view(FIXED, f)
-        self.scale_cells = list(self.fixed[0])  # 0-dim views: the per-step copy needs no index
+        self.scale_cells = list(self.fixed[SCALE])  # 0-dim views: a per-step copy needs no index
         self.stats = list(
             self.flat[self._stats_at : self._ranges_at].view(self.stats_slots, tensors).unbind()
         )
@@ -106,17 +108,21 @@ class DeviceBuffer:
 
     def gather(
         self,
-        statuses: Sequence[torch.Tensor | None],
+        statuses: Sequence[torch.Tensor | int | None],
         norms: Sequence[torch.Tensor | None],
         losses: list[torch.Tensor],
         micro: Sequence[int],
     ) -> None:
-        """Write the flush's per-step tensors into their columns: packed flags and the
-        producer's grad norm (None: 0), each step's loss summed over its ``micro``
+        """Write the flush's per-step tensors into their columns: the packed flags given as
+        tensors, the producer's grad norm (None: 0), each step's loss summed over its ``micro``
         micro-batches (``losses`` in step order), and the kept gradient norms. Cost: a stack per
-        run of adjacent columns (flags and losses are adjacent), no host sync."""
+        run of adjacent columns (flags, losses and the samples are adjacent), no host sync."""
         n, f, zero = len(statuses), self.fixed.shape[1], self._zero
-        segments = [(STATUS * f, [zero if s is None else s for s in statuses]), *self._take_held()]
+        segments = self._take_held()
+        if any(isinstance(s, torch.Tensor) for s in statuses):
+            segments.append(
+                (STATUS * f, [s if isinstance(s, torch.Tensor) else zero for s in statuses])
+            )
         if any(g is not None for g in norms):
             segments.append((NORM * f, [zero if g is None else g for g in norms]))
         accumulated = losses and (len(losses) != n or min(micro) != 1)

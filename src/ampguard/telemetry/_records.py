@@ -36,7 +36,9 @@ __all__ = [
     "FIXED",
 ]
 
-SCALE, STATUS, LOSS, NORM = range(4)  # the fixed device columns (one value per recorded step)
+# the fixed device columns, one value per recorded step; the losses end where the gradient
+# samples begin, so the flush writes both with one stack
+SCALE, NORM, STATUS, LOSS = range(4)
 FIXED = 4
 
 
@@ -51,13 +53,14 @@ class Facts(NamedTuple):
     range_slot: Sequence[int]  # row in Values.ranges; -1: no range sample
     grads_scaled: Sequence[bool]  # sampled gradients still carried the loss scale
     precision: Sequence[str]
+    status: Sequence[int | None]  # the packed flags; None: in the device column
     guard_norm: Sequence[bool]  # column NORM holds the producer's own (clipping) grad norm
 
 
 class Values(NamedTuple):
     """A flush's device values, copied to the host."""
 
-    fixed: np.ndarray  # (FIXED, >= steps): scale after the step, packed flags, loss sum, norm
+    fixed: np.ndarray  # (FIXED, >= steps): scale after the step, norm, packed flags, loss sum
     norms: np.ndarray  # (samples, tensors): per-tensor gradient norms
     ranges: np.ndarray  # (samples, layers * (1 + BINS)): per-layer amax, then histograms
 
@@ -66,7 +69,7 @@ class Shape(NamedTuple):
     """What the records of a run look like (fixed at attach)."""
 
     n_optimizers: int
-    layer_starts: np.ndarray  # index of each layer's first tensor (tensors are in layer order)
+    layers: tuple[tuple[int, int], ...]  # each layer's tensors [start, end) (in layer order)
     layer_stats: bool  # per-layer gradient norms (else only the total)
 
 
@@ -91,14 +94,18 @@ def build_lines(
     first step. Returns the lines, the outcomes for the running tallies, and the scale after
     the last step (the next flush's carry). Cost: host only, about 1 us per step."""
     n = len(facts.step)
-    scale_col, status_col, loss_col, _ = values.fixed[:, :n].tolist()
+    fixed = values.fixed[:, :n].tolist()
+    scale_col, status_col, loss_col = fixed[SCALE], fixed[STATUS], fixed[LOSS]
     after, before = [], []
     for scaled, host, device in zip(facts.scaled, facts.scale, scale_col, strict=True):
         before.append(carry if scaled else 1.0)
         if scaled:
             carry = device if host is None else host
         after.append(carry if scaled else 1.0)
-    keys = [(int(v), scaled) for v, scaled in zip(status_col, facts.scaled, strict=True)]
+    keys = [
+        (int(device) if host is None else host, scaled)
+        for host, device, scaled in zip(facts.status, status_col, facts.scaled, strict=True)
+    ]
     decoded = {k: results.decode(k[0], shape.n_optimizers, k[1]) for k in set(keys)}
     flags = [decoded[k] for k in keys]
     flags_text = {k: _flags_text(d) for k, d in decoded.items()}
@@ -152,9 +159,7 @@ def _extras(
     _grad_norms(facts, values, before, shape, out)
     for i, slot in enumerate(facts.range_slot):
         if slot >= 0:
-            out[i] += ',"range":' + _range_text(
-                values.ranges[slot], len(shape.layer_starts), before[i]
-            )
+            out[i] += ',"range":' + _range_text(values.ranges[slot], len(shape.layers), before[i])
     return out
 
 
@@ -166,22 +171,24 @@ def _grad_norms(
     producer's own norm."""
     rows = [(i, slot) for i, slot in enumerate(facts.stats_slot) if slot >= 0]
     if rows:
-        # one row per sample: the total norm, then each layer's (tensors are in layer order);
-        # few numpy calls, each costs more than the arithmetic at these sizes
-        sq = values.norms.astype(np.float64)
-        sq *= sq
-        width = 1 + len(shape.layer_starts)
-        table = np.empty((len(sq), width))
-        np.add.reduceat(sq, shape.layer_starts, axis=1, out=table[:, 1:])
+        # plain Python: a few values per sample, where each numpy call costs more than the
+        # arithmetic (the device's per-tensor norm dominates however many tensors there are)
+        samples = values.norms.tolist()
+        squares = []  # per sample: the total, then each layer's sum of squares
         for i, slot in rows:
+            sq = [v * v for v in samples[slot]]
+            per_layer = [sum(sq[a:b]) for a, b in shape.layers]
             if facts.grads_scaled[i]:  # the sample carried the loss scale
-                table[slot] /= before[i] * before[i]
-        table[:, 0] = table[:, 1:].sum(axis=1)
-        texts = number_texts(np.sqrt(table, out=table))
-        for i, slot in rows:
-            out[i] += ',"grad_norm":' + texts[slot * width]
+                unscale = 1.0 / (before[i] * before[i])
+                per_layer = [x * unscale for x in per_layer]
+            squares.append(sum(per_layer))
+            squares.extend(per_layer)
+        texts = number_texts([math.sqrt(x) for x in squares])
+        width = 1 + len(shape.layers)
+        for k, (i, _) in enumerate(rows):
+            out[i] += ',"grad_norm":' + texts[k * width]
             if shape.layer_stats:
-                layers = ",".join(texts[slot * width + 1 : (slot + 1) * width])
+                layers = ",".join(texts[k * width + 1 : (k + 1) * width])
                 out[i] += ',"layers":{"grad_norm":[' + layers + "]}"
     own = [i for i, s in enumerate(facts.stats_slot) if s < 0 and facts.guard_norm[i]]
     if own:
