@@ -217,3 +217,28 @@ def test_range_figures_equal_their_definitions(layers, seed, scale):
     ):
         np.testing.assert_allclose(got[key], want[name], rtol=1e-12, equal_nan=True)
     np.testing.assert_allclose(got["window"], want["window"], rtol=1e-12, equal_nan=True)
+
+
+# ----------------------------------------------- precision and scaler changes reach the log
+def test_records_follow_a_load_that_undoes_a_fallback(tmp_path):
+    # Telemetry reads precision and scaler at attach, on_fallback and on_resume only
+    model = mlp()
+    tel = ag.Telemetry(tmp_path, flush_every=3)
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        precision="fp16",
+        telemetry=tel,
+        scaler=ag.ScalerConfig(init_scale=4.0, min_scale=4.0, on_collapse="fallback"),
+    )
+    with guard, pytest.warns(RuntimeWarning, match="switched precision"):
+        train(guard, model, 2)
+        saved = guard.state_dict()
+        train(guard, model, 2, inject={3})  # a collapse at step 3: fp16 -> bf16
+        assert guard.precision == "bf16"
+        guard.load_state_dict(saved)  # back to step 2, fp16 with its scaler
+        train(guard, model, 2)
+    run = runlog.load_run(tmp_path)
+    assert run.steps.tolist() == [1, 2, 3, 4]
+    assert run.precision == ["fp16", "fp16", "fp16", "fp16"]
+    assert run.scale.tolist() == [4.0, 4.0, 4.0, 4.0]

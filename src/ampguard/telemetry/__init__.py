@@ -185,6 +185,7 @@ class Telemetry:
         self._losses: list[torch.Tensor] = []
         self._micro = self._stats_used = self._ranges_used = 0
         self._this_step: tuple[int, int, bool] = _NO_SAMPLE
+        self._read_source()
         self._scale_tensor: torch.Tensor | None = None  # the scaler's live tensor last seen
         self._scale_view: memoryview[float] | None = None  # its value in host memory (CPU only)
         self._scale_carry = (
@@ -192,6 +193,12 @@ class Telemetry:
         )
         self._tally = RunTally(source.accumulation_steps)
         self._open_folder(source)
+
+    def _read_source(self) -> None:
+        """Take the source's precision and loss scaler (at attach, and when the producer reports
+        a change through on_fallback or on_resume): the hot path reads neither property."""
+        assert self._source is not None
+        self._precision, self._scaler = self._source.precision, self._source.loss_scaler
 
     def _open_folder(self, source: TelemetrySource) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,16 +294,14 @@ class Telemetry:
         """Window ``step``'s optimizer step and scale update are done (``status``: the packed
         flags of :func:`ampguard.core.results.pack`, as the device tensor or, where the producer
         has read them, as an int; None: all applied; ``grad_norm``: the unscaled total norm the
-        producer computed, or None). Reads the source's ``loss_scaler`` and
-        ``precision``. Cost: one device op (the scale copy), no host sync."""
+        producer computed, or None). Cost: on the CPU no device op (the scale is read from host
+        memory), elsewhere one (its copy); no host sync."""
         if self._closed:
             return
         if self._log_pending:  # no gradient sample opened the log yet: this is a new run
             self._start_log()
-        source = self._source
-        assert source is not None
         pending = self._pending
-        scaler = source.loss_scaler
+        scaler = self._scaler
         scale = None
         if scaler is not None:  # updated in place by the next step: take its value now
             tensor = scaler.scale_tensor
@@ -314,7 +319,7 @@ class Telemetry:
                 scaler is not None,
                 scale,
                 *self._this_step,
-                source.precision,
+                self._precision,
                 status,
                 grad_norm,
             )
@@ -366,7 +371,7 @@ class Telemetry:
     def _range_stats(self, grads: list[torch.Tensor], slot: int, grads_scaled: bool) -> None:
         row, amax, hist = self._cells.ranges[slot]
         row.zero_()
-        scaler = self._source.loss_scaler if grads_scaled and self._source is not None else None
+        scaler = self._scaler if grads_scaled else None
         inv = scaler.inv_scale() if scaler is not None else None
         for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
             flat = torch.cat(
@@ -402,6 +407,7 @@ class Telemetry:
         if self._closed or self._source is None:
             return Resumed(step, None)
         self.flush()
+        self._read_source()  # a load may change the precision or replace the scaler
         source = self._source
         if self._log_pending:
             self._log_pending = False
@@ -442,6 +448,7 @@ class Telemetry:
         if self._closed:
             return
         self.flush()
+        self._read_source()
         if self._log is not None:
             self._log.append([{"kind": "fallback", "step": step, "from": old, "to": new}])
 
@@ -468,7 +475,8 @@ class Telemetry:
     def _flush(self, wait: bool) -> None:
         if self._source is None or self._closed:
             return
-        self._write_ready(wait=False)  # earlier copies that completed; frees a host buffer
+        if self._stage.in_flight:  # earlier copies that completed (CUDA); frees a host buffer
+            self._write_ready(wait=False)
         pending, self._pending = self._pending, []
         if pending:
             columns = list(zip(*pending, strict=True))

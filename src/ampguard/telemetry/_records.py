@@ -208,12 +208,15 @@ def _range_text(row: np.ndarray, n_layers: int, scale: float) -> str:
     """The ``range`` object of a step's line from its device row (per-layer amax, then the
     exponent histograms): the per-layer figures of :func:`ampguard.rules._ranges.summarize`
     and the share of exact zeros, all formatted in one pass."""
-    amax = row[:n_layers].astype(np.float64)
-    hist = row[n_layers:].astype(np.float64).reshape(n_layers, _ranges.BINS)
-    s = _ranges.summarize(hist, amax, scale)
-    zero_frac = hist[:, 0] / np.maximum(hist.sum(axis=1), 1.0)
-    columns = [zero_frac, *(s[k] for k in _RANGE_FIELDS[1:])]
-    texts = number_texts(np.concatenate([*columns, np.asarray(s["window"], dtype=np.float64)]))
+    values = row.tolist()
+    bins = _ranges.BINS
+    hist = [values[n_layers + k * bins : n_layers + (k + 1) * bins] for k in range(n_layers)]
+    s = _ranges.summarize(hist, values[:n_layers], scale)
+    zero_frac = [counts[0] / max(sum(counts), 1.0) for counts in hist]
+    texts = number_texts(
+        [x for column in (zero_frac, *(s[k] for k in _RANGE_FIELDS[1:])) for x in column]
+        + list(s["window"])
+    )
     fields = [
         f'"{name}":[{",".join(texts[k * n_layers : (k + 1) * n_layers])}]'
         for k, name in enumerate(_RANGE_FIELDS)

@@ -5,8 +5,11 @@ Two sides, both public:
 * **What Telemetry reads** from the object it observes (a :class:`ampguard.Guard`, or the
   attach-mode source of :func:`ampguard.watch`): :class:`TelemetrySource`. Telemetry reads the
   static members once at attach (the model, its parameters, the device, the optimizers and the
-  configuration recorded in ``meta.json``), and ``precision`` and ``loss_scaler`` at every step
-  (both may change during a run: a collapse fallback drops the scaler, a load may replace it).
+  configuration recorded in ``meta.json``), and ``precision`` and ``loss_scaler`` at attach and
+  again after :meth:`Telemetry.on_fallback` and :meth:`Telemetry.on_resume`. Both may change
+  during a run (a collapse fallback drops the scaler, a load may change the precision or replace
+  the scaler): the producer reports every such change through one of these two hooks. The
+  scaler's live ``scale_tensor`` is read every step.
 * **What the producer tells Telemetry**, in this order per accumulation window: the producer
   side of the contract is :meth:`Telemetry.on_backward` (every micro-batch),
   :meth:`Telemetry.on_grads` (the window's gradients are final; may be skipped while the
@@ -92,7 +95,8 @@ class TelemetrySource(Protocol):
 
     @property
     def precision(self) -> str:
-        """The precision now ("fp16" | "bf16" | "fp32" | "fp8"). Read every step."""
+        """The precision now ("fp16" | "bf16" | "fp32" | "fp8"). Read at attach, on_fallback
+        and on_resume."""
         ...
 
     @property
@@ -102,7 +106,8 @@ class TelemetrySource(Protocol):
 
     @property
     def loss_scaler(self) -> ScaleSource | None:
-        """The live loss scale, or None when no scaler is in use. Read every step."""
+        """The live loss scale, or None when no scaler is in use. Read at attach, on_fallback and
+        on_resume (its ``scale_tensor`` every step)."""
         ...
 
     @property
