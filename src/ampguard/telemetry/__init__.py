@@ -379,7 +379,9 @@ class Telemetry:
                     grads[i].reshape(-1) if b - a == grads[i].numel() else grads[i].reshape(-1)[a:b]
                     for i, a, b in ch.items
                 ]
-            ).float()
+            )
+            if flat.dtype != torch.float32:
+                flat = flat.float()
             if inv is not None:
                 flat.mul_(inv)
             # fp32 bits with the sign cleared: as a float that is |g| (NaN stays NaN); as an
@@ -514,8 +516,9 @@ class Telemetry:
             )
             assert self._log is not None
             self._log.write_lines(lines)
-            rates = self._tally.add(outcome)
-            if self._sink is not None or self.sinks:
+            sinks = self._sink is not None or bool(self.sinks)
+            rates = self._tally.add(outcome, rates=sinks)
+            if sinks:
                 records = [json.loads(line) for line in lines]
                 for sink in (self._sink, *self.sinks):  # TensorBoard, then the extra sinks
                     if sink is not None:

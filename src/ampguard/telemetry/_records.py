@@ -239,9 +239,11 @@ class RunTally:
             "last_step": 0,
         }
 
-    def add(self, o: Outcome) -> list[float]:
-        """Count a flush's steps; returns the running skip rate after each."""
+    def add(self, o: Outcome, rates: bool = False) -> list[float]:
+        """Count a flush's steps; with ``rates``, returns the running skip rate after each
+        (what the sinks plot), else an empty list."""
         t, skips = self.totals, self.skips
+        before = sum(skips.values())
         for key, count in Counter(o.keys).items():
             d = o.decoded[key]
             t["microbatches_dropped"] += d.dropped * count
@@ -249,23 +251,25 @@ class RunTally:
                 skips[self._cause(d)] += count
         t["scale_changes"] += sum(a != b for a, b in zip(o.scale, o.scale_before, strict=True))
         applied = {key: d.applied for key, d in o.decoded.items()}
-        rates, skipped, steps = [], sum(skips.values()), t["steps"] + len(o.step)
-        trailing = None  # skips since the last applied step of this flush
-        for k, key in enumerate(reversed(o.keys)):  # walked back from the last step
-            rates.append(skipped / (steps - k))
-            skipped -= not applied[key]
-            if trailing is None and applied[key]:
-                trailing = k
-        rates.reverse()
-        t["consecutive_skips"] = (
-            t["consecutive_skips"] + len(o.keys) if trailing is None else trailing
-        )
-        t["steps"] = steps
+        trailing = 0  # skipped steps since the last applied one
+        for key in reversed(o.keys):
+            if applied[key]:
+                break
+            trailing += 1
+        n = len(o.keys)
+        t["consecutive_skips"] = trailing if trailing < n else t["consecutive_skips"] + n
+        out = []
+        if rates:
+            skipped = before
+            for k, key in enumerate(o.keys, start=t["steps"] + 1):
+                skipped += not applied[key]
+                out.append(skipped / k)
+        t["steps"] += n
         if o.step:
             t["last_step"] = o.step[-1]
         value = {text: None if text == "null" else float(text) for text in set(o.scale)}
         self.recent.extend((step, value[text]) for step, text in zip(o.step, o.scale, strict=True))
-        return rates
+        return out
 
     def _cause(self, d: Decoded) -> str:
         if d.collapse:
