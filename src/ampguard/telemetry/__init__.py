@@ -178,9 +178,9 @@ class Telemetry:
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         self._stage = HostStaging(self._cells.flat.numel(), self._device)
-        # per recorded step, one tuple: the fields of Facts (step, micro-batches, scaled, scale,
-        # stats slot, range slot, grads scaled, precision), then its flags and grad-norm tensors;
-        # and every recorded micro-batch's loss, in order
+        # per recorded step, one tuple: (step, micro-batches, scaled, scale, (stats slot, range
+        # slot, grads scaled), precision, flags, grad-norm tensor); and every recorded
+        # micro-batch's loss, in order
         self._pending: list[tuple[Any, ...]] = []
         self._losses: list[torch.Tensor] = []
         self._micro = self._stats_used = self._ranges_used = 0
@@ -318,7 +318,7 @@ class Telemetry:
                 self._micro,
                 scaler is not None,
                 scale,
-                *self._this_step,
+                self._this_step,
                 self._precision,
                 status,
                 grad_norm,
@@ -481,14 +481,21 @@ class Telemetry:
             self._write_ready(wait=False)
         pending, self._pending = self._pending, []
         if pending:
-            columns = list(zip(*pending, strict=True))
-            statuses, norms = columns[-2:]
-            facts = Facts._make(
-                [
-                    *columns[:-2],
-                    tuple(None if isinstance(s, torch.Tensor) else s or 0 for s in statuses),
-                    tuple(g is not None for g in norms),
-                ]
+            steps, micro, scaled, scale, samples, precision, statuses, norms = zip(
+                *pending, strict=True
+            )
+            stats_slots, range_slots, sampled_scaled = zip(*samples, strict=True)
+            facts = Facts(
+                steps,
+                micro,
+                scaled,
+                scale,
+                stats_slots,
+                range_slots,
+                sampled_scaled,
+                precision,
+                tuple(None if isinstance(s, torch.Tensor) else s or 0 for s in statuses),
+                tuple(g is not None for g in norms),
             )
             used = sum(facts.micro)
             losses, self._losses = self._losses[:used], self._losses[used:]
