@@ -8,8 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard as ag
 from ampguard.rules import _ranges
-from ampguard.telemetry import _layers, _range_keys
+from ampguard.telemetry import _layers
 from ampguard.telemetry._device import host_view
+from ampguard.telemetry._range_sample import range_keys
 
 
 def _frexp_keys(x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,9 @@ def test_bit_keys_match_frexp_on_every_kind_of_value():
     layout = _layers.Layout(["a"], [x], [0], [x.numel()], [1])
     (chunk,) = _layers.plan_chunks(layout, torch.device("cpu"), 1 << 20)
     bits = x.clone().view(torch.int32).bitwise_and_(0x7FFFFFFF)
-    keys = _range_keys(bits, torch.zeros(1, dtype=torch.int32), chunk)
+    keys = range_keys(bits, torch.zeros(1, dtype=torch.int32), chunk)
     assert torch.equal(keys.long(), _frexp_keys(x))
-    inf_keys = _range_keys(
+    inf_keys = range_keys(
         torch.tensor([float("inf"), float("nan")]).view(torch.int32).bitwise_and(0x7FFFFFFF),
         torch.zeros(1, dtype=torch.int32),
         _layers.plan_chunks(

@@ -37,16 +37,15 @@ import torch
 from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
-from ampguard.rules import _ranges
 from ampguard.telemetry import _layers
 from ampguard.telemetry._device import DeviceBuffer, host_view
+from ampguard.telemetry._range_sample import RangeSampler
 from ampguard.telemetry._records import Facts, RunTally, Shape, build_lines
 from ampguard.telemetry._staging import HostStaging
 from ampguard.telemetry.source import TelemetrySource
 
 __all__ = ["Resumed", "Telemetry", "TelemetrySource", "attach"]
 
-_CHUNK = 1 << 20  # range stats flatten at most this many gradient elements at once
 _NO_SAMPLE = (-1, -1, False)  # (stats slot, range slot, grads scaled) of a window not sampled
 
 
@@ -157,10 +156,7 @@ class Telemetry:
         self.layers = layout.names
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
-        self._chunks = _layers.plan_chunks(layout, self._device, _CHUNK) if self.range_every else []
-        # histogram row start of each chunk item (int32: the histogram keys are int32)
-        self._offsets = [(ch.layer * _ranges.BINS).to(torch.int32) for ch in self._chunks]
-        self._sizes = [[b - a for _, a, b in ch.items] for ch in self._chunks]
+        self._ranger = RangeSampler(layout, self._device) if self.range_every else None
         self._cells = DeviceBuffer(
             self.flush_every,
             len(layout.params),
@@ -176,7 +172,6 @@ class Telemetry:
             self.layer_stats,
         )
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
-        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         self._stage = HostStaging(self._cells.flat.numel(), self._device)
         # per recorded step, one tuple: (step, micro-batches, scaled, scale, (stats slot, range
         # slot, grads scaled), precision, flags, grad-norm tensor); and every recorded
@@ -372,29 +367,8 @@ class Telemetry:
         row, amax, hist = self._cells.ranges[slot]
         row.zero_()
         scaler = self._scaler if grads_scaled else None
-        inv = scaler.inv_scale() if scaler is not None else None
-        for ch, offsets, sizes in zip(self._chunks, self._offsets, self._sizes, strict=True):
-            flat = torch.cat(
-                [  # most items are whole tensors: no slice
-                    grads[i].reshape(-1) if b - a == grads[i].numel() else grads[i].reshape(-1)[a:b]
-                    for i, a, b in ch.items
-                ]
-            )
-            if flat.dtype != torch.float32:
-                flat = flat.float()
-            if inv is not None:
-                flat.mul_(inv)
-            # fp32 bits with the sign cleared: as a float that is |g| (NaN stays NaN); as an
-            # integer its top bits are the biased exponent, which is all the histogram needs
-            # (integer ops, several times cheaper than frexp on the CPU).
-            bits = flat.view(torch.int32).bitwise_and_(0x7FFFFFFF)
-            peaks = torch.stack(torch._foreach_max(bits.view(torch.float32).split(sizes)))
-            amax.scatter_reduce_(0, ch.layer, peaks, "amax")
-            keys = _range_keys(bits, offsets, ch)
-            if keys.device.type == "cpu":  # a counting pass, ~7x faster than index_add_ here
-                hist.add_(torch.bincount(keys, minlength=hist.numel()))
-            else:  # CUDA's bincount syncs the host (it sizes its output); index_add_ does not
-                hist.index_add_(0, keys, self._one.expand(ch.total))
+        assert self._ranger is not None
+        self._ranger.sample(grads, amax, hist, scaler.inv_scale() if scaler is not None else None)
 
     # ------------------------------------------------------------------ resume and events
     def on_resume(self, step: int, scale_reset: bool, saved_scale: float | None) -> Resumed:
@@ -605,20 +579,6 @@ class Telemetry:
                 self._log.close()
                 self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
                 runlog.write_json_atomic(self._meta_path, self._meta)
-
-
-def _range_keys(bits: torch.Tensor, offsets: torch.Tensor, ch: _layers.Chunk) -> torch.Tensor:
-    """Histogram cell of every value from its fp32 bits with the sign cleared (int32).
-
-    floor(log2|g|) = biased exponent - 127 for normal numbers. Bin 0: exact zero; bin k:
-    floor(log2|g|) == E_MIN + k - 1, clamped into [1, BINS - 1] (fp32 subnormals land in bin
-    1 like every value below 2**E_MIN; inf and NaN, an overflowing step whose sample the
-    rules and the report skip, in the top bin). ``min(key, bits)`` is 0 only for an exact zero:
-    any nonzero value has bits >= 1, and a key above 1 needs bits far above BINS.
-    """
-    key = bits.bitwise_right_shift(23).sub_(126 + _ranges.E_MIN).clamp_(1, _ranges.BINS - 1)
-    torch.minimum(key, bits, out=key)
-    return key.add_(torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total))
 
 
 def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
