@@ -479,11 +479,7 @@ class Telemetry:
             self._stage.push(self._cells.used(*counts), (facts, counts))  # the one transfer
         # the window in progress (gradients sampled, no step yet) keeps its samples in slot 0
         stats_slot, range_slot, grads_scaled = self._this_step
-        if stats_slot >= 0:
-            self._cells.write_norms()
-            stats_slot = self._cells.carry("stats", stats_slot)
-        if range_slot >= 0:
-            range_slot = self._cells.carry("ranges", range_slot)
+        stats_slot, range_slot = self._cells.carry(stats_slot, range_slot)
         self._stats_used, self._ranges_used = int(stats_slot >= 0), int(range_slot >= 0)
         self._this_step = (stats_slot, range_slot, grads_scaled)
         self._write_ready(wait=wait)

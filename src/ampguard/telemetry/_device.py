@@ -148,13 +148,19 @@ class DeviceBuffer:
             self._step_of[micro] = index
         return index
 
-    def carry(self, kind: str, slot: int) -> int:
-        """Move sample ``slot`` of ``kind`` ("stats" or "ranges") to slot 0 (the window in
-        progress keeps its sample across a flush); returns 0."""
-        rows = self.stats if kind == "stats" else [r[0] for r in self.ranges]
-        if slot:
-            rows[0].copy_(rows[slot])
-        return 0
+    def carry(self, stats_slot: int, range_slot: int) -> tuple[int, int]:
+        """Move the samples of the window in progress (slots, -1: none) to slot 0, so that they
+        survive a flush; returns their new slots."""
+        if stats_slot >= 0:
+            self.write_norms()
+            if stats_slot:
+                self.stats[0].copy_(self.stats[stats_slot])
+            stats_slot = 0
+        if range_slot >= 0:
+            if range_slot:
+                self.ranges[0][0].copy_(self.ranges[range_slot][0])
+            range_slot = 0
+        return stats_slot, range_slot
 
     def host_values(self, host: np.ndarray, stats: int, ranges: int) -> Values:
         """The host copy of :meth:`used` as :class:`Values`."""
