@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "lint_source": "ampguard.lint",
     "lint_paths": "ampguard.lint",
     "Telemetry": "ampguard.telemetry",
+    "TelemetryError": "ampguard.telemetry",
     "RuleConfig": "ampguard.rules",
     "report": "ampguard.reporting",
     "SyncCounter": "ampguard.testing",
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.reporting import report as report
     from ampguard.rules import RuleConfig as RuleConfig
     from ampguard.telemetry import Telemetry as Telemetry
+    from ampguard.telemetry import TelemetryError as TelemetryError
     from ampguard.testing import SyncCounter as SyncCounter
 
 

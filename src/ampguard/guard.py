@@ -46,7 +46,7 @@ from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeTracker, ResumeWarmup
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
-from ampguard.distributed import DistributedState
+from ampguard.distributed import DistributedState, check_distributed_options
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
 from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
@@ -56,6 +56,7 @@ from ampguard.fp8 import _guard as _fp8_guard
 from ampguard.reporting._on_close import write_report as _write_report
 from ampguard.telemetry import Telemetry
 from ampguard.telemetry import attach as _attach_telemetry
+from ampguard.telemetry import check_argument as check_telemetry_argument
 
 __all__ = ["Guard", "StepResult"]
 
@@ -105,6 +106,9 @@ class Guard:
         fp8_plan: Any = None,
         skip_nonfinite: bool = True,
     ) -> None:
+        # All or nothing (issue 23): 1. check every argument, 2. create the resources (peer
+        # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
+        # failure in 3 undoes 3 and releases the run folder, so the model is as it was.
         self.optimizers = as_optimizers(optimizer)
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         check_model(model, params)
@@ -122,7 +126,12 @@ class Guard:
         self._policy = resolve_precision(precision, self._device)
         check_parameters(params, self._policy, argument="optimizer")
         self._params = params
-        # precision="fp8" (ampguard.fp8._guard): torchao Float8Linear for the plan's layers
+        self.peer_timeout = check_peer_timeout(peer_timeout)
+        check_distributed_options(audit_every, on_desync)
+        check_telemetry_argument(telemetry)
+        _guard_forensics.check(model, keep_fp32, forensics, auto_fallback, coverage_step)
+        # precision="fp8" (ampguard.fp8._guard): the plan checked, torchao imported, the layers
+        # chosen; converted to torchao's Float8Linear in step 3
         self._fp8 = _fp8_guard.attach(self, fp8_plan)
         self._scaler = self._make_scaler()
         self._callbacks: list[Callable[[StepResult], Any]] = []
@@ -140,9 +149,8 @@ class Guard:
         self._contain: MicrobatchBuffer | None = None
         self._resume = ResumeTracker(resume_warmup)
         self.resume_warmup = resume_warmup
-        # distributed (ampguard.distributed): None unless a process group is in play; ampguard's
-        # own collectives wait at most peer_timeout seconds (ampguard.distributed._peers)
-        self.peer_timeout = check_peer_timeout(peer_timeout)
+        # 2. distributed (ampguard.distributed): None unless a process group is in play;
+        # ampguard's own collectives wait at most peer_timeout seconds (distributed._peers)
         self._dist = _attach_distributed(
             model,
             self._device,
@@ -154,19 +162,29 @@ class Guard:
             peer_timeout=self.peer_timeout,
         )
         telemetry = _rank_telemetry(self._dist, telemetry)  # distributed: rank 0 writes the log
-        # telemetry (ampguard.telemetry): device-side step records, flushed every N steps
+        # telemetry (ampguard.telemetry): device-side step records, flushed every N steps; the
+        # run folder is created and locked here (TelemetryError naming it if it cannot be)
         self._telemetry = _attach_telemetry(telemetry, self)
-        if self._fp8 is not None:  # fp8 telemetry: per-layer amax and flushed shares
-            self._fp8.watch(self)
-        # forensics (ampguard.forensics._guard): keep_fp32 islands, armed tracing, auto_fallback,
-        # coverage_step; None (zero cost) unless one of them is used
-        self._forensics = _guard_forensics.attach(
-            self,
-            keep_fp32=keep_fp32,
-            forensics=forensics,
-            auto_fallback=auto_fallback,
-            coverage_step=coverage_step,
-        )
+        self._forensics = None
+        try:  # 3. the model
+            if self._fp8 is not None:
+                self._fp8.convert()
+                self._fp8.watch(self)  # fp8 telemetry: per-layer amax and flushed shares
+            # forensics (ampguard.forensics._guard): keep_fp32 islands, armed tracing,
+            # auto_fallback, coverage_step; None (zero cost) unless one of them is used
+            self._forensics = _guard_forensics.attach(
+                self,
+                keep_fp32=keep_fp32,
+                forensics=forensics,
+                auto_fallback=auto_fallback,
+                coverage_step=coverage_step,
+            )
+        except BaseException:
+            if self._fp8 is not None:
+                self._fp8.revert()
+            if self._telemetry is not None:
+                self._telemetry.release()
+            raise
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -315,6 +333,9 @@ class Guard:
             raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
         if self._micro < self.accumulation_steps:
             return StepResult.in_window(self._steps, len(self.optimizers))
+        tel = self._telemetry
+        if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update
+            tel.before_update()
         self._micro = 0
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
@@ -601,8 +622,8 @@ class Guard:
         Cost: one host sync.
         """
         self._drain()
-        if self._telemetry is not None:
-            self._telemetry.flush()
+        if self._telemetry is not None:  # a full run-log disk never fails a checkpoint
+            self._telemetry.flush_deferred()
         if self._micro:
             warnings.warn(
                 f"Guard.state_dict() called mid-window ({self._micro} of "

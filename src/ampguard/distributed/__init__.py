@@ -57,6 +57,7 @@ __all__ = [
     "detect",
     "DistributedState",
     "attach",
+    "check_distributed_options",
     "param_checksum",
     "rank_telemetry",
     "fsdp_modules",
@@ -504,9 +505,7 @@ def attach(
 
     Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
     """
-    check_int("audit_every", audit_every, optional=True)
-    if on_desync not in ON_DESYNC:
-        raise ValueError(f"on_desync must be one of {ON_DESYNC}, got {on_desync!r}")
+    check_distributed_options(audit_every, on_desync)
     topology = detect(model, process_group)
     if topology is None:
         return None
@@ -529,6 +528,13 @@ def attach(
         containment=containment,
         params=params,
     )
+
+
+def check_distributed_options(audit_every: Any, on_desync: Any) -> None:
+    """``audit_every`` (an int >= 1 or None) and ``on_desync`` (one of :data:`ON_DESYNC`)."""
+    check_int("audit_every", audit_every, optional=True)
+    if on_desync not in ON_DESYNC:
+        raise ValueError(f"on_desync must be one of {ON_DESYNC}, got {on_desync!r}")
 
 
 def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:

@@ -34,9 +34,9 @@ from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
-from ampguard.forensics.islands import Fp32Islands, keep_fp32
+from ampguard.forensics.islands import Fp32Islands, keep_fp32, match_modules
 
-__all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace"]
+__all__ = ["ARM_STEPS", "GuardForensics", "attach", "check", "diagnose_trace"]
 
 ARM_STEPS = 3
 FORENSICS_FILE = "forensics.json"
@@ -52,14 +52,24 @@ def attach(
     coverage_step: Any = None,
 ) -> GuardForensics | None:
     """Validate the Guard arguments; None when none of them is in use (zero cost)."""
-    for name, value in (("forensics", forensics), ("auto_fallback", auto_fallback)):
-        check_bool(name, value)
-    check_int("coverage_step", coverage_step, optional=True)
+    check(guard.model, keep_fp32, forensics, auto_fallback, coverage_step)
     if not (keep_fp32 or forensics or auto_fallback or coverage_step):
         return None
     return GuardForensics(
         guard, keep_fp32, forensics or auto_fallback, auto_fallback, coverage_step
     )
+
+
+def check(
+    model: torch.nn.Module, keep_fp32: Any, forensics: Any, auto_fallback: Any, coverage_step: Any
+) -> None:
+    """Check the Guard's forensics arguments (every ``keep_fp32`` pattern must match a module)
+    without touching the model: the Guard calls it before anything else changes."""
+    for name, value in (("forensics", forensics), ("auto_fallback", auto_fallback)):
+        check_bool(name, value)
+    check_int("coverage_step", coverage_step, optional=True)
+    if keep_fp32:
+        match_modules(model, keep_fp32)
 
 
 class GuardForensics:

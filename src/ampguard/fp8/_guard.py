@@ -90,7 +90,12 @@ def has_fp8_matmul(device: torch.device) -> bool:
 
 
 class Fp8State:
-    """What the Guard keeps about its fp8 layers: the plan, the converted names, emulation."""
+    """What the Guard keeps about its fp8 layers: the plan, the converted names, emulation.
+
+    Two phases, so a Guard that raises leaves the model as it was: the constructor checks the
+    plan, imports torchao and picks the layers without touching the model; :meth:`convert`
+    swaps them (all or nothing) and :meth:`revert` puts the original ``nn.Linear`` modules back.
+    """
 
     def __init__(self, guard: Any, plan: Any) -> None:
         from ampguard.fp8 import Fp8Plan
@@ -101,10 +106,11 @@ class Fp8State:
                 f"got {type(plan).__name__}"
             )
         float8 = require_torchao()
-        model: nn.Module = guard.model
+        self._float8 = float8
+        self.model: nn.Module = guard.model
         self.plan = plan
         self.recipe = plan.recipe if plan is not None else "tensorwise"
-        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        linears = {n: m for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
         if plan is not None:
             unknown = sorted(set(plan.layers) - set(linears))
             if unknown:
@@ -112,29 +118,56 @@ class Fp8State:
                     f"fp8_plan was made for another model: its layers {unknown[:5]} "
                     "are not Linear layers of this model"
                 )
-        self.emulated = not has_fp8_matmul(guard._device)
+        self._device = guard.device
+        self.emulated = not has_fp8_matmul(guard.device)
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
+        self._config = dataclasses.replace(config, emulate=True) if self.emulated else config
+        self._linears = linears
+        self._chosen = {n for n, m in linears.items() if self._wanted(m, n, float8)}
+        self._originals: dict[str, nn.Module] = {}
+        self.layers: list[str] = []
+        self.kept: list[str] = list(linears)
+        self.monitor: Any = None
+
+    def convert(self) -> None:
+        """Swap the chosen Linear layers for ``Float8Linear`` (same parameter tensors); on any
+        failure the swapped ones are put back before the error propagates."""
+        float8, model = self._float8, self.model
         if self.emulated:
-            config = dataclasses.replace(config, emulate=True)
-            _warn_emulated(guard._device)
-        chosen = {n for n, m in linears.items() if self._wanted(m, n, float8)}
+            _warn_emulated(self._device)
+        chosen = self._chosen
         if chosen:
-            with _quiet_logs():
-                float8.convert_to_float8_training(
-                    model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen
-                )
+            self._originals = {n: self._linears[n] for n in chosen}
+            try:
+                with _quiet_logs():
+                    float8.convert_to_float8_training(
+                        model, config=self._config, module_filter_fn=lambda m, fqn: fqn in chosen
+                    )
+            except BaseException:
+                self.revert()
+                raise
         self.layers = [
             n for n, m in model.named_modules() if isinstance(m, float8.float8_linear.Float8Linear)
         ]
-        self.kept = [n for n in linears if n not in self.layers]
+        self.kept = [n for n in self._linears if n not in self.layers]
         if not self.layers:
             warnings.warn(
                 "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
                 "or the plan keeps them all in bf16); training runs in bf16",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
-        self.monitor: Any = None
+
+    def revert(self) -> None:
+        """Put back the ``nn.Linear`` modules :meth:`convert` replaced (a Guard that failed
+        after the conversion). Cost: no device op."""
+        for name, module in self._originals.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            setattr(parent, child, module)
+        self._originals = {}
+        self.layers = []
+        self.kept = list(self._linears)
 
     def watch(self, guard: Any) -> None:
         """With telemetry (``range_every`` > 0), sample the converted layers while training."""
@@ -192,7 +225,8 @@ def _warn_emulated(device: torch.device) -> None:
 
 
 def attach(guard: Any, plan: Any) -> Fp8State | None:
-    """Convert ``guard.model``'s Linear layers for ``precision='fp8'``; None otherwise."""
+    """Check ``fp8_plan`` and pick the Linear layers for ``precision='fp8'`` (the model is not
+    touched yet: :meth:`Fp8State.convert` does it); None otherwise."""
     if guard._policy.precision != "fp8":
         if plan is not None:
             raise ValueError(

@@ -35,3 +35,11 @@ def write_report(run_dir: str | os.PathLike) -> Path | None:
             stacklevel=3,
         )
         return None
+    except OSError as exc:  # a full or read-only disk: the run log is what matters
+        warnings.warn(
+            f"ampguard: no report.html written for {run_dir} ({exc}); `ampguard report` "
+            "renders it later",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None

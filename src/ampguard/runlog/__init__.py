@@ -15,6 +15,7 @@ naming the file. This module imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ampguard._util import atomic
+from ampguard.runlog._errors import TelemetryError
 from ampguard.runlog._files import read_findings, read_json_file, read_meta
 from ampguard.runlog._read import read_columns
 from ampguard.runlog._schema import RunFolderError, check_record, parse_line
@@ -38,6 +40,7 @@ __all__ = [
     "REPORT",
     "TB_DIR",
     "EventLog",
+    "json_line",
     "FINDING_EVENT",
     "append_findings",
     "RunLog",
@@ -49,6 +52,7 @@ __all__ = [
     "number_texts",
     "last_step_record",
     "RunFolderError",
+    "TelemetryError",
     "read_meta",
     "read_findings",
 ]
@@ -112,8 +116,19 @@ def read_json(path: str | os.PathLike) -> Any:
     return read_json_file(path)
 
 
+def json_line(record: dict[str, Any]) -> str:
+    """One run-log line: compact JSON (no NaN: those are ``null``) and a newline."""
+    return json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
+
+
 class EventLog:
-    """Append-only JSON-lines file; every :meth:`append` is one ``write`` of whole lines."""
+    """Append-only JSON-lines file; every :meth:`append` is one ``write`` of whole lines.
+
+    A write that fails (``ENOSPC`` on a full disk, ``EROFS``, ``EIO``) is cut back to the size
+    the file had before it, so a failed write never leaves a partial line; the ``OSError``
+    propagates. If even the cut fails, the next write starts on a new line (the fragment stays
+    a line of its own, which the reader skips) and :attr:`torn` says so until then.
+    """
 
     def __init__(self, path: str | os.PathLike, *, fresh: bool) -> None:
         self.path = Path(path)
@@ -122,22 +137,35 @@ class EventLog:
         elif self.path.exists():
             _cut_torn_tail(self.path)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.torn = False  # a failed write left a fragment that could not be cut off
 
     def append(self, records: list[dict[str, Any]]) -> None:
         """Append ``records`` as lines in a single write (atomic position with ``O_APPEND``)."""
-        self.write_lines(
-            [json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n" for r in records]
-        )
+        self.write_lines([json_line(r) for r in records])
 
     def write_lines(self, lines: list[str]) -> None:
-        """Append already-encoded JSON lines (each ending in a newline) in a single write."""
+        """Append already-encoded JSON lines (each ending in a newline) in a single write;
+        all of them or none (see the class docstring)."""
         if not lines:
             return
-        if self._fd is None:
+        fd = self._fd
+        if fd is None:
             raise ValueError(f"event log {self.path} is closed")
-        view = memoryview("".join(lines).encode())
-        while view:
-            view = view[os.write(self._fd, view) :]
+        text = "".join(lines)
+        if self.torn:
+            text = "\n" + text
+        view = memoryview(text.encode())
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                self.torn = os.lseek(fd, 0, os.SEEK_END) > start
+            raise
+        self.torn = False
 
     def sync(self) -> None:
         """fsync the log (survives power loss, not only a killed process)."""
@@ -145,10 +173,20 @@ class EventLog:
             os.fsync(self._fd)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+        """fsync and close; the file is closed even when the fsync fails (its error raised)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abandon(self) -> None:
+        """Close without an fsync, ignoring errors (a writer that gives the folder up)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _cut_torn_tail(path: Path) -> None:

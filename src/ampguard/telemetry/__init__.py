@@ -38,13 +38,24 @@ from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
+from ampguard.runlog._lock import RunFolderLock
 from ampguard.telemetry._device import DeviceBuffer, host_view
+from ampguard.telemetry._disk import WriteFailures
 from ampguard.telemetry._range_sample import RangeSampler
 from ampguard.telemetry._records import Facts, RunTally, Shape, build_lines
 from ampguard.telemetry._staging import HostStaging
 from ampguard.telemetry.source import TelemetrySource
 
-__all__ = ["Resumed", "Telemetry", "TelemetrySource", "attach"]
+TelemetryError = runlog.TelemetryError  # public: ag.TelemetryError (defined torch-free in runlog)
+
+__all__ = [
+    "Resumed",
+    "Telemetry",
+    "TelemetryError",
+    "TelemetrySource",
+    "attach",
+    "check_argument",
+]
 
 _NO_SAMPLE = (-1, -1, False)  # (stats slot, range slot, grads scaled) of a window not sampled
 
@@ -73,7 +84,15 @@ class Telemetry:
     ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
     resume point; False starts the log over), ``sinks`` (extra sinks such as
     :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
-    ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
+    ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close),
+    ``on_write_error`` (a write to the run folder that fails, e.g. a full disk: ``"warn"``
+    suspends telemetry with one warning and training goes on, ``"raise"`` raises
+    :class:`TelemetryError` before the next update; see :mod:`ampguard.telemetry._disk`).
+
+    The run folder has one writer at a time: attaching takes its lock (``.ampguard.lock``, with
+    the pid; see :mod:`ampguard.runlog._lock`) and :meth:`close` releases it. A folder that
+    cannot be created or written, or that another writer holds, is a :class:`TelemetryError`
+    naming it when the Guard is built.
 
     Cost: no host sync between flushes. Per step: no device op on the CPU, one tiny copy (the
     scale) on a device, and a detached reference to each micro-batch's loss; on statistics steps
@@ -97,6 +116,7 @@ class Telemetry:
         *,
         resume: bool = True,
         sinks: Any = (),
+        on_write_error: str = "warn",
     ) -> None:
         if not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(
@@ -114,6 +134,12 @@ class Telemetry:
         self.layer_every = _positive_int("layer_every", layer_every)
         self.range_every = _positive_int("range_every", range_every, minimum=0)
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
+        self._failures = WriteFailures(self.run_dir, on_write_error)
+        self.on_write_error = on_write_error
+        self.flush_due = False  # raise mode: a full buffer waits for before_update()
+        self._unwritten: list[str] = []  # raise mode: lines whose write failed, written first
+        self._error: TelemetryError | None = None  # raise mode: the failure to raise
+        self._lock: RunFolderLock | None = None
         # the first step whose gradients are sampled: a producer may skip on_grads before it
         self.next_sample = self._due_after(0)
         if tensorboard:
@@ -142,6 +168,7 @@ class Telemetry:
             "layer_every": self.layer_every,
             "range_every": self.range_every,
             "tensorboard": self.tensorboard,
+            "on_write_error": self.on_write_error,
         }
 
     # ------------------------------------------------------------------ attach and layout
@@ -149,6 +176,13 @@ class Telemetry:
         if self._source is not None:
             raise ValueError("this Telemetry is already attached to a Guard; use one per Guard")
         self._source = source
+        try:
+            self._attach_to(source)
+        except BaseException:
+            self._source = None
+            raise
+
+    def _attach_to(self, source: TelemetrySource) -> None:
         self._device = source.device
         self._n_optimizers = len(source.optimizers)
         layout = _layers.build_layout(source.model, source.params)
@@ -196,7 +230,27 @@ class Telemetry:
         self._precision, self._scaler = self._source.precision, self._source.loss_scaler
 
     def _open_folder(self, source: TelemetrySource) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TelemetryError(
+                f"telemetry run folder {self.run_dir} cannot be created: {exc.strerror or exc}",
+                str(self.run_dir),
+            ) from exc
+        self._lock = RunFolderLock(self.run_dir)  # TelemetryError if another writer holds it
+        try:
+            self._open_log(source)
+        except BaseException as exc:
+            self.release()
+            if isinstance(exc, OSError):
+                raise TelemetryError(
+                    f"telemetry run folder {self.run_dir} cannot be written: "
+                    f"{exc.strerror or exc}",
+                    str(self.run_dir),
+                ) from exc
+            raise
+
+    def _open_log(self, source: TelemetrySource) -> None:
         self._meta = _layers.run_meta(source, self._layout, self.config())
         self._log: runlog.EventLog | None = None
         # An existing log is continued only if the Guard resumes from a checkpoint before its
@@ -256,7 +310,7 @@ class Telemetry:
         if self._closed:
             return
         if self._log_pending:  # the first step came without a resume: a new run
-            self._start_log()
+            self._begin_log()
         layers = step % self.layer_every == 0
         ranged = self.range_every and step % self.range_every == 0
         if not (layers or ranged):
@@ -294,7 +348,9 @@ class Telemetry:
         if self._closed:
             return
         if self._log_pending:  # no gradient sample opened the log yet: this is a new run
-            self._start_log()
+            self._begin_log()
+        if self.flush_due:  # raise mode, a producer that does not call before_update()
+            self._flush(wait=False)
         pending = self._pending
         scaler = self._scaler
         scale = None
@@ -324,7 +380,25 @@ class Telemetry:
         if step >= self.next_sample:
             self.next_sample = self._due_after(step)
         if len(pending) == self.flush_every:
+            if self._failures.mode == "raise":  # written before the next update (a Guard)
+                self.flush_due = True
+            else:
+                self._flush(wait=False)
+
+    def before_update(self) -> None:
+        """The producer is about to apply a window's update: write the full buffer now, so that
+        with ``on_write_error="raise"`` a failed write raises :class:`TelemetryError` before
+        the update (the Guard calls this at the start of ``step()`` while :attr:`flush_due`).
+        Cost: a flush (as the automatic one)."""
+        if self.flush_due:
             self._flush(wait=False)
+
+    def _begin_log(self) -> None:
+        try:
+            self._start_log()
+        except OSError as exc:
+            self._log_pending = False
+            self._failures.failed(self._events, exc)
 
     def _due_after(self, step: int) -> int:
         """The first step after ``step`` whose gradients are sampled."""
@@ -413,9 +487,10 @@ class Telemetry:
             "scale_reset": scale_reset,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        self._log.append([event])
+        self._append([event])
         self._meta.setdefault("resumes", []).append(event)
-        runlog.write_json_atomic(self._meta_path, self._meta)
+        self._write_json(self._meta_path, self._meta)
+        self._raise_error()
         return Resumed(step, previous)
 
     def on_fallback(self, step: int, old: str, new: str) -> None:
@@ -426,7 +501,8 @@ class Telemetry:
         self.flush()
         self._read_source()
         if self._log is not None:
-            self._log.append([{"kind": "fallback", "step": step, "from": old, "to": new}])
+            self._append([{"kind": "fallback", "step": step, "from": old, "to": new}])
+            self._raise_error()
 
     def append_events(self, records: list[dict[str, Any]]) -> None:
         """Append non-step records (e.g. ``{"kind": "fp8", ...}``) to the run log after the steps
@@ -436,7 +512,8 @@ class Telemetry:
             return
         self.flush()
         if self._log is not None:
-            self._log.append(records)
+            self._append(records)
+            self._raise_error()
 
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
@@ -448,9 +525,20 @@ class Telemetry:
         """
         self._flush(wait=True)
 
+    def flush_deferred(self) -> None:
+        """:meth:`flush`, except that a failed write never raises here: with
+        ``on_write_error="raise"`` its records are kept and the error is raised by the next
+        ``step()``, :meth:`flush` or :meth:`close` (``Guard.state_dict()`` uses it, so a
+        checkpoint never fails for the run log's disk). Cost: as :meth:`flush`."""
+        try:
+            self.flush()
+        except TelemetryError:
+            self.flush_due = True
+
     def _flush(self, wait: bool) -> None:
         if self._source is None or self._closed:
             return
+        self.flush_due = False
         if self._stage.in_flight:  # earlier copies that completed (CUDA); frees a host buffer
             self._write_ready(wait=False)
         pending, self._pending = self._pending, []
@@ -491,16 +579,69 @@ class Telemetry:
             lines, outcome, self._scale_carry = build_lines(
                 facts, values, carry=self._scale_carry, shape=self._shape
             )
-            assert self._log is not None
-            self._log.write_lines(lines)
+            written = self._write(lines, tuple(facts.step))
             sinks = self._sink is not None or bool(self.sinks)
             rates = self._tally.add(outcome, rates=sinks)
-            if sinks:
+            if sinks and written:
                 records = [json.loads(line) for line in lines]
                 for sink in (self._sink, *self.sinks):  # TensorBoard, then the extra sinks
                     if sink is not None:
                         sink.write(records, rates)
             self.flushes += 1
+        if self._unwritten:  # raise mode: lines that failed before, retried
+            self._write([])
+        self._raise_error()
+
+    # ------------------------------------------------------------------ writes (full disks)
+    def _write(self, lines: list[str], steps: tuple[int, ...] = (), events: int = 0) -> bool:
+        """Append ``lines`` to the run log, all or none, under the write-failure policy
+        (:mod:`ampguard.telemetry._disk`); True when written. Raise mode: the lines are kept
+        and the error waits in ``_error`` for :meth:`_raise_error`."""
+        failures = self._failures
+        gap = [runlog.json_line(g) for g in failures.pending_gap()]
+        try:
+            if self._log is None:
+                self._log = runlog.EventLog(self._events, fresh=False)
+            self._log.write_lines([*gap, *self._unwritten, *lines])
+        except OSError as exc:
+            if failures.mode == "raise":
+                self._unwritten += lines
+                self.flush_due = True
+                self._error = self._error or failures.as_error(self._events, exc)
+                return False
+            failures.failed(self._events, exc, tuple(steps), events)
+            return False
+        self._unwritten = []
+        failures.written()
+        return True
+
+    def _append(self, records: list[dict[str, Any]]) -> None:
+        self._write([runlog.json_line(r) for r in records], events=len(records))
+
+    def _write_json(self, path: Path, obj: Any) -> bool:
+        """Write a JSON file of the run folder atomically, under the write-failure policy."""
+        try:
+            runlog.write_json_atomic(path, obj)
+        except OSError as exc:
+            if self._failures.mode == "raise":
+                self._error = self._error or self._failures.as_error(path, exc)
+            else:
+                self._failures.failed(path, exc)
+            return False
+        return True
+
+    def _raise_error(self) -> None:
+        """Raise mode: the write failure kept by :meth:`_write` (once)."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    @property
+    def unrecorded(self) -> dict[str, Any]:
+        """What a full or read-only disk kept out of the run log: ``gaps`` (each with its first
+        ``step``, ``last`` step, ``records``, ``reason``), ``records`` and ``events`` (counts),
+        and ``suspended`` (True while writes fail). Cost: none."""
+        return {**self._failures.summary(), "suspended": self._failures.suspended}
 
     # ------------------------------------------------------------------ cheap accessors
     def recent_scales(self, k: int = 32) -> list[tuple[int, float | None]]:
@@ -528,9 +669,13 @@ class Telemetry:
         self.flush()
         if self._log is None:  # nothing recorded yet
             return []
-        self._log.sync()
+        try:
+            self._log.sync()
+        except OSError as exc:  # EIO on a failing disk
+            self._failures.failed(self._events, exc)
         found = rules.evaluate(runlog.load_run(self.run_dir))
-        runlog.write_json_atomic(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
+        self._write_json(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
+        self._raise_error()
         return found
 
     @property
@@ -550,31 +695,76 @@ class Telemetry:
             return
         self.flush()
         if self._log is not None:
-            self._log.append(
+            self._append(
                 [
                     {"kind": runlog.FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
                     for f in fresh
                 ]
             )
+            self._raise_error()
             self._recorded.update(repr(f.to_dict()) for f in fresh)
 
     def close(self) -> None:
-        """Flush, write ``findings.json`` and close the sinks. Idempotent. Cost: one sync."""
+        """Flush, write ``findings.json``, close the sinks and release the run folder.
+        Idempotent. A write that fails here follows ``on_write_error`` (a warning, or one
+        :class:`TelemetryError`), never a bare ``OSError``. Cost: one sync."""
         if self._source is None or self._closed:
             self._closed = True
             return
+        error: TelemetryError | None = None
         try:
             self.findings()
+        except TelemetryError as exc:
+            error = exc
         finally:
             self._closed = True
-            if self._sink is not None:
-                self._sink.close()
-            for sink in self.sinks:  # extra sinks
-                sink.close()
-            if self._log is not None:
-                self._log.close()
-                self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-                runlog.write_json_atomic(self._meta_path, self._meta)
+            try:
+                if self._sink is not None:
+                    self._sink.close()
+                for sink in self.sinks:  # extra sinks
+                    sink.close()
+                if self._log is not None:
+                    try:
+                        self._log.close()
+                    except OSError as exc:
+                        self._log = None
+                        if self._failures.mode == "warn":
+                            self._failures.failed(self._events, exc)
+                        else:
+                            self._error = self._failures.as_error(self._events, exc)
+                    self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                    if self._failures.gaps or self._failures.lost_events:
+                        self._meta["unrecorded"] = self._failures.summary()
+                    self._write_json(self._meta_path, self._meta)
+            finally:
+                self.release()
+        if error is None:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def release(self) -> None:
+        """Give the run folder up without writing anything more: close the log file, release
+        the lock and detach (a Guard whose constructor failed calls it). Idempotent; never
+        raises. :meth:`close` calls it last."""
+        log, self._log = getattr(self, "_log", None), None
+        if log is not None and not self._closed:
+            log.abandon()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if not self._closed:
+            self._source = None
+
+
+def check_argument(telemetry: Any) -> None:
+    """``TypeError`` unless ``telemetry`` is None, a run folder path or a Telemetry (a Guard
+    checks it before it changes anything)."""
+    if telemetry is not None and not isinstance(telemetry, (str, os.PathLike, Telemetry)):
+        raise TypeError(
+            "telemetry must be None, a run folder path or an ampguard.Telemetry, got "
+            f"{type(telemetry).__name__}"
+        )
 
 
 def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
