@@ -65,6 +65,8 @@ def _facts(facts: dict[str, Any]) -> str:
         ("scale changes", facts["scale_changes"]),
         ("micro-batches dropped", facts["dropped"]),
     ]
+    if facts.get("unrecorded"):  # a full or read-only disk kept steps out of the log
+        items.append(("not recorded", "; ".join(facts["unrecorded"])))
     diag = facts.get("diagnostics") or {}
     if diag:  # Guard.diagnostics() at close: what the run log alone does not say
         items.append(("consecutive skips at end", diag.get("consecutive_skips", "-")))

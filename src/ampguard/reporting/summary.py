@@ -33,7 +33,17 @@ def run_facts(run: RunLog, causes: dict[str, list[int]]) -> dict[str, Any]:
         "precision": run.precision[-1] if n else run.meta.get("precision"),
         "dropped": int(run.dropped.sum()),
         "diagnostics": run.meta.get("diagnostics"),  # Guard.diagnostics() at close, if any
+        "unrecorded": unrecorded_texts(run),
     }
+
+
+def unrecorded_texts(run: RunLog) -> list[str]:
+    """"steps N-M not recorded (disk full)" for every gap a failed write left in the log."""
+    out = []
+    for g in run.unrecorded:
+        span = f"step {g['step']}" if g["step"] == g["last"] else f"steps {g['step']}-{g['last']}"
+        out.append(f"{span} not recorded ({g.get('reason') or 'a write failed'})")
+    return out
 
 
 def _wrap(text: str, indent: str) -> str:
@@ -63,12 +73,14 @@ def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) ->
             f"steps {facts['first_step']}-{facts['last_step']}: {facts['skipped']} "
             f"skipped ({facts['skip_share']:.1%}; {causes})"
         )
+        lines.extend(f"  {text}: not counted above" for text in facts["unrecorded"])
         lines.append(
             f"loss scale {facts['scale_first']:g} -> {facts['scale_last']:g} (lowest "
             f"{facts['scale_min']:g}, {facts['scale_changes']} changes)"
         )
     else:
         lines.append("no steps recorded yet")
+        lines.extend(facts["unrecorded"])
     for r in run.resumes:
         prev = r.get("previous_scale")
         lines.append(

@@ -316,6 +316,25 @@ class RunLog:
     def fallbacks(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("kind") == "fallback"]
 
+    @property
+    def unrecorded(self) -> list[dict[str, Any]]:
+        """Ranges of steps a failed write (a full or read-only disk) kept out of the log:
+        ``{"step": first, "last", "records", "reason", ...}``, from the log's ``unrecorded``
+        lines and ``meta.json["unrecorded"]`` (a gap the disk never had room for again)."""
+        gaps = [e for e in self.events if e.get("kind") == "unrecorded"]
+        seen = {g["step"] for g in gaps}
+        meta = self.meta.get("unrecorded")
+        extra = meta.get("gaps") if isinstance(meta, dict) else None
+        for g in extra if isinstance(extra, list) else []:
+            if (
+                isinstance(g, dict)
+                and type(g.get("step")) is int
+                and type(g.get("last")) is int
+                and g["step"] not in seen
+            ):
+                gaps.append(g)
+        return sorted(gaps, key=lambda g: g["step"])
+
     def scaler_config(self) -> dict[str, Any]:
         return dict(self.meta.get("scaler") or {})
 
@@ -337,7 +356,7 @@ def load_run(run_dir: str | os.PathLike) -> RunLog:
         )
     meta = read_meta(meta_path)
     layers = list((meta.get("layers") or {}).get("names") or [])
-    cols = read_columns(events_path, len(layers))
+    cols = read_columns(events_path, len(layers), failed_writes=bool(meta.get("unrecorded")))
     return RunLog(run_dir=run_dir, meta=meta, layers=layers, **cols)
 
 

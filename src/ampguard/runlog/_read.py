@@ -184,32 +184,56 @@ class _Reader:
         self.events.append(rec)
 
 
-def read_columns(path: Path, width: int) -> dict[str, Any]:
+def read_columns(path: Path, width: int, *, failed_writes: bool = False) -> dict[str, Any]:
     """The arrays of a run log with ``width`` layers, plus ``events`` and ``bad_lines``.
 
+    A malformed line right before an ``unrecorded`` event is the fragment of a write that
+    failed (a full disk whose partial line could not be cut back) and is named so; a torn last
+    line is a writer killed mid-append, or, with ``failed_writes`` (``meta.json`` records
+    unwritten steps), possibly a failed write.
     Raises :class:`ampguard.runlog._schema.RunFolderError` when ``path`` cannot be read as a file.
     Cost: one streamed pass over the file.
     """
     reader = _Reader(width)
     note = LineWarnings(path)
+    held: tuple[int, str, bool] | None = None  # a bad line whose cause the next line tells
     for number, line, complete in iter_lines(path):
         rec = parse_line(line)
         bad = rec if isinstance(rec, str) else check_record(rec, width)
+        if held is not None:
+            failed = bad is None and isinstance(rec, dict) and rec.get("kind") == "unrecorded"
+            _warn_bad(note, held, failed, failed_writes, rec)
+            held = None
         if bad is not None:
-            where = (
-                f"line {number}"
-                if complete
-                else f"line {number} (a torn last line: the writer was killed mid-append)"
-            )
-            note.warn(where, bad)
+            held = (number, bad, complete)
             continue
         assert isinstance(rec, dict)
         if rec.get("kind", "step") == "step":
             reader.add_step(rec)
         else:
             reader.add_event(rec)
+    if held is not None:
+        _warn_bad(note, held, False, failed_writes, None)
     note.close()
     return _arrays(reader, note.count)
+
+
+def _warn_bad(
+    note: LineWarnings, held: tuple[int, str, bool], failed: bool, failed_writes: bool, nxt: Any
+) -> None:
+    number, bad, complete = held
+    if failed:
+        where = f"line {number} (the partial line of a write that failed: {nxt.get('reason')})"
+    elif complete:
+        where = f"line {number}"
+    elif failed_writes:
+        where = (
+            f"line {number} (a torn last line: a write that failed on a full disk, or the "
+            "writer was killed mid-append)"
+        )
+    else:
+        where = f"line {number} (a torn last line: the writer was killed mid-append)"
+    note.warn(where, bad)
 
 
 def _arrays(r: _Reader, bad: int) -> dict[str, Any]:

@@ -24,6 +24,8 @@ resume    ``step`` int (required); ``scale``, ``previous_scale``: number or null
           ``scale_reset``: bool; ``time``: str
 fallback  ``step`` int (required); ``from``, ``to``: str
 finding   ``step`` int or null; ``finding``: a :class:`ampguard.Finding` as a dict (required)
+unrecorded  steps a failed write kept out of the log: ``step`` (the first) and ``last`` int
+          (required), ``records``: int, ``reason`` (e.g. "disk full"), ``error``, ``file``: str
 ========  ==================================================================================
 
 Reading the files themselves (regular files only, errors naming them) is
@@ -181,6 +183,14 @@ EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     "fallback": {"step": (_int, True), "from": (_str, False), "to": (_str, False)},
     "finding": {"step": (_opt_int, False), "finding": (_dict, True)},
+    "unrecorded": {
+        "step": (_int, True),
+        "last": (_int, True),
+        "records": (_int, False),
+        "reason": (_str, False),
+        "error": (_str, False),
+        "file": (_str, False),
+    },
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
 META_FIELDS: dict[str, _Check] = {
@@ -213,6 +223,7 @@ META_FIELDS: dict[str, _Check] = {
     "resumes": _list,
     "diagnostics": _dict,
     "diagnostics.fallbacks": lambda v: type(v) is list and all(type(x) is dict for x in v),
+    "unrecorded": _dict,  # Telemetry: what a full disk kept out of the log (gaps, counts)
 }
 _WHAT.update(
     {
