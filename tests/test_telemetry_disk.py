@@ -125,6 +125,10 @@ def test_a_full_disk_suspends_telemetry_with_one_warning_and_training_goes_on(sm
     facts = run_facts(log, {})
     text = summary_text(log, [], facts)
     assert "steps 1-10 not recorded (disk full)" in text
+    found = json.loads((run / "findings.json").read_text())
+    ag140 = [f for f in found if f["code"] == "AG140"]
+    assert len(ag140) == 1 and ag140[0]["step"] == 1
+    assert "steps 1-10 not recorded (disk full)" in ag140[0]["message"]
     assert not (run / ".ampguard.lock").exists()
 
 

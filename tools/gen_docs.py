@@ -77,7 +77,10 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "load_distributed_checkpoint",
         ),
     ),
-    ("Telemetry, findings and the report", ("Telemetry", "RuleConfig", "report", "Finding")),
+    (
+        "Telemetry, findings and the report",
+        ("Telemetry", "TelemetryError", "RuleConfig", "report", "Finding"),
+    ),
     ("Forensics and autocast coverage", ("locate", "Diagnosis", "coverage", "Coverage")),
     ("Compare and the advisor", ("Experiment", "Comparison", "compare", "inspect_model")),
     ("Lint", ("lint_source", "lint_paths")),

@@ -199,6 +199,17 @@ CATALOGUE: dict[str, Code] = _table(
         "on this device (it trains in fp32 or switched to bf16)",
         "ask for the precision the device supports, or run on a device with fp16",
     ),
+    # -- AG140-AG144: the run log's own disk ------------------------------------------------
+    (
+        "AG140",
+        "warning",
+        "steps not recorded",
+        "runtime",
+        "a write to the run folder failed (a full or read-only disk) and telemetry, suspended, "
+        "could not record a range of steps (the log's `unrecorded` line or meta.json says which)",
+        "give the run folder a disk with room; Telemetry(on_write_error='raise') stops the run "
+        "instead of leaving a gap",
+    ),
     # -- AG13x: distributed ---------------------------------------------------------------------
     (
         "AG130",

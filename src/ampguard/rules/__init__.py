@@ -49,6 +49,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ampguard.findings import Finding, count
 from ampguard.rules._base import TITLES, RuleConfig
 from ampguard.rules._base import make_finding as _finding
+from ampguard.rules._gaps import ag140
 from ampguard.rules._layers import ag104, ag105, ag106, ag108
 from ampguard.rules._nonfinite import ag109, ag110
 from ampguard.runlog import RunLog
@@ -65,6 +66,7 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
     found: list[Finding] = []
     for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108, ag109, ag110):
         found.extend(rule(run, cfg, warm))
+    found.extend(ag140(run, cfg, warm))  # steps a full disk kept out of the log
     # --- findings recorded during the run (forensics, distributed, attach mode) ---
     recorded = {
         (e["finding"]["code"], e["finding"]["title"]): Finding.from_dict(e["finding"])
