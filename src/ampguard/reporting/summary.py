@@ -38,7 +38,7 @@ def run_facts(run: RunLog, causes: dict[str, list[int]]) -> dict[str, Any]:
 
 
 def unrecorded_texts(run: RunLog) -> list[str]:
-    """"steps N-M not recorded (disk full)" for every gap a failed write left in the log."""
+    """ "steps N-M not recorded (disk full)" for every gap a failed write left in the log."""
     out = []
     for g in run.unrecorded:
         span = f"step {g['step']}" if g["step"] == g["last"] else f"steps {g['step']}-{g['last']}"

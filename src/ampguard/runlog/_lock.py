@@ -63,7 +63,7 @@ class RunFolderLock:
             gc.collect()  # a dropped, unclosed writer of this process may still hold it
             self._fd = self._acquire()
         _HELD[self._key] = weakref.ref(self)
-        self._finalizer = weakref.finalize(self, _release_fd, self._fd, self.path)
+        self._finalizer = weakref.finalize(self, _release_fd, self._fd, self.path, os.getpid())
 
     def _acquire(self) -> int:
         other = _HELD.get(self._key)
@@ -120,9 +120,7 @@ class RunFolderLock:
         if in_process:
             who = f"another Guard (or ag.watch) in this process (pid {os.getpid()})"
         elif holder:
-            who = (
-                f"pid {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')})"
-            )
+            who = f"pid {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')})"
         else:
             who = "another process"
         return TelemetryError(
@@ -161,11 +159,13 @@ def _write_holder(fd: int, path: Path) -> None:
         pass
 
 
-def _release_fd(fd: int, path: Path) -> None:
+def _release_fd(fd: int, path: Path, owner: int) -> None:
     # unlink while still holding the lock, so nobody takes a lock on a file about to vanish
-    # (a waiter that opened it re-checks the inode, see RunFolderLock._lock)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    # (a waiter that opened it re-checks the inode, see RunFolderLock._lock); a forked child
+    # exiting (it shares the lock) never removes its parent's lock file
+    if os.getpid() == owner:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     with contextlib.suppress(OSError):
         os.close(fd)
 

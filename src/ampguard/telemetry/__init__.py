@@ -37,8 +37,8 @@ import torch
 from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
-from ampguard.telemetry import _layers
 from ampguard.runlog._lock import RunFolderLock
+from ampguard.telemetry import _layers
 from ampguard.telemetry._device import DeviceBuffer, host_view
 from ampguard.telemetry._disk import WriteFailures
 from ampguard.telemetry._range_sample import RangeSampler
@@ -137,8 +137,6 @@ class Telemetry:
         self._failures = WriteFailures(self.run_dir, on_write_error)
         self.on_write_error = on_write_error
         self.flush_due = False  # raise mode: a full buffer waits for before_update()
-        self._unwritten: list[str] = []  # raise mode: lines whose write failed, written first
-        self._error: TelemetryError | None = None  # raise mode: the failure to raise
         self._lock: RunFolderLock | None = None
         # the first step whose gradients are sampled: a producer may skip on_grads before it
         self.next_sample = self._due_after(0)
@@ -244,8 +242,7 @@ class Telemetry:
             self.release()
             if isinstance(exc, OSError):
                 raise TelemetryError(
-                    f"telemetry run folder {self.run_dir} cannot be written: "
-                    f"{exc.strerror or exc}",
+                    f"telemetry run folder {self.run_dir} cannot be written: {exc.strerror or exc}",
                     str(self.run_dir),
                 ) from exc
             raise
@@ -585,56 +582,39 @@ class Telemetry:
             if sinks and written:
                 records = [json.loads(line) for line in lines]
                 for sink in (self._sink, *self.sinks):  # TensorBoard, then the extra sinks
-                    if sink is not None:
+                    if sink is None:
+                        continue
+                    try:
                         sink.write(records, rates)
+                    except OSError as exc:  # tb/ on the same full disk: the same policy
+                        where = self.run_dir / runlog.TB_DIR if sink is self._sink else self.run_dir
+                        self._failures.failed(where, exc)
             self.flushes += 1
-        if self._unwritten:  # raise mode: lines that failed before, retried
+        if self._failures.unwritten:  # raise mode: lines that failed before, retried
             self._write([])
         self._raise_error()
 
     # ------------------------------------------------------------------ writes (full disks)
+    # every write goes through the policy of ampguard.telemetry._disk (on_write_error)
     def _write(self, lines: list[str], steps: tuple[int, ...] = (), events: int = 0) -> bool:
-        """Append ``lines`` to the run log, all or none, under the write-failure policy
-        (:mod:`ampguard.telemetry._disk`); True when written. Raise mode: the lines are kept
-        and the error waits in ``_error`` for :meth:`_raise_error`."""
-        failures = self._failures
-        gap = [runlog.json_line(g) for g in failures.pending_gap()]
-        try:
-            if self._log is None:
-                self._log = runlog.EventLog(self._events, fresh=False)
-            self._log.write_lines([*gap, *self._unwritten, *lines])
-        except OSError as exc:
-            if failures.mode == "raise":
-                self._unwritten += lines
-                self.flush_due = True
-                self._error = self._error or failures.as_error(self._events, exc)
-                return False
-            failures.failed(self._events, exc, tuple(steps), events)
-            return False
-        self._unwritten = []
-        failures.written()
-        return True
+        written = self._failures.write(self._open_events, self._events, lines, steps, events)
+        if self._failures.unwritten:  # raise mode: retried before the next update
+            self.flush_due = True
+        return written
+
+    def _open_events(self) -> runlog.EventLog:
+        if self._log is None:  # the lazy start failed: continue what is there
+            self._log = runlog.EventLog(self._events, fresh=False)
+        return self._log
 
     def _append(self, records: list[dict[str, Any]]) -> None:
         self._write([runlog.json_line(r) for r in records], events=len(records))
 
     def _write_json(self, path: Path, obj: Any) -> bool:
-        """Write a JSON file of the run folder atomically, under the write-failure policy."""
-        try:
-            runlog.write_json_atomic(path, obj)
-        except OSError as exc:
-            if self._failures.mode == "raise":
-                self._error = self._error or self._failures.as_error(path, exc)
-            else:
-                self._failures.failed(path, exc)
-            return False
-        return True
+        return self._failures.write_json(path, obj)
 
     def _raise_error(self) -> None:
-        """Raise mode: the write failure kept by :meth:`_write` (once)."""
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._failures.raise_pending()
 
     @property
     def unrecorded(self) -> dict[str, Any]:
@@ -728,10 +708,7 @@ class Telemetry:
                         self._log.close()
                     except OSError as exc:
                         self._log = None
-                        if self._failures.mode == "warn":
-                            self._failures.failed(self._events, exc)
-                        else:
-                            self._error = self._failures.as_error(self._events, exc)
+                        self._failures.failed(self._events, exc)
                     self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
                     if self._failures.gaps or self._failures.lost_events:
                         self._meta["unrecorded"] = self._failures.summary()
@@ -739,7 +716,7 @@ class Telemetry:
             finally:
                 self.release()
         if error is None:
-            error, self._error = self._error, None
+            error, self._failures.pending_error = self._failures.pending_error, None
         if error is not None:
             raise error
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import errno
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ampguard import runlog
 from ampguard.runlog import TelemetryError
 
 __all__ = ["ON_WRITE_ERROR", "WriteFailures", "reason_of"]
@@ -52,9 +54,13 @@ class WriteFailures:
 
     def __init__(self, run_dir: Path, mode: str) -> None:
         if mode not in ON_WRITE_ERROR:
-            raise ValueError(f"Telemetry on_write_error must be one of {ON_WRITE_ERROR}, got {mode!r}")
+            raise ValueError(
+                f"Telemetry on_write_error must be one of {ON_WRITE_ERROR}, got {mode!r}"
+            )
         self.run_dir = run_dir
         self.mode = mode
+        self.unwritten: list[str] = []  # raise mode: lines whose write failed, written first
+        self.pending_error: TelemetryError | None = None  # raise mode: what raise_pending raises
         self.error: OSError | None = None  # the failure telemetry is suspended on, if any
         self.gaps: list[dict[str, Any]] = []  # every range of steps not recorded, in order
         self.lost_records = 0  # step records not written, in all
@@ -66,12 +72,57 @@ class WriteFailures:
         """True while writes fail (warn mode): records are counted, not written."""
         return self.error is not None
 
-    def failed(self, path: Path, exc: OSError, steps: tuple[int, ...] = (), events: int = 0) -> None:
+    # ------------------------------------------------------------------ the writes
+    def write(
+        self,
+        log: Callable[[], runlog.EventLog],
+        path: Path,
+        lines: list[str],
+        steps: tuple[int, ...] = (),
+        events: int = 0,
+    ) -> bool:
+        """Append ``lines`` (the records of ``steps``, or ``events`` other lines) to the log at
+        ``path`` that ``log()`` returns (opening it if need be), all or none; True when
+        written. Warn mode: a pending gap line goes first; raise mode: the lines that failed
+        before go first, and a failure keeps these too and waits in :attr:`pending_error` for
+        :meth:`raise_pending`."""
+        gap = [runlog.json_line(g) for g in self.pending_gap()]
+        try:
+            log().write_lines([*gap, *self.unwritten, *lines])
+        except OSError as exc:
+            if self.mode == "raise":
+                self.unwritten += lines
+            self.failed(path, exc, steps, events)
+            return False
+        self.unwritten = []
+        self.written()
+        return True
+
+    def write_json(self, path: Path, obj: Any) -> bool:
+        """Replace a JSON file of the run folder atomically under the policy; True if written."""
+        try:
+            runlog.write_json_atomic(path, obj)
+        except OSError as exc:
+            self.failed(path, exc)
+            return False
+        return True
+
+    def raise_pending(self) -> None:
+        """Raise mode: raise the failure :meth:`failed` kept (once); no-op otherwise."""
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
+
+    def failed(
+        self, path: Path, exc: OSError, steps: tuple[int, ...] = (), events: int = 0
+    ) -> None:
         """A write to ``path`` failed with ``exc``; it held the records of ``steps`` (and
-        ``events`` other lines). Raise mode: :class:`TelemetryError`; warn mode: suspend (one
-        warning per suspension) and count."""
+        ``events`` other lines). Raise mode: keep the :class:`TelemetryError` for
+        :meth:`raise_pending` (the first one wins); warn mode: suspend (one warning per
+        suspension) and count."""
         if self.mode == "raise":
-            raise self.as_error(path, exc)
+            self.pending_error = self.pending_error or self.as_error(path, exc)
+            return
         if self.error is None:
             warnings.warn(
                 f"ampguard telemetry: cannot write {path} ({reason_of(exc)}: {exc}); telemetry "
