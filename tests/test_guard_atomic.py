@@ -121,3 +121,27 @@ def test_a_failed_guard_leaves_no_run_folder_lock(tmp_path):
         guard.backward(loss)
         guard.step()
     assert load_run(run).steps.tolist() == [1]
+
+
+def test_under_a_process_group_a_failed_guard_leaves_the_model_as_it_was(world_of_one, tmp_path):
+    """The peer group and the run folder come before the model: a folder that cannot be
+    created fails after the group exists, and still nothing of the model changed."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _fingerprint(model)
+    with warnings.catch_warnings(), pytest.raises(ag.TelemetryError, match="run"):
+        warnings.simplefilter("ignore")
+        ag.Guard(
+            model,
+            opt,
+            precision="fp8",
+            keep_fp32=["0"],
+            peer_timeout=5,
+            telemetry=_unwritable(tmp_path),
+        )
+    assert _same(before, _fingerprint(model))
+    guard = ag.Guard(model, opt, precision="bf16", peer_timeout=5)
+    with guard.autocast():
+        loss = model(torch.randn(4, 32)).float().pow(2).mean()
+    guard.backward(loss)
+    assert guard.step().applied and guard.precision == "bf16"

@@ -274,3 +274,19 @@ def test_the_reader_tells_a_failed_write_from_a_crash(tmp_path, monkeypatch):
     crashed.write_bytes(b'{"step":1}\n{"step":')
     with pytest.warns(RuntimeWarning, match="killed mid-append"):
         read_columns(crashed, 0)
+
+
+def test_a_gap_is_recorded_at_close_when_space_came_back_after_the_last_flush(small_disk):
+    run = small_disk / "run"
+    model, opt, guard = _setup(run, flush_every=5)
+    _fill(small_disk)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(model, guard, range(1, 6))  # steps 1-5 fail at their flush
+    _free(small_disk)
+    guard.close()  # no new records: the gap line is written alone
+    log = load_run(run)
+    assert log.steps.tolist() == []
+    assert [(g["step"], g["last"], g["records"]) for g in log.unrecorded] == [(1, 5, 5)]
+    assert "steps 1-5 not recorded (disk full)" in summary_text(log, [], run_facts(log, {}))
+    assert any(f["code"] == "AG140" for f in json.loads((run / "findings.json").read_text()))

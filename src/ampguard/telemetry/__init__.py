@@ -571,7 +571,9 @@ class Telemetry:
 
     def _write_ready(self, wait: bool) -> None:
         """Write the records of every completed copy (all of them with ``wait``)."""
+        tried = False
         for host, (facts, counts) in self._stage.ready(wait):
+            tried = True
             values = self._cells.host_values(host, *counts)
             lines, outcome, self._scale_carry = build_lines(
                 facts, values, carry=self._scale_carry, shape=self._shape
@@ -590,7 +592,7 @@ class Telemetry:
                         where = self.run_dir / runlog.TB_DIR if sink is self._sink else self.run_dir
                         self._failures.failed(where, exc)
             self.flushes += 1
-        if self._failures.unwritten:  # raise mode: lines that failed before, retried
+        if self._failures.retry_due and not tried:  # what failed at an earlier flush, again
             self._write([])
         self._raise_error()
 

@@ -162,6 +162,12 @@ class WriteFailures:
         err.__cause__ = exc
         return err
 
+    @property
+    def retry_due(self) -> bool:
+        """True while something that failed waits to be written: lines kept in raise mode, or
+        the gap line of warn mode (so a flush with no new records still records the gap)."""
+        return bool(self.unwritten) or self._open is not None
+
     def pending_gap(self) -> list[dict[str, Any]]:
         """The gap line to write before the next records (empty when there is none)."""
         return [dict(self._open)] if self._open is not None else []
