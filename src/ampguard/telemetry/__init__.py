@@ -393,7 +393,7 @@ class Telemetry:
     def _begin_log(self) -> None:
         try:
             self._start_log()
-        except OSError as exc:
+        except OSError as exc:  # started at the first write that succeeds (_open_events)
             self._log_pending = False
             self._failures.failed(self._events, exc)
 
@@ -605,8 +605,9 @@ class Telemetry:
         return written
 
     def _open_events(self) -> runlog.EventLog:
-        if self._log is None:  # the lazy start failed: continue what is there
-            self._log = runlog.EventLog(self._events, fresh=False)
+        if self._log is None:  # the new log's start failed on a full disk: start it now
+            self._start_log()
+        assert self._log is not None
         return self._log
 
     def _append(self, records: list[dict[str, Any]]) -> None:
