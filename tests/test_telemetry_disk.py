@@ -130,6 +130,8 @@ def test_a_full_disk_suspends_telemetry_with_one_warning_and_training_goes_on(sm
     assert len(ag140) == 1 and ag140[0]["step"] == 1
     assert "steps 1-10 not recorded (disk full)" in ag140[0]["message"]
     assert not (run / ".ampguard.lock").exists()
+    html = (run / "report.html").read_text()  # written at close, now that there is room
+    assert "steps 1-10 not recorded (disk full)" in html
 
 
 def test_a_failed_write_never_leaves_a_partial_line(small_disk):
