@@ -46,7 +46,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_run(args: argparse.Namespace) -> int:
-    from ampguard.runlog import RunFolderError
+    from ampguard.runlog import RunFolderError, TelemetryError
 
     if args.precision == "fp8":  # ampguard.demo.fp8: one process, needs torchao
         from ampguard.cli._fp8 import demo_fp8
@@ -69,7 +69,7 @@ def _demo_run(args: argparse.Namespace) -> int:
             precision=args.precision,
             progress=not args.no_progress,
         )
-    except (RunFolderError, OSError) as exc:  # the run folder given with --out
+    except (RunFolderError, TelemetryError, OSError) as exc:  # the run folder given with --out
         return fail("demo", exc)
     return 0
 
