@@ -292,3 +292,31 @@ def test_a_gap_is_recorded_at_close_when_space_came_back_after_the_last_flush(sm
     assert [(g["step"], g["last"], g["records"]) for g in log.unrecorded] == [(1, 5, 5)]
     assert "steps 1-5 not recorded (disk full)" in summary_text(log, [], run_facts(log, {}))
     assert any(f["code"] == "AG140" for f in json.loads((run / "findings.json").read_text()))
+
+
+def test_a_disk_that_turns_read_only_mid_run_suspends_telemetry(tmp_path, monkeypatch):
+    """EROFS injected at the log's write (a disk remounted read-only under an open file: a
+    tmpfs cannot be remounted so while the log is open)."""
+    run = tmp_path / "run"
+    model, opt, guard = _setup(run, flush_every=3)
+    _train(model, guard, range(1, 4))
+    real_write = os.write
+
+    def read_only(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("events.jsonl"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", read_only)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = _train(model, guard, range(4, 10))
+        guard.close()  # never a bare OSError
+    monkeypatch.setattr(os, "write", real_write)
+    assert all(r.applied for r in results)
+    ours = [str(w.message) for w in caught if "ampguard telemetry" in str(w.message)]
+    assert len(ours) == 1 and "Read-only file system" in ours[0], ours
+    assert guard.telemetry.unrecorded["gaps"][0]["reason"] == "read-only file system"
+    assert [r["step"] for r in _whole_lines(run / "events.jsonl")] == [1, 2, 3]
+    log = load_run(run)  # meta.json (another file) took the gap at close
+    assert [(g["step"], g["last"]) for g in log.unrecorded] == [(4, 9)]
