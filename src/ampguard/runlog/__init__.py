@@ -7,7 +7,10 @@ as ``{"kind": "resume", ...}``), ``meta.json`` (model summary, configs, versions
 Writes never leave a half-written file behind: JSON files are replaced atomically (temporary file,
 fsync, rename) and the event log is only ever appended whole lines at a time. A process killed in
 the middle of an append can leave a torn last line; :func:`load_run` skips it with a warning and a
-writer that continues the log cuts it off first. What every file may hold (record kinds, fields,
+writer that continues the log cuts it off first; a write that fails (a full or read-only disk)
+is cut back to the last whole line. A folder has one writer at a time (:class:`RunFolderLock`,
+the lock file ``.ampguard.lock``); a folder that cannot be written or is held is a
+:class:`TelemetryError` naming it. What every file may hold (record kinds, fields,
 types) is :mod:`ampguard.runlog._schema`; every reader goes through it, so a malformed line is a
 warning naming file, line and field, and an unusable ``meta.json`` is a :class:`RunFolderError`
 naming the file. This module imports no torch.
@@ -29,6 +32,7 @@ import numpy as np
 from ampguard._util import atomic
 from ampguard.runlog._errors import TelemetryError
 from ampguard.runlog._files import read_findings, read_json_file, read_meta
+from ampguard.runlog._lock import RunFolderLock
 from ampguard.runlog._read import read_columns
 from ampguard.runlog._schema import RunFolderError, check_record, parse_line
 
@@ -53,6 +57,7 @@ __all__ = [
     "last_step_record",
     "RunFolderError",
     "TelemetryError",
+    "RunFolderLock",
     "read_meta",
     "read_findings",
 ]

@@ -37,7 +37,6 @@ import torch
 from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
-from ampguard.runlog._lock import RunFolderLock
 from ampguard.telemetry import _layers
 from ampguard.telemetry._device import DeviceBuffer, host_view
 from ampguard.telemetry._disk import WriteFailures
@@ -137,7 +136,7 @@ class Telemetry:
         self._failures = WriteFailures(self.run_dir, on_write_error)
         self.on_write_error = on_write_error
         self.flush_due = False  # raise mode: a full buffer waits for before_update()
-        self._lock: RunFolderLock | None = None
+        self._lock: runlog.RunFolderLock | None = None
         # the first step whose gradients are sampled: a producer may skip on_grads before it
         self.next_sample = self._due_after(0)
         if tensorboard:
@@ -235,7 +234,7 @@ class Telemetry:
                 f"telemetry run folder {self.run_dir} cannot be created: {exc.strerror or exc}",
                 str(self.run_dir),
             ) from exc
-        self._lock = RunFolderLock(self.run_dir)  # TelemetryError if another writer holds it
+        self._lock = runlog.RunFolderLock(self.run_dir)  # TelemetryError if another writer holds it
         try:
             self._open_log(source)
         except BaseException as exc:
