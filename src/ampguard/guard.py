@@ -34,6 +34,7 @@ from ampguard.core._args import (
     check_window,
     scheduler_callback,
 )
+from ampguard.core.buffer_restore import BufferSnapshot
 from ampguard.core.containment import MicrobatchBuffer
 from ampguard.core.policy import (
     PrecisionPolicy,
@@ -104,6 +105,7 @@ class Guard:
         coverage_step: int | None = None,
         fp8_plan: Any = None,
         skip_nonfinite: bool = True,
+        restore_buffers_on_skip: bool = True,
     ) -> None:
         self.optimizers = as_optimizers(optimizer)
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
@@ -111,6 +113,11 @@ class Guard:
         self.model = model
         check_window(accumulation_steps, clip_grad_norm)
         self.skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
+        # a skipped window's forward leaves no trace in the buffers (ampguard.core.buffer_restore)
+        self.restore_buffers_on_skip = check_flag(
+            "restore_buffers_on_skip", restore_buffers_on_skip
+        )
+        self._buffers = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
         if scaler is not None and not isinstance(scaler, ScalerConfig):
             raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
         self.accumulation_steps = accumulation_steps
@@ -251,6 +258,8 @@ class Guard:
         so gradients are all-reduced once per window. Cost: no host sync.
         """
         traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
+        if self._buffers is not None and self._micro == 0:  # the window's first forward
+            self._buffers.take(self._steps + 1)
         with (
             self._peers("the forward's collectives"),
             self._grad_sync_context(),
@@ -325,9 +334,11 @@ class Guard:
                     if self._scaler
                     else _nonfinite.step_unscaled(self, kwargs)
                 )
-        except BaseException:
+        except BaseException as err:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry.on_abort()
+            if self._buffers is not None and isinstance(err, ScaleCollapseError):
+                self._buffers.restore(self._steps)  # the collapsing window was skipped too
             raise
         finally:
             self._resume.after_step(self._steps)
@@ -335,6 +346,8 @@ class Guard:
             # must not leak into the next window
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
+        if self._buffers is not None:  # before forensics replays the window's batch
+            self._restore_buffers(result)
         if len(self._pending) >= _DRAIN_EVERY:
             self._drain()
         if self._dist is not None:
@@ -419,6 +432,15 @@ class Guard:
         result = StepResult(self._steps, True, grad_norm, flags)
         self._settle(self._steps, flags)
         return result
+
+    def _restore_buffers(self, result: StepResult) -> None:
+        """A skipped window's forward leaves the buffers as they were before it. Cost: no host
+        sync (fused optimizers' lazy flags act on the device)."""
+        assert self._buffers is not None
+        if self._pending and self._pending[-1][0] is result:  # flags still on the device
+            self._buffers.restore_where(self._steps, self._pending[-1][1], len(self.optimizers))
+        elif not result.applied:  # host-known flags: no sync
+            self._buffers.restore(self._steps)
 
     def _fused_step(
         self,
