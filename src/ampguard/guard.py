@@ -47,6 +47,7 @@ from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeTracker, ResumeWarmup
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
+from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
@@ -118,6 +119,8 @@ class Guard:
             "restore_buffers_on_skip", restore_buffers_on_skip
         )
         self._buffers = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
+        # bf16/fp16 weights: the share of updates that round away (ampguard.core.stagnation)
+        self._stagnation = StagnationProbe.of(model, params)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
             raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
         self.accumulation_steps = accumulation_steps
@@ -327,6 +330,8 @@ class Guard:
         self._micro = 0
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
+        if self._stagnation is not None:  # a sampled window: the weights before the step
+            self._stagnation.before(self._steps)
         try:
             with self._peers("Guard.step()", self._steps):  # e.g. FSDP2's grad-norm all-reduce
                 result = (
@@ -334,6 +339,8 @@ class Guard:
                     if self._scaler
                     else _nonfinite.step_unscaled(self, kwargs)
                 )
+            if self._stagnation is not None:  # before zero_grad: the gradients are read
+                self._stagnation.after(self._steps, self._skip_flag(result))
         except BaseException as err:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry.on_abort()
@@ -437,10 +444,18 @@ class Guard:
         """A skipped window's forward leaves the buffers as they were before it. Cost: no host
         sync (fused optimizers' lazy flags act on the device)."""
         assert self._buffers is not None
-        if self._pending and self._pending[-1][0] is result:  # flags still on the device
-            self._buffers.restore_where(self._steps, self._pending[-1][1], len(self.optimizers))
-        elif not result.applied:  # host-known flags: no sync
+        skipped = self._skip_flag(result)
+        if isinstance(skipped, torch.Tensor):  # fused: flags still on the device
+            self._buffers.restore_where(self._steps, skipped)
+        elif skipped:
             self._buffers.restore(self._steps)
+
+    def _skip_flag(self, result: StepResult) -> bool | torch.Tensor:
+        """Whether the window just stepped was skipped: a bool when its flags are on the host,
+        else a 0-dim bool device tensor (fused optimizers' lazy flags). Cost: no host sync."""
+        if self._pending and self._pending[-1][0] is result:
+            return torch.remainder(self._pending[-1][1], 2 ** len(self.optimizers)) > 0
+        return not result.applied
 
     def _fused_step(
         self,
@@ -685,6 +700,13 @@ class Guard:
         return self._telemetry
 
     @property
+    def stagnation(self) -> StagnationProbe | None:
+        """The probe measuring, per layer, the share of updates that round away in bf16/fp16
+        weights (``.shares()``, ``.stagnant()``: one host sync each; AG175 in :meth:`findings`),
+        or None when every trained parameter is fp32."""
+        return self._stagnation
+
+    @property
     def coverage(self) -> Any:
         """The :class:`ampguard.Coverage` of window ``coverage_step`` once it ran, else None."""
         return self._forensics.coverage if self._forensics is not None else None
@@ -699,7 +721,7 @@ class Guard:
         """
         side = self._side_findings()
         if self._telemetry is None:
-            if self._forensics is None and self._dist is None:
+            if self._forensics is None and self._dist is None and self._stagnation is None:
                 raise RuntimeError(
                     "Guard.findings() needs telemetry: create the Guard with "
                     "telemetry=RUN_DIR (or an ampguard.Telemetry)"
@@ -711,6 +733,8 @@ class Guard:
     def _side_findings(self) -> list[Finding]:
         """Findings made during the run (forensics AG3xx, distributed AG13x), not by the rules."""
         out = self._forensics.findings() if self._forensics is not None else []
+        if self._stagnation is not None:  # AG175: bf16/fp16 weights whose updates round away
+            out += self._stagnation.findings()
         if self._fp8 is not None:  # AG111/AG112: fp8 layers drifting out of fp8's window
             out += self._fp8.findings()
         if self._dist is not None:

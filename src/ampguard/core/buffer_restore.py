@@ -47,10 +47,10 @@ class BufferSnapshot:
 
     ``take(window)`` copies the buffers unless this window's copy was already taken (the first
     forward of the window wins; later micro-batches and repeated forwards do not overwrite it).
-    ``restore(window)`` puts the copy back; ``restore_where(window, status, n)`` does it on
-    the device from the packed step flags (:func:`ampguard.core.results.pack`) of ``n``
-    optimizers, without a host sync. ``restored`` counts host-known restores (lazy ones are
-    not counted: counting them would need the flag on the host). Cost: see the module docstring.
+    ``restore(window)`` puts the copy back; ``restore_where(window, skipped)`` does it on
+    the device from a 0-dim bool flag, without a host sync. ``restored`` counts host-known
+    restores (lazy ones are not: counting them would need the flag on the host).
+    Cost: see the module docstring.
     """
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
@@ -88,16 +88,13 @@ class BufferSnapshot:
             torch._foreach_copy_(self.buffers, self._copies)
         self.restored += 1
 
-    def restore_where(self, window: int, status: torch.Tensor, n: int) -> None:
-        """Put the copy back where the packed flags ``status`` say some optimizer skipped.
-
-        Bits 0..n-1 of ``status`` are the per-optimizer overflow flags; any of them set means
-        the window did not apply in full. Cost: a few scalar ops and one ``where`` per buffer on
-        the device; no host sync. As :meth:`restore`, only the copy of ``window`` goes back.
+    def restore_where(self, window: int, skipped: torch.Tensor) -> None:
+        """Put the copy back where the 0-dim bool device tensor ``skipped`` is true (the
+        window's flags are still on the device). As :meth:`restore`, only the copy of
+        ``window`` goes back. Cost: one ``where`` per buffer on the device; no host sync.
         """
         if self._window != window:
             return
-        skipped = torch.remainder(status, 2**n) > 0
         with torch.no_grad():
             for buf, copy in zip(self.buffers, self._copies, strict=True):
                 buf.copy_(torch.where(skipped.to(buf.device), copy, buf))
