@@ -54,6 +54,7 @@ from ampguard.distributed import rank_telemetry as _rank_telemetry
 from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
 from ampguard.findings import Finding, count
 from ampguard.forensics import _guard as _guard_forensics
+from ampguard.forensics import _verdicts
 from ampguard.fp8 import _guard as _fp8_guard
 from ampguard.reporting._on_close import write_report as _write_report
 from ampguard.telemetry import Telemetry
@@ -546,7 +547,9 @@ class Guard:
             return _nonfinite.on_bound(self, step)
         policy = self.scaler_config.on_collapse
         if policy == "raise":
-            raise ScaleCollapseError(self._collapse_message(step))
+            raise ScaleCollapseError(
+                self._collapse_message(step), verdict=_verdicts.verdict(self._forensics)
+            )
         if policy == "warn":
             if not self._collapsing:
                 warnings.warn(self._collapse_message(step), RuntimeWarning, stacklevel=4)
@@ -560,9 +563,13 @@ class Guard:
             f"loss scale collapsed at step {step}: gradients overflow even at min_scale="
             f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of "
             f"{count(self._steps, 'step')} "
-            f"skipped. Scale history (step: scale): {hist}. Try: precision='bf16' (same range as "
-            "fp32); keep the overflowing module in fp32 (ampguard.locate names it); a lower "
-            "learning rate; or ScalerConfig(on_collapse='fallback') to switch automatically."
+            f"skipped. Scale history (step: scale): {hist}. "
+            + (
+                _verdicts.advice(self._forensics)  # what forensics concluded, if it did
+                or "Try: precision='bf16' (same range as fp32); keep the overflowing module in "
+                "fp32 (ampguard.locate names it); a lower learning rate; or "
+                "ScalerConfig(on_collapse='fallback') to switch automatically."
+            )
         )
 
     def _fall_back(self, step: int) -> None:
@@ -583,7 +590,8 @@ class Guard:
             self._telemetry.on_fallback(step, old, target)
         warnings.warn(
             f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
-            "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
+            "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler."
+            + (f" {advice}" if (advice := _verdicts.advice(self._forensics)) else ""),
             RuntimeWarning,
             stacklevel=4,
         )
