@@ -340,8 +340,8 @@ class Guard:
                     if self._scaler
                     else _nonfinite.step_unscaled(self, kwargs)
                 )
-            if self._stagnation is not None:  # before zero_grad: the gradients are read
-                self._stagnation.after(self._steps, self._skip_flag(result))
+            if self._stagnation is not None and self._stagnation.sampling(self._steps):
+                self._stagnation.after(self._steps, self._skip_flag(result))  # before zero_grad
         except BaseException as err:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry.on_abort()

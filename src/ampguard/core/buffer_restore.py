@@ -10,11 +10,12 @@ train-mode forward uses the batch statistics), but every later eval is NaN.
 
     first forward of a window (Guard.autocast, micro-batch 0):  copy buffers -> snapshot
     window skipped, flags on the host:      copy snapshot -> buffers         (one foreach copy)
-    window skipped, flags on the device (fused optimizers, read lazily):
-                                            buffer = where(skipped, snapshot, buffer)  (no sync)
+    window skipped, flags on the device (fused optimizers, read lazily), every window:
+                                            buffers = where(skipped, snapshot, buffers)  (no sync;
+                                            one cat + where + foreach copy per dtype group)
 
-Every buffer with elements is kept, whatever its dtype (floating and integer buffers alike), so
-no forward's in-place update escapes; parameters are not buffers and are never touched (a
+Every (contiguous) buffer with elements is kept, whatever its dtype (floating and integer
+buffers alike), so no forward's in-place update escapes; parameters are not buffers and are never touched (a
 skipped step does not change them). Buffers are collected when the Guard is built; a buffer
 that a module later *replaces* by a new tensor object (instead of updating it in place, as
 BatchNorm does) is not followed. ``Guard(restore_buffers_on_skip=False)`` turns this off.
@@ -26,17 +27,20 @@ per channel: far below one step's work); on a skip one more copy (host-known fla
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = ["BufferSnapshot", "collect_buffers"]
 
 
 def collect_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The distinct non-empty buffers of ``model`` (shared buffers once), in module order."""
+    """The distinct non-empty contiguous buffers of ``model`` (shared buffers once), in module
+    order (a non-contiguous buffer, which no torch module makes, is left out)."""
     seen: set[int] = set()
     out = []
     for buf in model.buffers():
-        if buf.numel() and id(buf) not in seen:
+        if buf.numel() and buf.is_contiguous() and id(buf) not in seen:
             seen.add(id(buf))
             out.append(buf)
     return out
@@ -55,7 +59,21 @@ class BufferSnapshot:
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self.buffers = buffers
-        self._copies = [torch.empty_like(b) for b in buffers]
+        # one flat copy per (device, dtype) group: the lazy restore is then a constant number of
+        # ops per group (cat, where, one multi-tensor copy) whatever the number of buffers;
+        # ``_copies[i]`` is buffer i's view into its group's flat storage
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, b in enumerate(buffers):
+            groups.setdefault((b.device, b.dtype), []).append(i)
+        self._copies: list[torch.Tensor] = [torch.empty(0)] * len(buffers)
+        self._groups: list[_Group] = []
+        for (device, dtype), idx in groups.items():
+            sizes = [buffers[i].numel() for i in idx]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for i, part in zip(idx, flat.split(sizes), strict=True):
+                self._copies[i] = part.view(buffers[i].shape)
+            flats = [buffers[i].view(-1) for i in idx]  # contiguous (checked in collect)
+            self._groups.append(_Group(flat, flats, sizes))
         self._window: int | None = None
         self.restored = 0
 
@@ -91,10 +109,20 @@ class BufferSnapshot:
     def restore_where(self, window: int, skipped: torch.Tensor) -> None:
         """Put the copy back where the 0-dim bool device tensor ``skipped`` is true (the
         window's flags are still on the device). As :meth:`restore`, only the copy of
-        ``window`` goes back. Cost: one ``where`` per buffer on the device; no host sync.
+        ``window`` goes back. Cost: per (device, dtype) group of buffers one ``cat``, one
+        ``where`` and one multi-tensor copy on the device; no host sync.
         """
         if self._window != window:
             return
         with torch.no_grad():
-            for buf, copy in zip(self.buffers, self._copies, strict=True):
-                buf.copy_(torch.where(skipped.to(buf.device), copy, buf))
+            for g in self._groups:
+                back = torch.where(skipped.to(g.flat.device), g.flat, torch.cat(g.views))
+                torch._foreach_copy_(g.views, back.split(g.sizes))
+
+
+class _Group(NamedTuple):
+    """Buffers of one (device, dtype): their flat copy, flat views of them, their sizes."""
+
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    sizes: list[int]

@@ -125,6 +125,10 @@ class StagnationProbe:
             torch._foreach_copy_(self._copies, [p.detach() for p in self.params])
         self._taken = window
 
+    def sampling(self, window: int) -> bool:
+        """True when :meth:`before` copied the weights for ``window`` (``after`` is due)."""
+        return self._taken == window
+
     def after(self, window: int, skipped: bool | torch.Tensor) -> None:
         """Add the sampled window's counts unless it was skipped. Cost: no host sync."""
         if self._taken != window:
