@@ -15,10 +15,10 @@ train-mode forward uses the batch statistics), but every later eval is NaN.
                                             one cat + where + foreach copy per dtype group)
 
 Every (contiguous) buffer with elements is kept, whatever its dtype (floating and integer
-buffers alike), so no forward's in-place update escapes; parameters are not buffers and are never touched (a
-skipped step does not change them). Buffers are collected when the Guard is built; a buffer
-that a module later *replaces* by a new tensor object (instead of updating it in place, as
-BatchNorm does) is not followed. ``Guard(restore_buffers_on_skip=False)`` turns this off.
+buffers alike), so no forward's in-place update escapes; parameters are not buffers and are
+never touched (a skipped step does not change them). Buffers are collected when the Guard is
+built; a buffer that a module later *replaces* by a new tensor object (instead of updating it in
+place, as BatchNorm does) is not followed. ``Guard(restore_buffers_on_skip=False)`` turns this off.
 
 Cost: per window one multi-tensor copy of the buffers (BatchNorm statistics are a few floats
 per channel: far below one step's work); on a skip one more copy (host-known flags) or one
