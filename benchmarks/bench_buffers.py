@@ -47,9 +47,10 @@ def bench(width: int, depth: int, batch: int, rounds: int, steps: int, fused: bo
     return {"off_ms": med["off"] * 1e3, "on_ms": med["on"] * 1e3, "ratio": med["on"] / med["off"]}
 
 
-def snapshot_us(width: int, depth: int, calls: int = 2000) -> tuple[float, float]:
-    """Microseconds per snapshot (take) and per host-known restore, timed alone (CPU time): the
-    whole per-window cost of the feature, free of the step-time noise of a shared machine."""
+def snapshot_us(width: int, depth: int, calls: int = 2000) -> tuple[float, float, float]:
+    """Microseconds per snapshot (take), per host-known restore and per lazy (device-flag)
+    restore, timed alone (CPU time): the feature's per-window cost, free of the step-time noise
+    of a shared machine."""
     snap = BufferSnapshot.of(bn_mlp(width, depth))
     assert snap is not None
     t0 = time.process_time()
@@ -59,7 +60,12 @@ def snapshot_us(width: int, depth: int, calls: int = 2000) -> tuple[float, float
     t0 = time.process_time()
     for _ in range(calls):
         snap.restore(calls - 1)
-    return take, (time.process_time() - t0) / calls * 1e6
+    back = (time.process_time() - t0) / calls * 1e6
+    skipped = torch.zeros((), dtype=torch.bool)
+    t0 = time.process_time()
+    for _ in range(calls):
+        snap.restore_where(calls - 1, skipped)
+    return take, back, (time.process_time() - t0) / calls * 1e6
 
 
 def bench_stagnation(width: int, depth: int, batch: int, rounds: int, steps: int) -> dict:
@@ -98,10 +104,11 @@ def main() -> None:
         r = bench(*shape, fused)
         label = "AdamW fused" if fused else "AdamW"
         print(f"{label:<14}{r['off_ms']:>16.3f}{r['on_ms']:>16.3f}{r['ratio']:>8.3f}")
-    take, back = snapshot_us(args.width, args.depth)
+    take, back, lazy = snapshot_us(args.width, args.depth)
     print(
-        f"snapshot alone: {take:.1f} us per window (take), {back:.1f} us per skipped window "
-        f"(restore) = {take / 1e3 / r['off_ms']:.2%} of the fused step above"
+        f"alone: take {take:.1f} us per window ({take / 1e3 / r['off_ms']:.2%} of the fused "
+        f"step), restore {back:.1f} us per skipped window, lazy restore (fused) {lazy:.1f} us "
+        f"per window ({(take + lazy) / 1e3 / r['off_ms']:.2%} with the take)"
     )
     r = bench_stagnation(*shape)
     print(

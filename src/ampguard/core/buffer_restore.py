@@ -21,8 +21,10 @@ built; a buffer that a module later *replaces* by a new tensor object (instead o
 place, as BatchNorm does) is not followed. ``Guard(restore_buffers_on_skip=False)`` turns this off.
 
 Cost: per window one multi-tensor copy of the buffers (BatchNorm statistics are a few floats
-per channel: far below one step's work); on a skip one more copy (host-known flags) or one
-``where`` per buffer (lazy fused flags); no host sync, no allocation after the first window.
+per channel: far below one step's work); on a host-known skip one more copy. With fused
+optimizers, whose skip is known only on the device, every window also runs the lazy restore: a
+``cat``, a ``where`` and a multi-tensor copy per dtype group (about 30 us on a CPU, where each
+op costs several microseconds; asynchronous launches on a GPU). No host sync.
 """
 
 from __future__ import annotations
