@@ -4,14 +4,14 @@ The AG1xx rules see the loss scale and the gradients; forensics (``Guard(forensi
 ``auto_fallback``, a replay with ``ag.locate``) sees *why*. When both are in the run log, the
 rules' generic advice must not contradict the diagnosis:
 
-=====================================  ==========================================================
-verdict recorded                       what the scale / gradient findings say
-=====================================  ==========================================================
-AG303 non-finite in fp32 too           a model bug: fix the math; no bf16, keep_fp32 or fallback
-AG366 optimizer eps underflow          the optimizer step: fp32 master weights or a larger eps
-AG301 fp16 overflow at module M        keep M in fp32 (keep_fp32=['M']) or bf16
-AG360 absorbed fp16 overflow at M      keep M in fp32 / normalise; never "raise the loss scale"
-=====================================  ==========================================================
+==========================================  =====================================================
+verdict recorded (the diagnosis's kind)     what the scale / gradient findings say
+==========================================  =====================================================
+``model_nonfinite`` (AG303): fp32 too       a model bug: fix the math; no bf16/keep_fp32/fallback
+``eps_underflow`` (AG366)                   the optimizer step: fp32 master weights, a larger eps
+``fp16_overflow`` (AG301) at module M       keep M in fp32 (keep_fp32=['M']) or bf16
+``fp16_overflow_absorbed`` at module M      keep M in fp32 / normalise; never a larger loss scale
+==========================================  =====================================================
 
 Each finding rewritten carries ``evidence["verdict"]`` (code, kind, module, phase, op, step), so
 the report shows what the advice rests on. Findings other than the scale and gradient rules
@@ -24,21 +24,26 @@ from typing import Any
 
 from ampguard.findings import Finding
 
-__all__ = ["VERDICT_CODES", "agree", "verdict_of"]
+__all__ = ["VERDICT_KINDS", "agree", "verdict_of"]
 
-# the forensic verdicts, strongest first: a model bug outranks a precision overflow
-VERDICT_CODES = ("AG303", "AG366", "AG301", "AG360")
+# the forensic verdicts (a diagnosis finding's evidence["kind"]), strongest first: a model bug
+# outranks a precision overflow
+VERDICT_KINDS = ("model_nonfinite", "eps_underflow", "fp16_overflow", "fp16_overflow_absorbed")
 _SCALE_RULES = {"AG101", "AG102", "AG103", "AG109"}
 _GRADIENT_RULES = {"AG104", "AG105", "AG106", "AG108"}
 
 
 def verdict_of(found: list[Finding]) -> Finding | None:
     """The forensic finding the run's advice must agree with: the strongest code, earliest step."""
-    rank = {c: i for i, c in enumerate(VERDICT_CODES)}
-    cands = [f for f in found if f.code in rank]
+    rank = {k: i for i, k in enumerate(VERDICT_KINDS)}
+
+    def kind(f: Finding) -> Any:
+        return (f.evidence or {}).get("kind") if f.code.startswith("AG3") else None
+
+    cands = [f for f in found if kind(f) in rank]
     if not cands:
         return None
-    return min(cands, key=lambda f: (rank[f.code], f.step if f.step is not None else 0))
+    return min(cands, key=lambda f: (rank[kind(f)], f.step if f.step is not None else 0))
 
 
 def _summary(v: Finding) -> dict[str, Any]:
@@ -55,8 +60,8 @@ def _summary(v: Finding) -> dict[str, Any]:
 
 
 def _fix(v: Finding, summary: dict[str, Any]) -> str | None:
-    module = summary["module"]
-    if v.code == "AG303":
+    module, kind = summary["module"], summary["kind"]
+    if kind == "model_nonfinite":
         at = "".join(
             (
                 f" at {module!r}" if module is not None else "",
@@ -67,10 +72,10 @@ def _fix(v: Finding, summary: dict[str, Any]) -> str | None:
             f"Forensics found the value non-finite in fp32 too{at}: a model bug, not an AMP "
             "problem, so bf16, keep_fp32 and a precision fallback do not help. " + v.fix
         )
-    if v.code == "AG366":
+    if kind == "eps_underflow":
         return "Forensics traced it to the optimizer step: " + v.fix
-    if v.code in ("AG301", "AG360") and module is not None:
-        what = "overflows fp16" if v.code == "AG301" else "overflows fp16 inside (absorbed)"
+    if kind in ("fp16_overflow", "fp16_overflow_absorbed") and module is not None:
+        what = "overflows fp16" if kind == "fp16_overflow" else "overflows fp16 inside (absorbed)"
         return f"Forensics: {module!r} {what}; no loss scale fixes it. " + v.fix
     return None
 
@@ -84,7 +89,8 @@ def agree(found: list[Finding]) -> list[Finding]:
     fix = _fix(v, summary)
     if fix is None:
         return found
-    gradient_ok = v.code in ("AG303", "AG366", "AG360")  # these also explain dead/underflow
+    # these also explain a dead or underflowing layer (a plain overflow skips instead)
+    gradient_ok = summary["kind"] in ("model_nonfinite", "eps_underflow", "fp16_overflow_absorbed")
     out = []
     for f in found:
         if f.code in _SCALE_RULES or (gradient_ok and f.code in _GRADIENT_RULES):
