@@ -185,6 +185,7 @@ class StagnationProbe:
                         }
                         for r in rows
                     },
+                    "module": rows[0].layer,  # the worst layer
                     "samples": self.samples,
                     "threshold": threshold,
                 },
