@@ -119,7 +119,7 @@ class Guard:
         self.restore_buffers_on_skip = check_flag(
             "restore_buffers_on_skip", restore_buffers_on_skip
         )
-        self._buffers = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
+        self._buffer_snapshot = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
         # bf16/fp16 weights: the share of updates that round away (ampguard.core.stagnation)
         self._stagnation = StagnationProbe.of(model, params)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
@@ -262,8 +262,8 @@ class Guard:
         so gradients are all-reduced once per window. Cost: no host sync.
         """
         traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
-        if self._buffers is not None and self._micro == 0:  # the window's first forward
-            self._buffers.take(self._steps + 1)
+        if self._buffer_snapshot is not None and self._micro == 0:  # the window's first forward
+            self._buffer_snapshot.take(self._steps + 1)
         with (
             self._peers("the forward's collectives"),
             self._grad_sync_context(),
@@ -345,8 +345,8 @@ class Guard:
         except BaseException as err:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry.on_abort()
-            if self._buffers is not None and isinstance(err, ScaleCollapseError):
-                self._buffers.restore(self._steps)  # the collapsing window was skipped too
+            if self._buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
+                self._buffer_snapshot.restore(self._steps)  # the collapsing window was skipped too
             raise
         finally:
             self._resume.after_step(self._steps)
@@ -354,7 +354,7 @@ class Guard:
             # must not leak into the next window
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
-        if self._buffers is not None:  # before forensics replays the window's batch
+        if self._buffer_snapshot is not None:  # before forensics replays the window's batch
             self._restore_buffers(result)
         if len(self._pending) >= _DRAIN_EVERY:
             self._drain()
@@ -444,12 +444,12 @@ class Guard:
     def _restore_buffers(self, result: StepResult) -> None:
         """A skipped window's forward leaves the buffers as they were before it. Cost: no host
         sync (fused optimizers' lazy flags act on the device)."""
-        assert self._buffers is not None
+        assert self._buffer_snapshot is not None
         skipped = self._skip_flag(result)
         if isinstance(skipped, torch.Tensor):  # fused: flags still on the device
-            self._buffers.restore_where(self._steps, skipped)
+            self._buffer_snapshot.restore_where(self._steps, skipped)
         elif skipped:
-            self._buffers.restore(self._steps)
+            self._buffer_snapshot.restore(self._steps)
 
     def _skip_flag(self, result: StepResult) -> bool | torch.Tensor:
         """Whether the window just stepped was skipped: a bool when its flags are on the host,
