@@ -119,3 +119,26 @@ def test_a_model_without_buffers_pays_nothing_and_the_flag_is_validated():
     assert ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1)).restore_buffers_on_skip
     with pytest.raises(TypeError, match="restore_buffers_on_skip"):
         ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), restore_buffers_on_skip=1)
+
+
+def test_a_dropped_microbatch_forward_is_undone_under_containment():
+    model = bn_model()
+    guard = ag.Guard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        "fp16",
+        accumulation_steps=2,
+        contain_nonfinite_microbatches=True,
+    )
+    reference = copy.deepcopy(model)
+    x, y = batch(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        reference(x)  # only the good micro-batch's statistics
+    for xs in (x, batch(1, huge=True)[0]):  # the 2nd micro-batch overflows and is dropped
+        with guard.autocast():
+            loss = F.mse_loss(model(xs).float(), y)
+        guard.backward(loss)
+        result = guard.step()
+    assert result.applied and result.dropped_microbatches == 1
+    for key, value in bn_state(reference).items():
+        assert torch.equal(bn_state(model)[key], value), key

@@ -115,11 +115,6 @@ class Guard:
         self.model = model
         check_window(accumulation_steps, clip_grad_norm)
         self.skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
-        # a skipped window's forward leaves no trace in the buffers (ampguard.core.buffer_restore)
-        self.restore_buffers_on_skip = check_flag(
-            "restore_buffers_on_skip", restore_buffers_on_skip
-        )
-        self._buffer_snapshot = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
         # bf16/fp16 weights: the share of updates that round away (ampguard.core.stagnation)
         self._stagnation = StagnationProbe.of(model, params)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
@@ -128,6 +123,10 @@ class Guard:
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.scaler_config = scaler or ScalerConfig()
         self.contain_nonfinite_microbatches = bool(contain_nonfinite_microbatches)
+        # a skipped window's forward leaves no trace in the buffers (ampguard.core.buffer_restore)
+        self.restore_buffers_on_skip = check_flag(
+            "restore_buffers_on_skip", restore_buffers_on_skip
+        )
         self._device = device_of(params)
         self._requested_precision = precision
         self._policy = resolve_precision(precision, self._device)
@@ -135,6 +134,14 @@ class Guard:
         self._params = params
         # precision="fp8" (ampguard.fp8._guard): torchao Float8Linear for the plan's layers
         self._fp8 = _fp8_guard.attach(self, fp8_plan)
+        # after fp8's module swap: the buffers the forward really updates
+        self._buffer_snapshot = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
+        # containment: a dropped micro-batch's forward is undone too (one more snapshot)
+        self._micro_snapshot = (
+            BufferSnapshot.of(model)
+            if self._buffer_snapshot is not None and self.contain_nonfinite_microbatches
+            else None
+        )
         self._scaler = self._make_scaler()
         self._callbacks: list[Callable[[StepResult], Any]] = []
         for sched in schedulers:
@@ -264,6 +271,8 @@ class Guard:
         traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
         if self._buffer_snapshot is not None and self._micro == 0:  # the window's first forward
             self._buffer_snapshot.take(self._steps + 1)
+        if self._micro_snapshot is not None:  # every micro-batch's forward, under containment
+            self._micro_snapshot.take(self._micro_key(self._micro))
         with (
             self._peers("the forward's collectives"),
             self._grad_sync_context(),
@@ -506,7 +515,13 @@ class Guard:
     def _contain_microbatch(self) -> None:
         if self._contain is None:
             self._contain = MicrobatchBuffer(self._params, self.accumulation_steps)
-        self._contain.absorb(self._params)
+        dropped = self._contain.absorb(self._params)
+        if self._micro_snapshot is not None:  # a dropped micro-batch's forward leaves no trace
+            self._micro_snapshot.restore_where(self._micro_key(self._micro - 1), dropped)
+
+    def _micro_key(self, micro: int) -> int:
+        """A number unique to micro-batch ``micro`` of the window in progress."""
+        return (self._steps + 1) * self.accumulation_steps + micro
 
     # ------------------------------------------------------------------ flags and collapse
     def _drain(self, act: bool = True) -> None:
