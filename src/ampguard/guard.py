@@ -82,6 +82,11 @@ class Guard:
     see ``ampguard.core._nonfinite``): one host sync per window, none for fused optimizers (their
     ``found_inf``); ``skip_nonfinite=False`` never syncs there, except with
     ``contain_nonfinite_microbatches`` (a window whose micro-batches were all dropped must skip).
+
+    ``restore_buffers_on_skip=True`` (the default) puts the buffers a skipped window's forward
+    changed (BatchNorm statistics...) back as they were (:mod:`ampguard.core.buffer_restore`:
+    one multi-tensor copy per window, no sync). With bf16/fp16 weights, sampled windows measure
+    the share of updates that round away (:mod:`ampguard.core.stagnation`, AG175; no sync).
     """
 
     def __init__(
