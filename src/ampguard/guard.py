@@ -34,6 +34,7 @@ from ampguard.core._args import (
     check_window,
     scheduler_callback,
 )
+from ampguard.core.buffer_restore import BufferSnapshot
 from ampguard.core.containment import MicrobatchBuffer
 from ampguard.core.policy import (
     PrecisionPolicy,
@@ -46,12 +47,14 @@ from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeTracker, ResumeWarmup
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig, collect_grads
+from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import DistributedState, check_distributed_options
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
 from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
 from ampguard.findings import Finding, count
 from ampguard.forensics import _guard as _guard_forensics
+from ampguard.forensics import _verdicts
 from ampguard.fp8 import _guard as _fp8_guard
 from ampguard.reporting._on_close import write_report as _write_report
 from ampguard.telemetry import Telemetry
@@ -80,6 +83,11 @@ class Guard:
     see ``ampguard.core._nonfinite``): one host sync per window, none for fused optimizers (their
     ``found_inf``); ``skip_nonfinite=False`` never syncs there, except with
     ``contain_nonfinite_microbatches`` (a window whose micro-batches were all dropped must skip).
+
+    ``restore_buffers_on_skip=True`` (the default) puts the buffers a skipped window's forward
+    changed (BatchNorm statistics...) back as they were (:mod:`ampguard.core.buffer_restore`:
+    one multi-tensor copy per window, no sync). With bf16/fp16 weights, sampled windows measure
+    the share of updates that round away (:mod:`ampguard.core.stagnation`, AG175; no sync).
     """
 
     def __init__(
@@ -105,6 +113,7 @@ class Guard:
         coverage_step: int | None = None,
         fp8_plan: Any = None,
         skip_nonfinite: bool = True,
+        restore_buffers_on_skip: bool = True,
     ) -> None:
         # All or nothing (issue 23): 1. check every argument, 2. create the resources (peer
         # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
@@ -115,12 +124,18 @@ class Guard:
         self.model = model
         check_window(accumulation_steps, clip_grad_norm)
         self.skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
+        # bf16/fp16 weights: the share of updates that round away (ampguard.core.stagnation)
+        self._stagnation = StagnationProbe.of(model, params)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
             raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
         self.accumulation_steps = accumulation_steps
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.scaler_config = scaler or ScalerConfig()
         self.contain_nonfinite_microbatches = bool(contain_nonfinite_microbatches)
+        # a skipped window's forward leaves no trace in the buffers (ampguard.core.buffer_restore)
+        self.restore_buffers_on_skip = check_flag(
+            "restore_buffers_on_skip", restore_buffers_on_skip
+        )
         self._device = device_of(params)
         self._requested_precision = precision
         self._policy = resolve_precision(precision, self._device)
@@ -133,6 +148,14 @@ class Guard:
         # precision="fp8" (ampguard.fp8._guard): the plan checked, torchao imported, the layers
         # chosen; converted to torchao's Float8Linear in step 3
         self._fp8 = _fp8_guard.attach(self, fp8_plan)
+        # the buffers a forward updates (fp8's swap to Float8Linear in step 3 adds none)
+        self._buffer_snapshot = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
+        # containment: a dropped micro-batch's forward is undone too (one more snapshot)
+        self._micro_snapshot = (
+            BufferSnapshot.of(model)
+            if self._buffer_snapshot is not None and self.contain_nonfinite_microbatches
+            else None
+        )
         self._scaler = self._make_scaler()
         self._callbacks: list[Callable[[StepResult], Any]] = []
         for sched in schedulers:
@@ -269,6 +292,10 @@ class Guard:
         so gradients are all-reduced once per window. Cost: no host sync.
         """
         traced = self._forensics.session("forward") if self._forensics else contextlib.nullcontext()
+        if self._buffer_snapshot is not None and self._micro == 0:  # the window's first forward
+            self._buffer_snapshot.take(self._steps + 1)
+        if self._micro_snapshot is not None:  # every micro-batch's forward, under containment
+            self._micro_snapshot.take(self._micro_key(self._micro))
         with (
             self._peers("the forward's collectives"),
             self._grad_sync_context(),
@@ -339,6 +366,8 @@ class Guard:
         self._micro = 0
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
+        if self._stagnation is not None:  # a sampled window: the weights before the step
+            self._stagnation.before(self._steps)
         try:
             with self._peers("Guard.step()", self._steps):  # e.g. FSDP2's grad-norm all-reduce
                 result = (
@@ -346,9 +375,13 @@ class Guard:
                     if self._scaler
                     else _nonfinite.step_unscaled(self, kwargs)
                 )
-        except BaseException:
+            if self._stagnation is not None and self._stagnation.sampling(self._steps):
+                self._stagnation.after(self._steps, self._skip_flag(result))  # before zero_grad
+        except BaseException as err:
             if self._telemetry is not None:  # the failed window's loss must not join the next
                 self._telemetry.on_abort()
+            if self._buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
+                self._buffer_snapshot.restore(self._steps)  # the collapsing window was skipped too
             raise
         finally:
             self._resume.after_step(self._steps)
@@ -356,6 +389,8 @@ class Guard:
             # must not leak into the next window
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
+        if self._buffer_snapshot is not None:  # before forensics replays the window's batch
+            self._restore_buffers(result)
         if len(self._pending) >= _DRAIN_EVERY:
             self._drain()
         if self._dist is not None:
@@ -441,6 +476,23 @@ class Guard:
         self._settle(self._steps, flags)
         return result
 
+    def _restore_buffers(self, result: StepResult) -> None:
+        """A skipped window's forward leaves the buffers as they were before it. Cost: no host
+        sync (fused optimizers' lazy flags act on the device)."""
+        assert self._buffer_snapshot is not None
+        skipped = self._skip_flag(result)
+        if isinstance(skipped, torch.Tensor):  # fused: flags still on the device
+            self._buffer_snapshot.restore_where(self._steps, skipped)
+        elif skipped:
+            self._buffer_snapshot.restore(self._steps)
+
+    def _skip_flag(self, result: StepResult) -> bool | torch.Tensor:
+        """Whether the window just stepped was skipped: a bool when its flags are on the host,
+        else a 0-dim bool device tensor (fused optimizers' lazy flags). Cost: no host sync."""
+        if self._pending and self._pending[-1][0] is result:
+            return torch.remainder(self._pending[-1][1], 2 ** len(self.optimizers)) > 0
+        return not result.applied
+
     def _fused_step(
         self,
         opt: torch.optim.Optimizer,
@@ -489,7 +541,13 @@ class Guard:
     def _contain_microbatch(self) -> None:
         if self._contain is None:
             self._contain = MicrobatchBuffer(self._params, self.accumulation_steps)
-        self._contain.absorb(self._params)
+        dropped = self._contain.absorb(self._params)
+        if self._micro_snapshot is not None:  # a dropped micro-batch's forward leaves no trace
+            self._micro_snapshot.restore_where(self._micro_key(self._micro - 1), dropped)
+
+    def _micro_key(self, micro: int) -> int:
+        """A number unique to micro-batch ``micro`` of the window in progress."""
+        return (self._steps + 1) * self.accumulation_steps + micro
 
     # ------------------------------------------------------------------ flags and collapse
     def _drain(self, act: bool = True) -> None:
@@ -530,7 +588,9 @@ class Guard:
             return _nonfinite.on_bound(self, step)
         policy = self.scaler_config.on_collapse
         if policy == "raise":
-            raise ScaleCollapseError(self._collapse_message(step))
+            raise ScaleCollapseError(
+                self._collapse_message(step), verdict=_verdicts.verdict(self._forensics)
+            )
         if policy == "warn":
             if not self._collapsing:
                 warnings.warn(self._collapse_message(step), RuntimeWarning, stacklevel=4)
@@ -544,9 +604,13 @@ class Guard:
             f"loss scale collapsed at step {step}: gradients overflow even at min_scale="
             f"{self.scaler_config.min_scale:g}; {self._counts.skipped} of "
             f"{count(self._steps, 'step')} "
-            f"skipped. Scale history (step: scale): {hist}. Try: precision='bf16' (same range as "
-            "fp32); keep the overflowing module in fp32 (ampguard.locate names it); a lower "
-            "learning rate; or ScalerConfig(on_collapse='fallback') to switch automatically."
+            f"skipped. Scale history (step: scale): {hist}. "
+            + (
+                _verdicts.advice(self._forensics)  # what forensics concluded, if it did
+                or "Try: precision='bf16' (same range as fp32); keep the overflowing module in "
+                "fp32 (ampguard.locate names it); a lower learning rate; or "
+                "ScalerConfig(on_collapse='fallback') to switch automatically."
+            )
         )
 
     def _fall_back(self, step: int) -> None:
@@ -567,7 +631,8 @@ class Guard:
             self._telemetry.on_fallback(step, old, target)
         warnings.warn(
             f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
-            "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
+            "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler."
+            + (f" {advice}" if (advice := _verdicts.advice(self._forensics)) else ""),
             RuntimeWarning,
             stacklevel=4,
         )
@@ -684,6 +749,13 @@ class Guard:
         return self._telemetry
 
     @property
+    def stagnation(self) -> StagnationProbe | None:
+        """The probe measuring, per layer, the share of updates that round away in bf16/fp16
+        weights (``.shares()``, ``.stagnant()``: one host sync each; AG175 in :meth:`findings`),
+        or None when every trained parameter is fp32."""
+        return self._stagnation
+
+    @property
     def coverage(self) -> Any:
         """The :class:`ampguard.Coverage` of window ``coverage_step`` once it ran, else None."""
         return self._forensics.coverage if self._forensics is not None else None
@@ -698,7 +770,7 @@ class Guard:
         """
         side = self._side_findings()
         if self._telemetry is None:
-            if self._forensics is None and self._dist is None:
+            if self._forensics is None and self._dist is None and self._stagnation is None:
                 raise RuntimeError(
                     "Guard.findings() needs telemetry: create the Guard with "
                     "telemetry=RUN_DIR (or an ampguard.Telemetry)"
@@ -710,6 +782,8 @@ class Guard:
     def _side_findings(self) -> list[Finding]:
         """Findings made during the run (forensics AG3xx, distributed AG13x), not by the rules."""
         out = self._forensics.findings() if self._forensics is not None else []
+        if self._stagnation is not None:  # AG175: bf16/fp16 weights whose updates round away
+            out += self._stagnation.findings()
         if self._fp8 is not None:  # AG111/AG112: fp8 layers drifting out of fp8's window
             out += self._fp8.findings()
         if self._dist is not None:

@@ -33,8 +33,9 @@ class MicrobatchBuffer:
         self._seen.clear()
         self._fresh = False
 
-    def absorb(self, params: list[torch.Tensor]) -> None:
-        """Move this micro-batch's gradients into the buffer (or drop them); clears ``.grad``."""
+    def absorb(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Move this micro-batch's gradients into the buffer (or drop them); clears ``.grad``.
+        Returns the 0-dim bool device flag "this micro-batch was dropped" (no host sync)."""
         if self._fresh:
             self._start_window()
         live = [p for p in params if p.grad is not None]
@@ -52,6 +53,7 @@ class MicrobatchBuffer:
         self._dropped.add_(is_bad.long())
         for p in live:
             p.grad = None
+        return is_bad
 
     def install(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the window's mean over good micro-batches into ``.grad``.

@@ -25,8 +25,14 @@ COLLAPSE_POLICIES = ("raise", "warn", "fallback")
 class ScaleCollapseError(RuntimeError):
     """The loss scale is at ``min_scale`` and the gradients still overflow.
 
-    Training cannot make progress in fp16 at this point: every step is skipped.
+    Training cannot make progress in fp16 at this point: every step is skipped. ``verdict``: the
+    forensic diagnosis the message's advice rests on (``{"code", "kind", "phase", "module",
+    "op", "step", "via"}``) when the Guard's forensics diagnosed the run, else None.
     """
+
+    def __init__(self, message: str = "", verdict: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.verdict = verdict
 
 
 @dataclass(frozen=True)

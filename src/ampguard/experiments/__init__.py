@@ -11,6 +11,9 @@ verdict with an explanation and a fix:
 - ``fp16_range`` (AG335): the fixed scale fails too: values leave fp16's range. The first
   failing batch is named and, where :mod:`ampguard.forensics` is available, ``locate`` runs on it.
 - ``model_problem`` (AG336): fp32 fails too; not an AMP issue.
+- ``silent_stall`` (AG367): a low-precision variant stays finite and skips little, but its loss
+  ends far above fp32's at the same applied steps; ``locate`` (with ``optimizer=``) runs on its
+  last batch from its final weights and names the layer (:mod:`ampguard.experiments._stall`).
 
 Opt-in variants ``fp8`` and ``fp8_planned`` (torchao float8, see :mod:`ampguard.experiments._fp8`)
 are judged against bf16 too, with verdicts ``fp8_ok``/``fp8_keep_layers``/``fp8_fails``
@@ -40,6 +43,7 @@ from torch import nn
 from ampguard._util.checks import check_int
 from ampguard.core.scaler import ScalerConfig
 from ampguard.experiments import _fp8 as _f8
+from ampguard.experiments import _stall
 from ampguard.experiments import _verdict as _v
 from ampguard.experiments._timing import StepClock
 from ampguard.findings import Finding, make
@@ -212,7 +216,9 @@ def compare(
     baseline propagate (the experiment itself is broken); an AMP variant that raises is recorded
     as failed with the error.
 
-    Cost: ``steps`` training steps per variant, plus at most one ``ampguard.locate`` run.
+    Cost: ``steps`` training steps per variant, plus at most one ``ampguard.locate`` run, and
+    a copy of each low-precision variant's final weights, optimizer state and last batch (what a
+    ``silent_stall``'s ``locate`` replays).
 
     >>> cmp = ag.compare(make_experiment, steps=200)
     >>> cmp.verdict, cmp.fix
@@ -240,6 +246,14 @@ def compare(
             f"{cmp.failing_batch + 1} of the fixed-scale run)."
         )
         _locate(cmp, factory, seed, capture)
+    if cmp.verdict == "silent_stall":  # the per-layer evidence of the stalled variant
+        picked = _stall.pick(results, _v.TAIL_RTOL, _v.MAX_SKIP_FRACTION)
+        if picked is not None and picked[0] in capture.get("last", {}):
+            from ampguard.forensics import locate
+
+            _stall.evidence(
+                cmp, picked[0], lambda: _fresh(factory, seed), capture["last"][picked[0]], locate
+            )
     return cmp
 
 
@@ -361,11 +375,13 @@ def _run_variant(
     guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler, plan)
     device_type = next(p.device.type for p in exp.model.parameters())
     losses: list[torch.Tensor] = []
+    last = None
     clock = StepClock(device_type)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             for i, batch in enumerate(_stream(exp.batches, steps)):
+                last = batch
                 losses.append(_step(exp, guard, batch, device_type, res, i, capture))
                 clock.tick()
                 if bar is not None:
@@ -379,6 +395,9 @@ def _run_variant(
     res.params_finite = all(bool(torch.isfinite(p).all()) for p in exp.model.parameters())
     if guard is not None and name.startswith("fp16"):
         res.final_scale = guard.scale
+    if name in _stall.STALL_ORDER and last is not None and res.error is None:
+        # a silent stall is judged later: keep what locate needs to name its layer
+        _stall.capture(capture.setdefault("last", {}), name, exp, last, res.final_scale or 1.0)
     bad = [i + 1 for i, x in enumerate(res.losses) if not _v.finite(x)]
     if bad and (res.first_bad_step is None or bad[0] < res.first_bad_step):
         res.first_bad_step = bad[0]

@@ -5,7 +5,10 @@ skipped at most a quarter of its steps, and its final loss (mean of the last ten
 is within a quarter of fp32's progress (or 5% of fp32's final loss, whichever is larger) of the
 fp32 final loss. fp32 *trains* when its losses and parameters stay finite and its final loss is
 not 100x its first. Verdict: fp32 fails -> ``model_problem``; fp16 with dynamic scaling trains ->
-``amp_ok``; fixed scale 64 trains -> ``dynamic_scale_conflict``; otherwise -> ``fp16_range``.
+``amp_ok``; the deciding variant (dynamic scaling, else the first that failed) stayed finite and
+skipped little but its loss is far above fp32's at the same applied steps -> ``silent_stall``
+(:mod:`ampguard.experiments._stall`); fixed scale 64 trains -> ``dynamic_scale_conflict``;
+otherwise -> ``fp16_range``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 from typing import Any
 
 from ampguard._util.jsonnum import finite_or_none as json_float
+from ampguard.experiments import _stall
 from ampguard.experiments._fp8 import FP8_CODES as _FP8_CODES
 from ampguard.experiments._fp8 import fp8_lines
 
@@ -33,6 +37,7 @@ VERDICTS = (
     "dynamic_scale_conflict",
     "fp16_range",
     "model_problem",
+    "silent_stall",
     "fp8_ok",
     "fp8_keep_layers",
     "fp8_fails",
@@ -42,6 +47,7 @@ CODES = {  # verdict -> finding code (title and severity: ampguard.findings.code
     "dynamic_scale_conflict": "AG334",
     "fp16_range": "AG335",
     "model_problem": "AG336",
+    "silent_stall": "AG367",
     **_FP8_CODES,
 }
 MAX_SKIP_FRACTION = 0.25
@@ -128,6 +134,15 @@ def judge(results: dict[str, Any], steps: int) -> tuple[str, str, str]:
 
 
 def _verdict(results: dict[str, Any]) -> str:
+    verdict = _loud_verdict(results)
+    if verdict in ("dynamic_scale_conflict", "fp16_range") and _stall.pick(
+        results, TAIL_RTOL, MAX_SKIP_FRACTION
+    ):
+        return "silent_stall"
+    return verdict
+
+
+def _loud_verdict(results: dict[str, Any]) -> str:
     if not results["fp32"].trained:
         return "model_problem"
     dyn, fixed = results.get("fp16_dynamic"), results.get("fp16_fixed")
@@ -163,6 +178,10 @@ def _explain(verdict: str, results: dict[str, Any]) -> tuple[str, str]:
             f"{r.max_rel_dev:.3g}; {r.throughput_ratio:.2f}x fp32 throughput).{failed}",
             "",
         )
+    if verdict == "silent_stall":
+        picked = _stall.pick(results, TAIL_RTOL, MAX_SKIP_FRACTION)
+        assert picked is not None
+        return _stall.explain(picked[0], results[picked[0]], picked[1])
     if verdict == "dynamic_scale_conflict" and dyn is not None and fixed is not None:
         return (
             f"fp16 with dynamic scaling fails ({dyn.reason}; final scale "

@@ -365,6 +365,17 @@ CATALOGUE: dict[str, Code] = _table(
         "dedent the backward call out of the with-autocast block: backward ops run in the dtype "
         "their forward chose",
     ),
+    # -- AG175-AG179: update stagnation, restored buffers (issue 22) ----------------------------
+    (
+        "AG175",
+        "warning",
+        "update stagnation (low-precision weights)",
+        "step",
+        "on sampled steps at least half of a bf16/fp16 layer's intended updates (elements with a "
+        "nonzero gradient) left the stored weight unchanged: they were below half an ulp",
+        "fp32 master weights (model in float32, autocast for the math), or stochastic rounding / "
+        "Kahan summation (torchao.optim.AdamW(..., bf16_stochastic_round=True))",
+    ),
     # -- AG30x: forensics ---------------------------------------------------------------------
     (
         "AG300",
@@ -422,6 +433,35 @@ CATALOGUE: dict[str, Code] = _table(
         "forensics",
         "auto_fallback kept a module that overflowed fp16 in fp32",
         "add the module to keep_fp32=[...] for the next run",
+    ),
+    (
+        "AG365",
+        "warning",
+        "precision stagnation in the optimizer step",
+        "forensics",
+        "ag.locate(..., optimizer=opt): one optimizer step on the batch left at least half of a "
+        "bf16/fp16 layer's intended updates rounded away",
+        "fp32 master weights, or stochastic rounding / Kahan summation (torchao's "
+        "bf16_stochastic_round)",
+    ),
+    (
+        "AG366",
+        "error",
+        "optimizer eps underflows the weights' dtype",
+        "forensics",
+        "an optimizer's eps rounds to 0 in the dtype of fp16/bf16 weights (Adam's 1e-8 in fp16), "
+        "so m / (sqrt(v) + eps) divides by zero and writes inf/NaN into the weights",
+        "fp32 master weights (no .half()); or an eps the dtype holds (>= 1e-4 in fp16)",
+    ),
+    (
+        "AG367",
+        "warning",
+        "loss plateau above fp32 (silent stall)",
+        "compare",
+        "ag.compare: the low-precision variant stayed finite but its loss at the same applied "
+        "steps ended far above fp32's",
+        "read the per-layer evidence named in the verdict: ag.locate(..., optimizer=opt) and the "
+        "Guard's AG175 / AG106 findings",
     ),
     # -- AG31x: autocast coverage ---------------------------------------------------------------
     (

@@ -15,7 +15,20 @@ kind                      code   meaning
 ``"none"`` (benign)       AG305  a backward overflow that vanishes at loss scale 1: the scaler
                                  probing its level; GradScaler skips the step and halves the
                                  scale, nothing to fix
+``"precision_stagnation"``  AG365  ``optimizer=``: one optimizer step left most of a bf16/fp16
+                                 layer's intended updates rounded away (phase "optimizer")
+``"eps_underflow"``       AG366  ``optimizer=``: its eps rounds to 0 in the fp16/bf16 weights'
+                                 dtype, so Adam writes inf/NaN (phase "optimizer")
 ========================  =====  ==============================================================
+
+Non-finite *state*: non-finite parameters can only have been written by an optimizer step, so
+they are ``model_nonfinite`` in phase ``"optimizer"`` (``eps_underflow`` when ``optimizer=``'s eps
+underflows their dtype). Non-finite *buffers* with finite parameters (a BatchNorm whose fp16
+forward overflowed and whose step was skipped without restoring them) do not stop the replay:
+a train-mode forward reads the batch's statistics, not the running ones. When this batch's low
+precision forward overflows and fp32 does not, the diagnosis is the overflow (an AMP problem,
+``stats["poisoned_buffers"]``: this forward poisoned them); when the batch replays clean, the state
+was broken before the step (``model_nonfinite``, ``stats["broken_before_step"]``).
 
 ``module`` follows :mod:`ampguard.forensics._optrace`: in forward, the innermost module whose own
 code ran
@@ -36,13 +49,21 @@ import torch
 from ampguard._util.checks import check_finite
 from ampguard.core.policy import device_of, resolve_precision
 from ampguard.findings import Finding, make
+from ampguard.forensics import _optimizer
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
 from ampguard.forensics._text import explain, fix_for, title_for
 
 __all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
 
-KINDS = ("fp16_overflow", "fp16_underflow", "model_nonfinite", "input_nonfinite", "none")
+KINDS = (
+    "fp16_overflow",
+    "fp16_underflow",
+    "model_nonfinite",
+    "input_nonfinite",
+    "none",
+    *_optimizer.KINDS,
+)
 CODES = {
     "none": "AG300",
     "fp16_overflow": "AG301",
@@ -50,6 +71,8 @@ CODES = {
     "model_nonfinite": "AG303",
     "input_nonfinite": "AG304",
     "probe": "AG305",
+    "precision_stagnation": "AG365",
+    "eps_underflow": "AG366",
 }
 _TINY = {"fp16": torch.finfo(torch.float16).tiny, "bf16": torch.finfo(torch.bfloat16).tiny}
 _MAX = {"fp16": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
@@ -60,10 +83,11 @@ _LOW_DTYPES = (torch.float16, torch.bfloat16)
 class Diagnosis:
     """Where and why a batch goes non-finite (or flushes to zero) in mixed precision.
 
-    ``kind`` is one of :data:`KINDS`; ``phase`` "forward" | "backward" | None; ``module`` a name
-    from ``model.named_modules()`` (``""`` the root) or None outside the model; ``op`` an aten op
-    such as ``"aten.addmm"``; ``stats`` the evidence (max |x| in low precision and fp32 at that
-    point, NaN/inf counts, dtype, shape, loss scale); ``benign`` marks a loss-scale probe.
+    ``kind`` is one of :data:`KINDS`; ``phase`` "forward" | "backward" | "optimizer" | None;
+    ``module`` a name from ``model.named_modules()`` (``""`` the root) or None outside the model;
+    ``op`` an aten op such as ``"aten.addmm"``; ``stats`` the evidence (max |x| in low precision
+    and fp32 at that point, NaN/inf counts, dtype, shape, loss scale); ``benign`` marks a
+    loss-scale probe.
     """
 
     kind: str
@@ -77,7 +101,7 @@ class Diagnosis:
 
     @property
     def code(self) -> str:
-        """The AG3xx finding code (AG300-AG305)."""
+        """The AG3xx finding code (AG300-AG305, AG365, AG366)."""
         return CODES["probe"] if self.benign else CODES[self.kind]
 
     @property
@@ -136,6 +160,8 @@ def locate(
     batch: Any,
     precision: str = "fp16",
     scale: float | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Diagnosis:
     """Find the module and op where ``batch`` first goes non-finite, and classify why.
 
@@ -146,8 +172,15 @@ def locate(
     Parameters, buffers, gradients, RNG state and training modes are restored afterwards and
     no hook is left behind.
 
+    ``optimizer`` (the one that trains ``model``): when the batch is finite and its weights are
+    in bf16/fp16, one real step of it (its state restored afterwards) is judged too, phase
+    ``"optimizer"``: ``eps_underflow`` or ``precision_stagnation`` (see
+    :mod:`ampguard.forensics._optimizer`); it also names an underflowing eps behind weights that
+    are already non-finite.
+
     Cost: two or three traced forward+backward passes (every op's output reduced on the device),
-    a few host syncs, and one copy of the parameters and buffers while it runs.
+    a few host syncs, and one copy of the parameters and buffers while it runs; with
+    ``optimizer`` and bf16/fp16 weights, one more forward+backward and optimizer step.
 
     >>> diag = ag.locate(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), (x, y))
     >>> diag.kind, diag.phase, diag.module, diag.op
@@ -155,33 +188,58 @@ def locate(
     >>> print(diag.explain())
     """
     policy, scale = _check_args(model, loss_fn, precision, scale)
-    fp32 = resolve_precision("fp32", policy.device_type)
+    _optimizer.check_optimizer(optimizer)
     keep = Preserved(model)
     try:
         keep.reset()
-        if any(not torch.isfinite(t).all() for t in _state_tensors(model)):
-            return _broken_state(model, policy.precision, scale)
-        bad = nonfinite_leaves(batch)
-        low = replay(model, loss_fn, batch, policy, scale)
-        if bad:
-            return _input_nonfinite(low, bad, scale)
-        keep.reset()
-        ref = replay(model, loss_fn, batch, fp32, 1.0)
-        if ref.failed:
-            return _at(ref, "model_nonfinite", policy.precision, low)
-        if low.failed:
-            return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
-        return _underflow(low, ref) or Diagnosis(
-            "none",
-            None,
-            None,
-            None,
-            {"loss": low.loss, "loss_fp32": ref.loss},
-            policy.precision,
-            scale,
-        )
+        bad_params, bad_buffers = _nonfinite_state(model)
+        if bad_params:
+            return _broken_state(bad_params + bad_buffers, policy.precision, scale, optimizer)
+        diag = _locate(model, loss_fn, batch, policy, scale, keep)
+        if bad_buffers:
+            return _with_poisoned_buffers(diag, bad_buffers)
+        if diag.ok and optimizer is not None:  # a benign probe too: the batch itself is fine
+            keep.reset()
+            found = _optimizer.optimizer_step(model, loss_fn, batch, policy, optimizer)
+            if found is not None:
+                kind, module, stats = found
+                return Diagnosis(
+                    kind, "optimizer", module, "optimizer.step", stats, policy.precision, scale
+                )
+        return diag
     finally:
         keep.close()
+
+
+def _locate(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    scale: float,
+    keep: Preserved,
+) -> Diagnosis:
+    """The replays of :func:`locate` (forward and backward), from a reset state."""
+    fp32 = resolve_precision("fp32", policy.device_type)
+    bad = nonfinite_leaves(batch)
+    low = replay(model, loss_fn, batch, policy, scale)
+    if bad:
+        return _input_nonfinite(low, bad, scale)
+    keep.reset()
+    ref = replay(model, loss_fn, batch, fp32, 1.0)
+    if ref.failed:
+        return _at(ref, "model_nonfinite", policy.precision, low)
+    if low.failed:
+        return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
+    return _underflow(low, ref) or Diagnosis(
+        "none",
+        None,
+        None,
+        None,
+        {"loss": low.loss, "loss_fp32": ref.loss},
+        policy.precision,
+        scale,
+    )
 
 
 def _json_safe(value: Any) -> Any:
@@ -225,9 +283,19 @@ def _check_args(model: Any, loss_fn: Any, precision: Any, scale: Any) -> tuple[A
     return policy, float(scale)
 
 
-def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    tensors = list(model.parameters()) + list(model.buffers())
-    return [t.detach() for t in tensors if t.is_floating_point() and t.numel()]
+def _nonfinite_state(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the non-finite floating parameters and buffers. Cost: one sync per tensor."""
+
+    def bad(named: Any) -> list[str]:
+        return [
+            n for n, t in named if t.is_floating_point() and t.numel() and not _finite(t.detach())
+        ]
+
+    return bad(model.named_parameters()), bad(model.named_buffers())
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
 
 
 # ---------------------------------------------------------------------- classification
@@ -411,15 +479,40 @@ def _input_nonfinite(low: Run, bad: list[dict[str, Any]], scale: float) -> Diagn
     )
 
 
-def _broken_state(model: torch.nn.Module, precision: str, scale: float) -> Diagnosis:
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    bad = [n for n, t in named if t.is_floating_point() and not torch.isfinite(t).all()]
+def _broken_state(
+    bad: list[str], precision: str, scale: float, optimizer: torch.optim.Optimizer | None
+) -> Diagnosis:
+    """Non-finite parameters before any run: only an optimizer step writes parameters."""
+    stats: dict[str, Any] = {"nonfinite_tensors": bad}
+    eps = _optimizer.eps_underflows(optimizer) if optimizer is not None else []
+    module = bad[0].rpartition(".")[0]
+    if eps:
+        stats["eps_underflow"] = eps
+        return Diagnosis(
+            "eps_underflow", "optimizer", module, "optimizer.step", stats, precision, scale
+        )
+    return Diagnosis("model_nonfinite", "optimizer", module, None, stats, precision, scale)
+
+
+def _with_poisoned_buffers(diag: Diagnosis, bad: list[str]) -> Diagnosis:
+    """Finite parameters, non-finite buffers: poisoned by this batch's low-precision forward
+    (an AMP problem: the overflow diagnosis stands), or broken before this step."""
+    if diag.kind in ("fp16_overflow", "fp16_underflow") and diag.phase == "forward":
+        return Diagnosis(
+            diag.kind,
+            diag.phase,
+            diag.module,
+            diag.op,
+            {**diag.stats, "poisoned_buffers": bad},
+            diag.precision,
+            diag.scale,
+        )
     return Diagnosis(
         "model_nonfinite",
         None,
         bad[0].rpartition(".")[0],
         None,
-        {"nonfinite_tensors": bad},
-        precision,
-        scale,
+        {"nonfinite_tensors": bad, "broken_before_step": True, "replay": diag.kind},
+        diag.precision,
+        diag.scale,
     )

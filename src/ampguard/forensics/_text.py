@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampguard.findings.codes import lookup
+from ampguard.forensics import _optimizer
 
 __all__ = ["explain", "title_for", "fix_for", "where"]
 
@@ -23,6 +24,8 @@ def where(module: str | None) -> str:
 def title_for(d: Any) -> str:
     """One line that starts with the code's catalogue title, e.g. ``fp16 overflow in the forward
     pass at 'blocks.2.fc'`` (a bf16 run: ``fp16 overflow (bf16) in ...``)."""
+    if d.kind in _optimizer.KINDS:  # phase "optimizer" (locate(..., optimizer=))
+        return _optimizer.title(d)
     low = d.precision
     at = f" at {where(d.module)}" if d.module is not None or d.op else ""
     head = lookup(d.code).title
@@ -44,6 +47,20 @@ def title_for(d: Any) -> str:
 
 def fix_for(d: Any) -> str:
     """The concrete fix for this kind."""
+    if d.kind in _optimizer.KINDS:
+        return _optimizer.fix(d)
+    if d.kind == "model_nonfinite" and d.stats.get("broken_before_step"):
+        return (
+            "Reset or reload the non-finite buffers (BatchNorm: module.reset_running_stats(), "
+            "or the last good checkpoint) and keep Guard(restore_buffers_on_skip=True), so a "
+            "skipped step cannot poison them again."
+        )
+    if d.kind == "model_nonfinite" and d.phase == "optimizer":
+        return (
+            "Restore the last good checkpoint; then find what the optimizer step wrote: a "
+            "learning rate too high, or with fp16/bf16 weights an eps their dtype cannot hold "
+            "(ampguard.locate(model, loss_fn, batch, optimizer=opt) checks it)."
+        )
     target = d.module if d.module is not None else "<module>"
     flushed = (d.stats.get("flushed_by") or {}).get("module")
     if d.benign:
@@ -78,6 +95,8 @@ def fix_for(d: Any) -> str:
 
 def explain(d: Any) -> str:
     """A few sentences: what happened, where, the evidence and the fix."""
+    if d.kind in _optimizer.KINDS:
+        return _optimizer.explain(d)
     s = d.stats
     low = d.precision
     at = f"{d.op} in {where(d.module)}" if d.op else where(d.module)
@@ -99,15 +118,12 @@ def explain(d: Any) -> str:
             "layer's gradients flush to zero: mixed precision is fine for this batch."
         )
     elif d.kind == "fp16_overflow":
-        text = _overflow(d, at, counts)
+        text = _overflow(d, at, counts) + _poisoned(s)
     elif d.kind == "fp16_underflow":
         text = _underflow(d, at)
     elif d.kind == "model_nonfinite":
         if "nonfinite_tensors" in s:
-            text = (
-                f"The model's state is already non-finite before this batch: "
-                f"{', '.join(s['nonfinite_tensors'][:5])} hold NaN/inf."
-            )
+            text = _broken_state(d)
         else:
             text = (
                 f"fp32 goes non-finite too: in the {d.phase} pass {at} produced {counts} "
@@ -183,4 +199,35 @@ def _underflow(d: Any, at: str) -> str:
         f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
         f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
         f"below {low}'s smallest normal value)."
+    )
+
+
+def _broken_state(d: Any) -> str:
+    """Non-finite state before the batch: written by an optimizer step (parameters), or buffers
+    broken before this step (the batch itself replays clean)."""
+    names = ", ".join(d.stats["nonfinite_tensors"][:5])
+    if d.stats.get("broken_before_step"):
+        return (
+            f"The model's buffers are non-finite ({names}) while its parameters are finite, and "
+            "this batch replays clean in low precision and fp32: they were broken before this "
+            "step (an earlier forward, or a skipped step whose buffers were not restored: "
+            "Guard(restore_buffers_on_skip=True) is the default), not by this batch. Eval reads "
+            "them: it is NaN while training looks fine."
+        )
+    where_ = " by an optimizer step" if d.phase == "optimizer" else ""
+    return (
+        f"The model's state is already non-finite before this batch: {names} hold NaN/inf, "
+        f"written{where_} (parameters change only there). Pass optimizer= to locate to check "
+        "whether its eps underflows the weights' dtype."
+    )
+
+
+def _poisoned(s: dict[str, Any]) -> str:
+    bad = s.get("poisoned_buffers")
+    if not bad:
+        return ""
+    return (
+        f" This forward also wrote the overflow into buffers ({', '.join(bad[:5])}): a skipped "
+        "step must restore them (Guard(restore_buffers_on_skip=True), the default), or every "
+        "later eval is NaN."
     )

@@ -47,6 +47,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ampguard.findings import Finding, count
+from ampguard.rules._agree import agree
 from ampguard.rules._base import TITLES, RuleConfig
 from ampguard.rules._base import make_finding as _finding
 from ampguard.rules._gaps import ag140
@@ -75,6 +76,7 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
     }
     found.extend(recorded.values())  # the last event per code and title wins
     # --- end of recorded findings ---
+    found = agree(found)  # the scale/gradient advice follows the forensic verdict (rules._agree)
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(found, key=lambda f: (order[f.severity], f.step or 0, f.code))
 
