@@ -648,6 +648,24 @@ CATALOGUE: dict[str, Code] = _table(
         "the plan's traced step never ran the layer, so it has no measurements",
         "plan with a batch that exercises the layer; it is kept in bf16 meanwhile",
     ),
+    (
+        "AG347",
+        "info",
+        "a layer the low-precision recipe keeps in higher precision",
+        "fp8",
+        "plan.recipe() keeps a Linear layer above the lowest measured format: a structural rule "
+        "(first or last layer, a small layer) or a figure of the lower formats crossed its limit",
+        "train the layer in the format the recipe names (plan.recipe()); the finding's message "
+        "gives the figure that rules the lower formats out",
+    ),
+    (
+        "AG348",
+        "info",
+        "a per-layer low-precision recipe",
+        "fp8",
+        "fp8_plan(..., formats=...) measured several formats: the recipe names each layer's format",
+        "train each layer in its format: plan.recipe() maps module names to formats",
+    ),
 )
 
 # A short script that fires each lint code (the findings page shows it; a test lints each).

@@ -103,7 +103,7 @@ class Fp8State:
         float8 = require_torchao()
         model: nn.Module = guard.model
         self.plan = plan
-        self.recipe = plan.recipe if plan is not None else "tensorwise"
+        self.recipe = plan.float8_recipe if plan is not None else "tensorwise"
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         if plan is not None:
             unknown = sorted(set(plan.layers) - set(linears))
