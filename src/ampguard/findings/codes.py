@@ -172,6 +172,17 @@ CATALOGUE: dict[str, Code] = _table(
         "limit of its output gradient's nonzero values flushed to zero",
         "keep the layer in bf16 (ag.fp8_plan + fp8_plan=)",
     ),
+    (
+        "AG113",
+        "warning",
+        "an fp8 layer moved back to bf16 during training",
+        "fp8",
+        "under Guard(precision='fp8', auto_fallback=True) a converted layer's input, weight or "
+        "output gradient flushed more than the plan's limit to zero on 2 samples in a row, so "
+        "the Guard turned it back into a bf16 nn.Linear",
+        "keep the layer in bf16 from the start: ag.fp8_plan on a batch from that point of "
+        "training, then fp8_plan=",
+    ),
     # -- AG12x: attach mode (ag.watch and the framework integrations) --------------------------
     (
         "AG120",

@@ -135,15 +135,74 @@ class Fp8State:
                 stacklevel=4,
             )
         self.monitor: Any = None
+        self.rescue: Any = None
+        self._model = model
 
-    def watch(self, guard: Any) -> None:
-        """With telemetry (``range_every`` > 0), sample the converted layers while training."""
+    def watch(self, guard: Any, *, rescue: bool = False) -> None:
+        """With telemetry (``range_every`` > 0), sample the converted layers while training;
+        with ``rescue`` (``auto_fallback=True``) move a drifting layer back to bf16
+        (:mod:`ampguard.fp8._rescue`)."""
         if guard._telemetry is None or not guard._telemetry.range_every or not self.layers:
             return
+        from ampguard.fp8 import Fp8Thresholds
+        from ampguard.fp8._rescue import Fp8Rescue
         from ampguard.fp8._stats import Fp8Monitor
 
-        th = self.plan.thresholds if self.plan is not None else None
+        th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
         self.monitor = Fp8Monitor(guard, self.layers, self.recipe, th)
+        if rescue:
+            self.rescue = Fp8Rescue(self, guard, th)
+            self.monitor.on_records = self.rescue.on_samples
+
+    def release(self, name: str) -> None:
+        """Move the converted layer ``name`` back to bf16 (see :func:`ampguard.fp8._rescue.to_bf16`)."""
+        from ampguard.fp8._rescue import to_bf16
+
+        to_bf16(self._model.get_submodule(name))
+        self.layers.remove(name)
+        self.kept.append(name)
+        if self.monitor is not None:
+            self.monitor.drop(name)
+
+    def state(self) -> dict[str, Any] | None:
+        """The rescues to resume (Guard state ``"fp8"``), or None when there is nothing."""
+        if self.rescue is None or not self.rescue.changes:
+            return None
+        return {"rescued": [dict(c) for c in self.rescue.changes]}
+
+    def check_state(self, value: Any) -> list[dict[str, Any]]:
+        """Validate a saved ``"fp8"`` state against this Guard's layers; the rescues to redo."""
+        if value is None:
+            return []
+        rescued = value.get("rescued") if isinstance(value, dict) else None
+        if not isinstance(rescued, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("module"), str) for c in rescued
+        ):
+            raise ValueError(
+                f"malformed Guard state: 'fp8' must be {{'rescued': [{{'module': name, ...}}]}}, "
+                f"got {value!r:.80}"
+            )
+        known = set(self.layers) | set(self.kept)
+        unknown = [c["module"] for c in rescued if c["module"] not in known]
+        if unknown:
+            raise ValueError(
+                f"malformed Guard state: 'fp8.rescued' names layers this fp8 Guard does not "
+                f"have: {unknown[:5]}"
+            )
+        return rescued
+
+    def load(self, rescued: list[dict[str, Any]], guard: Any) -> None:
+        """Redo checked rescues (a resumed run moves the same layers back to bf16)."""
+        if not rescued:
+            return
+        if self.rescue is None:
+            from ampguard.fp8 import Fp8Thresholds
+            from ampguard.fp8._rescue import Fp8Rescue
+
+            th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
+            self.rescue = Fp8Rescue(self, guard, th)
+        self.rescue.changes.clear()
+        self.rescue.resume(rescued)
 
     def _wanted(self, module: nn.Linear, name: str, float8: Any) -> bool:
         if isinstance(module, float8.float8_linear.Float8Linear):
@@ -167,13 +226,17 @@ class Fp8State:
             }
         if self.monitor is not None:
             out["layers"] = self.monitor.last()
+        if self.rescue is not None and self.rescue.changes:
+            out["rescued"] = [dict(c) for c in self.rescue.changes]
         return out
 
     def findings(self) -> list[Any]:
-        """AG111/AG112 from the telemetry samples (empty without telemetry)."""
+        """AG111/AG112 from the telemetry samples (empty without telemetry), AG113 per rescue."""
         if self.monitor is None:
-            return []
+            return self.rescue.findings() if self.rescue is not None else []
         found = self.monitor.findings()
+        if self.rescue is not None:
+            found += self.rescue.findings()
         self.monitor.telemetry.annotate("fp8", self.summary())  # the report's fp8 section
         return found
 

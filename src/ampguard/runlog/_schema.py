@@ -24,6 +24,8 @@ resume    ``step`` int (required); ``scale``, ``previous_scale``: number or null
           ``scale_reset``: bool; ``time``: str
 fallback  ``step`` int (required); ``from``, ``to``: str
 finding   ``step`` int or null; ``finding``: a :class:`ampguard.Finding` as a dict (required)
+fp8_res.. ``fp8_rescue``: ``step`` int, ``module``, ``field``: str (required); ``value``,
+          ``limit``: number or null (a layer moved from fp8 back to bf16, AG113)
 ========  ==================================================================================
 
 Reading the files themselves (regular files only, errors naming them) is
@@ -181,6 +183,13 @@ EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     "fallback": {"step": (_int, True), "from": (_str, False), "to": (_str, False)},
     "finding": {"step": (_opt_int, False), "finding": (_dict, True)},
+    "fp8_rescue": {
+        "step": (_int, True),
+        "module": (_str, True),
+        "field": (_str, True),
+        "value": (_num, False),
+        "limit": (_num, False),
+    },
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
 META_FIELDS: dict[str, _Check] = {
