@@ -104,9 +104,10 @@ def test_a_heavy_weight_column_flushes_the_weight_in_every_8bit_format(plan):
         fig = _fig(plan, "heavy", fmt)
         assert fig["weight_flushed"] > 0.02 and not fig["ready"], fmt
         assert "weight" in fig["reason"]
-    assert _fig(plan, "heavy", "mxfp8")["weight_flushed"] < _fig(plan, "heavy", "rowwise")[
-        "weight_flushed"
-    ]
+    assert (
+        _fig(plan, "heavy", "mxfp8")["weight_flushed"]
+        < _fig(plan, "heavy", "rowwise")["weight_flushed"]
+    )
 
 
 def test_a_gradient_spanning_rows_flushes_under_one_scale_not_under_row_scales(plan):
@@ -181,9 +182,10 @@ def test_summary_prints_the_format_table_and_findings_explain_the_kept_layers(pl
 def test_a_shape_the_block_does_not_divide_is_not_eligible():
     model = nn.Sequential(nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 16))
     p = ag.fp8_plan(model, lambda m, x: m(x).pow(2).mean(), torch.randn(8, 48), formats=ALL)
-    assert not _fig(p, "0", "mxfp8")["eligible"] and "multiples of 32" in _fig(p, "0", "mxfp8")[
-        "reason"
-    ]
+    assert (
+        not _fig(p, "0", "mxfp8")["eligible"]
+        and "multiples of 32" in _fig(p, "0", "mxfp8")["reason"]
+    )
     assert _fig(p, "0", "nvfp4")["eligible"]
 
 

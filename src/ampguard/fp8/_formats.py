@@ -150,7 +150,8 @@ def lookup(name: str) -> LowpFormat:
     try:
         return FORMATS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown low-precision format {name!r}: one of {tuple(FORMATS)}") from None
+        allowed = tuple(FORMATS)
+        raise ValueError(f"unknown low-precision format {name!r}: one of {allowed}") from None
 
 
 def check_formats(formats: object) -> tuple[str, ...]:

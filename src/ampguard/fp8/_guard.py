@@ -155,7 +155,7 @@ class Fp8State:
             self.monitor.on_records = self.rescue.on_samples
 
     def release(self, name: str) -> None:
-        """Move the converted layer ``name`` back to bf16 (see :func:`ampguard.fp8._rescue.to_bf16`)."""
+        """Move the converted layer ``name`` back to bf16 (:func:`ampguard.fp8._rescue.to_bf16`)."""
         from ampguard.fp8._rescue import to_bf16
 
         to_bf16(self._model.get_submodule(name))

@@ -20,8 +20,10 @@ values, e4m3 almost none): the flushed and saturated limits apply to the share *
 format's nominal share on the Gaussian layer (``nominal_input_flushed``, ...), so a limit means
 "what this layer loses beyond what the format costs everyone". A format is ``ready`` for a layer
 when the shape fits, no such excess crosses the plan's limits and
-``sqnr_loss_db <= max_sqnr_loss_db``; ``reason`` names the first limit crossed with its figure. Cost: per layer and format three quantisations and one small matmul, one host
-sync per layer and format; the nominal figures are computed once per format and process.
+``sqnr_loss_db <= max_sqnr_loss_db``; ``reason`` names the first limit crossed with its figure.
+
+Cost: per layer and format three quantisations and one small matmul, one host sync per layer
+and format; the nominal figures are computed once per format and process.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _role_figures(x: torch.Tensor, fmt: LowpFormat, role: str) -> list[torch.Ten
     return [sqnr_db(xf, q), saturated, flushed_share(xf, q), spread]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _elem_max(element: str) -> float:
     if element == "e2m1":
         return 6.0
@@ -87,7 +89,7 @@ def _measure(
 _ROLE_KEYS = ("sqnr_db", "saturated", "flushed", "scale_spread_bits")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nominal(name: str) -> dict[str, float | None]:
     """The format's figures on a Gaussian layer (what its rounding costs any layer); cached."""
     rows, fin, fout = _NOMINAL_SHAPE
@@ -168,8 +170,10 @@ def _reason(info: dict[str, Any], fmt: LowpFormat, th: Any, problem: str | None)
             f"distribution (input scale spread {info['input_scale_spread_bits']:.1f} bits)"
         )
     role, what = problem.split("_", 1)
-    verb = "saturates (clipped at its scale's largest value)" if what == "saturated" else (
-        "flushes to zero"
+    verb = (
+        "saturates (clipped at its scale's largest value)"
+        if what == "saturated"
+        else ("flushes to zero")
     )
     base = info.get(f"nominal_{problem}") or 0.0
     return (
