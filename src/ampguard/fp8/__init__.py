@@ -46,7 +46,8 @@ __all__ = ["Fp8Plan", "Fp8Thresholds", "fp8_plan", "FIXES", "FORMATS"]
 
 FIXES = ("fine", "keep_bf16", "rowwise", "rescale")
 _MULTIPLE = 16  # torch._scaled_mm: both matmul dimensions must be multiples of 16
-_MAX_ROWS = 4096  # rows of input/gradient measured per layer (bounds the cost on big batches)
+_MAX_ROWS = 256  # rows of input/gradient measured per layer, evenly spaced (bounds the cost)
+_FORMAT_ROWS = 256  # rows of the weight (evenly spaced) measured per extra format
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,10 @@ def fp8_plan(
     :meth:`Fp8Plan.recipe` picks a format per layer.
 
     Cost: one forward + backward in bf16 autocast, one copy of each Linear's input and output
-    gradient (at most 4096 rows each), a few small matmuls per layer and one host sync per
-    layer (and per layer and format).
+    gradient (at most 256 evenly spaced rows each), two small matmuls per layer and one host
+    sync per layer; per extra format, three quantisations (at most 256 evenly spaced rows of
+    each tensor), one small matmul and one host sync per layer. A plan costs about the same
+    whatever the batch size.
     """
     _check(model, loss_fn, recipe, thresholds)
     names = () if formats is None else check_formats(formats)
@@ -213,8 +216,14 @@ def _formats_of(
     if cap is not None:
         x = _rows(cap["x"], mod.in_features)
         g = _rows(cap["g"], mod.out_features) if "g" in cap else None
-    w = mod.weight.detach().to(torch.bfloat16)
+    w = _spaced(mod.weight.detach().to(torch.bfloat16))
     return measure_formats((mod.in_features, mod.out_features), x, w, g, names, th)
+
+
+def _spaced(t: torch.Tensor) -> torch.Tensor:
+    """At most ``_FORMAT_ROWS`` evenly spaced rows of ``t`` (what each extra format measures)."""
+    step = -(-t.shape[0] // _FORMAT_ROWS)
+    return t[::step].contiguous()
 
 
 def _check(model: Any, loss_fn: Any, recipe: Any, thresholds: Any) -> None:
@@ -288,7 +297,9 @@ def _trace(
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t.reshape(-1, width)[:_MAX_ROWS].to(torch.bfloat16)  # what the fp8 cast sees
+    flat = t.reshape(-1, width)
+    step = -(-flat.shape[0] // _MAX_ROWS)
+    return flat[::step].to(torch.bfloat16)  # what the fp8 cast sees
 
 
 def _measure(
@@ -336,7 +347,7 @@ def _assess(
         return info
     with torch.no_grad():
         x = _rows(cap["x"], mod.in_features)
-        w = mod.weight.detach().to(torch.bfloat16)
+        w = _spaced(mod.weight.detach().to(torch.bfloat16))
         g = _rows(cap["g"], mod.out_features) if "g" in cap else None
         info.update(_measure(x, w, g, rec))
         mags = x.float().abs()

@@ -25,6 +25,7 @@ entry here (and, for training, one in :mod:`ampguard.fp8._emulate`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ def _float8(recipe_name: str) -> Callable[[torch.Tensor, str], Quantized]:
     return quantize
 
 
+@functools.cache
 def _torchao_mx() -> tuple[type, type]:
     from ampguard.fp8._guard import require_torchao
 

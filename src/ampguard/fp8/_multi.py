@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ampguard.fp8._cast import flushed_share, sqnr_db
+from ampguard.fp8._cast import sqnr_db
 from ampguard.fp8._formats import FORMATS, LowpFormat, half_ulp
 
 __all__ = ["measure_formats", "ROLES", "nominal", "nominal_db"]
@@ -42,19 +42,34 @@ ROLES = ("input", "weight", "grad")
 _NOMINAL_SHAPE = (256, 256, 256)  # rows, in, out of the Gaussian reference layer
 
 
-def _role_figures(x: torch.Tensor, fmt: LowpFormat, role: str) -> list[torch.Tensor]:
-    """[sqnr_db, saturated, flushed, scale_spread_bits] of one tensor (0-d tensors, no sync)."""
+def _role_figures(
+    x: torch.Tensor, fmt: LowpFormat, role: str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the quantised tensor, [sqnr_db, saturated, flushed, scale_spread_bits]) of one tensor;
+    0-d tensors, no host sync."""
     xf = x.float()
     q, scale = fmt.quantize(xf, role)
-    limit = _max_value(fmt, role) * scale * (1 + half_ulp(fmt))
-    nonzero = xf != 0
-    saturated = ((xf.abs() > limit) & nonzero).sum().float() / nonzero.sum().clamp(min=1)
-    used = scale[nonzero] if bool(fmt.block) else scale.reshape(-1)[:1]
-    if used.numel():
-        spread = torch.log2(used.amax() / used.amin().clamp(min=torch.finfo(torch.float32).tiny))
-    else:
-        spread = torch.zeros(())
-    return [sqnr_db(xf, q), saturated, flushed_share(xf, q), spread]
+    mags = xf.abs()
+    nonzero = mags > 0
+    count = nonzero.sum().clamp(min=1).float()
+    limit = scale * (_max_value(fmt, role) * (1 + half_ulp(fmt)))
+    saturated = (mags > limit).sum().float() / count
+    flushed = (nonzero & (q == 0)).sum().float() / count
+    err = xf - q
+    sqnr = 10 * torch.log10(mags.pow(2).sum() / err.pow(2).sum())
+    return q, [sqnr, saturated, flushed, _spread(mags, scale, fmt)]
+
+
+def _spread(mags: torch.Tensor, scale: torch.Tensor, fmt: LowpFormat) -> torch.Tensor:
+    """log2(largest / smallest scale) over the blocks (rows) that hold a nonzero value."""
+    if not fmt.block:
+        return torch.zeros(())
+    width = mags.shape[-1] if fmt.block < 0 else fmt.block
+    used = mags.reshape(-1, width).amax(dim=-1) > 0
+    first = scale.reshape(-1, width)[:, 0]  # one scale per block (no mask indexing: no sync)
+    hi = torch.where(used, first, 0.0).amax()
+    lo = torch.where(used, first, torch.inf).amin()
+    return torch.where(used.any(), torch.log2(hi / lo), 0.0)
 
 
 @functools.cache
@@ -69,17 +84,20 @@ def _max_value(fmt: LowpFormat, role: str) -> float:
 
 
 def _measure(
-    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor | None, fmt: LowpFormat
+    x: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor | None,
+    fmt: LowpFormat,
+    ref: torch.Tensor | None = None,
 ) -> dict[str, float | None]:
-    xq, _ = fmt.quantize(x.float(), "input")
-    wq, _ = fmt.quantize(w.float(), "weight")
-    figures = [sqnr_db(x.float() @ w.float().T, xq @ wq.T)]
-    names = ["sqnr_db"]
-    for role, t in (("input", x), ("weight", w), ("grad", g)):
-        if t is None:
-            continue
-        figures += _role_figures(t, fmt, role)
-        names += [f"{role}_{k}" for k in ("sqnr_db", "saturated", "flushed", "scale_spread_bits")]
+    xq, x_figs = _role_figures(x, fmt, "input")
+    wq, w_figs = _role_figures(w, fmt, "weight")
+    ref = x.float() @ w.float().T if ref is None else ref  # the bf16 output, shared by formats
+    figures = [sqnr_db(ref, xq @ wq.T), *x_figs, *w_figs]
+    names = ["sqnr_db", *(f"{r}_{k}" for r in ("input", "weight") for k in _ROLE_KEYS)]
+    if g is not None:
+        figures += _role_figures(g, fmt, "grad")[1]
+        names += [f"grad_{k}" for k in _ROLE_KEYS]
     values = torch.stack([f.reshape(()).double() for f in figures]).tolist()  # one sync
     out: dict[str, float | None] = {f"grad_{k}": None for k in _ROLE_KEYS}
     out.update(zip(names, values, strict=True))
@@ -118,6 +136,7 @@ def measure_formats(
 ) -> dict[str, dict[str, Any]]:
     """Per format: the figures above, ``eligible``, ``ready`` and ``reason``."""
     out: dict[str, dict[str, Any]] = {}
+    ref = None if x is None else x.float() @ w.float().T
     for name in formats:
         fmt = FORMATS[name]
         info: dict[str, Any] = {"ready": False, "eligible": fmt.shape_ok(*shape)}
@@ -130,7 +149,7 @@ def measure_formats(
             info["reason"] = "not called in the traced forward: nothing to measure"
         else:
             with torch.no_grad():
-                info.update(_measure(x, w, g, fmt))
+                info.update(_measure(x, w, g, fmt, ref))
             base = nominal(name)
             info["nominal_db"] = base["sqnr_db"]
             info["sqnr_loss_db"] = info["nominal_db"] - info["sqnr_db"]
