@@ -210,3 +210,26 @@ def test_lookup_names_the_allowed_formats():
     assert lookup("mxfp8").block == 32
     with pytest.raises(ValueError, match="nvfp4"):
         lookup("fp6")
+
+
+def test_cli_inspect_fp8_prints_the_multi_format_table(tmp_path, capsys):
+    from ampguard.cli import main
+
+    src = tmp_path / "fac.py"
+    src.write_text(
+        "import torch, ampguard as ag\n"
+        "from ampguard.demo.fp8_model import OutlierNet, make_task, loss_fn\n"
+        "def experiment():\n"
+        "    m = OutlierNet()\n"
+        "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "                         list(make_task(steps=1).batches()), loss_fn)\n"
+    )
+    assert main(["inspect", "--fp8", f"{src}:experiment"]) == 0
+    out = capsys.readouterr().out
+    assert "tensorwise  rowwise" in out and "mxfp8" in out and "nvfp4" in out
+    assert "recipe (SQNR loss within" in out and "AG348" in out
+    assert main(["inspect", "--fp8", "--formats", "mxfp8,fp6", f"{src}:experiment"]) == 2
+    err = capsys.readouterr().err
+    assert "--formats" in err and "fp6" in err and "Traceback" not in err
+    assert main(["inspect", "--fp8", "--formats", "none", f"{src}:experiment"]) == 0
+    assert "nvfp4" not in capsys.readouterr().out
