@@ -89,7 +89,7 @@ def _float8(recipe_name: str) -> Callable[[torch.Tensor, str], Quantized]:
 
 @functools.cache
 def _torchao_mx() -> tuple[type, type]:
-    from ampguard.fp8._guard import require_torchao
+    from ampguard.fp8._torchao import require_torchao
 
     require_torchao()  # the clear "pip install ampguard[fp8]" error, quiet import
     from torchao.prototype.mx_formats.mx_tensor import MXTensor

@@ -13,15 +13,14 @@ import logs warnings about CUDA extensions a CPU machine cannot load).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from ampguard.fp8._torchao import TORCHAO_PIN, Fp8UnavailableError, quiet_logs, require_torchao
 
 __all__ = [
     "Fp8UnavailableError",
@@ -33,42 +32,8 @@ __all__ = [
     "TORCHAO_PIN",
 ]
 
-TORCHAO_PIN = "torchao==0.18.0"
 _MULTIPLE = 16
-_QUIET = ("torchao", "torch.utils._pytree", "torch._dynamo")
 _warned_emulation: set[str] = set()
-
-
-class Fp8UnavailableError(ImportError):
-    """torchao (the fp8 training kernels) is not installed or cannot be imported."""
-
-
-@contextlib.contextmanager
-def _quiet_logs() -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in _QUIET]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def require_torchao() -> Any:
-    """Import and return ``torchao.float8``, or raise :class:`Fp8UnavailableError` saying what
-    to install."""
-    try:
-        with _quiet_logs(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.float8 as float8
-    except ImportError as exc:
-        raise Fp8UnavailableError(
-            f"precision='fp8' needs torchao (fp8 training): pip install \"ampguard[fp8]\" "
-            f"(installs {TORCHAO_PIN}); import failed: {exc}"
-        ) from exc
-    return float8
 
 
 def eligible(module: nn.Module) -> bool:
@@ -119,7 +84,7 @@ class Fp8State:
             _warn_emulated(guard._device)
         chosen = {n for n, m in linears.items() if self._wanted(m, n, float8)}
         if chosen:
-            with _quiet_logs():
+            with quiet_logs():
                 float8.convert_to_float8_training(
                     model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen
                 )
