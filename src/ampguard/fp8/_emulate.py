@@ -92,7 +92,7 @@ def emulate(
         if module_filter_fn is not None and not module_filter_fn(mod, name):
             continue
         mod.__class__ = EmulatedLinear
-        mod.lowp_format = fmt
+        mod.__dict__["lowp_format"] = fmt  # plain attribute: Module.__setattr__ wants tensors
         chosen.append(name)
     return chosen
 
@@ -101,5 +101,5 @@ def restore(model: nn.Module) -> None:
     """Undo :func:`emulate`: every emulated layer is a plain ``nn.Linear`` again."""
     for mod in model.modules():
         if isinstance(mod, EmulatedLinear):
-            mod.__class__ = nn.Linear
-            del mod.lowp_format
+            mod.__class__ = nn.Linear  # type: ignore[assignment]
+            mod.__dict__.pop("lowp_format", None)

@@ -29,6 +29,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ def _float8(recipe_name: str) -> Callable[[torch.Tensor, str], Quantized]:
 
 
 @functools.cache
-def _torchao_mx() -> tuple[type, type]:
+def _torchao_mx() -> tuple[Any, Any]:
     from ampguard.fp8._torchao import require_torchao
 
     require_torchao()  # the clear "pip install ampguard[fp8]" error, quiet import

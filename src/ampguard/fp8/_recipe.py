@@ -66,7 +66,7 @@ def recipe_reasons(
 
 
 def _choose(plan: Any, info: dict[str, Any], th: Any) -> tuple[str, str]:
-    tried = []
+    tried: list[str] = []
     for fmt in _candidates(plan):
         if _ready_in(plan, info, fmt, th):
             skipped = f" ({'; '.join(tried)})" if tried else ""
