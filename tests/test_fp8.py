@@ -109,7 +109,7 @@ def test_plan_leaves_the_model_as_it_was_and_rowwise_recipe_runs():
     batch = torch.randn(8, 32)
     rng = torch.get_rng_state()
     p = ag.fp8_plan(model, lambda m, x: m(x).float().pow(2).mean(), batch, recipe="rowwise")
-    assert p.recipe == "rowwise" and p.layers["0"]["ready"]
+    assert p.float8_recipe == "rowwise" and p.layers["0"]["ready"]
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(torch.equal(q.grad, g) for q, g in zip(model.parameters(), grads, strict=True))

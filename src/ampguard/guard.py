@@ -192,7 +192,7 @@ class Guard:
         try:  # 3. the model
             if self._fp8 is not None:
                 self._fp8.convert()
-                self._fp8.watch(self)  # fp8 telemetry: per-layer amax and flushed shares
+                self._fp8.watch(self, rescue=auto_fallback)  # fp8 telemetry: per-layer amax and flushed shares
             # forensics (ampguard.forensics._guard): keep_fp32 islands, armed tracing,
             # auto_fallback, coverage_step; None (zero cost) unless one of them is used
             self._forensics = _guard_forensics.attach(
@@ -676,6 +676,8 @@ class Guard:
 
     def _fallbacks(self) -> list[dict[str, Any]]:
         changes = self._forensics.changes if self._forensics is not None else []
+        if self._fp8 is not None and self._fp8.rescue is not None:  # fp8 -> bf16 rescues
+            changes = [*changes, *self._fp8.rescue.changes]
         return ([dict(self._fallback)] if self._fallback else []) + [dict(c) for c in changes]
 
     # ------------------------------------------------------------------ state
@@ -709,6 +711,7 @@ class Guard:
             "scale_history": self._history.state_dict(),
             "resume": self._resume.state_dict(),
             "forensics": self._forensics.state() if self._forensics is not None else None,
+            "fp8": self._fp8.state() if self._fp8 is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -125,6 +125,12 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
         choices=("tensorwise", "rowwise"),
         help="fp8 scaling recipe for --fp8 (default tensorwise)",
     )
+    p.add_argument(
+        "--formats",
+        default="all",
+        help="comma-separated low-precision formats the --fp8 plan measures per layer, or "
+        "'all' (default: every registered format; 'none': the recipe alone)",
+    )
 
 
 def inspect_run(args: argparse.Namespace) -> int:

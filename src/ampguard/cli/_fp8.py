@@ -31,7 +31,9 @@ def inspect_fp8(args: argparse.Namespace) -> int:
         batch = next(iter(exp.batches), None)
         if batch is None:
             raise ValueError("the Experiment's batches are empty: the plan needs one batch")
-        plan = fp8_plan(exp.model, exp.loss_fn, batch, recipe=args.recipe)
+        plan = fp8_plan(
+            exp.model, exp.loss_fn, batch, recipe=args.recipe, formats=_formats(args.formats)
+        )
     except (ValueError, TypeError) as exc:
         print(f"ampguard inspect: error: {exc}", file=sys.stderr)
         return 2
@@ -48,6 +50,24 @@ def inspect_fp8(args: argparse.Namespace) -> int:
     for f in findings:
         print(f"{f}\n    fix: {f.fix}" if f.fix else str(f))
     return 0
+
+
+def _formats(text: str) -> tuple[str, ...] | None:
+    """``--formats``: "all" (every registered format), "none", or a comma-separated list."""
+    from ampguard.fp8 import FORMATS
+
+    if text.strip() == "all":
+        return tuple(FORMATS)
+    if text.strip() == "none":
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise ValueError(
+            f"--formats: unknown format(s) {unknown or [text]}; allowed: "
+            f"{', '.join(FORMATS)}, or 'all' / 'none'"
+        )
+    return names
 
 
 def demo_fp8(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ class Plan:
     resume: dict[str, Any] | None
     config_diff: dict[str, Any]
     precision_note: str | None
+    fp8_rescued: list[dict[str, Any]] | None = None
 
 
 def _bad(field: str, rule: str, value: Any) -> ValueError:
@@ -108,6 +109,7 @@ def check(guard: Any, state: Any) -> Plan:
         resume=_check_resume(state.get("resume")),
         config_diff={k: v for k, v in config.items() if getattr(guard.scaler_config, k, v) != v},
         precision_note=note,
+        fp8_rescued=guard._fp8.check_state(state.get("fp8")) if guard._fp8 is not None else None,
     )
 
 
@@ -264,6 +266,8 @@ def apply(guard: Any, plan: Plan) -> None:
         guard._history.load_state_dict(plan.history)
     if guard._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
         guard._forensics.load(plan.forensics)
+    if guard._fp8 is not None and plan.fp8_rescued:  # fp8 layers rescued to bf16 stay there
+        guard._fp8.load(plan.fp8_rescued, guard)
     if plan.precision_note is not None:
         warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=3)
     guard._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)

@@ -140,7 +140,8 @@ def summary(r: Fp8DemoResult) -> str:
     )
     kept = ", ".join(r.kept) or "none"
     lines = [
-        f"ampguard demo: {r.steps} steps in fp8 ({r.plan.recipe}, {where}; {r.seconds:.1f} s)",
+        f"ampguard demo: {r.steps} steps in fp8 ({r.plan.float8_recipe}, {where}; "
+        f"{r.seconds:.1f} s)",
         f"  planted outlier-feature layer: {OUTLIER_LAYER} "
         f"({'kept in bf16' if OUTLIER_LAYER in r.kept else 'IN FP8'})",
         f"  in fp8:            {', '.join(r.converted) or 'none'}",

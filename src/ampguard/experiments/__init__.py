@@ -44,6 +44,7 @@ from ampguard._util.checks import check_int
 from ampguard.core.scaler import ScalerConfig
 from ampguard.experiments import _fp8 as _f8
 from ampguard.experiments import _stall
+from ampguard.experiments import _lowp as _lp
 from ampguard.experiments import _verdict as _v
 from ampguard.experiments._timing import StepClock
 from ampguard.findings import Finding, make
@@ -127,6 +128,7 @@ class VariantResult:
     max_rel_dev: float = 0.0
     throughput_ratio: float = 1.0
     gap_to_bf16: float | None = None  # fp8 variants: final loss minus bf16's
+    converted: list[str] = field(default_factory=list)  # mxfp8/nvfp4: the emulated layers
 
     @property
     def steps(self) -> int:
@@ -239,6 +241,7 @@ def compare(
             bar.close()
     cmp = Comparison(results, *_v.judge(results, steps), steps)
     _f8.judge_fp8(cmp, plan)
+    _lp.judge_lowp(cmp)
     if cmp.verdict == "fp16_range" and "batch" in capture:
         cmp.failing_batch = capture["index"]
         cmp.explanation += (
@@ -270,13 +273,13 @@ def _check_args(factory: Any, steps: Any, variants: Any, scaler: Any) -> list[st
         )
     if variants is None:
         return list(VARIANTS)
-    known = (*VARIANTS, *_f8.FP8_VARIANTS)
+    known = (*VARIANTS, *_f8.FP8_VARIANTS, *_lp.LOWP_VARIANTS)
     if isinstance(variants, str) or not all(isinstance(v, str) for v in variants):
         raise TypeError(f"variants must be a sequence of variant names from {known}")
     unknown = [v for v in variants if v not in known]
     if unknown:
         raise ValueError(f"variants must be names from {known}, got unknown {unknown}")
-    fp8 = any(v in _f8.FP8_VARIANTS for v in variants)  # bf16 is fp8's reference
+    fp8 = any(v in _f8.FP8_VARIANTS or v in _lp.LOWP_VARIANTS for v in variants)  # bf16: ref
     chosen = [n for n in known if n == "fp32" or n in variants or (fp8 and n == "bf16")]
     if len(chosen) < 2:
         raise ValueError("variants must name at least one variant besides the fp32 baseline")
@@ -330,11 +333,13 @@ def _stream(batches: Iterable[Any], steps: int) -> Iterator[Any]:
 
 def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) -> Any:
     """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
-    if not any(n in _f8.FP8_VARIANTS for n in names):
-        return None
     from ampguard.fp8._guard import require_torchao
 
-    require_torchao()  # missing torchao: one clear error before any variant runs
+    if any(n in _lp.LOWP_VARIANTS for n in names):
+        require_torchao()  # missing torchao: one clear error before any variant runs
+    if not any(n in _f8.FP8_VARIANTS for n in names):
+        return None
+    require_torchao()
     exp = _fresh(factory, seed)
     first = next(_stream(exp.batches, 1), None)
     return None if first is None else _f8.make_plan(exp, first)
@@ -350,6 +355,8 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None, plan: A
             precision="fp8",
             fp8_plan=plan if name == "fp8_planned" else None,
         )
+    if name in _lp.LOWP_VARIANTS:  # the layers are emulated in the format (see _run_variant)
+        return Guard(exp.model, exp.optimizer, precision="bf16", skip_nonfinite=False)
     if name in ("fp32", "bf16"):  # what the precision itself does: non-finite steps applied
         return Guard(exp.model, exp.optimizer, precision=name, skip_nonfinite=False)
     cfg = scaler or ScalerConfig()
@@ -371,7 +378,9 @@ def _run_variant(
     plan: Any = None,
 ) -> VariantResult:
     exp = _fresh(factory, seed)
-    res = VariantResult(name, {**VARIANTS, **_f8.FP8_VARIANTS}[name], [])
+    res = VariantResult(name, {**VARIANTS, **_f8.FP8_VARIANTS, **_lp.LOWP_VARIANTS}[name], [])
+    if name in _lp.LOWP_VARIANTS:
+        res.converted = _lp.prepare(name, exp.model)
     guard = None if name == "fp16_noscaler" else _make_guard(name, exp, scaler, plan)
     device_type = next(p.device.type for p in exp.model.parameters())
     losses: list[torch.Tensor] = []

@@ -20,6 +20,7 @@ from ampguard._util.jsonnum import finite_or_none as json_float
 from ampguard.experiments import _stall
 from ampguard.experiments._fp8 import FP8_CODES as _FP8_CODES
 from ampguard.experiments._fp8 import fp8_lines
+from ampguard.experiments._lowp import lowp_lines
 
 __all__ = [
     "VERDICTS",
@@ -267,4 +268,5 @@ def summary(cmp: Any) -> str:
     if cmp.locate_error:
         lines.append(f"note: {cmp.locate_error}")
     lines += fp8_lines(cmp)  # fp8 variants: gap to bf16, and their verdict if not the main one
+    lines += lowp_lines(cmp)  # mxfp8 / nvfp4 variants: like bf16 or not
     return "\n".join(lines)

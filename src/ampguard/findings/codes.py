@@ -172,6 +172,17 @@ CATALOGUE: dict[str, Code] = _table(
         "limit of its output gradient's nonzero values flushed to zero",
         "keep the layer in bf16 (ag.fp8_plan + fp8_plan=)",
     ),
+    (
+        "AG113",
+        "warning",
+        "an fp8 layer moved back to bf16 during training",
+        "fp8",
+        "under Guard(precision='fp8', auto_fallback=True) a converted layer's input, weight or "
+        "output gradient flushed more than the plan's limit to zero on 2 samples in a row, so "
+        "the Guard turned it back into a bf16 nn.Linear",
+        "keep the layer in bf16 from the start: ag.fp8_plan on a batch from that point of "
+        "training, then fp8_plan=",
+    ),
     # -- AG12x: attach mode (ag.watch and the framework integrations) --------------------------
     (
         "AG120",
@@ -698,6 +709,24 @@ CATALOGUE: dict[str, Code] = _table(
         "fp8",
         "the plan's traced step never ran the layer, so it has no measurements",
         "plan with a batch that exercises the layer; it is kept in bf16 meanwhile",
+    ),
+    (
+        "AG347",
+        "info",
+        "a layer the low-precision recipe keeps in higher precision",
+        "fp8",
+        "plan.recipe() keeps a Linear layer above the lowest measured format: a structural rule "
+        "(first or last layer, a small layer) or a figure of the lower formats crossed its limit",
+        "train the layer in the format the recipe names (plan.recipe()); the finding's message "
+        "gives the figure that rules the lower formats out",
+    ),
+    (
+        "AG348",
+        "info",
+        "a per-layer low-precision recipe",
+        "fp8",
+        "fp8_plan(..., formats=...) measured several formats: the recipe names each layer's format",
+        "train each layer in its format: plan.recipe() maps module names to formats",
     ),
 )
 

@@ -385,13 +385,13 @@ class OpTrace:
             if known is not None and known[0]() is t:
                 out += known[1:]
             else:
-                out += t.detach().aminmax()
+                out += _aminmax(t)
         return out
 
     def _row(self, ins: list[torch.Tensor], outputs: list[torch.Tensor]) -> torch.Tensor:
         outs: list[torch.Tensor] = []
         for t in outputs:
-            lo, hi = t.detach().aminmax()
+            lo, hi = _aminmax(t)
             self._known[id(t)] = (weakref.ref(t), lo, hi)
             outs += (lo, hi)
         self._shapes.append((len(ins), len(outs)))
@@ -513,3 +513,17 @@ def _upcast(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _upcast(v) for k, v in value.items()}
     return value
+
+
+def _aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of ``t``; fp8 tensors (torchao's casts: raw fp8 has no aminmax kernel on the
+    CPU, its training tensor none at all) are read in their original precision or float32.
+    No host sync."""
+    t = t.detach()
+    original = getattr(t, "to_original_precision", None)  # torchao's Float8TrainingTensor
+    if callable(original):
+        t = original()
+    if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+        t = t.float()
+    lo, hi = t.aminmax()
+    return lo, hi

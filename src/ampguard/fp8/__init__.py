@@ -39,12 +39,15 @@ from ampguard._util.jsonnum import finite_or_none
 from ampguard.core.policy import device_of
 from ampguard.findings import Finding
 from ampguard.fp8._cast import E4M3, RECIPES, Recipe, flushed_share, quantize, sqnr_db
+from ampguard.fp8._formats import FORMATS, check_formats
+from ampguard.fp8._multi import measure_formats
 
-__all__ = ["Fp8Plan", "Fp8Thresholds", "fp8_plan", "FIXES"]
+__all__ = ["Fp8Plan", "Fp8Thresholds", "fp8_plan", "FIXES", "FORMATS"]
 
 FIXES = ("fine", "keep_bf16", "rowwise", "rescale")
 _MULTIPLE = 16  # torch._scaled_mm: both matmul dimensions must be multiples of 16
-_MAX_ROWS = 4096  # rows of input/gradient measured per layer (bounds the cost on big batches)
+_MAX_ROWS = 256  # rows of input/gradient measured per layer, evenly spaced (bounds the cost)
+_FORMAT_ROWS = 256  # rows of the weight (evenly spaced) measured per extra format
 
 
 @dataclass(frozen=True)
@@ -55,17 +58,28 @@ class Fp8Thresholds:
     feature of 3e4x its median drives it below 20), ``max_input_flushed`` and
     ``max_weight_flushed`` (default 1% of the nonzero values becoming zero in e4m3; outlier
     features of 1e4x flush about 4%), ``max_grad_flushed`` (default 1% in the gradient dtype).
+
+    For the formats of ``fp8_plan(..., formats=...)`` (see :mod:`ampguard.fp8._multi`):
+    ``max_saturated`` (default 1% of the nonzero values clipped at their scale's largest value)
+    and ``max_sqnr_loss_db`` (default 3 dB: how far a layer's output SQNR in a format may fall
+    below that format's nominal SQNR on a Gaussian layer; ``plan.recipe()`` takes it as its
+    tolerance unless given one).
     """
 
     min_sqnr_db: float = 20.0
     max_input_flushed: float = 0.01
     max_weight_flushed: float = 0.01
     max_grad_flushed: float = 0.01
+    max_saturated: float = 0.01
+    max_sqnr_loss_db: float = 3.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             check_finite(f"Fp8Thresholds.{name}", value)
-            if name.startswith("max_") and not 0 <= value <= 1:
+            if name.endswith("_db"):
+                if name == "max_sqnr_loss_db" and value < 0:
+                    raise ValueError(f"Fp8Thresholds.{name} must be >= 0 dB, got {value!r}")
+            elif name.startswith("max_") and not 0 <= value <= 1:
                 raise ValueError(f"Fp8Thresholds.{name} must be a share in [0, 1], got {value!r}")
 
 
@@ -82,11 +96,33 @@ class Fp8Plan:
     ``seconds`` is the wall time of the trace and measurements.
     """
 
-    recipe: str
+    float8_recipe: str
     thresholds: Fp8Thresholds
     layers: dict[str, dict[str, Any]]
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    formats: tuple[str, ...] = ()
+    order: list[str] = field(default_factory=list)  # Linear layers in the order they ran
+
+    def recipe(
+        self,
+        max_sqnr_loss_db: float | None = None,
+        *,
+        keep_first_last: bool = True,
+        min_features: int = 64,
+    ) -> dict[str, str]:
+        """``{module_name: format}`` for every Linear: the lowest-precision measured format in
+        which the layer is ready under ``max_sqnr_loss_db`` (default: the thresholds'), else
+        ``"bf16"``. Structural rules: with ``keep_first_last`` the first and the last Linear that
+        ran stay in bf16 (the embedding-side projection and the output head carry the most
+        error into the loss); a layer with in or out features below ``min_features`` stays in
+        bf16 (a small matmul gains nothing from low precision). Among formats of equal bits the
+        order of ``formats=`` decides. Without ``formats=`` the plan's fp8 recipe is the one
+        format. Cost: none (reads the measured figures).
+        """
+        from ampguard.fp8._recipe import layer_recipe
+
+        return layer_recipe(self, max_sqnr_loss_db, keep_first_last, min_features)
 
     @property
     def ready_layers(self) -> list[str]:
@@ -119,7 +155,8 @@ class Fp8Plan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become None)."""
         return {
-            "recipe": self.recipe,
+            "recipe": self.float8_recipe,
+            "formats": list(self.formats),
             "thresholds": asdict(self.thresholds),
             "seconds": self.seconds,
             "layers": {
@@ -136,16 +173,26 @@ def fp8_plan(
     *,
     recipe: str = "tensorwise",
     thresholds: Fp8Thresholds | None = None,
+    formats: tuple[str, ...] | None = None,
 ) -> Fp8Plan:
     """Trace one bf16 forward + backward of ``loss_fn(model, batch)`` and judge every Linear.
 
     Parameters, gradients, buffers, RNG state and training modes are as before afterwards, and
     no hook is left behind. Raises ``ValueError``/``TypeError`` naming the bad argument.
+    With ``formats=`` (names from :data:`ampguard.fp8._formats.FORMATS`: ``"tensorwise"``,
+    ``"rowwise"``, ``"mxfp8"``, ``"nvfp4"``) every layer is also measured in each format, per
+    tensor role, with torchao's own quantisers for the block-scaled ones:
+    ``layers[name]["formats"][format]`` holds the figures, ``ready`` and ``reason``, and
+    :meth:`Fp8Plan.recipe` picks a format per layer.
+
     Cost: one forward + backward in bf16 autocast, one copy of each Linear's input and output
-    gradient (at most 4096 rows each), a few small matmuls per layer and one host sync per
-    layer.
+    gradient (at most 256 evenly spaced rows each), two small matmuls per layer and one host
+    sync per layer; per extra format, three quantisations (at most 256 evenly spaced rows of
+    each tensor), one small matmul and one host sync per layer. A plan costs about the same
+    whatever the batch size.
     """
     _check(model, loss_fn, recipe, thresholds)
+    names = () if formats is None else check_formats(formats)
     th = thresholds or Fp8Thresholds()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     if not linears:
@@ -155,7 +202,28 @@ def fp8_plan(
     rec = RECIPES[recipe]
     alt = RECIPES["rowwise"] if recipe == "tensorwise" else None
     layers = {n: _assess(m, captured.get(n), rec, alt, th) for n, m in linears.items()}
-    return Fp8Plan(recipe, th, layers, time.perf_counter() - started)
+    if names:
+        for n, m in linears.items():
+            layers[n]["formats"] = _formats_of(m, captured.get(n), names, th)
+    order = [n for n in captured if n in linears]
+    return Fp8Plan(recipe, th, layers, time.perf_counter() - started, formats=names, order=order)
+
+
+def _formats_of(
+    mod: nn.Linear, cap: dict[str, torch.Tensor] | None, names: tuple[str, ...], th: Fp8Thresholds
+) -> dict[str, dict[str, Any]]:
+    x = g = None
+    if cap is not None:
+        x = _rows(cap["x"], mod.in_features)
+        g = _rows(cap["g"], mod.out_features) if "g" in cap else None
+    w = _spaced(mod.weight.detach().to(torch.bfloat16))
+    return measure_formats((mod.in_features, mod.out_features), x, w, g, names, th)
+
+
+def _spaced(t: torch.Tensor) -> torch.Tensor:
+    """At most ``_FORMAT_ROWS`` evenly spaced rows of ``t`` (what each extra format measures)."""
+    step = -(-t.shape[0] // _FORMAT_ROWS)
+    return t[::step].contiguous()
 
 
 def _check(model: Any, loss_fn: Any, recipe: Any, thresholds: Any) -> None:
@@ -229,7 +297,9 @@ def _trace(
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t.reshape(-1, width)[:_MAX_ROWS].to(torch.bfloat16)  # what the fp8 cast sees
+    flat = t.reshape(-1, width)
+    step = -(-flat.shape[0] // _MAX_ROWS)
+    return flat[::step].to(torch.bfloat16)  # what the fp8 cast sees
 
 
 def _measure(
@@ -277,7 +347,7 @@ def _assess(
         return info
     with torch.no_grad():
         x = _rows(cap["x"], mod.in_features)
-        w = mod.weight.detach().to(torch.bfloat16)
+        w = _spaced(mod.weight.detach().to(torch.bfloat16))
         g = _rows(cap["g"], mod.out_features) if "g" in cap else None
         info.update(_measure(x, w, g, rec))
         mags = x.float().abs()

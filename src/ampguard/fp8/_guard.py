@@ -13,15 +13,14 @@ import logs warnings about CUDA extensions a CPU machine cannot load).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from ampguard.fp8._torchao import TORCHAO_PIN, Fp8UnavailableError, quiet_logs, require_torchao
 
 __all__ = [
     "Fp8UnavailableError",
@@ -33,42 +32,8 @@ __all__ = [
     "TORCHAO_PIN",
 ]
 
-TORCHAO_PIN = "torchao==0.18.0"
 _MULTIPLE = 16
-_QUIET = ("torchao", "torch.utils._pytree", "torch._dynamo")
 _warned_emulation: set[str] = set()
-
-
-class Fp8UnavailableError(ImportError):
-    """torchao (the fp8 training kernels) is not installed or cannot be imported."""
-
-
-@contextlib.contextmanager
-def _quiet_logs() -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in _QUIET]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def require_torchao() -> Any:
-    """Import and return ``torchao.float8``, or raise :class:`Fp8UnavailableError` saying what
-    to install."""
-    try:
-        with _quiet_logs(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.float8 as float8
-    except ImportError as exc:
-        raise Fp8UnavailableError(
-            f"precision='fp8' needs torchao (fp8 training): pip install \"ampguard[fp8]\" "
-            f"(installs {TORCHAO_PIN}); import failed: {exc}"
-        ) from exc
-    return float8
 
 
 def eligible(module: nn.Module) -> bool:
@@ -109,7 +74,7 @@ class Fp8State:
         self._float8 = float8
         self.model: nn.Module = guard.model
         self.plan = plan
-        self.recipe = plan.recipe if plan is not None else "tensorwise"
+        self.recipe = plan.float8_recipe if plan is not None else "tensorwise"
         linears = {n: m for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
         if plan is not None:
             unknown = sorted(set(plan.layers) - set(linears))
@@ -128,6 +93,7 @@ class Fp8State:
         self.layers: list[str] = []
         self.kept: list[str] = list(linears)
         self.monitor: Any = None
+        self.rescue: Any = None  # fp8 -> bf16 moves during training (ampguard.fp8._rescue)
 
     def convert(self) -> None:
         """Swap the chosen Linear layers for ``Float8Linear`` (same parameter tensors); on any
@@ -139,7 +105,7 @@ class Fp8State:
         if chosen:
             self._originals = {n: self._linears[n] for n in chosen}
             try:
-                with _quiet_logs():
+                with quiet_logs():
                     float8.convert_to_float8_training(
                         model, config=self._config, module_filter_fn=lambda m, fqn: fqn in chosen
                     )
@@ -169,14 +135,72 @@ class Fp8State:
         self.layers = []
         self.kept = list(self._linears)
 
-    def watch(self, guard: Any) -> None:
-        """With telemetry (``range_every`` > 0), sample the converted layers while training."""
+
+    def watch(self, guard: Any, *, rescue: bool = False) -> None:
+        """With telemetry (``range_every`` > 0), sample the converted layers while training;
+        with ``rescue`` (``auto_fallback=True``) move a drifting layer back to bf16
+        (:mod:`ampguard.fp8._rescue`)."""
         if guard._telemetry is None or not guard._telemetry.range_every or not self.layers:
             return
+        from ampguard.fp8 import Fp8Thresholds
+        from ampguard.fp8._rescue import Fp8Rescue
         from ampguard.fp8._stats import Fp8Monitor
 
-        th = self.plan.thresholds if self.plan is not None else None
+        th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
         self.monitor = Fp8Monitor(guard, self.layers, self.recipe, th)
+        if rescue:
+            self.rescue = Fp8Rescue(self, guard, th)
+            self.monitor.on_records = self.rescue.on_samples
+
+    def release(self, name: str) -> None:
+        """Move the converted layer ``name`` back to bf16 (:func:`ampguard.fp8._rescue.to_bf16`)."""
+        from ampguard.fp8._rescue import to_bf16
+
+        to_bf16(self.model.get_submodule(name))
+        self.layers.remove(name)
+        self.kept.append(name)
+        if self.monitor is not None:
+            self.monitor.drop(name)
+
+    def state(self) -> dict[str, Any] | None:
+        """The rescues to resume (Guard state ``"fp8"``), or None when there is nothing."""
+        if self.rescue is None or not self.rescue.changes:
+            return None
+        return {"rescued": [dict(c) for c in self.rescue.changes]}
+
+    def check_state(self, value: Any) -> list[dict[str, Any]]:
+        """Validate a saved ``"fp8"`` state against this Guard's layers; the rescues to redo."""
+        if value is None:
+            return []
+        rescued = value.get("rescued") if isinstance(value, dict) else None
+        if not isinstance(rescued, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("module"), str) for c in rescued
+        ):
+            raise ValueError(
+                f"malformed Guard state: 'fp8' must be {{'rescued': [{{'module': name, ...}}]}}, "
+                f"got {value!r:.80}"
+            )
+        known = set(self.layers) | set(self.kept)
+        unknown = [c["module"] for c in rescued if c["module"] not in known]
+        if unknown:
+            raise ValueError(
+                f"malformed Guard state: 'fp8.rescued' names layers this fp8 Guard does not "
+                f"have: {unknown[:5]}"
+            )
+        return rescued
+
+    def load(self, rescued: list[dict[str, Any]], guard: Any) -> None:
+        """Redo checked rescues (a resumed run moves the same layers back to bf16)."""
+        if not rescued:
+            return
+        if self.rescue is None:
+            from ampguard.fp8 import Fp8Thresholds
+            from ampguard.fp8._rescue import Fp8Rescue
+
+            th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
+            self.rescue = Fp8Rescue(self, guard, th)
+        self.rescue.changes.clear()
+        self.rescue.resume(rescued)
 
     def _wanted(self, module: nn.Linear, name: str, float8: Any) -> bool:
         if isinstance(module, float8.float8_linear.Float8Linear):
@@ -200,13 +224,17 @@ class Fp8State:
             }
         if self.monitor is not None:
             out["layers"] = self.monitor.last()
+        if self.rescue is not None and self.rescue.changes:
+            out["rescued"] = [dict(c) for c in self.rescue.changes]
         return out
 
     def findings(self) -> list[Any]:
-        """AG111/AG112 from the telemetry samples (empty without telemetry)."""
+        """AG111/AG112 from the telemetry samples (empty without telemetry), AG113 per rescue."""
         if self.monitor is None:
-            return []
+            return self.rescue.findings() if self.rescue is not None else []
         found = self.monitor.findings()
+        if self.rescue is not None:
+            found += self.rescue.findings()
         self.monitor.telemetry.annotate("fp8", self.summary())  # the report's fp8 section
         return found
 

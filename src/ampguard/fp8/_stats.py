@@ -57,8 +57,15 @@ class Fp8Monitor:
         self.samples: list[dict[str, Any]] = []  # host records, oldest first
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._current: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.on_records: Any = None  # called with each batch of written records (fp8 rescue)
         modules = dict(guard.model.named_modules())
-        self._handles = [modules[n].register_forward_hook(self._hook(n)) for n in self.layers]
+        self._handles = {n: modules[n].register_forward_hook(self._hook(n)) for n in self.layers}
+
+    def drop(self, name: str) -> None:
+        """Stop sampling ``name`` (it left fp8); its samples so far stay."""
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            handle.remove()
 
     def _sampling(self) -> int | None:
         g = self.guard
@@ -123,6 +130,8 @@ class Fp8Monitor:
             records.append({"kind": "fp8", "step": step, "layers": layers})
         self.samples.extend(records)
         self.telemetry.append_events(records)
+        if self.on_records is not None:
+            self.on_records(records)
 
     def last(self) -> dict[str, Any]:
         """The latest sample of each layer (step and figures)."""
@@ -150,8 +159,9 @@ class Fp8Monitor:
         return out
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in self._handles.values():
             h.remove()
+        self._handles.clear()
 
 
 def _drift(

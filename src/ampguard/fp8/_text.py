@@ -80,12 +80,16 @@ def plan_table(plan: Any) -> str:
     n_ready = len(plan.ready_layers)
     lines.append("")
     lines.append(
-        f"fp8 plan ({plan.recipe}): {n_ready} of {len(plan.layers)} Linear layers "
+        f"fp8 plan ({plan.float8_recipe}): {n_ready} of {len(plan.layers)} Linear layers "
         f"ready; {plan.seconds * 1e3:.0f} ms"
     )
     for name, info in plan.layers.items():
         if not info["ready"]:
             lines.append(f"  {name or '(root)'}: {info['reason']}")
+    if plan.formats:
+        from ampguard.fp8._recipe import recipe_table
+
+        lines += ["", recipe_table(plan)]
     return "\n".join(lines)
 
 
@@ -96,9 +100,10 @@ def plan_findings(plan: Any) -> list[Finding]:
         if info["ready"]:
             continue
         label = name or "(root)"
-        evidence = {k: v for k, v in info.items() if k not in ("reason", "ready", "problem")}
+        skip = ("reason", "ready", "problem", "formats")
+        evidence = {k: v for k, v in info.items() if k not in skip}
         evidence["layer"] = label
-        evidence["recipe"] = plan.recipe
+        evidence["recipe"] = plan.float8_recipe
         out.append(
             make(
                 _CODES[info["problem"]],
@@ -113,10 +118,12 @@ def plan_findings(plan: Any) -> list[Finding]:
             make(
                 "AG340",
                 f"{len(ready)} of {len(plan.layers)} Linear layers are ready for fp8 "
-                f"({plan.recipe}): {', '.join(n or '(root)' for n in ready)}",
-                evidence={"ready": ready, "recipe": plan.recipe},
+                f"({plan.float8_recipe}): {', '.join(n or '(root)' for n in ready)}",
+                evidence={"ready": ready, "recipe": plan.float8_recipe},
                 fix="fine: ag.Guard(model, optimizer, precision='fp8', fp8_plan=plan), or "
                 "convert_to_float8_training(model, module_filter_fn=plan.module_filter_fn)",
             )
         )
-    return out
+    from ampguard.fp8._recipe import recipe_findings
+
+    return out + recipe_findings(plan)

@@ -78,7 +78,25 @@ def html_section(run: Any) -> str:
         if rows
         else "<p>No fp8 samples (telemetry range_every=0 or too few steps).</p>"
     )
-    return f"<h2>fp8 layers</h2><p>{e(head)}</p>{table}"
+    moved = "".join(f"<p>{e(line)}</p>" for line in rescue_lines(run))
+    return f"<h2>fp8 layers</h2><p>{e(head)}</p>{moved}{table}"
+
+
+def rescue_lines(run: Any) -> list[str]:
+    """One line per fp8 layer the Guard moved back to bf16 during training (AG113)."""
+    out = []
+    for ev in run.events:
+        if not isinstance(ev, dict) or ev.get("kind") != "fp8_rescue":
+            continue
+        field, value, limit = ev.get("field"), ev.get("value"), ev.get("limit")
+        if not isinstance(field, str) or not isinstance(ev.get("module"), str):
+            continue
+        what = field.split("_")[0].replace("grad", "output gradient")
+        out.append(
+            f"{ev['module']}: moved to bf16 at step {ev.get('step')} ({what} flushed "
+            f"{_pct(value)}, limit {_pct(limit)})"
+        )
+    return out
 
 
 def text_lines(run: Any) -> list[str]:
@@ -86,7 +104,7 @@ def text_lines(run: Any) -> list[str]:
     head = _head(run)
     if head is None:
         return []
-    out = [head]
+    out = [head, *(f"  {line}" for line in rescue_lines(run))]
     for name, n, _last, worst in fp8_rows(run):
         out.append(
             f"  {name or '(root)'}: {n} samples, worst flushed input "

@@ -26,6 +26,8 @@ fallback  ``step`` int (required); ``from``, ``to``: str
 finding   ``step`` int or null; ``finding``: a :class:`ampguard.Finding` as a dict (required)
 unrecorded  steps a failed write kept out of the log: ``step`` (the first) and ``last`` int
           (required), ``records``: int, ``reason`` (e.g. "disk full"), ``error``, ``file``: str
+fp8_res.. ``fp8_rescue``: ``step`` int, ``module``, ``field``: str (required); ``value``,
+          ``limit``: number or null (a layer moved from fp8 back to bf16, AG113)
 ========  ==================================================================================
 
 Reading the files themselves (regular files only, errors naming them) is
@@ -190,6 +192,13 @@ EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "reason": (_str, False),
         "error": (_str, False),
         "file": (_str, False),
+    },
+    "fp8_rescue": {
+        "step": (_int, True),
+        "module": (_str, True),
+        "field": (_str, True),
+        "value": (_num, False),
+        "limit": (_num, False),
     },
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
