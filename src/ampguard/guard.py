@@ -192,7 +192,9 @@ class Guard:
         try:  # 3. the model
             if self._fp8 is not None:
                 self._fp8.convert()
-                self._fp8.watch(self, rescue=auto_fallback)  # fp8 telemetry: per-layer amax and flushed shares
+                # fp8 telemetry: per-layer amax and flushed shares; with auto_fallback a layer
+                # drifting out of fp8's window moves back to bf16 (ampguard.fp8._rescue)
+                self._fp8.watch(self, rescue=auto_fallback)
             # forensics (ampguard.forensics._guard): keep_fp32 islands, armed tracing,
             # auto_fallback, coverage_step; None (zero cost) unless one of them is used
             self._forensics = _guard_forensics.attach(

@@ -43,8 +43,8 @@ from torch import nn
 from ampguard._util.checks import check_int
 from ampguard.core.scaler import ScalerConfig
 from ampguard.experiments import _fp8 as _f8
-from ampguard.experiments import _stall
 from ampguard.experiments import _lowp as _lp
+from ampguard.experiments import _stall
 from ampguard.experiments import _verdict as _v
 from ampguard.experiments._timing import StepClock
 from ampguard.findings import Finding, make

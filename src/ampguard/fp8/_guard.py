@@ -135,7 +135,6 @@ class Fp8State:
         self.layers = []
         self.kept = list(self._linears)
 
-
     def watch(self, guard: Any, *, rescue: bool = False) -> None:
         """With telemetry (``range_every`` > 0), sample the converted layers while training;
         with ``rescue`` (``auto_fallback=True``) move a drifting layer back to bf16
