@@ -24,6 +24,8 @@ resume    ``step`` int (required); ``scale``, ``previous_scale``: number or null
           ``scale_reset``: bool; ``time``: str
 fallback  ``step`` int (required); ``from``, ``to``: str
 finding   ``step`` int or null; ``finding``: a :class:`ampguard.Finding` as a dict (required)
+absorbed  ``step`` int (required); ``modules``: {module name: ops that made inf/NaN from finite
+          inputs in fp16/bf16 on that range-sampled window} (required)
 ========  ==================================================================================
 
 Reading the files themselves (regular files only, errors naming them) is
@@ -181,6 +183,8 @@ EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     "fallback": {"step": (_int, True), "from": (_str, False), "to": (_str, False)},
     "finding": {"step": (_opt_int, False), "finding": (_dict, True)},
+    # fp16 ops that made inf/NaN inside a module on a range-sampled window (AG170)
+    "absorbed": {"step": (_int, True), "modules": (_dict, True)},
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
 META_FIELDS: dict[str, _Check] = {

@@ -38,6 +38,7 @@ from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
+from ampguard.telemetry._absorbed import AbsorbedCounter
 from ampguard.telemetry._device import DeviceBuffer, host_view
 from ampguard.telemetry._range_sample import RangeSampler
 from ampguard.telemetry._records import Facts, RunTally, Shape, build_lines
@@ -157,6 +158,14 @@ class Telemetry:
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._ranger = RangeSampler(layout, self._device) if self.range_every else None
+        # absorbed fp16 overflow: counted on the range-sampled windows' forwards (AG170)
+        self._absorbed = (
+            AbsorbedCounter(source.model, self._device, self.flush_every // self.range_every + 1)
+            if self.range_every
+            else None
+        )
+        if self._absorbed is not None and 1 % self.range_every == 0:
+            self._absorbed.arm(1)
         self._cells = DeviceBuffer(
             self.flush_every,
             len(layout.params),
@@ -321,6 +330,13 @@ class Telemetry:
         )
         self._this_step = _NO_SAMPLE
         self._micro = 0
+        absorbed = self._absorbed
+        if absorbed is not None and (
+            absorbed.armed_step is not None or not (step + 1) % self.range_every
+        ):
+            absorbed.disarm()
+            if not (step + 1) % self.range_every:
+                absorbed.arm(step + 1)
         if step >= self.next_sample:
             self.next_sample = self._due_after(step)
         if len(pending) == self.flush_every:
@@ -338,6 +354,11 @@ class Telemetry:
         if self._micro:
             del self._losses[-self._micro :]
         stats_slot, range_slot, _ = self._this_step
+        absorbed = self._absorbed
+        if absorbed is not None and absorbed.armed_step is not None:  # the window runs again
+            window = absorbed.armed_step
+            absorbed.forget()
+            absorbed.arm(window)
         if stats_slot >= 0:
             self._cells.drop_norms(stats_slot)
         if stats_slot >= 0 and stats_slot == self._stats_used - 1:
@@ -405,6 +426,10 @@ class Telemetry:
             )
         self._scale_carry = scale
         self.next_sample = self._due_after(step)
+        if self._absorbed is not None:
+            self._absorbed.forget()
+            if not (step + 1) % self.range_every:
+                self._absorbed.arm(step + 1)
         event = {
             "kind": "resume",
             "step": step,
@@ -477,6 +502,8 @@ class Telemetry:
             self._cells.gather(statuses, norms, losses, facts.micro)
             counts = (self._stats_used, self._ranges_used)
             self._stage.push(self._cells.used(*counts), (facts, counts))  # the one transfer
+        if self._absorbed is not None:  # the sampled windows' counters: their own copy
+            self._absorbed.push()
         # the window in progress (gradients sampled, no step yet) keeps its samples in slot 0
         stats_slot, range_slot, grads_scaled = self._this_step
         stats_slot, range_slot = self._cells.carry(stats_slot, range_slot)
@@ -501,6 +528,10 @@ class Telemetry:
                     if sink is not None:
                         sink.write(records, rates)
             self.flushes += 1
+        if self._absorbed is not None and self._log is not None:
+            absorbed = self._absorbed.records(wait)
+            if absorbed:
+                self._log.append(absorbed)
 
     # ------------------------------------------------------------------ cheap accessors
     def recent_scales(self, k: int = 32) -> list[tuple[int, float | None]]:
