@@ -44,7 +44,10 @@ class Case:
     ``batches`` the training batches the Guard run iterates (a list, reused in order);
     ``guard_kwargs`` extra ``ag.Guard`` arguments (``precision`` defaults to ``"fp16"``;
     ``telemetry`` is set by the runner); ``locate_kwargs`` extra ``ag.locate`` arguments (e.g.
-    ``{"scale": 1.0}`` for a loop without a loss scaler); ``steps`` how many Guard steps to run.
+    ``{"scale": 1.0}`` for a loop without a loss scaler); ``steps`` how many Guard steps to run;
+    ``loop`` how the runner trains it: ``"guard"`` (``ag.Guard(model, optimizer,
+    **guard_kwargs)``) or ``"watch"`` (a plain autocast loop with no loss scaler, observed with
+    ``ag.watch(None, model, optimizer, telemetry, precision=guard_kwargs["precision"])``).
     """
 
     model: Any
@@ -54,6 +57,11 @@ class Case:
     guard_kwargs: dict[str, Any] = field(default_factory=dict)
     locate_kwargs: dict[str, Any] = field(default_factory=dict)
     steps: int = 20
+    loop: str = "guard"
+
+    def __post_init__(self) -> None:
+        if self.loop not in ("guard", "watch"):
+            raise ValueError(f"Case.loop must be 'guard' or 'watch', got {self.loop!r}")
 
 
 def _check(module: ModuleType) -> ModuleType:
