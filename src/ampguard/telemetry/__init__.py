@@ -74,17 +74,21 @@ class Telemetry:
     ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
     resume point; False starts the log over), ``sinks`` (extra sinks such as
     :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
-    ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close).
+    ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close),
+    ``absorbed`` (on the range-sampled windows, count per module the fp16/bf16 ops of the forward
+    that made inf/NaN from finite inputs: absorbed overflow, AG170; False turns it off, e.g. for
+    a model whose forward must not run under a ``TorchDispatchMode``).
 
     Cost: no host sync between flushes. Per step: no device op on the CPU, one tiny copy (the
     scale) on a device, and a detached reference to each micro-batch's loss; on statistics steps
     one multi-tensor norm (its per-tensor results are kept and stacked at the flush); on range
     steps about 15 ops, mostly integer ops on the fp32 bits of the flattened gradients, in chunks
-    of 2**20 elements. A flush is one stack of the kept tensors and one device-to-host copy: on
-    CUDA into pinned memory without a host sync, its records written at the next flush (so the
-    cheap reads lag one flush on CUDA); :meth:`flush`, :meth:`findings` and :meth:`close` wait
-    for it (one sync). Producers may skip :meth:`on_grads` while the step is below
-    :attr:`next_sample`.
+    of 2**20 elements, and the window's forward passes watched op by op (about four small device
+    ops per fp16 op, :mod:`ampguard.telemetry._absorbed`). A flush is one stack of the kept
+    tensors and one device-to-host copy: on CUDA into pinned memory without a host sync, its
+    records written at the next flush (so the cheap reads lag one flush on CUDA);
+    :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync). Producers may skip
+    :meth:`on_grads` while the step is below :attr:`next_sample`.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Telemetry:
         *,
         resume: bool = True,
         sinks: Any = (),
+        absorbed: bool = True,
     ) -> None:
         if not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(
@@ -108,6 +113,7 @@ class Telemetry:
             ("layer_stats", layer_stats),
             ("tensorboard", tensorboard),
             ("resume", resume),
+            ("absorbed", absorbed),
         ):
             check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
@@ -115,6 +121,7 @@ class Telemetry:
         self.layer_every = _positive_int("layer_every", layer_every)
         self.range_every = _positive_int("range_every", range_every, minimum=0)
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
+        self.absorbed = absorbed
         # the first step whose gradients are sampled: a producer may skip on_grads before it
         self.next_sample = self._due_after(0)
         if tensorboard:
@@ -143,6 +150,7 @@ class Telemetry:
             "layer_every": self.layer_every,
             "range_every": self.range_every,
             "tensorboard": self.tensorboard,
+            "absorbed": self.absorbed,
         }
 
     # ------------------------------------------------------------------ attach and layout
@@ -161,7 +169,7 @@ class Telemetry:
         # absorbed fp16 overflow: counted on the range-sampled windows' forwards (AG170)
         self._absorbed = (
             AbsorbedCounter(source.model, self._device, self.flush_every // self.range_every + 1)
-            if self.range_every
+            if self.range_every and self.absorbed
             else None
         )
         if self._absorbed is not None and 1 % self.range_every == 0:

@@ -40,13 +40,12 @@ _LOW = (torch.float16, torch.bfloat16)
 class _Mode(TorchDispatchMode):
     def __init__(self, counter: AbsorbedCounter) -> None:
         super().__init__()
-        self.counter = counter
+        self.record = counter.record
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not getattr(func, "is_view", False):
-            self.counter._record(args, kwargs, out)
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.record(args, kwargs, out)
         return out
 
 
@@ -57,6 +56,13 @@ class AbsorbedCounter:
     ``arm(step)`` before window ``step``'s forward passes, ``disarm()`` once its optimizer
     step is done; ``push()`` at the telemetry flush, ``records(wait)`` for the events whose copy
     has reached the host.
+
+    How it stays cheap: each traced tensor gets one fp32 ``sum`` (a single kernel; non-finite
+    exactly when an element is inf or NaN: fp32 holds the sum of any finite fp16 tensor), kept in
+    a list of slots; an op is a candidate (its output slot, its inputs' slots, its module). When a
+    forward ends, one stack of the slots and a few index ops turn every candidate into
+    ``out non-finite and no input non-finite`` and add it to its module's counter, all on the
+    device.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, windows: int) -> None:
@@ -73,8 +79,13 @@ class AbsorbedCounter:
         self._inner: list[Any] = []  # every module's hooks during an armed forward
         self._stack: list[int] = []
         self._mode: _Mode | None = None
-        self._known: dict[int, tuple[Any, torch.Tensor]] = {}  # id(out) -> (ref, non-finite)
         self._host: list[tuple[Any, list[int]]] = []  # copies on the host, not yet turned out
+        # one forward's trace: slot sums, id(tensor) -> (ref, slot), candidate ops
+        self._sums: list[torch.Tensor] = []
+        self._slot: dict[int, tuple[Any, int]] = {}
+        self._outs: list[int] = []  # per candidate: its output's slot
+        self._mods: list[int] = []  # per candidate: its module's index
+        self._pairs: tuple[list[int], list[int]] = ([], [])  # (candidate, input slot) pairs
 
     # ------------------------------------------------------------------ window
     def arm(self, step: int) -> None:
@@ -124,7 +135,7 @@ class AbsorbedCounter:
         for h in self._inner:
             h.remove()
         self._inner, self._stack = [], []
-        self._known.clear()
+        self._count()
 
     def _push(self, module: torch.nn.Module, args: Any) -> None:
         self._stack.append(self._index.get(id(module), self._stack[-1]))
@@ -133,27 +144,62 @@ class AbsorbedCounter:
         if len(self._stack) > 1:
             self._stack.pop()
 
-    def _record(self, args: Any, kwargs: Any, out: Any) -> None:
-        outs = [t for t in _tensors(out) if t.dtype in _LOW and t.numel()]
+    def _slot_of(self, t: torch.Tensor) -> int:
+        known = self._slot.get(id(t))
+        if known is not None and known[0]() is t:
+            return known[1]
+        slot = len(self._sums)
+        self._sums.append(t.sum(dtype=torch.float32))  # below autograd here: no graph
+        self._slot[id(t)] = (weakref.ref(t), slot)
+        return slot
+
+    def record(self, args: Any, kwargs: Any, out: Any) -> None:
+        """One op of an armed forward (called by the dispatch mode). Cost: one fp32 sum per
+        half-precision output and per floating input not seen before; no host sync."""
+        if type(out) is torch.Tensor:
+            if out.dtype not in _LOW or not out.numel():
+                return
+            outs = [out]
+        else:
+            outs = [t for t in _tensors(out) if t.dtype in _LOW and t.numel()]
+            if not outs:
+                return
+        slots = [self._slot_of(t) for t in outs]
+        for a in args:
+            if type(a) is float and not math.isfinite(a):
+                return  # an intentional -inf (a mask): its output is known bad, not an overflow
+        inputs = [
+            self._slot_of(t)
+            for t in (
+                _tensors(args) + _tensors(list(kwargs.values())) if kwargs else _tensors(args)
+            )
+            if t.is_floating_point() and t.numel()
+        ]
+        module = self._stack[-1] if self._stack else 0
+        for slot in slots:
+            k = len(self._outs)
+            self._outs.append(slot)
+            self._mods.append(module)
+            self._pairs[0].extend([k] * len(inputs))
+            self._pairs[1].extend(inputs)
+
+    def _count(self) -> None:
+        """Turn the forward's candidates into per-module counts, on the device."""
+        sums, outs, mods, (pair_op, pair_slot) = self._sums, self._outs, self._mods, self._pairs
+        self._sums, self._slot, self._outs, self._mods, self._pairs = [], {}, [], [], ([], [])
         if not outs or self._row is None:
             return
-        bad_in: list[torch.Tensor] = []
-        for t in _tensors(args) + _tensors(list(kwargs.values())):
-            if not t.is_floating_point() or not t.numel():
-                continue
-            known = self._known.get(id(t))
-            if known is not None and known[0]() is t:
-                bad_in.append(known[1])
-            else:
-                bad_in.append(~torch.isfinite(t).all())
-        intentional = any(isinstance(a, float) and not math.isfinite(a) for a in args)
-        for t in outs:
-            bad = ~torch.isfinite(t).all()
-            self._known[id(t)] = (weakref.ref(t), bad)
-            if intentional:
-                continue
-            new = bad & ~torch.stack(bad_in).any() if bad_in else bad
-            self._row[self._stack[-1] if self._stack else 0] += new
+        device = self.device
+        bad = ~torch.isfinite(torch.stack(sums))
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        tainted = torch.zeros(len(outs), dtype=torch.float32, device=device)
+        if pair_op:
+            tainted.index_add_(0, ints(pair_op), bad[ints(pair_slot)].float())
+        new = bad[ints(outs)] & (tainted == 0)
+        self._row.index_add_(0, ints(mods), new.float())
 
     # ------------------------------------------------------------------ flush
     def push(self) -> None:
