@@ -3,6 +3,9 @@ range-sampling steps (AG170), auto_fallback on a confirmed absorbed overflow, an
 loss scaler losing gradient (AG171). Each with a firing and a silent case, on real fp16 autocast.
 """
 
+import warnings
+
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -172,3 +175,51 @@ def test_fp16_with_a_scaler_gets_no_ag171(tmp_path):
 def test_bf16_without_a_scaler_gets_no_ag171(tmp_path):
     found = watched_run(tmp_path, loss_gain=1e-3, precision="bf16")
     assert not any(f.code == "AG171" for f in found)
+
+
+def _lightning_fit(tmp_path, precision, loss_gain):
+    L = pytest.importorskip("lightning")
+
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = tanh_mlp()
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return F.mse_loss(self.net(x).float(), y.float()) * loss_gain
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(256, W, generator=g), torch.randn(256, 4)),
+        batch_size=64,
+    )
+    callback = AmpGuardCallback(ag.Telemetry(tmp_path / "run", range_every=1, flush_every=4))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        default_root_dir=str(tmp_path),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), data)
+    return {f.code for f in callback.findings()}
+
+
+def test_lightning_16_true_without_a_scaler_gets_ag171(tmp_path):
+    assert "AG171" in _lightning_fit(tmp_path, "16-true", loss_gain=1e-3)
+
+
+def test_lightning_16_true_silent_with_ordinary_gradients(tmp_path):
+    assert "AG171" not in _lightning_fit(tmp_path, "16-true", loss_gain=1e3)

@@ -398,8 +398,10 @@ CATALOGUE: dict[str, Code] = _table(
         "warning",
         "fp16 underflow",
         "forensics",
-        "a layer's gradients are all zero in fp16 but not in fp32",
-        "a larger loss scale, or bf16",
+        "a layer's gradients are all zero in fp16 but not in fp32, or more than 10% of its "
+        "nonzero fp32 gradient elements are flushed to zero or left as subnormals with <= 4 "
+        "significant bits at the loss scale of the run",
+        "a larger loss scale (a loss scaler, if the loop has none), or bf16",
     ),
     (
         "AG303",
