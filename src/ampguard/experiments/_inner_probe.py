@@ -272,17 +272,17 @@ def _bce(probe: _InnerProbe) -> Finding | None:
     hits = [(w, int(r), int(x), n) for (w, _, n), (r, x) in zip(rows, counts, strict=True) if r]
     if not hits:
         return None
-    where, rounded, wrong, numel = hits[0]
+    where, n_round, n_wrong, numel = hits[0]
     return make(
         "AG362",
-        f"The sigmoid in {where!r} feeds binary_cross_entropy, and in fp16 {rounded} of its "
+        f"The sigmoid in {where!r} feeds binary_cross_entropy, and in fp16 {n_round} of its "
         f"{numel} probabilities round to exactly 0 or 1 where fp32 keeps them inside (0, 1)"
-        f"{f'; {wrong} of them are confidently wrong' if wrong else ''}. Such a sample's "
+        f"{f'; {n_wrong} of them are confidently wrong' if n_wrong else ''}. Such a sample's "
         "gradient is exactly zero (sigmoid' = p(1 - p) = 0) and a wrong one costs the clamped "
         "log(0) = 100 from then on: it can never be corrected. One such sample is enough; the "
         "saturated-share check (AG321) needs 10%.",
         detail=repr(where),
-        evidence={"module": where, "rounded": rounded, "wrong": wrong, "numel": numel},
+        evidence={"module": where, "rounded": n_round, "wrong": n_wrong, "numel": numel},
         fix="Return logits and use F.binary_cross_entropy_with_logits (nn.BCEWithLogitsLoss), "
         "which autocast computes in fp32 from the logits; drop the sigmoid from the model.",
     )
