@@ -223,3 +223,24 @@ def test_lightning_16_true_without_a_scaler_gets_ag171(tmp_path):
 
 def test_lightning_16_true_silent_with_ordinary_gradients(tmp_path):
     assert "AG171" not in _lightning_fit(tmp_path, "16-true", loss_gain=1e3)
+
+
+def test_counting_is_invisible_to_the_guards_own_trace(tmp_path):
+    # a coverage window that is also a range-sampled window: the counter's bookkeeping ops
+    # must not show up as the model's ops in the Guard's trace
+    coverage = {}
+    for absorbed in (True, False):
+        model = NormNet(gain=2000.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = batch()
+        telemetry = ag.Telemetry(tmp_path / str(absorbed), range_every=2, absorbed=absorbed)
+        with ag.Guard(model, opt, precision="fp16", coverage_step=2, telemetry=telemetry) as g:
+            for _ in range(3):
+                with g.autocast():
+                    loss = ce(model, (x, y))
+                g.backward(loss)
+                g.step()
+            coverage[absorbed] = g.coverage.to_dict()
+    assert coverage[True] == coverage[False]
+    assert [e["step"] for e in absorbed_events(tmp_path / "True")] == [2]
+    assert absorbed_events(tmp_path / "False") == []

@@ -22,12 +22,13 @@ Forward passes run with gradients disabled (an evaluation between steps) are not
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampguard.telemetry._staging import HostStaging
 
@@ -45,8 +46,17 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
-            self.record(args, kwargs, out)
+            with _quiet():
+                self.record(args, kwargs, out)
         return out
+
+
+def _quiet() -> Any:
+    """Our own bookkeeping ops must not reach an outer dispatch mode (the Guard's forensics
+    trace of the same window): hide every mode while they run, if there is one."""
+    if torch._C._len_torch_dispatch_stack():
+        return _disable_current_modes()
+    return contextlib.nullcontext()
 
 
 class AbsorbedCounter:
@@ -135,7 +145,8 @@ class AbsorbedCounter:
         for h in self._inner:
             h.remove()
         self._inner, self._stack = [], []
-        self._count()
+        with _quiet():
+            self._count()
 
     def _push(self, module: torch.nn.Module, args: Any) -> None:
         self._stack.append(self._index.get(id(module), self._stack[-1]))
