@@ -11,6 +11,8 @@ steps; see ``HookClock``) is measured separately. Rows:
 * ``guard``: the Guard without telemetry (for reference);
 * ``(a) telemetry default``: ``Telemetry(run_dir)`` (grad stats every 10 steps, range stats every
   100, flush every 100);
+* ``(a0) default, absorbed=False``: the defaults without the absorbed-overflow counting on range
+  steps (what that counting costs is (a) less (a0); it runs outside the hooks HookClock times);
 * ``(b) per-layer stats every step``: ``layer_every=1``;
 * ``(c) range stats every 50 steps``: ``range_every=50`` (amortised over the round);
 * a sweep over models with 50, 500 and 2000 parameter tensors, with every telemetry cost inside
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {
         "guard": None,
         "(a) telemetry default": {},
+        "(a0) default, absorbed=False": {"absorbed": False},
         "(b) per-layer stats every step": {"layer_every": 1},
         "(c) range stats every 50 steps": {"range_every": 50},
     }

@@ -25,10 +25,13 @@ _SATURATED_SHARE = 0.1
 _MAX_SCALE = 2.0**24  # ScalerConfig's default cap
 
 
-def probe_findings(model: nn.Module, probe: ProbeResult) -> list[Finding]:
+def probe_findings(
+    model: nn.Module, probe: ProbeResult, inside: list[str] | tuple[str, ...] = ()
+) -> list[Finding]:
     """Findings from one fp32 range probe: overflow, underflow, non-finite values, and the plan.
 
-    Cost: none beyond the probe (reads host values).
+    ``inside``: modules whose fp16 ops overflow inside them (AG361, found by the op-level
+    probe): the plan keeps them in fp32 too. Cost: none beyond the probe (reads host values).
     """
     out: list[Finding] = []
     bad = _nonfinite(probe)
@@ -49,7 +52,7 @@ def probe_findings(model: nn.Module, probe: ProbeResult) -> list[Finding]:
         )
         if f is not None
     ]
-    out.append(_plan(model, probe, overflow, out, scale))
+    out.append(_plan(model, probe, overflow + [m for m in inside if m not in overflow], out, scale))
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ampguard.experiments._advisor_probe import merge_saturation, probe_findings
+from ampguard.experiments._inner_probe import inner_findings
 from ampguard.experiments._range_probe import run_probe
 from ampguard.findings import Finding, make
 
@@ -59,7 +60,8 @@ def inspect_model(
     The model's buffers, gradients and RNG state are restored after the probe.
 
     Cost: without a batch, none (no host sync). With a batch, one fp32 forward and backward with
-    a host sync per module output and gradient.
+    a host sync per module output and gradient, then one fp16 autocast forward traced op by op
+    (no grad; one host sync).
 
     >>> findings = ag.inspect_model(model, (x, y), lambda m, b: F.mse_loss(m(b[0]), b[1]))
     >>> [f.code for f in findings]
@@ -74,7 +76,11 @@ def inspect_model(
                 functions.setdefault(cls, [])
     findings = _static_findings(model, optimizer, functions)
     if probe is not None:
-        findings = merge_saturation(findings, probe) + probe_findings(model, probe)
+        # inside modules (AG361/AG362) only when fp32 itself is finite (else AG332 says it all)
+        inner = inner_findings(model, batch, loss_fn, probe)
+        inside = [m for f in inner if f.code == "AG361" for m in f.evidence["modules"]]
+        findings = merge_saturation(findings, probe) + probe_findings(model, probe, inside)
+        findings += inner
     return findings
 
 

@@ -183,6 +183,27 @@ CATALOGUE: dict[str, Code] = _table(
         "keep the layer in bf16 from the start: ag.fp8_plan on a batch from that point of "
         "training, then fp8_plan=",
     ),
+    # -- AG170-AG174: silent precision failures at runtime (issue 22) --------------------------
+    (
+        "AG170",
+        "warning",
+        "fp16 overflow absorbed inside a module",
+        "runtime",
+        "on range-sampling steps, fp16 intermediates inside a module overflowed to inf while "
+        "the module's output stayed finite (a hand-written norm: (x - u).pow(2) -> inf, then "
+        "/ sqrt(inf) = 0)",
+        "keep the module in fp32 (keep_fp32=[...] or auto_fallback=True), use bf16, or "
+        "normalise before squaring",
+    ),
+    (
+        "AG171",
+        "warning",
+        "fp16 without a loss scaler loses gradient",
+        "runtime",
+        "an fp16 run without a loss scaler: on range samples a layer's nonzero gradients fell "
+        "below fp16's smallest normal (subnormal or flushed to zero)",
+        "use a loss scaler (Guard(precision='fp16') / torch.amp.GradScaler) or bf16",
+    ),
     # -- AG12x: attach mode (ag.watch and the framework integrations) --------------------------
     (
         "AG120",
@@ -410,8 +431,10 @@ CATALOGUE: dict[str, Code] = _table(
         "warning",
         "fp16 underflow",
         "forensics",
-        "a layer's gradients are all zero in fp16 but not in fp32",
-        "a larger loss scale, or bf16",
+        "a layer's gradients are all zero in fp16 but not in fp32, or more than 10% of its "
+        "nonzero fp32 gradient elements are flushed to zero or left as subnormals with <= 4 "
+        "significant bits at the loss scale of the run",
+        "a larger loss scale (a loss scaler, if the loop has none), or bf16",
     ),
     (
         "AG303",
@@ -727,6 +750,38 @@ CATALOGUE: dict[str, Code] = _table(
         "fp8",
         "fp8_plan(..., formats=...) measured several formats: the recipe names each layer's format",
         "train each layer in its format: plan.recipe() maps module names to formats",
+    ),
+    # -- AG360-AG364: silent precision failures (locate and the advisor, issue 22) ------------
+    (
+        "AG360",
+        "error",
+        "fp16 overflow absorbed inside a module",
+        "forensics",
+        "ag.locate: an fp16 op in the forward made inf from finite inputs, a later op turned it "
+        "back into finite values, the loss and gradients are finite and fp32 stays in range",
+        "keep the named module in fp32 (keep_fp32=[...]), use bf16, or normalise before the "
+        "op that overflows",
+    ),
+    (
+        "AG361",
+        "warning",
+        "fp16 op inside a module overflows",
+        "advisor",
+        "ag.inspect_model: an fp16 op inside a module (an attention's q @ k.T before the "
+        "1/sqrt(d) scale) leaves fp16's range on the probe batch while the module's output is "
+        "in range",
+        "scale before the matmul (q * d**-0.5 @ k.T), use F.scaled_dot_product_attention, keep "
+        "the module in fp32, or use bf16",
+    ),
+    (
+        "AG362",
+        "warning",
+        "sigmoid rounds to exactly 1.0 before a BCE loss",
+        "advisor",
+        "ag.inspect_model: a sigmoid's output feeds binary_cross_entropy and, in fp16, at least "
+        "one probe sample's probability rounds to exactly 0 or 1 (a confidently wrong sample "
+        "then costs log(0))",
+        "return logits and use F.binary_cross_entropy_with_logits (BCEWithLogitsLoss)",
     ),
 )
 

@@ -52,6 +52,7 @@ from ampguard.findings import Finding, make
 from ampguard.forensics import _optimizer
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
+from ampguard.forensics._silent import absorbed_overflow, partial_underflow
 from ampguard.forensics._text import explain, fix_for, title_for
 
 __all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
@@ -59,6 +60,7 @@ __all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
 KINDS = (
     "fp16_overflow",
     "fp16_underflow",
+    "fp16_overflow_absorbed",
     "model_nonfinite",
     "input_nonfinite",
     "none",
@@ -68,6 +70,7 @@ CODES = {
     "none": "AG300",
     "fp16_overflow": "AG301",
     "fp16_underflow": "AG302",
+    "fp16_overflow_absorbed": "AG360",
     "model_nonfinite": "AG303",
     "input_nonfinite": "AG304",
     "probe": "AG305",
@@ -101,7 +104,7 @@ class Diagnosis:
 
     @property
     def code(self) -> str:
-        """The AG3xx finding code (AG300-AG305, AG365, AG366)."""
+        """The AG3xx finding code (AG300-AG305, AG360, AG365, AG366)."""
         return CODES["probe"] if self.benign else CODES[self.kind]
 
     @property
@@ -231,7 +234,7 @@ def _locate(
         return _at(ref, "model_nonfinite", policy.precision, low)
     if low.failed:
         return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
-    return _underflow(low, ref) or Diagnosis(
+    return _silent(low, ref) or Diagnosis(
         "none",
         None,
         None,
@@ -456,6 +459,41 @@ def _underflow(low: Run, ref: Run) -> Diagnosis | None:
         stats,
         low.precision,
         low.scale,
+    )
+
+
+def _silent(low: Run, ref: Run) -> Diagnosis | None:
+    """Loss and gradients finite: an absorbed forward overflow, a dead layer, or a layer that
+    loses a large share of its gradient elements (see :mod:`ampguard.forensics._silent`)."""
+    absorbed = absorbed_overflow(low, ref, _counterpart)
+    if absorbed is not None:
+        e, consumer = absorbed["event"], absorbed["consumer"]
+        stats = _event_stats(low, e, ref, low.precision)
+        stats["absorbed_by"] = (
+            None if consumer is None else {"module": consumer.module, "op": consumer.op}
+        )
+        stats["loss"], stats["loss_fp32"] = low.loss, ref.loss
+        return Diagnosis(
+            "fp16_overflow_absorbed", "forward", e.module, e.op, stats, low.precision, low.scale
+        )
+    dead = _underflow(low, ref)
+    if dead is not None:
+        return dead
+    partial = partial_underflow(low, ref)
+    if partial is None:
+        return None
+    stats = {
+        "underflow_share": partial["share"],
+        "layers": partial["layers"],
+        "flushed": partial["flushed"],
+        "lossy_subnormal": partial["lossy"],
+        "nonzero_fp32": partial["nonzero_fp32"],
+        "threshold": partial["threshold"],
+        "lossy_bits": partial["lossy_bits"],
+        "scale": low.scale,
+    }
+    return Diagnosis(
+        "fp16_underflow", "backward", partial["module"], None, stats, low.precision, low.scale
     )
 
 

@@ -12,7 +12,9 @@
   with :func:`locate` instead (fp16 vs fp32, three runs). Unarmed windows cost nothing.
 - ``auto_fallback=True`` (implies ``forensics``) keeps a module diagnosed ``fp16_overflow`` in
   fp32 from the next step on and records the change (AG306); the next module that overflows on
-  that fp32 value is diagnosed and kept in fp32 as well.
+  that fp32 value is diagnosed and kept in fp32 as well. It also scans the forward of one clean
+  window every ``range_every`` windows (:mod:`ampguard.forensics._absorbed_scan`): a confirmed
+  absorbed overflow (``fp16_overflow_absorbed``, AG360) sends its module to fp32 the same way.
 - ``coverage_step=N`` traces window N and keeps its :class:`~ampguard.Coverage`.
 
 With telemetry the diagnoses and changes go to ``forensics.json``, the coverage to
@@ -32,6 +34,7 @@ from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
+from ampguard.forensics._absorbed_scan import diagnose_absorbed, scan_every
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
 from ampguard.forensics.islands import Fp32Islands, keep_fp32, match_modules
@@ -96,6 +99,7 @@ class GuardForensics:
         self._overflows_in_a_row = 0
         self._seen_applied = False
         self._trace: OpTrace | None = None
+        self._scan_only = False  # the trace is an absorbed-overflow scan, not an armed window
         self._losses: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ Guard hooks
@@ -109,9 +113,12 @@ class GuardForensics:
 
     def session(self, phase: str) -> contextlib.AbstractContextManager:
         """Trace this pass when the window is armed or is the coverage step; else a no-op."""
-        if phase == "forward" and self._trace is None and self._wanted():
-            self._trace = OpTrace(self.guard.model, numerics=self._armed > 0)
-        return self._trace.session(phase) if self._trace is not None else contextlib.nullcontext()
+        if phase == "forward" and self._trace is None and (self._wanted() or self._scan_due()):
+            self._scan_only = not self._wanted()
+            self._trace = OpTrace(self.guard.model, numerics=self._armed > 0 or self._scan_only)
+        if self._trace is None or (phase == "backward" and self._scan_only):
+            return contextlib.nullcontext()
+        return self._trace.session(phase)
 
     def on_loss(self, loss: torch.Tensor) -> None:
         if self._trace is not None and self._trace.numerics:
@@ -134,8 +141,15 @@ class GuardForensics:
             return
         trace, self._trace = self._trace, None
         losses, self._losses = self._losses, []
+        scan_only, self._scan_only = self._scan_only, False
         if trace is not None and result.step == self.coverage_step:
             self._record_coverage(trace, result.step)
+        if trace is not None and scan_only:
+            if result.applied:  # a skipped window's overflow is not absorbed
+                found = diagnose_absorbed(trace, self.guard.precision, self._scale_used())
+                if found is not None:
+                    self._handle(result.step, found, "scan")
+            return
         armed = trace is not None and trace.numerics
         if not (armed or (batch is not None and loss_fn is not None and self.enabled)):
             return
@@ -164,6 +178,15 @@ class GuardForensics:
             self.coverage_step is not None and self.guard.steps + 1 == self.coverage_step
         )
 
+    def _scan_due(self) -> bool:
+        """auto_fallback scans the forward of every scan_every-th window for absorbed fp16
+        overflow (see ampguard.forensics._absorbed_scan)."""
+        return (
+            self.auto_fallback
+            and self.guard.precision == "fp16"
+            and (self.guard.steps + 1) % scan_every(self.guard) == 0
+        )
+
     def _warming_up(self) -> bool:
         return not self._seen_applied and self._overflows_in_a_row <= 1
 
@@ -179,7 +202,7 @@ class GuardForensics:
         self._armed = ARM_STEPS  # a recurring overflow is caught again
         if (
             self.auto_fallback
-            and diag.kind == "fp16_overflow"
+            and diag.kind in ("fp16_overflow", "fp16_overflow_absorbed")
             and diag.module is not None
             and self.islands.add(diag.module)
         ):
@@ -190,6 +213,7 @@ class GuardForensics:
                     "phase": diag.phase,
                     "op": diag.op,
                     "reason": "auto_fallback",
+                    "absorbed": diag.kind == "fp16_overflow_absorbed",
                 }
             )
         self._write()
@@ -275,7 +299,8 @@ def _fallback_finding(change: dict[str, Any]) -> Finding:
     return make(
         "AG306",
         f"Step {change['step']}: {module!r} overflowed fp16 in the {change['phase']} "
-        f"pass ({change['op']}); auto_fallback runs it outside autocast in fp32 from the next "
+        f"pass ({change['op']}{'; the overflow was absorbed' if change.get('absorbed') else ''}"
+        "); auto_fallback runs it outside autocast in fp32 from the next "
         "step on.",
         detail=repr(module),
         step=change["step"],

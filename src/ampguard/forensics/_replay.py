@@ -73,6 +73,8 @@ class Run:
     grads: dict[str, float] = field(default_factory=dict)  # name -> max |grad| (nan/inf kept)
     order: list[str] = field(default_factory=list)  # parameters in accumulation order
     entered: dict[str, bool] = field(default_factory=dict)  # module -> autocast on at entry
+    # name -> the gradient itself (detached; the model's .grad is reset after the run)
+    grad_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -94,7 +96,8 @@ def replay(
     numerics: bool = True,
 ) -> Run:
     """Forward ``loss_fn(model, batch)`` under ``policy``'s autocast, backward of ``loss * scale``
-    (as GradScaler does), all traced. Cost: one host sync at the end (plus the loss check)."""
+    (as GradScaler does), all traced. Cost: one host sync at the end (plus the loss check); the
+    run keeps a reference to every gradient (one gradient's worth of memory per run held)."""
     trace = OpTrace(model, numerics=numerics, hunt="all")
     names = {id(p): n for n, p in model.named_parameters()}
     order: list[str] = []
@@ -127,6 +130,7 @@ def replay(
         dict(zip(grads, values[1:], strict=True)),
         order,
         trace.autocast_on_entry,
+        {n: g.detach() for n, g in grads.items()},
     )
 
 

@@ -31,7 +31,7 @@ def title_for(d: Any) -> str:
     head = lookup(d.code).title
     if d.benign:
         return f"{head}{at}"
-    if d.kind in ("fp16_overflow", "fp16_underflow") and low != "fp16":
+    if d.kind in ("fp16_overflow", "fp16_underflow", "fp16_overflow_absorbed") and low != "fp16":
         head += f" ({low})"
     return (
         head
@@ -39,6 +39,7 @@ def title_for(d: Any) -> str:
             "none": "",
             "fp16_overflow": f" in the {d.phase or 'training'} pass{at}",
             "fp16_underflow": f": gradients flushed to zero{at}",
+            "fp16_overflow_absorbed": f"{at} ({d.op})",
             "model_nonfinite": at,
             "input_nonfinite": at,
         }[d.kind]
@@ -76,7 +77,16 @@ def fix_for(d: Any) -> str:
             "Guard(..., auto_fallback=True); or train in bf16 (precision='bf16'); "
             "or bound the values (normalisation, clamping, smaller init or LR)."
         ),
-        "fp16_underflow": (
+        "fp16_overflow_absorbed": (
+            f"Keep {where(d.module)} in fp32: Guard(..., keep_fp32=[{target!r}]) or "
+            "Guard(..., auto_fallback=True); or train in bf16 (precision='bf16'); or "
+            f"normalise before {d.op} (subtract the mean and divide by a max before squaring, "
+            "or use torch.nn.LayerNorm / F.layer_norm, which autocast runs in fp32). A larger "
+            "or smaller loss scale does not help: the overflow is in the forward pass."
+        ),
+        "fp16_underflow": _underflow_fix(d, flushed)
+        if "underflow_share" in d.stats
+        else (
             "Raise the loss scale (ScalerConfig(init_scale=..., min_scale=...)), "
             f"keep {where(flushed if flushed is not None else d.module)} in fp32 "
             "(keep_fp32=[...]), or train in bf16 (precision='bf16')."
@@ -121,6 +131,8 @@ def explain(d: Any) -> str:
         text = _overflow(d, at, counts) + _poisoned(s)
     elif d.kind == "fp16_underflow":
         text = _underflow(d, at)
+    elif d.kind == "fp16_overflow_absorbed":
+        text = _absorbed(d, at, counts)
     elif d.kind == "model_nonfinite":
         if "nonfinite_tensors" in s:
             text = _broken_state(d)
@@ -186,6 +198,21 @@ def _overflow(d: Any, at: str, counts: str) -> str:
 def _underflow(d: Any, at: str) -> str:
     s = d.stats
     low = d.precision
+    if "underflow_share" in s:
+        others = [m for m in s.get("layers", {}) if m != d.module]
+        also = f" Other layers above it: {', '.join(map(repr, others[:4]))}." if others else ""
+        scaler = (
+            "without a loss scaler (scale 1)" if d.scale == 1.0 else f"at loss scale {_g(d.scale)}"
+        )
+        return (
+            f"{low} {scaler} loses {s['underflow_share']:.1%} of the gradient of "
+            f"{where(d.module)}: of its {s.get('nonzero_fp32')} gradient elements that are "
+            f"nonzero in fp32, {s.get('flushed')} are flushed to zero and "
+            f"{s.get('lossy_subnormal')} are {low} subnormals with at most "
+            f"{s.get('lossy_bits')} significant bits (threshold {s.get('threshold'):.0%}). "
+            f"The loss and the gradients stay finite, so nothing skips: the layer just learns "
+            f"from a fraction of its gradient.{also}"
+        )
     if "dead_parameters" in s:
         dead = ", ".join(s["dead_parameters"][:4])
         by = s.get("flushed_by")
@@ -230,4 +257,36 @@ def _poisoned(s: dict[str, Any]) -> str:
         f" This forward also wrote the overflow into buffers ({', '.join(bad[:5])}): a skipped "
         "step must restore them (Guard(restore_buffers_on_skip=True), the default), or every "
         "later eval is NaN."
+    )
+
+
+def _underflow_fix(d: Any, flushed: Any) -> str:
+    if d.scale == 1.0:
+        return (
+            "Use a loss scaler: ampguard.Guard(model, optimizer, precision='fp16') (dynamic "
+            "scaling) or torch.amp.GradScaler; or train in bf16 (precision='bf16', no scaler "
+            "needed)."
+        )
+    return (
+        f"Raise the loss scale (ScalerConfig(init_scale=..., min_scale=...)), keep "
+        f"{where(d.module)} in fp32 (keep_fp32=[...]), or train in bf16 (precision='bf16')."
+    )
+
+
+def _absorbed(d: Any, at: str, counts: str) -> str:
+    s = d.stats
+    low = d.precision
+    by = s.get("absorbed_by")
+    consumed = (
+        f" {by['op']} in {where(by['module'])} turned the inf back into finite values"
+        if by
+        else " a later op turned it back into finite values"
+    )
+    return (
+        f"In the forward pass {at} overflowed {low} ({counts}, {s.get('dtype')}, shape "
+        f"{s.get('shape')}) from finite inputs; in fp32 the same op reaches max |x| = "
+        f"{_g(s.get('max_abs_fp32'))}, beyond {low}'s largest value {_g(s.get('limit'))}. "
+        f"Then{consumed} (e.g. x / sqrt(inf) = 0), so the loss ({_g(s.get('loss'))}; fp32 "
+        f"{_g(s.get('loss_fp32'))}) and the gradients stay finite: no step is skipped, but "
+        f"the module's output no longer depends on its input and training stalls."
     )

@@ -36,6 +36,10 @@ AG108     bf16 recommended       on ``bf16_min_samples`` range samples the safe 
 AG109     non-finite skips       without a loss scaler, steps were skipped for non-finite
                                  gradients (error once ``max_nonfinite_skips`` ran in a row)
 AG110     non-finite applied     a watched step without a scaler applied non-finite gradients
+AG170     absorbed fp16 overflow fp16 ops inside a module overflowed on an applied range-sampling
+                                 step (telemetry's ``absorbed`` events; ``rules._silent``)
+AG171     fp16 without a scaler  no loss scaler, and a layer's gradients underflow as in AG106
+                                 (replaces AG106 for such a run; ``rules._silent``)
 ========  =====================  ===============================================================
 """
 
@@ -53,6 +57,7 @@ from ampguard.rules._base import make_finding as _finding
 from ampguard.rules._gaps import ag140
 from ampguard.rules._layers import ag104, ag105, ag106, ag108
 from ampguard.rules._nonfinite import ag109, ag110
+from ampguard.rules._silent import ag170, ag171
 from ampguard.runlog import RunLog
 
 __all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "TITLES"]
@@ -65,7 +70,20 @@ def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
         raise TypeError(f"config must be an ampguard.rules.RuleConfig, got {type(cfg).__name__}")
     warm = warmup_mask(run, cfg)
     found: list[Finding] = []
-    for rule in (_ag101, _ag102, _ag103, ag104, ag105, ag106, _ag107, ag108, ag109, ag110):
+    for rule in (
+        _ag101,
+        _ag102,
+        _ag103,
+        ag104,
+        ag105,
+        ag106,
+        _ag107,
+        ag108,
+        ag109,
+        ag110,
+        ag170,
+        ag171,
+    ):
         found.extend(rule(run, cfg, warm))
     found.extend(ag140(run, cfg, warm))  # steps a full disk kept out of the log
     # --- findings recorded during the run (forensics, distributed, attach mode) ---

@@ -8,6 +8,7 @@ from ampguard.findings import Finding
 from ampguard.rules._base import RuleConfig, fp16_mask
 from ampguard.rules._base import make_finding as _finding
 from ampguard.rules._ranges import FP16_MAX
+from ampguard.rules._silent import no_scaler
 from ampguard.runlog import RunLog
 
 __all__ = ["ag104", "ag105", "ag106", "ag108"]
@@ -106,7 +107,7 @@ def ag105(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
 
 def ag106(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     ok = _range_ok(run)
-    if not ok.any():
+    if not ok.any() or no_scaler(run):  # without a scaler: AG171 (rules._silent) says it
         return []
     out = []
     for j, name in enumerate(run.layers):

@@ -28,6 +28,8 @@ unrecorded  steps a failed write kept out of the log: ``step`` (the first) and `
           (required), ``records``: int, ``reason`` (e.g. "disk full"), ``error``, ``file``: str
 fp8_res.. ``fp8_rescue``: ``step`` int, ``module``, ``field``: str (required); ``value``,
           ``limit``: number or null (a layer moved from fp8 back to bf16, AG113)
+absorbed  ``step`` int (required); ``modules``: {module name: ops that made inf/NaN from finite
+          inputs in fp16/bf16 on that range-sampled window} (required)
 ========  ==================================================================================
 
 Reading the files themselves (regular files only, errors naming them) is
@@ -200,6 +202,8 @@ EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "value": (_num, False),
         "limit": (_num, False),
     },
+    # fp16 ops that made inf/NaN inside a module on a range-sampled window (AG170)
+    "absorbed": {"step": (_int, True), "modules": (_dict, True)},
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
 META_FIELDS: dict[str, _Check] = {

@@ -38,6 +38,7 @@ from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
+from ampguard.telemetry._absorbed import AbsorbedCounter
 from ampguard.telemetry._device import DeviceBuffer, host_view
 from ampguard.telemetry._disk import WriteFailures
 from ampguard.telemetry._range_sample import RangeSampler
@@ -84,6 +85,9 @@ class Telemetry:
     resume point; False starts the log over), ``sinks`` (extra sinks such as
     :class:`ampguard.integrations.sinks.WandbSink`: objects with ``start(run_dir, layers)``,
     ``write(records, skip_rate)`` and ``close()``, called at attach, at every flush and on close),
+    ``absorbed`` (on the range-sampled windows, count per module the fp16/bf16 ops of the forward
+    that made inf/NaN from finite inputs: absorbed overflow, AG170; False turns it off, e.g. for
+    a model whose forward must not run under a ``TorchDispatchMode``);
     ``on_write_error`` (a write to the run folder that fails, e.g. a full disk: ``"warn"``
     suspends telemetry with one warning and training goes on, ``"raise"`` raises
     :class:`TelemetryError` before the next update; see :mod:`ampguard.telemetry._disk`).
@@ -97,11 +101,12 @@ class Telemetry:
     scale) on a device, and a detached reference to each micro-batch's loss; on statistics steps
     one multi-tensor norm (its per-tensor results are kept and stacked at the flush); on range
     steps about 15 ops, mostly integer ops on the fp32 bits of the flattened gradients, in chunks
-    of 2**20 elements. A flush is one stack of the kept tensors and one device-to-host copy: on
-    CUDA into pinned memory without a host sync, its records written at the next flush (so the
-    cheap reads lag one flush on CUDA); :meth:`flush`, :meth:`findings` and :meth:`close` wait
-    for it (one sync). Producers may skip :meth:`on_grads` while the step is below
-    :attr:`next_sample`.
+    of 2**20 elements, and the window's forward passes watched op by op (about four small device
+    ops per fp16 op, :mod:`ampguard.telemetry._absorbed`). A flush is one stack of the kept
+    tensors and one device-to-host copy: on CUDA into pinned memory without a host sync, its
+    records written at the next flush (so the cheap reads lag one flush on CUDA);
+    :meth:`flush`, :meth:`findings` and :meth:`close` wait for it (one sync). Producers may skip
+    :meth:`on_grads` while the step is below :attr:`next_sample`.
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class Telemetry:
         resume: bool = True,
         sinks: Any = (),
         on_write_error: str = "warn",
+        absorbed: bool = True,
     ) -> None:
         if not isinstance(run_dir, (str, os.PathLike)):
             raise TypeError(
@@ -126,6 +132,7 @@ class Telemetry:
             ("layer_stats", layer_stats),
             ("tensorboard", tensorboard),
             ("resume", resume),
+            ("absorbed", absorbed),
         ):
             check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
@@ -137,6 +144,7 @@ class Telemetry:
         self.on_write_error = on_write_error
         self.flush_due = False  # raise mode: a full buffer waits for before_update()
         self._lock: runlog.RunFolderLock | None = None
+        self.absorbed = absorbed
         # the first step whose gradients are sampled: a producer may skip on_grads before it
         self.next_sample = self._due_after(0)
         if tensorboard:
@@ -166,6 +174,7 @@ class Telemetry:
             "range_every": self.range_every,
             "tensorboard": self.tensorboard,
             "on_write_error": self.on_write_error,
+            "absorbed": self.absorbed,
         }
 
     # ------------------------------------------------------------------ attach and layout
@@ -188,6 +197,14 @@ class Telemetry:
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._ranger = RangeSampler(layout, self._device) if self.range_every else None
+        # absorbed fp16 overflow: counted on the range-sampled windows' forwards (AG170)
+        self._absorbed = (
+            AbsorbedCounter(source.model, self._device, self.flush_every // self.range_every + 1)
+            if self.range_every and self.absorbed
+            else None
+        )
+        if self._absorbed is not None and 1 % self.range_every == 0:
+            self._absorbed.arm(1)
         self._cells = DeviceBuffer(
             self.flush_every,
             len(layout.params),
@@ -373,6 +390,13 @@ class Telemetry:
         )
         self._this_step = _NO_SAMPLE
         self._micro = 0
+        absorbed = self._absorbed
+        if absorbed is not None and (
+            absorbed.armed_step is not None or not (step + 1) % self.range_every
+        ):
+            absorbed.disarm()
+            if not (step + 1) % self.range_every:
+                absorbed.arm(step + 1)
         if step >= self.next_sample:
             self.next_sample = self._due_after(step)
         if len(pending) == self.flush_every:
@@ -408,6 +432,11 @@ class Telemetry:
         if self._micro:
             del self._losses[-self._micro :]
         stats_slot, range_slot, _ = self._this_step
+        absorbed = self._absorbed
+        if absorbed is not None and absorbed.armed_step is not None:  # the window runs again
+            window = absorbed.armed_step
+            absorbed.forget()
+            absorbed.arm(window)
         if stats_slot >= 0:
             self._cells.drop_norms(stats_slot)
         if stats_slot >= 0 and stats_slot == self._stats_used - 1:
@@ -475,6 +504,10 @@ class Telemetry:
             )
         self._scale_carry = scale
         self.next_sample = self._due_after(step)
+        if self._absorbed is not None:
+            self._absorbed.forget()
+            if not (step + 1) % self.range_every:
+                self._absorbed.arm(step + 1)
         event = {
             "kind": "resume",
             "step": step,
@@ -561,6 +594,8 @@ class Telemetry:
             self._cells.gather(statuses, norms, losses, facts.micro)
             counts = (self._stats_used, self._ranges_used)
             self._stage.push(self._cells.used(*counts), (facts, counts))  # the one transfer
+        if self._absorbed is not None:  # the sampled windows' counters: their own copy
+            self._absorbed.push()
         # the window in progress (gradients sampled, no step yet) keeps its samples in slot 0
         stats_slot, range_slot, grads_scaled = self._this_step
         stats_slot, range_slot = self._cells.carry(stats_slot, range_slot)
@@ -591,6 +626,10 @@ class Telemetry:
                         where = self.run_dir / runlog.TB_DIR if sink is self._sink else self.run_dir
                         self._failures.failed(where, exc)
             self.flushes += 1
+        if self._absorbed is not None:
+            absorbed = self._absorbed.records(wait)
+            if absorbed:
+                self._append(absorbed)
         if self._failures.retry_due and not tried:  # what failed at an earlier flush, again
             self._write([])
         self._raise_error()
