@@ -141,8 +141,11 @@ class MlflowSink:
             for rec, rate in zip(records, skip_rate, strict=True)
             for key, value in step_metrics(rec, rate, self._layers).items()
         ]
+        run_id = self.run_id
+        if run_id is None:  # closed: nothing to log into
+            return
         for start in range(0, len(metrics), _MLFLOW_BATCH):
-            self._client.log_batch(self.run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
+            self._client.log_batch(run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
 
     def close(self) -> None:
         if self._owned and self.run_id is not None:
