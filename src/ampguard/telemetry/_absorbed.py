@@ -243,13 +243,21 @@ class AbsorbedCounter:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The plain tensors of an op's arguments or outputs. Wrapper subclasses (torchao's
+    Float8TrainingTensor, DTensor) are left out: they support few ops, and the ops on their
+    inner plain tensors come through this mode themselves."""
     if isinstance(value, torch.Tensor):
-        return [value]
+        return [value] if _plain(value) else []
     out: list[torch.Tensor] = []
     if isinstance(value, (list, tuple)):
         for v in value:
             if isinstance(v, torch.Tensor):
-                out.append(v)
+                if _plain(v):
+                    out.append(v)
             elif isinstance(v, (list, tuple)):
-                out.extend(t for t in v if isinstance(t, torch.Tensor))
+                out.extend(t for t in v if isinstance(t, torch.Tensor) and _plain(t))
     return out
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
