@@ -49,7 +49,7 @@ from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig, c
 from ampguard.distributed import DistributedState
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
-from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
+from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding, count
 from ampguard.forensics import _guard as _guard_forensics
 from ampguard.fp8 import _guard as _fp8_guard
@@ -96,7 +96,7 @@ class Guard:
         audit_every: int | None = 100,
         on_desync: str = "raise",
         process_group: Any = None,
-        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        peer_timeout: float | None = None,
         telemetry: str | os.PathLike | Telemetry | None = None,
         keep_fp32: Sequence[str] | str | None = None,
         forensics: bool = False,
@@ -141,8 +141,9 @@ class Guard:
         self._resume = ResumeTracker(resume_warmup)
         self.resume_warmup = resume_warmup
         # distributed (ampguard.distributed): None unless a process group is in play; ampguard's
-        # own collectives wait at most peer_timeout seconds (ampguard.distributed._peers)
-        self.peer_timeout = check_peer_timeout(peer_timeout)
+        # own collectives wait at most peer_timeout seconds (None: the group's own timeout when
+        # the user set one, else 10 min; ampguard.distributed._peers)
+        self.peer_timeout = resolve_peer_timeout(peer_timeout, process_group)
         self._dist = _attach_distributed(
             model,
             self._device,
