@@ -125,9 +125,14 @@ def load_with_an_absent_peer_fsdp2(rank: int, world: int, tmp: str) -> dict[str,
         for p in model.parameters():
             p.to_local().add_(1.0)
     before = [p.to_local().clone() for p in model.parameters()]
-    out = _outcome(lambda: load_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard))
+    out = _outcome(
+        lambda: load_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    )
     after = [p.to_local() for p in model.parameters()]
-    return out | {"path": path, "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
+    return out | {
+        "path": path,
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+    }
 
 
 def guard_group_with_an_absent_peer(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -92,6 +92,11 @@ def test_peer_timeout_defaults_to_the_timeout_the_user_gave_the_group(tmp_path, 
         model = torch.nn.Linear(4, 4)
         guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
         assert guard.peer_timeout == expected  # 1800 s is torch's default: not "set"
-        assert ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), peer_timeout=7).peer_timeout == 7.0
+        assert (
+            ag.Guard(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), peer_timeout=7
+            ).peer_timeout
+            == 7.0
+        )
     finally:
         dist.destroy_process_group()
