@@ -30,6 +30,7 @@ from ampguard.core._args import (
     as_optimizers,
     check_backward,
     check_flag,
+    check_grads_present,
     check_model,
     check_window,
     scheduler_callback,
@@ -317,6 +318,8 @@ class Guard:
         if self._micro < self.accumulation_steps:
             return StepResult.in_window(self._steps, len(self.optimizers))
         self._micro = 0
+        if not self.contain_nonfinite_microbatches:  # containment buffers hold the grads
+            check_grads_present(self._params)  # e.g. another Guard's step() cleared them
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
@@ -479,19 +482,23 @@ class Guard:
             return
         pending, self._pending = self._pending, []
         values = torch.stack([status for _, status in pending]).tolist()
-        collapsed, scaled = [], self._scaler is not None
+        collapsed, scaled, settled = [], self._scaler is not None, []
         for (result, _), value in zip(pending, values, strict=True):
             flags = result.settle(results.decode(int(value), len(self.optimizers), scaled))
             if not act:
                 continue
+            settled.append((result.step, flags))
             self._record(result.step, flags)  # count every step before any raise
             bound = _nonfinite.over_bound(self)  # bf16/fp32: too many non-finite skips in a row
             if (flags.collapse or bound) and self.scaler_config.on_collapse == "warn":
                 self._on_collapse(result.step)  # in order: an applied step ends an episode
-            elif flags.collapse or bound:
-                collapsed.append(result.step)
+            elif flags.collapse or bound:  # the count as it was at that step, for the message
+                collapsed.append((result.step, self._counts.consecutive_nonfinite))
         if collapsed:
-            self._on_collapse(collapsed[0])
+            step, run = collapsed[0]
+            self._on_collapse(step, run)
+            if scaled and self._scaler is None:  # a fallback read late: its windows count
+                _nonfinite.after_late_fallback(self, [sf for sf in settled if sf[0] > step])
 
     def _settle(self, step: int, flags: results.Decoded) -> None:
         self._record(step, flags)
@@ -505,9 +512,9 @@ class Guard:
         if flags.applied:
             self._collapsing = False
 
-    def _on_collapse(self, step: int) -> None:
+    def _on_collapse(self, step: int, run: int | None = None) -> None:
         if self._scaler is None:  # no scale to lower: the bound on non-finite skips
-            return _nonfinite.on_bound(self, step)
+            return _nonfinite.on_bound(self, step, run)
         policy = self.scaler_config.on_collapse
         if policy == "raise":
             raise ScaleCollapseError(self._collapse_message(step))
