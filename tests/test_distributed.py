@@ -351,6 +351,8 @@ def test_distributed_demo_under_fsdp2_skips_the_outlier_steps_on_every_rank(two)
         assert v["skipped"] == v["spike_steps"] == [16, 17, 18]
         assert v["loss_after"] < v["loss_before"]
         assert v["audits"] >= 1
+        # the overflow origin names the last rank (whose shard held the burst), as under DDP
+        assert v["origin"] == {0: 0, 1: 3}
 
 
 @pytest.mark.timeout(120)
