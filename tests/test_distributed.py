@@ -402,7 +402,7 @@ def test_bad_audit_every_is_a_value_error_naming_it(value):
         ag.Guard(*tiny(), audit_every=value)
 
 
-# None is the default: the group's own timeout when the user set one (tests/test_peer_checkpoints.py)
+# None is the default: the group's own timeout if the user set one (test_peer_checkpoints.py)
 @pytest.mark.parametrize("value", [0, -1, "5", True, float("nan"), 1e9])
 def test_bad_peer_timeout_is_a_value_error_naming_it(value):
     with pytest.raises(ValueError, match="peer_timeout must be a number of seconds > 0"):
