@@ -15,7 +15,7 @@ def inspect_fp8(args: argparse.Namespace) -> int:
     user's own code (the factory, the model, the loss) raised: its traceback, shown as theirs
     (as plain ``inspect`` does).
     """
-    from ampguard.cli._compare import _failure
+    from ampguard.cli._errors import failure
     from ampguard.cli._loader import load_factory, marked
     from ampguard.experiments import Experiment, seed_all
     from ampguard.fp8 import fp8_plan
@@ -35,8 +35,8 @@ def inspect_fp8(args: argparse.Namespace) -> int:
         if batch is None:
             raise ValueError("the Experiment's batches are empty: the plan needs one batch")
         plan = fp8_plan(exp.model, exp.loss_fn, batch, recipe=args.recipe)
-    except Exception as exc:  # noqa: BLE001 - sorted by _failure: yours, a usage error, a bug
-        return _failure("inspect", args.factory, raw, exc)
+    except Exception as exc:  # noqa: BLE001 - sorted by failure: yours, a usage error, a bug
+        return failure("inspect", args.factory, raw, exc)
     findings = plan.findings()
     if args.json:
         print(
