@@ -135,6 +135,46 @@ def load_with_an_absent_peer_fsdp2(rank: int, world: int, tmp: str) -> dict[str,
     }
 
 
+def load_with_an_absent_peer_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """DDP: as above; the survivor must raise before reading anything (nothing loaded)."""
+    model, opt, guard = _trained("ddp", rank, world)
+    path = os.path.join(tmp, "ddp-load.pt")
+    save_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    if rank == world - 1:
+        time.sleep(SLEEP)
+        return {"error": None}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = _outcome(
+        lambda: load_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    )
+    after = list(model.parameters())
+    return out | {
+        "path": path,
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+    }
+
+
+def load_different_paths_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """DDP: each rank names its own checkpoint file: refused on every rank, nothing loaded."""
+    model, opt, guard = _trained("ddp", rank, world)
+    path = os.path.join(tmp, f"own-{rank}.pt")
+    save_distributed_checkpoint(
+        os.path.join(tmp, "shared.pt"), model=model, optimizer=opt, guard=guard
+    )
+    if rank == 0:
+        import shutil
+
+        for r in range(world):
+            shutil.copy(os.path.join(tmp, "shared.pt"), os.path.join(tmp, f"own-{r}.pt"))
+    guard.distributed.audit(guard)  # a collective: the copies exist before anyone loads
+    return _outcome(
+        lambda: load_distributed_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    )
+
+
 def guard_group_with_an_absent_peer(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """No peer_timeout given: it defaults to the group's own (the test's pg_timeout). The last
     rank's second Guard() raises (a bad argument) before building its group; the others' second
@@ -152,6 +192,8 @@ for _f in (
     save_with_a_crashed_peer_ddp,
     save_with_a_hung_peer_fsdp2,
     load_with_an_absent_peer_fsdp2,
+    load_with_an_absent_peer_ddp,
+    load_different_paths_ddp,
     guard_group_with_an_absent_peer,
 ):
     S.SCENARIOS[_f.__name__] = _f

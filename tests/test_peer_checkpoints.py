@@ -52,12 +52,13 @@ def test_a_peer_that_hangs_in_an_fsdp2_save_is_bounded_by_peer_timeout():
 
 
 @pytest.mark.timeout(90)
-def test_a_rank_that_never_calls_an_fsdp2_load_does_not_block_the_others():
-    per_rank = P.run_group(2, ["load_with_an_absent_peer_fsdp2"])["load_with_an_absent_peer_fsdp2"]
-    v = _survivor(per_rank)
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_a_rank_that_never_calls_load_does_not_block_the_others_and_nothing_is_loaded(kind):
+    name = f"load_with_an_absent_peer_{kind}"
+    v = _survivor(P.run_group(2, [name])[name])
     _named_in_a_checkpoint_error(v, bound=P.SLEEP)
     assert "loading the distributed checkpoint failed" in v["message"]
-    assert v["unchanged"]  # the CRC compare is the first collective: nothing was read
+    assert v["unchanged"]  # the first collective comes before any read: nothing was loaded
 
 
 @pytest.mark.timeout(90)
@@ -100,3 +101,13 @@ def test_peer_timeout_defaults_to_the_timeout_the_user_gave_the_group(tmp_path, 
         )
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_load_different_checkpoints_are_refused_naming_the_paths():
+    per_rank = P.run_group(2, ["load_different_paths_ddp"])["load_different_paths_ddp"]
+    for rank in (0, 1):
+        status, v = per_rank[rank]
+        assert status == "ok" and v["error"] == "CheckpointError", v
+        assert "the ranks load different checkpoints (rank 0: " in v["message"]
+        assert "own-1.pt" in v["message"] and "nothing was loaded" in v["message"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from ampguard.checkpoint._files import CheckpointError
 from ampguard.distributed._errors import PeerFailureError
 from ampguard.distributed._peers import is_comm_error
 
-__all__ = ["group_of", "bounded"]
+__all__ = ["group_of", "bounded", "same_path"]
 
 
 def group_of(guard: Any) -> Any:
@@ -64,6 +65,23 @@ def bounded(guard: Any, path: str | os.PathLike[str], what: str) -> Iterator[Non
         )
         peer.__cause__ = exc
         raise _error(path, what, peer) from peer
+
+
+def same_path(group: Any, target: Path) -> None:
+    """Every rank names the same checkpoint: one small gather, the first collective of a load,
+    so a rank that never calls it fails the others (bounded) before anything is read.
+
+    ``CheckpointError`` naming the paths when the ranks disagree. Cost: one gather of a string.
+    """
+    paths: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(paths, os.fspath(target), group=group)
+    if len(set(paths)) > 1:
+        ranks = dist.get_process_group_ranks(group)
+        raise CheckpointError(
+            f"{target}: the ranks load different checkpoints ("
+            + ", ".join(f"rank {r}: {p!r}" for r, p in zip(ranks, paths, strict=True))
+            + "); every rank must load the same one; nothing was loaded"
+        )
 
 
 def _error(path: str | os.PathLike[str], what: str, exc: PeerFailureError) -> CheckpointError:

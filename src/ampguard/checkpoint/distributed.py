@@ -109,14 +109,15 @@ def load_distributed_checkpoint(
     that an OS error in the middle of DCP's in-place read can leave shards partly read).
     A peer that crashed, hangs or never calls this makes it raise :class:`CheckpointError` (its
     ``__cause__`` the :class:`~ampguard.distributed.PeerFailureError` naming the ranks) after
-    at most ``peer_timeout``; under FSDP2 the first collective (the shard CRC compare) runs
-    before DCP reads anything, so nothing is loaded then.
-    Cost: reading the checkpoint, one CRC-32 pass over it shared among the ranks, then the
-    audit's host sync.
+    at most ``peer_timeout``; the first collective (every rank names the same path) runs before
+    anything is read, so nothing is loaded then.
+    Cost: one gather of the path, reading the checkpoint, one CRC-32 pass over it shared among
+    the ranks, then the audit's host sync.
     """
     group = _dp.group_of(guard)
     target = Path(path)
     with _dp.bounded(guard, target, "loading the distributed checkpoint"):
+        _dp.same_path(group, target)  # first, before any read: every rank is here
         if fsdp_modules(model):
             extra, info = _load_sharded(
                 _resolve(target), model, _opts(optimizer), guard, scheduler, group
