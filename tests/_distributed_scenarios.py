@@ -113,7 +113,9 @@ def _rank_main(
         timeout=timedelta(seconds=pg_timeout),
     )
     try:
-        for name in scenarios:
+        for i, name in enumerate(scenarios):
+            if i:  # start each scenario together: a Guard's group is built within peer_timeout
+                dist.barrier()
             try:
                 value = SCENARIOS[name](rank, world, tmp)
             except BaseException as exc:

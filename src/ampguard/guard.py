@@ -30,6 +30,7 @@ from ampguard.core._args import (
     as_optimizers,
     check_backward,
     check_flag,
+    check_grads_present,
     check_model,
     check_window,
     scheduler_callback,
@@ -51,7 +52,7 @@ from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import DistributedState, check_distributed_options
 from ampguard.distributed import attach as _attach_distributed
 from ampguard.distributed import rank_telemetry as _rank_telemetry
-from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
+from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding, count
 from ampguard.forensics import _guard as _guard_forensics
 from ampguard.forensics import _verdicts
@@ -105,7 +106,7 @@ class Guard:
         audit_every: int | None = 100,
         on_desync: str = "raise",
         process_group: Any = None,
-        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        peer_timeout: float | None = None,
         telemetry: str | os.PathLike | Telemetry | None = None,
         keep_fp32: Sequence[str] | str | None = None,
         forensics: bool = False,
@@ -141,7 +142,9 @@ class Guard:
         self._policy = resolve_precision(precision, self._device)
         check_parameters(params, self._policy, argument="optimizer")
         self._params = params
-        self.peer_timeout = check_peer_timeout(peer_timeout)
+        # ampguard's own collectives wait at most peer_timeout seconds (None: the group's own
+        # timeout when the user set one, else 10 min; ampguard.distributed._peers)
+        self.peer_timeout = resolve_peer_timeout(peer_timeout, process_group)
         check_distributed_options(audit_every, on_desync)
         check_telemetry_argument(telemetry)
         _guard_forensics.check(model, keep_fp32, forensics, auto_fallback, coverage_step)
@@ -366,6 +369,8 @@ class Guard:
         if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update
             tel.before_update()
         self._micro = 0
+        if not self.contain_nonfinite_microbatches:  # containment buffers hold the grads
+            check_grads_present(self._params)  # e.g. another Guard's step() cleared them
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         if self._stagnation is not None:  # a sampled window: the weights before the step
@@ -559,19 +564,23 @@ class Guard:
             return
         pending, self._pending = self._pending, []
         values = torch.stack([status for _, status in pending]).tolist()
-        collapsed, scaled = [], self._scaler is not None
+        collapsed, scaled, settled = [], self._scaler is not None, []
         for (result, _), value in zip(pending, values, strict=True):
             flags = result.settle(results.decode(int(value), len(self.optimizers), scaled))
             if not act:
                 continue
+            settled.append((result.step, flags))
             self._record(result.step, flags)  # count every step before any raise
             bound = _nonfinite.over_bound(self)  # bf16/fp32: too many non-finite skips in a row
             if (flags.collapse or bound) and self.scaler_config.on_collapse == "warn":
                 self._on_collapse(result.step)  # in order: an applied step ends an episode
-            elif flags.collapse or bound:
-                collapsed.append(result.step)
+            elif flags.collapse or bound:  # the count as it was at that step, for the message
+                collapsed.append((result.step, self._counts.consecutive_nonfinite))
         if collapsed:
-            self._on_collapse(collapsed[0])
+            step, run = collapsed[0]
+            self._on_collapse(step, run)
+            if scaled and self._scaler is None:  # a fallback read late: its windows count
+                _nonfinite.after_late_fallback(self, [sf for sf in settled if sf[0] > step])
 
     def _settle(self, step: int, flags: results.Decoded) -> None:
         self._record(step, flags)
@@ -585,9 +594,9 @@ class Guard:
         if flags.applied:
             self._collapsing = False
 
-    def _on_collapse(self, step: int) -> None:
+    def _on_collapse(self, step: int, run: int | None = None) -> None:
         if self._scaler is None:  # no scale to lower: the bound on non-finite skips
-            return _nonfinite.on_bound(self, step)
+            return _nonfinite.on_bound(self, step, run)
         policy = self.scaler_config.on_collapse
         if policy == "raise":
             raise ScaleCollapseError(

@@ -5,6 +5,14 @@ the same arguments. Both audit the Guard across ranks first (a desynced state is
 after loading (every rank resumed the same state). Each rank's RNG state is kept, so a resumed run
 continues bitwise.
 
+Every collective of theirs (the audit, the RNG gather, the write-status broadcast, the shard CRC
+compare, DCP's own plan exchange) runs on the Guard's own group, so it waits at most
+``peer_timeout``; a peer that crashed, hangs or never calls the function makes every survivor
+raise :class:`CheckpointError` naming the path, with the
+:class:`~ampguard.distributed.PeerFailureError` naming the ranks as its ``__cause__``
+(:mod:`ampguard.checkpoint._dist_peers`). Without a distributed Guard they run on the default
+group, bounded by its own timeout.
+
 - **Replicated (DDP, plain model in a group):** rank 0 writes one file with
   :func:`ampguard.save_checkpoint` (atomic, ``weights_only`` loadable); every rank reads it.
 - **FSDP2:** the tensors go through ``torch.distributed.checkpoint`` (each rank writes its shards)
@@ -32,11 +40,13 @@ import torch.distributed as dist
 
 from ampguard._util.atomic import fsync_dir
 from ampguard.checkpoint import _dist_checks as _dc
+from ampguard.checkpoint import _dist_peers as _dp
 from ampguard.checkpoint import _load, _save_with_crc, save_checkpoint
 from ampguard.checkpoint import _validate as _v
 from ampguard.checkpoint._files import CheckpointError, atomic_write, verify_zip
 from ampguard.core import _state as _guard_state
 from ampguard.distributed import fsdp_modules
+from ampguard.distributed._peers import is_comm_error
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint"]
 
@@ -55,29 +65,31 @@ def save_distributed_checkpoint(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save on every rank (a collective); returns ``path``. Raises ``CheckpointError`` on all
-    ranks if the write failed on any. Cost: the audit's host sync, one gather of RNG states,
-    and the writes."""
-    group = _group(guard)
-    _audit(guard, "checkpoint")
-    rngs = _gather_rng(group)
+    ranks if the write failed on any, or if a peer failed (its ``__cause__`` is the
+    :class:`~ampguard.distributed.PeerFailureError` naming the ranks; every wait is at most
+    ``peer_timeout``). Cost: the audit's host sync, one gather of RNG states, and the writes."""
+    group = _dp.group_of(guard)
     target = Path(path)
-    if fsdp_modules(model):
-        _save_sharded(target, model, _opts(optimizer), guard, scheduler, extra, rngs, group)
-    else:
-        info = {"world_size": dist.get_world_size(group), "kind": "replicated", "rng": rngs}
-        merged = {**(extra or {}), _KEY: info}
-        _on_rank0(
-            group,
-            lambda: save_checkpoint(
-                target,
-                model=model,
-                optimizer=optimizer,
-                guard=guard,
-                scheduler=scheduler,
-                extra=merged,
-                rng=False,
-            ),
-        )
+    with _dp.bounded(guard, target, "saving the distributed checkpoint"):
+        _audit(guard, "checkpoint")
+        rngs = _gather_rng(group)
+        if fsdp_modules(model):
+            _save_sharded(target, model, _opts(optimizer), guard, scheduler, extra, rngs, group)
+        else:
+            info = {"world_size": dist.get_world_size(group), "kind": "replicated", "rng": rngs}
+            merged = {**(extra or {}), _KEY: info}
+            _on_rank0(
+                group,
+                lambda: save_checkpoint(
+                    target,
+                    model=model,
+                    optimizer=optimizer,
+                    guard=guard,
+                    scheduler=scheduler,
+                    extra=merged,
+                    rng=False,
+                ),
+            )
     return target
 
 
@@ -95,28 +107,36 @@ def load_distributed_checkpoint(
     dtype against the live model and optimizer, the scheduler, Guard and RNG states; a failure
     raises :class:`CheckpointError` on every rank and leaves the objects as they were (except
     that an OS error in the middle of DCP's in-place read can leave shards partly read).
-    Cost: reading the checkpoint, one CRC-32 pass over it shared among the ranks, then the
-    audit's host sync.
+    A peer that crashed, hangs or never calls this makes it raise :class:`CheckpointError` (its
+    ``__cause__`` the :class:`~ampguard.distributed.PeerFailureError` naming the ranks) after
+    at most ``peer_timeout``; the first collective (every rank names the same path) runs before
+    anything is read, so nothing is loaded then.
+    Cost: one gather of the path, reading the checkpoint, one CRC-32 pass over it shared among
+    the ranks, then the audit's host sync.
     """
-    group = _group(guard)
+    group = _dp.group_of(guard)
     target = Path(path)
-    if fsdp_modules(model):
-        extra, info = _load_sharded(_resolve(target), model, _opts(optimizer), guard, scheduler)
-    else:
-        extra = dict(
-            _load(
-                target,
-                model=model,
-                optimizer=optimizer,
-                guard=guard,
-                scheduler=scheduler,
-                rng=False,
-                check_extra=lambda e: _dc.check_rng_info(e.get(_KEY), group, target),
+    with _dp.bounded(guard, target, "loading the distributed checkpoint"):
+        _dp.same_path(group, target)  # first, before any read: every rank is here
+        if fsdp_modules(model):
+            extra, info = _load_sharded(
+                _resolve(target), model, _opts(optimizer), guard, scheduler, group
             )
-        )
-        info = extra.pop(_KEY, None)
-    _restore_rng(info, group, target)
-    _audit(guard, "resume")
+        else:
+            extra = dict(
+                _load(
+                    target,
+                    model=model,
+                    optimizer=optimizer,
+                    guard=guard,
+                    scheduler=scheduler,
+                    rng=False,
+                    check_extra=lambda e: _dc.check_rng_info(e.get(_KEY), group, target),
+                )
+            )
+            info = extra.pop(_KEY, None)
+        _restore_rng(info, group, target)
+        _audit(guard, "resume")
     return extra
 
 
@@ -145,8 +165,10 @@ def _save_sharded(
         _KEY: {"world_size": dist.get_world_size(group), "kind": "fsdp2", "rng": rngs},
     }
     try:
-        dcp.save(tensors, checkpoint_id=str(tmp))
+        dcp.save(tensors, checkpoint_id=str(tmp), process_group=group)
     except Exception as exc:
+        if is_comm_error(exc):
+            raise  # a peer failed: bounded() names it
         raise CheckpointError(f"{target}: sharded write failed: {exc}") from exc
 
     def finish() -> None:
@@ -163,11 +185,11 @@ def _load_sharded(
     opts: list[torch.optim.Optimizer],
     guard: Any,
     scheduler: Any,
+    group: Any,
 ) -> tuple[dict[str, Any], Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    group = _group(guard)
     local: CheckpointError | None = None
     try:
         metadata, meta = _check_metadata(target), _read_meta(target)
@@ -193,7 +215,7 @@ def _load_sharded(
     _dc.check_rng_info(meta.get(_KEY), group, target)
     # ---- commit
     try:
-        dcp.load(tensors, checkpoint_id=str(target))
+        dcp.load(tensors, checkpoint_id=str(target), process_group=group)
         msd = {**meta["plain"]["model"], **tensors["model"]}
         osd = {**meta["plain"]["optim"], **tensors["optim"]}
         set_state_dict(
@@ -206,6 +228,8 @@ def _load_sharded(
         if sched_state is not None:
             scheduler.load_state_dict(sched_state)
     except Exception as exc:
+        if is_comm_error(exc):
+            raise  # a peer failed: bounded() names it
         raise CheckpointError(
             f"{target}: loading failed after the checks passed; the objects "
             f"may be partly loaded: {exc}"
@@ -334,16 +358,6 @@ def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
     return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-
-
-def _group(guard: Any) -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "distributed checkpoints need an initialised torch.distributed group; "
-            "use ampguard.save_checkpoint / load_checkpoint in one process"
-        )
-    state = getattr(guard, "distributed", None)
-    return state.topology.group if state is not None else dist.group.WORLD
 
 
 def _audit(guard: Any, reason: str) -> None:

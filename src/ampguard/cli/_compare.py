@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from typing import Any
 
+from ampguard.cli._errors import failure
 from ampguard.cli._types import fail, positive_int, seed, usable_out
 
 __all__ = ["compare_args", "compare_run", "inspect_args", "inspect_run"]
@@ -36,18 +35,6 @@ def compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def _user_code(command: str, err: Exception) -> int:
-    """The user's own code raised: their traceback, marked as theirs; exit status 1."""
-    from ampguard.cli._loader import user_traceback
-
-    print(
-        f"ampguard {command}: error: {err} (in your code, not in ampguard; its traceback follows)",
-        file=sys.stderr,
-    )
-    print(user_traceback(err), file=sys.stderr, end="")  # type: ignore[arg-type]
-    return 1
-
-
 def compare_run(args: argparse.Namespace) -> int:
     from ampguard.cli._loader import load_factory, marked
     from ampguard.experiments import compare
@@ -70,7 +57,7 @@ def compare_run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     except Exception as exc:  # noqa: BLE001 - sorted below: yours, a usage error, or a bug
-        return _failure("compare", args.factory, raw, exc)
+        return failure("compare", args.factory, raw, exc)
     print(cmp.summary())
     if args.out is not None:
         try:
@@ -81,26 +68,6 @@ def compare_run(args: argparse.Namespace) -> int:
             )
         print(f"\nreport: {path}")
     return 0
-
-
-def _failure(command: str, ref: str, raw: Any, exc: Exception) -> int:
-    """Exit status for ``exc``: the user's code raised (1, their traceback), a usage error
-    (2, one line); anything else is ampguard's own bug and is raised with its traceback."""
-    from ampguard.cli._loader import UserCodeError, raised_in_module_of
-    from ampguard.fp8._guard import Fp8UnavailableError
-
-    if isinstance(exc, Fp8UnavailableError):  # says what to install
-        return fail(command, exc)
-    if isinstance(exc, UserCodeError):
-        return _user_code(command, exc)
-    if raw is not None and raised_in_module_of(exc, raw):
-        return _user_code(
-            command,
-            UserCodeError(f"your experiment ({ref}) raised {type(exc).__name__}: {exc}", exc),
-        )
-    if isinstance(exc, (ValueError, TypeError)):
-        return fail(command, exc)
-    raise exc
 
 
 def inspect_args(p: argparse.ArgumentParser) -> None:
@@ -148,8 +115,8 @@ def inspect_run(args: argparse.Namespace) -> int:
         raw = load_factory(args.factory)
         seed_all(args.seed)
         findings = inspect_model(marked(raw, args.factory)())
-    except Exception as exc:  # noqa: BLE001 - sorted by _failure
-        return _failure("inspect", args.factory, raw, exc)
+    except Exception as exc:  # noqa: BLE001 - sorted by failure
+        return failure("inspect", args.factory, raw, exc)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 __all__ = ["inspect_fp8", "demo_fp8"]
 
@@ -12,16 +11,25 @@ __all__ = ["inspect_fp8", "demo_fp8"]
 def inspect_fp8(args: argparse.Namespace) -> int:
     """Plan the factory's Experiment on its first batch; print the table and the findings.
 
-    Exit code 0; 2 on a bad factory or argument (one line on stderr, no traceback).
+    Exit code 0; 2 on a bad factory or argument (one line on stderr, no traceback); 1 when the
+    user's own code (the factory, the model, the loss) raised: its traceback, shown as theirs
+    (as plain ``inspect`` does).
     """
-    from ampguard.cli._loader import load_factory
+    from ampguard.cli._errors import failure
+    from ampguard.cli._loader import load_factory, marked
+    from ampguard.cli._types import fail
     from ampguard.experiments import Experiment, seed_all
     from ampguard.fp8 import fp8_plan
 
     try:
-        factory = load_factory(args.factory)
+        formats = _formats(args.formats)
+    except ValueError as exc:
+        return fail("inspect", exc)
+    raw = None
+    try:
+        raw = load_factory(args.factory)
         seed_all(args.seed)
-        exp = factory()
+        exp = marked(raw, args.factory)()
         if not isinstance(exp, Experiment):
             raise TypeError(
                 f"inspect --fp8 needs a factory returning an ampguard.Experiment "
@@ -31,12 +39,9 @@ def inspect_fp8(args: argparse.Namespace) -> int:
         batch = next(iter(exp.batches), None)
         if batch is None:
             raise ValueError("the Experiment's batches are empty: the plan needs one batch")
-        plan = fp8_plan(
-            exp.model, exp.loss_fn, batch, recipe=args.recipe, formats=_formats(args.formats)
-        )
-    except (ValueError, TypeError) as exc:
-        print(f"ampguard inspect: error: {exc}", file=sys.stderr)
-        return 2
+        plan = fp8_plan(exp.model, exp.loss_fn, batch, recipe=args.recipe, formats=formats)
+    except Exception as exc:  # noqa: BLE001 - sorted by failure: yours, a usage error, a bug
+        return failure("inspect", args.factory, raw, exc)
     findings = plan.findings()
     if args.json:
         print(
@@ -71,25 +76,26 @@ def _formats(text: str) -> tuple[str, ...] | None:
 
 
 def demo_fp8(args: argparse.Namespace) -> int:
-    """``ampguard demo --precision fp8``; exit code 2 with one line when torchao is missing or
-    ``--distributed`` is given."""
+    """``ampguard demo --precision fp8``; exit code 2 with one line when torchao is missing,
+    ``--distributed`` is given, or ``--out`` cannot be a run folder (checked before any work, as
+    the fp16 demo does)."""
+    from ampguard.cli._types import fail, usable_out
     from ampguard.fp8._guard import Fp8UnavailableError
+    from ampguard.runlog import RunFolderError
 
     if args.distributed:
-        print(
-            "ampguard demo: error: --precision fp8 runs in one process (no --distributed)",
-            file=sys.stderr,
-        )
-        return 2
+        return fail("demo", "--precision fp8 runs in one process (no --distributed)")
+    out = _out(args.out)
+    try:
+        usable_out(out)
+    except ValueError as exc:
+        return fail("demo", exc)
     try:
         from ampguard.demo.fp8 import run_fp8_demo
 
-        run_fp8_demo(
-            steps=args.steps, seed=args.seed, out=_out(args.out), progress=not args.no_progress
-        )
-    except Fp8UnavailableError as exc:
-        print(f"ampguard demo: error: {exc}", file=sys.stderr)
-        return 2
+        run_fp8_demo(steps=args.steps, seed=args.seed, out=out, progress=not args.no_progress)
+    except (Fp8UnavailableError, RunFolderError, OSError) as exc:  # OSError: the run folder
+        return fail("demo", exc)
     return 0
 
 

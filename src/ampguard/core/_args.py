@@ -14,6 +14,7 @@ __all__ = [
     "check_window",
     "check_model",
     "check_backward",
+    "check_grads_present",
     "check_flag",
     "scheduler_callback",
 ]
@@ -83,6 +84,27 @@ def check_backward(micro: int, accumulation_steps: int) -> None:
             f"guard.backward(loss), or pass accumulation_steps={micro + 1} (or more) to "
             "accumulate that many micro-batches per optimizer step."
         )
+
+
+def check_grads_present(params: list[torch.Tensor]) -> None:
+    """At the end of a window (after at least one backward): some parameter has a gradient.
+
+    Every gradient being None means something cleared them between ``guard.backward()`` and
+    ``guard.step()``: typically a second Guard on the same model whose window overlaps this one
+    (its ``step()`` zeroes the gradients with ``set_to_none``), or an ``optimizer.zero_grad()``
+    in between. Stepping would apply nothing yet report ``applied=True``, so it is an error.
+    Cost: no host sync; stops at the first parameter with a gradient (one check when healthy).
+    """
+    if any(p.grad is not None for p in params):
+        return
+    raise RuntimeError(
+        "Guard.step(): guard.backward() ran in this window, but every gradient of the Guard's "
+        "optimizers is None now: something cleared them before step(), so there is nothing to "
+        "apply (the window is discarded). Typically a second Guard on the same model stepped "
+        "in between (its step() clears the gradients), or optimizer.zero_grad() ran between "
+        "backward() and step(). Use one Guard per model and optimizer, or finish one Guard's "
+        "window (backward, step) before the other's backward."
+    )
 
 
 def check_flag(name: str, value: Any) -> bool:

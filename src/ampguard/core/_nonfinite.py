@@ -31,7 +31,7 @@ from ampguard.core.results import StepResult
 from ampguard.core.scaler import ScaleCollapseError, collect_grads
 from ampguard.findings import count
 
-__all__ = ["step_unscaled", "over_bound", "on_bound", "check_grads"]
+__all__ = ["step_unscaled", "over_bound", "on_bound", "after_late_fallback", "check_grads"]
 
 
 def check_grads(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -150,11 +150,21 @@ def over_bound(guard: Any) -> bool:
     )
 
 
-def on_bound(guard: Any, step: int) -> None:
+def on_bound(guard: Any, step: int, run: int | None = None) -> None:
     """Act on the bound with the collapse policy: ``"warn"`` warns once per episode, ``"raise"``
-    and ``"fallback"`` (nothing wider to fall back to) raise :class:`ScaleCollapseError`."""
+    and ``"fallback"`` (nothing wider to fall back to) raise :class:`ScaleCollapseError`.
+
+    ``step``: the window at which the bound was crossed; ``run``: the consecutive non-finite
+    windows up to it (default: the count now). With fused optimizers the flags are read lazily
+    (at most 100 windows later), so the message then also says when it was seen."""
     cfg = guard.scaler_config
-    n = guard._counts.consecutive_nonfinite
+    n = guard._counts.consecutive_nonfinite if run is None else run
+    seen = (
+        f" (seen at step {guard._steps}: fused optimizers' step flags are read lazily, at most "
+        "100 windows late)"
+        if guard._steps > step
+        else ""
+    )
     after = (
         f" (after the {guard._fallback['from']} -> {guard._fallback['to']} fallback at "
         f"step {guard._fallback['step']})"
@@ -162,7 +172,7 @@ def on_bound(guard: Any, step: int) -> None:
         else ""
     )
     msg = (
-        f"non-finite gradients in {count(n, 'consecutive window')} up to step {step} "
+        f"non-finite gradients in {count(n, 'consecutive window')} up to step {step}{seen} "
         f"under {guard.precision}{after}; each was skipped, so the weights are unchanged, but "
         f"training makes no progress (ScalerConfig.max_nonfinite_skips="
         f"{cfg.max_nonfinite_skips}). There is no loss scale to lower in {guard.precision}: "
@@ -176,3 +186,21 @@ def on_bound(guard: Any, step: int) -> None:
         guard._collapsing = True
         return
     raise ScaleCollapseError(msg)
+
+
+def after_late_fallback(guard: Any, tail: list[tuple[int, Any]]) -> None:
+    """A collapse fallback acted on late (fused optimizers' flags, read up to 100 windows after
+    the collapse): ``tail``, the settled ``(step, flags)`` of the windows after the collapse step,
+    ran without progress as much as the new precision's would; their skips count toward
+    ``max_nonfinite_skips``, so the bound fires within the lazy read's 100 windows of the step at
+    which it was crossed (not 100 windows after the fallback was seen). Cost: none (host values).
+    """
+    limit = guard.scaler_config.max_nonfinite_skips
+    run, crossed = 0, None
+    for step, flags in tail:
+        run = 0 if flags.applied else run + 1
+        if crossed is None and run >= limit:
+            crossed = step
+    guard._counts.consecutive_nonfinite = run
+    if crossed is not None:
+        on_bound(guard, crossed, limit)

@@ -6,6 +6,11 @@ makes every rank skip those steps together, and the overflow origin names that r
 audits the ranks every 50 steps and at checkpoint time; rank 0 writes the run log, the checkpoint
 metadata and the summary.
 
+The overflow origin is what each rank saw BEFORE the gradient reduction spread one rank's inf to
+all: under DDP the non-finite-safe comm hook's per-rank bucket flags; under FSDP2 (whose consensus
+sees the gradient shards after the reduce-scatter) :class:`_LocalOrigin`, the windows in which
+this rank's own backward produced a non-finite activation gradient.
+
     torchrun --nproc-per-node 2 -m ampguard demo --distributed ddp
     torchrun --nproc-per-node 2 -m ampguard demo --distributed fsdp2
 """
@@ -92,9 +97,10 @@ def _run(
         telemetry=run_dir,
         audit_every=50,
     )
+    local = _LocalOrigin(model) if kind == "fsdp2" else None
     loss_before = _eval_loss(model, data)
     started = time.perf_counter()
-    skipped = _train(guard, model, data, rank, world, progress and rank == 0)
+    skipped = _train(guard, model, data, rank, world, progress and rank == 0, local)
     seconds = time.perf_counter() - started
     checkpoint = run_dir / ("checkpoint.pt" if kind == "ddp" else "checkpoint")
     save_distributed_checkpoint(
@@ -110,6 +116,11 @@ def _run(
         raise RuntimeError("the distributed demo needs an initialised process group")
     summary = state.summary()
     findings = state.findings(guard.steps)
+    origin = (
+        (summary["hook"] or {}).get("dropped_buckets")
+        if local is None
+        else local.gather(state.group, state.topology.ranks)
+    )
     result = {
         "kind": kind,
         "world_size": world,
@@ -123,7 +134,7 @@ def _run(
         "seconds": seconds,
         "rank_overflows": summary["rank_overflows"],
         "audits": summary["audits"],
-        "origin": (summary["hook"] or {}).get("dropped_buckets"),
+        "origin": origin,
         "findings": [f"{f.code} {f.title}" for f in findings],
         "run_dir": str(run_dir),
         "checkpoint": str(checkpoint),
@@ -150,8 +161,52 @@ def _wrap(model: torch.nn.Sequential, kind: str) -> torch.nn.Module:
     return model
 
 
+class _LocalOrigin:
+    """FSDP2's overflow origin: per rank, the windows in which its OWN backward produced a
+    non-finite activation gradient (local to the rank: FSDP2 reduces parameter gradients only).
+
+    A forward hook on each Linear adds a hook on its output's gradient. Cost: one ``isfinite``
+    reduction per Linear per backward on the device, no host sync; one gather at the end.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        device = next(model.parameters()).device
+        self.windows = torch.zeros((), dtype=torch.int64, device=device)
+        self._bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._handles = [
+            m.register_forward_hook(self._on_forward)
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear)
+        ]
+
+    def _on_forward(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        self._bad |= ~torch.isfinite(grad).all()
+
+    def end_window(self) -> None:
+        self.windows += self._bad
+        self._bad.zero_()
+
+    def gather(self, group: Any, ranks: tuple[int, ...]) -> dict[int, int]:
+        """``{global rank: windows}`` on every rank. Cost: one host sync, one gather."""
+        for h in self._handles:
+            h.remove()
+        counts: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(counts, int(self.windows), group=group)
+        return dict(zip(ranks, counts, strict=True))
+
+
 def _train(
-    guard: Guard, model: torch.nn.Module, data: DemoData, rank: int, world: int, progress: bool
+    guard: Guard,
+    model: torch.nn.Module,
+    data: DemoData,
+    rank: int,
+    world: int,
+    progress: bool,
+    local: _LocalOrigin | None = None,
 ) -> list[int]:
     from tqdm import tqdm
 
@@ -173,6 +228,8 @@ def _train(
         with guard.autocast():
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
         guard.backward(loss)
+        if local is not None:
+            local.end_window()
         if not guard.step().applied:  # the one host sync per step torch's GradScaler has too
             skipped.append(step)
     return skipped
@@ -186,6 +243,11 @@ def _eval_loss(model: torch.nn.Module, data: DemoData) -> float:
 def _summary(r: dict[str, Any]) -> str:
     seen = ", ".join(f"rank {k}: {v}" for k, v in r["rank_overflows"].items())
     origin = ", ".join(f"rank {k}: {v}" for k, v in (r["origin"] or {}).items())
+    before = (
+        "buckets non-finite BEFORE the all-reduce"
+        if r["kind"] == "ddp"
+        else "activation grads non-finite BEFORE the reduce-scatter"
+    )
     lines = [
         f"ampguard demo: {r['steps']} steps in {r['precision']} on {r['world_size']} CPU ranks "
         f"({r['kind']}, gloo; {r['seconds']:.1f} s)",
@@ -196,7 +258,7 @@ def _summary(r: dict[str, Any]) -> str:
         f"  non-finite grads:  windows per rank, after the gradient reduction: {seen}",
     ]
     if origin:
-        lines.append(f"  overflow origin:   buckets non-finite BEFORE the all-reduce: {origin}")
+        lines.append(f"  overflow origin:   {before}: {origin}")
     lines += [
         f"  cross-rank audits: {r['audits']} passed (scale, trackers, step counts"
         + (", parameter checksum)" if r["kind"] == "ddp" else "; FSDP2 shards differ by design)"),

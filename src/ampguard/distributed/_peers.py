@@ -1,9 +1,15 @@
 """Failing peers: ampguard's own process group with its own timeout, and a roll call that names
 the ranks that did not arrive.
 
-ampguard's collectives (the found_inf consensus, the audit, a repair's broadcasts) run on a group
-of their own, created once per Guard with ``timeout=peer_timeout``, so a rank that crashed or hangs
-makes them fail after at most ``peer_timeout`` seconds instead of the default group's 30 minutes.
+ampguard's collectives (the found_inf consensus, the audit, a repair's broadcasts, a distributed
+checkpoint's gathers) run on a group of their own, created once per Guard with
+``timeout=peer_timeout``, so a rank that crashed or hangs makes them fail after at most
+``peer_timeout`` seconds instead of the default group's 30 minutes. Creating that group is bounded
+by ``peer_timeout`` too: every rank first checks in under a store key of its own, and a rank that
+never arrives (it died, or its own ``Guard()`` raised, before building its group) is named in a
+:class:`~ampguard.distributed.PeerFailureError` after ``peer_timeout`` seconds.
+``peer_timeout`` left unset defaults to the process group's own timeout when the user set one
+(``init_process_group(timeout=...)``), else to 10 minutes (:func:`resolve_peer_timeout`).
 A communication error raised anywhere in the Guard's step (also from DDP's or FSDP2's own
 collectives in ``Guard.autocast()`` / ``Guard.backward()``) becomes a
 :class:`~ampguard.distributed.PeerFailureError`; before raising, every surviving rank writes its
@@ -22,21 +28,25 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ampguard._util.checks import is_number
+from ampguard.distributed._errors import PeerFailureError
 
 __all__ = [
     "DEFAULT_PEER_TIMEOUT",
     "ROLL_CALL_CAP",
     "check_peer_timeout",
+    "resolve_peer_timeout",
+    "group_timeout",
     "is_comm_error",
     "Peers",
     "failed_ranks",
 ]
 
 DEFAULT_PEER_TIMEOUT = 600.0  # seconds; the contract says "at most 10 minutes"
-_CREATE = 1800.0  # seconds the ranks may take to all build their Guard (torch's gloo default)
+_ARRIVE_POLL = 0.05  # seconds between a rank's checks that the others arrived at group creation
 ROLL_CALL_CAP = 10.0  # seconds a survivor waits for the others' names, at most
 _POLL = 1.0  # seconds between a responder thread's checks of the store
 
@@ -70,30 +80,102 @@ def is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _MARKERS)
 
 
-def _own_group(ranks: tuple[int, ...], backend_of: Any, timeout: float) -> Any:
-    """A group of ``ranks`` whose collectives time out after ``timeout`` seconds.
+def resolve_peer_timeout(value: Any, process_group: Any = None) -> float:
+    """``peer_timeout`` as float seconds; ``None``: the group's own timeout when the user set one.
 
-    Created with a generous timeout (ranks build their Guards at different moments, e.g. one
-    still loading data), then set to ``timeout`` for the collectives.
+    "Set" means it differs from torch's default for the backend (30 min for gloo, 10 min for
+    NCCL): ``init_process_group(timeout=timedelta(seconds=20))`` gives 20 s. Otherwise (no
+    group, or torch's default) it is :data:`DEFAULT_PEER_TIMEOUT`. ``ValueError`` naming the
+    argument for a bad value. Cost: none (reads the group's options).
     """
+    if value is not None:
+        return check_peer_timeout(value)
+    user = group_timeout(process_group)
+    if user is None or not 0 < user <= 86400:
+        return DEFAULT_PEER_TIMEOUT
+    return user
+
+
+def group_timeout(process_group: Any = None) -> float | None:
+    """The timeout (s) the user gave ``process_group`` (default: the default group), or None when
+    there is no group or it has torch's default timeout. Reads torch's private backend options,
+    so None where they are absent."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     c10d = dist.distributed_c10d
-    group = dist.new_group(
+    try:
+        group = process_group if process_group is not None else c10d._get_default_group()
+        default = c10d._get_default_timeout(dist.get_backend(group)).total_seconds()
+        for device in ("cpu", "cuda"):
+            try:
+                backend = group._get_backend(torch.device(device))
+            except Exception:  # noqa: BLE001 - no backend for this device type
+                continue
+            timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+            if timeout is not None:
+                seconds = float(timeout.total_seconds())
+                return None if seconds == default else seconds
+    except Exception:  # noqa: BLE001 - torch privates changed: fall back to the default
+        return None
+    return None
+
+
+_GENERATIONS: dict[tuple[int, ...], int] = {}  # groups of these ranks built by this process
+
+
+def _arrive(ranks: tuple[int, ...], rank: int, timeout: float, store: Any) -> int:
+    """Check in for the next group of ``ranks``; wait at most ``timeout`` s for the others.
+
+    Each rank counts the groups of ``ranks`` it built; the n-th of each rank meets the n-th of
+    the others under the same store keys. A rank that never arrives raises
+    :class:`PeerFailureError` naming it (and the count stays, so a retry meets the same keys).
+    Cost: one store write, then store checks every 50 ms until all arrived (at most ``timeout``).
+    """
+    n = _GENERATIONS.get(ranks, 0) + 1
+    prefix = f"ampguard/arrive/{'-'.join(map(str, ranks))}/{n}/"
+    store.set(prefix + str(rank), "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        if not missing:
+            _GENERATIONS[ranks] = n
+            return n
+        if time.monotonic() >= deadline:
+            raise PeerFailureError(
+                f"building the Guard's process group on rank {rank} of {len(ranks)} timed out "
+                f"after peer_timeout={timeout:g} s: rank(s) {', '.join(map(str, missing))} "
+                "never reached Guard(...) (crashed, exited, raised before building its Guard, "
+                "or still busy before it; see their logs). Every rank builds its Guard at about "
+                "the same point; raise peer_timeout if one rank legitimately takes longer",
+                ranks=missing,
+                what="building the Guard's process group",
+            )
+        time.sleep(_ARRIVE_POLL)
+
+
+def _own_group(ranks: tuple[int, ...], rank: int, backend_of: Any, timeout: float) -> Any:
+    """A group of ``ranks`` whose creation and collectives time out after ``timeout`` seconds.
+
+    The ranks first check in through the rendezvous store (:func:`_arrive`, bounded, naming the
+    absent ranks); only then is the group built, with ``timeout`` as its own timeout.
+    """
+    store = _default_store()
+    if store is not None:
+        _arrive(ranks, rank, timeout, store)
+    return dist.new_group(
         ranks=list(ranks),
-        timeout=timedelta(seconds=max(timeout, _CREATE)),
+        timeout=timedelta(seconds=timeout),
         backend=dist.get_backend(backend_of),
         use_local_synchronization=True,
     )
-    setter = getattr(c10d, "_set_pg_timeout", None)  # torch private, absent on old versions
-    if setter is not None:
-        setter(timedelta(seconds=timeout), group)
-    return group
 
 
 class Peers:
     """The Guard's own process group (``timeout=peer_timeout``) and the roll call.
 
     ``group`` has the ranks and backend of the training group. Creating it is a collective of
-    those ranks only (every rank builds its Guard in the same order, as with any torch group).
+    those ranks only (every rank builds its Guard in the same order, as with any torch group),
+    bounded by ``timeout``: a rank that never arrives is named in a :class:`PeerFailureError`.
 
     A rank blocked inside a collective that another survivor already gave up on cannot answer a
     roll call itself (gloo leaves it waiting until its own timeout), so with 3 or more ranks a
@@ -108,7 +190,7 @@ class Peers:
         self.timeout = timeout
         # long enough for the responder threads' poll, short enough to stay a bounded wait
         self.wait = min(max(timeout, 3 * _POLL), ROLL_CALL_CAP)
-        self.group = _own_group(ranks, backend_of, timeout)
+        self.group = _own_group(ranks, rank, backend_of, timeout)
         self._prefix = f"ampguard/rollcall/{getattr(self.group, 'group_name', '')}/"
         self._calls = 0
         self.waiting_in: str | None = None  # set while the main thread waits in a collective

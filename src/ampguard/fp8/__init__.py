@@ -178,20 +178,23 @@ def fp8_plan(
     """Trace one bf16 forward + backward of ``loss_fn(model, batch)`` and judge every Linear.
 
     Parameters, gradients, buffers, RNG state and training modes are as before afterwards, and
-    no hook is left behind. Raises ``ValueError``/``TypeError`` naming the bad argument.
+    no hook is left behind. Raises ``ValueError``/``TypeError`` naming the bad argument; a
+    ``batch`` whose tensors hold no rows, or a non-finite value, is a ``ValueError`` naming
+    ``batch`` (there is nothing to measure: no verdict).
     With ``formats=`` (names from :data:`ampguard.fp8._formats.FORMATS`: ``"tensorwise"``,
     ``"rowwise"``, ``"mxfp8"``, ``"nvfp4"``) every layer is also measured in each format, per
     tensor role, with torchao's own quantisers for the block-scaled ones:
     ``layers[name]["formats"][format]`` holds the figures, ``ready`` and ``reason``, and
     :meth:`Fp8Plan.recipe` picks a format per layer.
 
-    Cost: one forward + backward in bf16 autocast, one copy of each Linear's input and output
-    gradient (at most 256 evenly spaced rows each), two small matmuls per layer and one host
-    sync per layer; per extra format, three quantisations (at most 256 evenly spaced rows of
-    each tensor), one small matmul and one host sync per layer. A plan costs about the same
-    whatever the batch size.
+    Cost: one host sync per floating tensor of ``batch`` (the finiteness check), one forward +
+    backward in bf16 autocast, one copy of each Linear's input and output gradient (at most 256
+    evenly spaced rows each), two small matmuls per layer and one host sync per layer; per extra
+    format, three quantisations (at most 256 evenly spaced rows of each tensor), one small
+    matmul and one host sync per layer. A plan costs about the same whatever the batch size.
     """
     _check(model, loss_fn, recipe, thresholds)
+    _check_batch(batch)
     names = () if formats is None else check_formats(formats)
     th = thresholds or Fp8Thresholds()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -239,6 +242,34 @@ def _check(model: Any, loss_fn: Any, recipe: Any, thresholds: Any) -> None:
         raise TypeError(
             f"thresholds must be an ampguard.Fp8Thresholds or None, got {type(thresholds).__name__}"
         )
+
+
+def _tensors(batch: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in ``batch`` (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif depth < 8 and isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from _tensors(item, depth + 1)
+    elif depth < 8 and isinstance(batch, dict):
+        for item in batch.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _check_batch(batch: Any) -> None:
+    """``ValueError`` naming ``batch`` when a tensor of it is empty or not finite."""
+    for i, t in enumerate(_tensors(batch)):
+        what = "batch" if isinstance(batch, torch.Tensor) else f"batch (tensor {i})"
+        if t.numel() == 0 or (t.dim() > 0 and t.shape[0] == 0):
+            raise ValueError(
+                f"{what} has 0 rows (shape {tuple(t.shape)}): the plan measures each Linear "
+                "on one real batch; pass one with at least one sample"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(
+                f"the batch is not finite: {what} holds NaN or inf values; the plan would "
+                "measure the bad values, not the layers. Pass a batch of real data"
+            )
 
 
 @contextlib.contextmanager

@@ -83,6 +83,7 @@ class Fp8State:
                     f"fp8_plan was made for another model: its layers {unknown[:5]} "
                     "are not Linear layers of this model"
                 )
+            _check_plan_shapes(plan, linears)
         self._device = guard.device
         self.emulated = not has_fp8_matmul(guard.device)
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
@@ -236,6 +237,25 @@ class Fp8State:
             found += self.rescue.findings()
         self.monitor.telemetry.annotate("fp8", self.summary())  # the report's fp8 section
         return found
+
+
+def _check_plan_shapes(plan: Any, linears: dict[str, nn.Linear]) -> None:
+    """``ValueError`` when a layer of the plan has another (in, out) shape in this model: the
+    plan measured another model whose layer names happen to overlap."""
+    differ = []
+    for name, info in plan.layers.items():
+        shape = info.get("shape")
+        mod = linears[name]
+        if shape is not None and tuple(shape) != (mod.in_features, mod.out_features):
+            differ.append(
+                f"{name!r} ({shape[0]}x{shape[1]} in the plan, "
+                f"{mod.in_features}x{mod.out_features} here)"
+            )
+    if differ:
+        raise ValueError(
+            "fp8_plan was made for another model: its layers' shapes differ from this "
+            f"model's: {', '.join(differ[:5])}; make the plan with ag.fp8_plan on this model"
+        )
 
 
 def _warn_emulated(device: torch.device) -> None:

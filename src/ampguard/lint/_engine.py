@@ -198,14 +198,23 @@ def iter_python_files(
     Folders skip :data:`DEFAULT_EXCLUDES` and ``exclude`` (glob patterns matched against a name
     or a path relative to the folder given). Symlinked folders are not followed, so a symlink
     loop ends the walk; named paths that are not folders are yielded as they are (the reader
-    reads regular files only and reports the rest as AG200).
+    reads regular files only and reports the rest as AG200). A file reached by several names
+    (a symlink to a module) is yielded once, under its real name when that is among them.
     """
     patterns = (*DEFAULT_EXCLUDES, *exclude)
-    seen: set[str] = set()
-    for path in _walk(paths, patterns, tuple(exclude)):
+    found = list(_walk(paths, patterns, tuple(exclude)))
+    # one file reached by several names is linted once, under its real name when the walk
+    # meets it too (a symlink that sorts first must not take the module's name away: project
+    # mode resolves imports by the real file)
+    chosen: dict[str, str] = {}
+    for path in found:
         key = os.path.realpath(path)
-        if key not in seen:
-            seen.add(key)
+        if key not in chosen or (os.path.islink(chosen[key]) and not os.path.islink(path)):
+            chosen[key] = path
+    for path in found:
+        key = os.path.realpath(path)
+        if chosen.get(key) == path:
+            del chosen[key]
             yield path
 
 

@@ -38,32 +38,50 @@ def iter_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
                 yield number, line, complete
 
 
-def _open_regular(path: Path) -> Any:
+def _open_regular(path: str | os.PathLike, buffering: int = 1 << 20) -> Any:
+    """``path`` opened for reading in binary mode, if it is a regular file.
+
+    Opened non-blocking (as lint's sources are: a FIFO in place of the file must not stall the
+    reader until some writer opens it) and checked with ``fstat`` on the open descriptor (no race
+    with a rename); anything else is a :class:`RunFolderError` naming the file and what it is.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
     try:
-        fh = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed by the caller
+        fd = os.open(path, flags)
     except IsADirectoryError:
         raise RunFolderError(f"{path} is a folder, not a file") from None
     except OSError as exc:
         raise RunFolderError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if not _is_regular(fh):
-        fh.close()
-        raise RunFolderError(f"{path} is not a regular file")
-    return fh
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise RunFolderError(f"{path} is {_kind(mode)}, not a regular file; not read")
+    if flags & getattr(os, "O_NONBLOCK", 0):  # reads of a regular file: back to blocking
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=buffering)
 
 
-def _is_regular(fh: Any) -> bool:
-    return stat.S_ISREG(os.fstat(fh.fileno()).st_mode)
+def _kind(mode: int) -> str:
+    for check, what in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if check(mode):
+            return what
+    return "not a regular file"
 
 
 def read_json_file(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; :class:`RunFolderError` naming it when it cannot be used."""
+    """Parse a JSON file; :class:`RunFolderError` naming it when it cannot be used (also when it
+    is a FIFO or device: checked without blocking)."""
     path = Path(path)
     if path.is_dir():
         raise RunFolderError(f"{path} is a folder, not a JSON file")
     try:
-        with open(path, "rb") as fh:
-            if not _is_regular(fh):
-                raise RunFolderError(f"{path} is not a regular file")
+        with _open_regular(path, buffering=-1) as fh:
             return json.loads(fh.read())
     except RunFolderError:
         raise

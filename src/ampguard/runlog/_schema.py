@@ -30,7 +30,14 @@ fp8_res.. ``fp8_rescue``: ``step`` int, ``module``, ``field``: str (required); `
           ``limit``: number or null (a layer moved from fp8 back to bf16, AG113)
 absorbed  ``step`` int (required); ``modules``: {module name: ops that made inf/NaN from finite
           inputs in fp16/bf16 on that range-sampled window} (required)
+fp8       ``step`` int (required); ``layers`` (required): {layer name: {``input_amax``,
+          ``input_flushed``, ``weight_amax``, ``weight_flushed``, ``grad_amax``,
+          ``grad_flushed``: number or null}} (:data:`FP8_FIELDS`)
 ========  ==================================================================================
+
+``meta.json["fp8"]`` (precision="fp8" runs): ``recipe`` str, ``emulated`` bool, ``converted`` and
+``kept_bf16`` lists of str, ``plan`` {layer: JSON object}, ``layers`` {layer: a sample as in an
+``fp8`` record, plus its ``step``}; a field of the wrong shape is dropped with a warning.
 
 Reading the files themselves (regular files only, errors naming them) is
 :mod:`ampguard.runlog._files`. This module imports no torch.
@@ -54,6 +61,7 @@ __all__ = [
     "STEP_FIELDS",
     "EVENT_FIELDS",
     "RANGE_FIELDS",
+    "FP8_FIELDS",
     "META_FIELDS",
     "NONFINITE",
     "check_record",
@@ -165,6 +173,15 @@ STEP_FIELDS: dict[str, tuple[_Check, bool]] = {
     "range": (_dict, False),
 }
 RANGE_FIELDS = ("zero_frac", "amax", "headroom_bits", "underflow", "safe_lo", "safe_hi")
+# the figures of one fp8 layer sample (ampguard.fp8._stats.FIELDS; this module imports no torch)
+FP8_FIELDS = (
+    "input_amax",
+    "input_flushed",
+    "weight_amax",
+    "weight_flushed",
+    "grad_amax",
+    "grad_flushed",
+)
 _FINDING_FIELDS: dict[str, tuple[_Check, bool]] = {
     "code": (_str, True),
     "severity": (_str, True),
@@ -204,6 +221,7 @@ EVENT_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     # fp16 ops that made inf/NaN inside a module on a range-sampled window (AG170)
     "absorbed": {"step": (_int, True), "modules": (_dict, True)},
+    "fp8": {"step": (_int, True), "layers": (_dict, True)},
 }
 # meta.json: dotted field -> check (a wrong one is dropped with a warning)
 META_FIELDS: dict[str, _Check] = {
@@ -237,6 +255,16 @@ META_FIELDS: dict[str, _Check] = {
     "diagnostics": _dict,
     "diagnostics.fallbacks": lambda v: type(v) is list and all(type(x) is dict for x in v),
     "unrecorded": _dict,  # Telemetry: what a full disk kept out of the log (gaps, counts)
+    "fp8": _dict,
+    "fp8.recipe": _str,
+    "fp8.emulated": _bool,
+    "fp8.converted": lambda v: type(v) is list and all(type(x) is str for x in v),
+    "fp8.kept_bf16": lambda v: type(v) is list and all(type(x) is str for x in v),
+    "fp8.plan": lambda v: type(v) is dict and all(type(x) is dict for x in v.values()),
+    "fp8.layers": lambda v: (
+        type(v) is dict
+        and all(_fp8_sample(x, "", extra={"step": _opt_int}) is None for x in v.values())
+    ),
 }
 _WHAT.update(
     {
@@ -244,6 +272,10 @@ _WHAT.update(
         META_FIELDS["layers.numel"]: "a list of integers or nulls",
         META_FIELDS["guard.accumulation_steps"]: "an integer >= 1",
         META_FIELDS["diagnostics.fallbacks"]: "a list of JSON objects",
+        META_FIELDS["fp8.converted"]: "a list of strings",
+        META_FIELDS["fp8.kept_bf16"]: "a list of strings",
+        META_FIELDS["fp8.plan"]: "a JSON object of JSON objects (one per layer)",
+        META_FIELDS["fp8.layers"]: "a JSON object of fp8 samples (one per layer: numbers or nulls)",
     }
 )
 
@@ -331,7 +363,24 @@ def check_record(rec: dict[str, Any], width: int) -> str | None:
     bad = _fields(rec, spec)
     if bad is None and kind == "finding":
         bad = _finding(rec["finding"], "finding.")
+    if bad is None and kind == "fp8":
+        for name, sample in rec["layers"].items():
+            bad = _fp8_sample(sample, f"layers.{name}.")
+            if bad is not None:
+                break
     return bad
+
+
+def _fp8_sample(sample: Any, prefix: str, extra: dict[str, _Check] | None = None) -> str | None:
+    """``None`` when ``sample`` is one fp8 layer sample ({:data:`FP8_FIELDS`: number or null})."""
+    if type(sample) is not dict:
+        where = prefix.rstrip(".")
+        return f"field {where!r} must be a JSON object (one layer's sample), got {_short(sample)}"
+    checks = {**dict.fromkeys(FP8_FIELDS, _num), **(extra or {})}
+    for key, check in checks.items():
+        if key in sample and not check(sample[key]):
+            return f"field {prefix + key!r} must be {_what(check)}, got {_short(sample[key])}"
+    return None
 
 
 # Fast path for step records: the verdict on a record's (keys, value types) signature is cached,
