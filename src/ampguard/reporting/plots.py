@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # matplotlib is imported lazily (the ``plots`` extra)
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "FIGURES"]
+__all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "range_figure", "FIGURES"]
 
 _MAX_LABELS = 40
 _MAX_STEP_TICKS = 30
@@ -258,7 +258,15 @@ def heatmap_plot(run: RunLog) -> bytes | None:
 
 def range_plot(run: RunLog) -> bytes | None:
     """Per layer at the latest clean range sample: safe scale window vs the scale in use,
-    underflow share and fp16 headroom."""
+    underflow share and fp16 headroom (PNG bytes of :func:`range_figure`)."""
+    fig = range_figure(run)
+    return None if fig is None else _png(fig)
+
+
+def range_figure(run: RunLog) -> Figure | None:
+    """The figure :func:`range_plot` renders, for a caller that reads its geometry: in the left
+    axes, one bar per layer spanning ``[safe_lo, safe_hi]`` of the latest clean range sample
+    (an open end drawn to 1 or to 256x the highest bound), the scale in use as a vertical line."""
     ok = np.flatnonzero(run.range_applied)
     if not len(ok) or not run.layers:
         return None
@@ -274,7 +282,7 @@ def range_plot(run: RunLog) -> bytes | None:
     good = bottom <= top
     ax.barh(
         y[good],
-        (top / bottom)[good],
+        (top - bottom)[good],  # barh's width is an extent: the bar ends at left + width
         left=bottom[good],
         color="#2a9d8f",
         alpha=0.6,
@@ -310,7 +318,7 @@ def range_plot(run: RunLog) -> bytes | None:
     ax2.set_xlim(0, max(5.0, float(under.max()) * 110))
     ax2.set_xlabel("% below fp16 normal  /  headroom to 65504")
     ax2.legend(loc="lower right", fontsize=7)
-    return _png(fig)
+    return fig
 
 
 FIGURES: list[tuple[str, str, Callable[[RunLog], bytes | None]]] = [
