@@ -129,6 +129,8 @@ class Guard:
         for sched in schedulers:
             self.on_applied(scheduler_callback(sched))
         self._micro = 0
+        self._window_losses: list[torch.Tensor] = []  # this window's losses (skip causes)
+        self._loss_bad: torch.Tensor | None = None  # ... as a device flag, at the window's end
         self._steps = 0
         self._counts = results.Counters()
         self._pending: list[tuple[StepResult, torch.Tensor]] = []
@@ -274,6 +276,7 @@ class Guard:
                 )
             )
         check_backward(self._micro, self.accumulation_steps)
+        self._window_losses.append(loss.detach())  # a NaN loss is a forward, not an overflow
         if self._telemetry is not None:
             self._telemetry.on_backward(loss)
         if self._dist is not None and self._scaler is not None:
@@ -316,6 +319,8 @@ class Guard:
         if self._micro < self.accumulation_steps:
             return StepResult.in_window(self._steps, len(self.optimizers))
         self._micro = 0
+        self._loss_bad = results.loss_nonfinite(self._window_losses)
+        self._window_losses = []
         self._steps += 1
         self._resume.before_step(self.optimizers, self._steps)  # resume warm-up LR ramp
         try:
@@ -391,7 +396,7 @@ class Guard:
         if dropped is not None:
             skipped = signal > 0  # a window that still updates is no collapse
             signal = signal + dropped.float()  # a dropped micro-batch says the scale is too high
-        status = results.pack(found, dropped)
+        status = results.pack(found, dropped, self._loss_bad)
         if all(fused):
             # No host sync (as torch): the kernels skip themselves on found_inf.
             for opt, f in zip(self.optimizers, found, strict=True):
@@ -560,10 +565,12 @@ class Guard:
     def diagnostics(self, last: int = 8) -> dict[str, Any]:
         """A summary of the run so far, from what the Guard already keeps.
 
-        Current scale, skipped steps (total and by cause), scale changes, the last ``last``
-        scales with their steps, consecutive skips now, micro-batches dropped, fallbacks applied,
-        precision, resume and warm-up state. Cost: one host sync (a few scalars and the
-        32-entry scale history); nothing is recomputed.
+        Current scale, skipped steps (total and by cause: ``skipped_by_cause`` splits them into
+        ``overflow``, ``collapse``, ``nonfinite`` (no scaler) and ``nonfinite_forward``, the
+        fp16 skips whose loss was NaN/inf, never counted as an overflow), scale changes, the
+        last ``last`` scales with their steps, consecutive skips now, micro-batches dropped,
+        fallbacks applied, precision, resume and warm-up state. Cost: one host sync (a few
+        scalars and the 32-entry scale history); nothing is recomputed.
         """
         self._drain()
         c = self._counts
@@ -577,6 +584,7 @@ class Guard:
                 "overflow": c.skipped_overflow,
                 "collapse": c.skipped_collapse,
                 "nonfinite": c.skipped_nonfinite,
+                "nonfinite_forward": c.skipped_nonfinite_loss,
             },
             "applied_steps": c.applied,
             "scale_changes": self._history.changes(),

@@ -78,7 +78,7 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
     if agree is not None:
         found, dropped = agree.wait()
         grad_norm = guard._dist.plain_tensor(grad_norm)
-    status = results.pack(found, dropped)
+    status = results.pack(found, dropped, guard._loss_bad)
     fused = [_is_fused(opt) for opt in guard.optimizers]
     if all(fused):  # no host sync: the kernels skip themselves on found_inf
         if guard._telemetry is not None:

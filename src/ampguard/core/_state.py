@@ -247,6 +247,7 @@ def apply(guard: Any, plan: Plan) -> None:
         if guard._telemetry is not None:
             guard._telemetry.on_abort()
     guard._micro = 0
+    guard._window_losses = []
     guard._drain(act=False)  # results still pending stay readable
     if plan.policy.precision != guard._policy.precision:
         guard._policy = plan.policy
