@@ -33,6 +33,7 @@ from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
+from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
 from ampguard.forensics.islands import Fp32Islands, keep_fp32
 
@@ -196,7 +197,10 @@ class GuardForensics:
 
     # ------------------------------------------------------------------ outputs
     def findings(self) -> list[Finding]:
-        """Diagnoses (one per code/module/pass/op, with occurrences), fallbacks, coverage."""
+        """Diagnoses (one per code/module/pass/op, with occurrences), fallbacks, coverage.
+
+        An AG301 seen on a few close steps that did not recur over a quiet stretch after them
+        is a warning that says so (:mod:`ampguard.forensics._transient`), not an error."""
         seen: dict[tuple, list[int]] = {}
         first: dict[tuple, tuple[Diagnosis, str]] = {}
         for step, d, via in self.diagnoses:
@@ -204,8 +208,11 @@ class GuardForensics:
             seen.setdefault(key, []).append(step)
             first.setdefault(key, (d, via))
         out = []
+        last = max((step for step, _, _ in self.diagnoses), default=0)
         for key, (d, via) in first.items():
             f = d.to_finding(step=seen[key][0])
+            # a burst that came and went (skipping absorbed it): a warning, not an error
+            f = soften(f, seen[key], last, self.guard.steps)
             out.append(
                 Finding(
                     f.code,

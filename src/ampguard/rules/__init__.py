@@ -169,13 +169,14 @@ _FORWARD_FIX = (
 
 
 def _forensics_confirmed(run: RunLog) -> set[int]:
-    """Steps that a recorded forensics error (AG301/AG303/AG304) traced to a real non-finite."""
+    """Steps that a recorded forensics error (AG301/AG303/AG304, or an AG301 warning about a
+    transient burst) traced to a real non-finite."""
     out: set[int] = set()
     for e in run.events:
         f = e.get("finding") if e.get("kind") == "finding" else None
         if not (
             isinstance(f, dict)
-            and f.get("severity") == "error"
+            and (f.get("severity") == "error" or (f.get("evidence") or {}).get("transient"))
             and str(f.get("code", "")).startswith("AG30")
         ):
             continue
