@@ -52,6 +52,7 @@ from ampguard.distributed import rank_telemetry as _rank_telemetry
 from ampguard.distributed._peers import DEFAULT_PEER_TIMEOUT, check_peer_timeout
 from ampguard.findings import Finding, count
 from ampguard.forensics import _guard as _guard_forensics
+from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import _guard as _fp8_guard
 from ampguard.reporting._on_close import write_report as _write_report
 from ampguard.telemetry import Telemetry
@@ -98,7 +99,7 @@ class Guard:
         process_group: Any = None,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
         telemetry: str | os.PathLike | Telemetry | None = None,
-        keep_fp32: Sequence[str] | str | None = None,
+        keep_fp32: Sequence[Fp32Pattern] | Fp32Pattern | None = None,
         forensics: bool = False,
         auto_fallback: bool = False,
         coverage_step: int | None = None,

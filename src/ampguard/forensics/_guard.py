@@ -1,7 +1,8 @@
 """The Guard's forensics and precision fixes: ``keep_fp32``, ``forensics``, ``auto_fallback``,
 ``coverage_step``.
 
-- ``keep_fp32=[patterns]`` puts the matching modules in fp32 islands when the Guard is built.
+- ``keep_fp32=[patterns]`` puts the matching modules (name globs, or module classes such as
+  ``torch.nn.BatchNorm2d``) in fp32 islands when the Guard is built; the state keeps the names.
 - ``forensics=True`` arms op-level tracing (:mod:`ampguard.forensics._optrace`) for the next
   :data:`ARM_STEPS` windows after an overflow that is not the scaler's start-up descent (the
   first overflow before any applied step). An armed window that overflows is diagnosed from its
@@ -35,7 +36,7 @@ from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
 from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
-from ampguard.forensics.islands import Fp32Islands, keep_fp32
+from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32
 
 __all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace"]
 
@@ -69,7 +70,7 @@ class GuardForensics:
     def __init__(
         self,
         guard: Any,
-        patterns: Iterable[str] | str | None,
+        patterns: Iterable[Pattern] | Pattern | None,
         enabled: bool,
         auto_fallback: bool,
         coverage_step: int | None,
