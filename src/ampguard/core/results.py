@@ -233,10 +233,10 @@ class Counters:
         else:
             self.skipped += 1
             self.consecutive_skips += 1
-            if flags.collapse:
+            if flags.loss_nonfinite and flags.scaled:  # no loss scale fixes a NaN loss
+                self.skipped_nonfinite_loss += 1  # (a collapse it caused included)
+            elif flags.collapse:
                 self.skipped_collapse += 1
-            elif flags.loss_nonfinite and flags.scaled:  # no loss scale fixes a NaN loss
-                self.skipped_nonfinite_loss += 1
             elif flags.nonfinite:
                 self.skipped_nonfinite += 1
                 self.consecutive_nonfinite += 1

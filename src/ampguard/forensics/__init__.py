@@ -36,6 +36,7 @@ import torch
 from ampguard._util.checks import check_finite
 from ampguard.core.policy import device_of, resolve_precision
 from ampguard.findings import Finding, make
+from ampguard.forensics._fixcheck import check_keep_fp32, tiny_eps
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
 from ampguard.forensics._text import explain, fix_for, title_for
@@ -146,8 +147,14 @@ def locate(
     Parameters, buffers, gradients, RNG state and training modes are restored afterwards and
     no hook is left behind.
 
-    Cost: two or three traced forward+backward passes (every op's output reduced on the device),
-    a few host syncs, and one copy of the parameters and buffers while it runs.
+    An fp16 overflow at a module is checked against its fix: the batch is replayed once more
+    with that module kept in fp32 (twice when its backward still overflows), so the advice says
+    when ``keep_fp32`` on it alone is not enough and what else is needed; an ``eps`` of that
+    module below fp16's smallest subnormal is named (``stats["tiny_eps"]``,
+    ``stats["keep_fp32_check"]``).
+
+    Cost: two to five traced forward+backward passes (every op's output reduced on the
+    device), a few host syncs, and one copy of the parameters and buffers while it runs.
 
     >>> diag = ag.locate(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), (x, y))
     >>> diag.kind, diag.phase, diag.module, diag.op
@@ -170,7 +177,8 @@ def locate(
         if ref.failed:
             return _at(ref, "model_nonfinite", policy.precision, low)
         if low.failed:
-            return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
+            diag = _low_failed(model, loss_fn, batch, policy, keep, low, ref)
+            return _check_fix(model, loss_fn, batch, policy, keep, diag)
         return _underflow(low, ref) or Diagnosis(
             "none",
             None,
@@ -340,6 +348,25 @@ def _low_failed(
         low.scale,
         benign=True,
     )
+
+
+def _check_fix(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    keep: Preserved,
+    diag: Diagnosis,
+) -> Diagnosis:
+    """An fp16 overflow at a module: check that keeping it in fp32 fixes the batch, and name an
+    eps fp16 cannot hold (:mod:`ampguard.forensics._fixcheck`), so the advice is one that works."""
+    if diag.kind != "fp16_overflow" or diag.benign or not diag.module:
+        return diag
+    diag.stats["tiny_eps"] = tiny_eps(model, diag.module, diag.precision)
+    diag.stats["keep_fp32_check"] = check_keep_fp32(
+        model, loss_fn, batch, policy, diag.scale, keep, diag.module, _first_new
+    )
+    return diag
 
 
 def _classify_low(run: Run, ref: Run, e: OpEvent | None, name: str) -> Diagnosis:

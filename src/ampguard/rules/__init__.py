@@ -133,14 +133,16 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
     }
     for i in np.flatnonzero(~run.applied):
         step = int(run.steps[i])
-        if run.collapse[i]:
+        # a NaN loss under a scaler (a collapse it caused included); without a scaler the skip
+        # is AG109's count, whatever the loss was
+        if loss_bad[i] and not run.nonfinite[i] and run.dropped[i] < accumulation:
+            out[NONFINITE_FORWARD].append(step)
+        elif run.collapse[i]:
             out["collapse"].append(step)
         elif run.dropped[i] >= accumulation:
             out["all micro-batches dropped"].append(step)
-        elif run.nonfinite[i]:  # no loss scaler: AG109's count, whatever the loss was
+        elif run.nonfinite[i]:
             out["non-finite gradients (no loss scaler)"].append(step)
-        elif loss_bad[i]:
-            out[NONFINITE_FORWARD].append(step)
         elif warm[i] and step not in confirmed:  # forensics found the cause: no warm-up
             out["warm-up overflow"].append(step)
         else:
