@@ -137,6 +137,8 @@ def locate(
     batch: Any,
     precision: str = "fp16",
     scale: float | None = None,
+    *,
+    rng_state: dict[str, Any] | torch.Tensor | None = None,
 ) -> Diagnosis:
     """Find the module and op where ``batch`` first goes non-finite, and classify why.
 
@@ -145,7 +147,10 @@ def locate(
     ``2**16`` under fp16, as ``torch.amp.GradScaler`` starts; 1 under bf16), then in fp32, and,
     for a backward overflow, once more at scale 1 to tell a scaler probe from a real overflow.
     Parameters, buffers, gradients, RNG state and training modes are restored afterwards and
-    no hook is left behind.
+    no hook is left behind. ``rng_state`` (``torch.get_rng_state()`` taken just before the
+    failing step's forward, or ``{"cpu": ..., "cuda": [...]}``) makes every replay start from
+    it, so dropout draws the failing step's masks; ``stats["replay_loss"]`` is the replayed
+    loss, to check that the replay reproduced the step.
 
     An fp16 overflow at a module is checked against its fix: the batch is replayed once more
     with that module kept in fp32 (twice when its backward still overflows), so the advice says
@@ -163,7 +168,7 @@ def locate(
     """
     policy, scale = _check_args(model, loss_fn, precision, scale)
     fp32 = resolve_precision("fp32", policy.device_type)
-    keep = Preserved(model)
+    keep = Preserved(model, _check_rng(rng_state))
     try:
         keep.reset()
         if any(not torch.isfinite(t).all() for t in _state_tensors(model)):
@@ -171,25 +176,45 @@ def locate(
         bad = nonfinite_leaves(batch)
         low = replay(model, loss_fn, batch, policy, scale)
         if bad:
-            return _input_nonfinite(low, bad, scale)
+            return _replayed(_input_nonfinite(low, bad, scale), low)
         keep.reset()
         ref = replay(model, loss_fn, batch, fp32, 1.0)
         if ref.failed:
-            return _at(ref, "model_nonfinite", policy.precision, low)
+            return _replayed(_at(ref, "model_nonfinite", policy.precision, low), low)
         if low.failed:
             diag = _low_failed(model, loss_fn, batch, policy, keep, low, ref)
-            return _check_fix(model, loss_fn, batch, policy, keep, diag)
-        return _underflow(low, ref) or Diagnosis(
-            "none",
-            None,
-            None,
-            None,
-            {"loss": low.loss, "loss_fp32": ref.loss},
-            policy.precision,
-            scale,
+            return _replayed(_check_fix(model, loss_fn, batch, policy, keep, diag), low)
+        return _replayed(
+            _underflow(low, ref)
+            or Diagnosis(
+                "none",
+                None,
+                None,
+                None,
+                {"loss": low.loss, "loss_fp32": ref.loss},
+                policy.precision,
+                scale,
+            ),
+            low,
         )
     finally:
         keep.close()
+
+
+def _replayed(diag: Diagnosis, low: Run) -> Diagnosis:
+    diag.stats.setdefault("replay_loss", low.loss)  # the low-precision replay's loss
+    return diag
+
+
+def _check_rng(value: Any) -> dict[str, Any] | None:
+    if value is None or isinstance(value, dict) and isinstance(value.get("cpu"), torch.Tensor):
+        return value
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+        return {"cpu": value}
+    raise TypeError(
+        "rng_state must be torch.get_rng_state() or a dict {'cpu': ..., 'cuda': [...]}, got "
+        f"{type(value).__name__}"
+    )
 
 
 def _json_safe(value: Any) -> Any:

@@ -34,11 +34,12 @@ from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
+from ampguard.forensics._replay import rng_state
 from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
 from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32
 
-__all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace"]
+__all__ = ["ARM_STEPS", "GuardForensics", "attach", "diagnose_trace", "reproduced"]
 
 ARM_STEPS = 3
 FORENSICS_FILE = "forensics.json"
@@ -89,6 +90,7 @@ class GuardForensics:
         self._seen_applied = False
         self._trace: OpTrace | None = None
         self._losses: list[torch.Tensor] = []
+        self._rng: dict[str, Any] | None = None  # RNG as the latest forward started (replays)
 
     # ------------------------------------------------------------------ Guard hooks
     def check_replay(self, batch: Any, loss_fn: Any) -> None:
@@ -100,7 +102,14 @@ class GuardForensics:
             )
 
     def session(self, phase: str) -> contextlib.AbstractContextManager:
-        """Trace this pass when the window is armed or is the coverage step; else a no-op."""
+        """Trace this pass when the window is armed or is the coverage step; else a no-op.
+
+        With ``forensics``, each forward also keeps the global RNG state it starts from (CPU,
+        and the accelerator's), so a replay of the batch handed to ``step()`` (the window's last
+        micro-batch) draws the same dropout masks as the step that failed. Cost: a host copy of
+        the generator states per forward, no device sync."""
+        if phase == "forward" and self.enabled:
+            self._rng = rng_state(self.guard.device.type)
         if phase == "forward" and self._trace is None and self._wanted():
             self._trace = OpTrace(self.guard.model, numerics=self._armed > 0)
         return self._trace.session(phase) if self._trace is not None else contextlib.nullcontext()
@@ -137,11 +146,15 @@ class GuardForensics:
         scale = self._scale_used()
         if batch is not None and loss_fn is not None:
             if not self._warming_up():
-                self._handle(
-                    result.step,
-                    locate(self.guard.model, loss_fn, batch, self.guard.precision, scale),
-                    "replay",
+                diag = locate(
+                    self.guard.model,
+                    loss_fn,
+                    batch,
+                    self.guard.precision,
+                    scale,
+                    rng_state=self._rng,
                 )
+                self._handle(result.step, reproduced(diag, result.loss_nonfinite), "replay")
         elif armed and trace is not None:  # armed implies a trace; said for the checker
             floor = self.guard.scaler_config.min_scale
             self._handle(
@@ -163,7 +176,7 @@ class GuardForensics:
         return self.guard.scale_used_at(self.guard.steps)
 
     def _handle(self, step: int, diag: Diagnosis, via: str) -> None:
-        if diag.ok:
+        if diag.ok and diag.stats.get("replay_reproduced") is not False:
             self.benign += diag.benign
             self._armed = 0  # the scaler was probing: nothing to catch
             return
@@ -266,6 +279,17 @@ class GuardForensics:
         runlog.write_json_atomic(telemetry.run_dir / FORENSICS_FILE, self.to_dict())
         if self.coverage is not None:
             runlog.write_json_atomic(telemetry.run_dir / COVERAGE_FILE, self.coverage.to_dict())
+
+
+def reproduced(diag: Diagnosis, logged_nonfinite: bool) -> Diagnosis:
+    """``diag`` with ``stats["replay_reproduced"]``: whether the replay's loss is non-finite
+    exactly when the step's logged loss was (a NaN loss the replay does not show means it
+    replayed a different computation: data changed in ``loss_fn``, non-deterministic ops)."""
+    replay_loss = diag.stats.get("replay_loss")
+    replay_bad = isinstance(replay_loss, float) and not math.isfinite(replay_loss)
+    diag.stats["logged_loss_nonfinite"] = bool(logged_nonfinite)
+    diag.stats["replay_reproduced"] = replay_bad or not logged_nonfinite
+    return diag
 
 
 def _fallback_finding(change: dict[str, Any]) -> Finding:

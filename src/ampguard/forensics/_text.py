@@ -122,6 +122,13 @@ def explain(d: Any) -> str:
             f"The batch itself holds {s.get('nan_count', 0)} NaN and {s.get('inf_count', 0)} "
             f"inf values ({paths}); the first module to consume them is {at}."
         )
+    if s.get("replay_reproduced") is False:
+        text = (
+            "The replay did not reproduce the failing step: its loss was NaN/inf in training "
+            f"but is {_g(s.get('replay_loss'))} in the replay (the batch or the model changed "
+            "between the step and the replay, loss_fn draws its own randomness, or an op is "
+            f"non-deterministic), so what follows describes the replay, not the step. {text}"
+        )
     return f"{text} Fix: {fix_for(d)}"
 
 
