@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.stack import user_stacklevel
 from ampguard._util.tensors import is_fused as _is_fused
 from ampguard._util.tensors import params_of as _params_of
 from ampguard.core import _nonfinite, results
@@ -518,7 +519,9 @@ class Guard:
             raise ScaleCollapseError(self._collapse_message(step))
         if policy == "warn":
             if not self._collapsing:
-                warnings.warn(self._collapse_message(step), RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    self._collapse_message(step), RuntimeWarning, stacklevel=user_stacklevel()
+                )
             self._collapsing = True
             return
         self._fall_back(step)
@@ -554,7 +557,7 @@ class Guard:
             f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
             "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     @property
@@ -617,7 +620,7 @@ class Guard:
                 f"Guard.state_dict() called mid-window ({self._micro} of "
                 f"{self.accumulation_steps} micro-batches); their gradients are not saved",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         return {
             "version": _STATE_VERSION,
@@ -679,17 +682,21 @@ class Guard:
     def findings(self) -> list[Finding]:
         """The AG1xx findings over the run so far (needs ``telemetry=``), plus the AG3xx
         diagnoses, fallbacks and coverage of ``forensics``/``auto_fallback``/``coverage_step``
-        (those work without telemetry too).
+        (those work without telemetry too: then only they are returned, never an error; with
+        none of them enabled, an empty list and a warning that says why).
 
         Also writes ``findings.json`` to the run folder. Cost: one host sync (the telemetry
         flush) and a read of the run log.
         """
         side = self._side_findings()
-        if self._telemetry is None:
-            if self._forensics is None and self._dist is None:
-                raise RuntimeError(
-                    "Guard.findings() needs telemetry: create the Guard with "
-                    "telemetry=RUN_DIR (or an ampguard.Telemetry)"
+        if self._telemetry is None:  # what forensics/fp8/distributed found; no rules to run
+            if self._forensics is None and self._dist is None and self._fp8 is None:
+                warnings.warn(
+                    "Guard.findings(): without telemetry only forensics, fp8 and distributed "
+                    "findings exist (none are enabled); the AG1xx rules need a run log: create "
+                    "the Guard with telemetry=RUN_DIR (or an ampguard.Telemetry)",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
             return side
         self._telemetry.record_findings(side)
@@ -731,7 +738,7 @@ class Guard:
             warnings.warn(
                 f"Guard.close() failed while handling {exc_type.__name__}: {err!r}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     def _make_scaler(self) -> LossScaler | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.stack import user_stacklevel
 from ampguard._util.tensors import is_fused as _is_fused
 from ampguard._util.tensors import params_of as _params_of
 from ampguard.core import results
@@ -172,7 +173,7 @@ def on_bound(guard: Any, step: int) -> None:
     )
     if cfg.on_collapse == "warn":
         if not guard._collapsing:
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            warnings.warn(msg, RuntimeWarning, stacklevel=user_stacklevel())
         guard._collapsing = True
         return
     raise ScaleCollapseError(msg)

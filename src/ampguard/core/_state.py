@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampguard._util.checks import is_int, is_number
+from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.policy import PrecisionPolicy, resolve_precision
 
@@ -235,7 +236,7 @@ def apply(guard: Any, plan: Plan) -> None:
             f"Guard state was saved with a different ScalerConfig {plan.config_diff}; "
             "keeping the config given to this Guard",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     guard._steps = plan.steps
     guard._counts = plan.counters
@@ -266,7 +267,7 @@ def apply(guard: Any, plan: Plan) -> None:
     if guard._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
         guard._forensics.load(plan.forensics)
     if plan.precision_note is not None:
-        warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=3)
+        warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=user_stacklevel())
     guard._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)
     guard._resume.load_state_dict(plan.resume)  # a warm-up ramp still running
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard._util.stack import user_stacklevel
+
 __all__ = [
     "Fp8UnavailableError",
     "require_torchao",
@@ -132,7 +134,7 @@ class Fp8State:
                 "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
                 "or the plan keeps them all in bf16); training runs in bf16",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         self.monitor: Any = None
 
@@ -187,7 +189,7 @@ def _warn_emulated(device: torch.device) -> None:
         "emulates it (real fp8 casts, the matmul in high precision): numerics as on an "
         "fp8 GPU, speed not",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=user_stacklevel(),
     )
 
 

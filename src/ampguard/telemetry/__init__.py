@@ -36,6 +36,7 @@ import torch
 
 from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
+from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
 from ampguard.telemetry._device import DeviceBuffer, host_view
@@ -60,6 +61,12 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return check_int(f"Telemetry {name}", value, minimum)
 
 
+DENSE_LAYER_STEPS = 32
+"""Steps 1..32 of a run sample the gradient norms every step, whatever ``layer_every``: a short
+run (a smoke test, a 20-step repro) gets a heatmap with a column per step; 32 extra samples in
+all, nothing later."""
+
+
 class Telemetry:
     """Records what a :class:`ampguard.Guard` does into ``run_dir``, without per-step host syncs.
 
@@ -68,7 +75,8 @@ class Telemetry:
 
     Arguments: ``flush_every`` (rows in the device ring buffer; one device-to-host transfer per
     flush), ``layer_stats`` (per-layer grad norms; False keeps only the total norm),
-    ``layer_every`` (gradient statistics every N steps; 1 = every step), ``range_every``
+    ``layer_every`` (gradient statistics every N steps, and on each of the first
+    :data:`DENSE_LAYER_STEPS` steps; 1 = every step), ``range_every``
     (fp16 range statistics every N steps; 0 = off), ``tensorboard`` (also write ``tb/`` with the
     ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
     resume point; False starts the log over), ``sinks`` (extra sinks such as
@@ -206,7 +214,9 @@ class Telemetry:
             why = _cannot_continue(self._meta_path, self.layers)
             if why:
                 warnings.warn(
-                    f"{self.run_dir}: {why}; starting a new log", RuntimeWarning, stacklevel=4
+                    f"{self.run_dir}: {why}; starting a new log",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
                 self._log_pending = False
         if not self._log_pending:
@@ -257,7 +267,7 @@ class Telemetry:
             return
         if self._log_pending:  # the first step came without a resume: a new run
             self._start_log()
-        layers = step % self.layer_every == 0
+        layers = step % self.layer_every == 0 or step <= DENSE_LAYER_STEPS
         ranged = self.range_every and step % self.range_every == 0
         if not (layers or ranged):
             return
@@ -328,6 +338,8 @@ class Telemetry:
 
     def _due_after(self, step: int) -> int:
         """The first step after ``step`` whose gradients are sampled."""
+        if step < DENSE_LAYER_STEPS:  # a short run's heatmap: every one of the first steps
+            return step + 1
         return min(step // k * k + k for k in (self.layer_every, self.range_every) if k)
 
     def on_abort(self) -> None:
