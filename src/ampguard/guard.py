@@ -77,10 +77,55 @@ class Guard:
     step in Python (one in all, where torch has one per optimizer), none for fused optimizers
     (``_step_supports_amp_scaling``), whose step flags are read lazily; reading
     ``StepResult.applied`` there, or registering schedulers/callbacks, syncs once per window.
-    bf16 and fp32 windows get the same non-finite check (``skip_nonfinite=True``, the default:
-    see ``ampguard.core._nonfinite``): one host sync per window, none for fused optimizers (their
-    ``found_inf``); ``skip_nonfinite=False`` never syncs there, except with
-    ``contain_nonfinite_microbatches`` (a window whose micro-batches were all dropped must skip).
+    bf16 and fp32 windows get the same non-finite check (``skip_nonfinite=True``, the default):
+    one host sync per window, none for fused optimizers (their ``found_inf``);
+    ``skip_nonfinite=False`` never syncs there, except with ``contain_nonfinite_microbatches``
+    (a window whose micro-batches were all dropped must skip).
+
+    Args:
+        model: The ``torch.nn.Module`` being trained; its parameters must be the optimizers'.
+        optimizer: One ``torch.optim.Optimizer`` or a list of them (one step flag each).
+        precision: ``"auto"`` (bf16 where the device supports it, else fp16), ``"fp16"``
+            (with a dynamic loss scaler), ``"bf16"``, ``"fp32"`` or ``"fp8"`` (torchao float8
+            linears, see ``fp8_plan``).
+        scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
+            ``on_collapse``); used only when the precision resolves to fp16.
+        accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
+            by this number.
+        clip_grad_norm: Clip the total norm of the *unscaled* gradients to this value (None:
+            no clipping); ``StepResult.grad_norm`` then holds the norm before clipping.
+        schedulers: LR schedulers stepped after every *applied* step only, never on a skip.
+        contain_nonfinite_microbatches: Drop a micro-batch whose gradients are non-finite and
+            keep the rest of the window (its step applies unless every micro-batch was dropped).
+        resume_warmup: An ``ampguard.ResumeWarmup``: after a resume that lost the loss scale,
+            lower the learning rate while the scale finds its level again.
+        audit_every: Under a process group, compare the Guard's state across ranks every this
+            many windows (None: never).
+        on_desync: What a failed cross-rank audit does: ``"raise"`` (``ampguard.DesyncError``),
+            ``"warn"`` or ``"repair"`` (copy rank 0's state to the others).
+        process_group: The ``torch.distributed`` group to agree on skips and audit over
+            (None: the default group when one is initialised).
+        peer_timeout: Seconds ampguard's own collectives wait for the other ranks before they
+            raise ``ampguard.PeerFailureError`` naming the ranks that did not answer.
+        telemetry: A run folder (str or path) or an ``ampguard.Telemetry``: device-side step
+            records flushed every N steps, the findings and ``report.html`` at ``close()``.
+        keep_fp32: Modules to run outside autocast in fp32: fnmatch patterns over
+            ``model.named_modules()`` names (``"head"``, ``"blocks.*.attn"``) and/or module
+            classes (``torch.nn.BatchNorm2d`` matches every instance); saved by name.
+        forensics: After an overflow, trace the next windows op by op and diagnose the next
+            overflow (AG301-AG305); with ``step(batch=..., loss_fn=...)`` the failing batch is
+            replayed with ``ampguard.locate`` from the RNG state its forward started from.
+        auto_fallback: Implies ``forensics``: keep a module diagnosed as an fp16 overflow in
+            fp32 from the next step on, and record the change (AG306).
+        coverage_step: Trace window N once and keep its autocast coverage (AG310/AG311).
+        fp8_plan: Under ``precision="fp8"``: an ``ampguard.Fp8Plan`` naming the layers that may
+            convert (None: every eligible Linear).
+        skip_nonfinite: Without a loss scaler (bf16/fp32), skip a window whose gradients are
+            non-finite instead of applying it (one host sync per window; False: none).
+
+    Raises:
+        TypeError: An argument of the wrong type (the message names it).
+        ValueError: A value outside what the argument allows (the message names both).
     """
 
     def __init__(
@@ -187,7 +232,7 @@ class Guard:
 
     @property
     def policy(self) -> PrecisionPolicy:
-        """The resolved :class:`PrecisionPolicy` (device type, dtype, scaler need)."""
+        """The resolved ``PrecisionPolicy`` (device type, dtype, scaler need)."""
         return self._policy
 
     @property
@@ -236,13 +281,13 @@ class Guard:
 
     @property
     def requested_precision(self) -> str:
-        """The ``precision=`` argument as given (e.g. "auto"); :attr:`precision` is what it
+        """The ``precision=`` argument as given (e.g. "auto"); ``precision`` is what it
         resolved to."""
         return self._requested_precision
 
     @property
     def loss_scaler(self) -> LossScaler | None:
-        """The live :class:`LossScaler` (its ``scale_tensor`` and ``inv_scale()`` read without a
+        """The live ``LossScaler`` (its ``scale_tensor`` and ``inv_scale()`` read without a
         sync), or None when no scaler is in use (bf16/fp32, or after a fallback)."""
         return self._scaler
 
@@ -307,12 +352,12 @@ class Guard:
     ) -> StepResult:
         """Finish a micro-batch; at the end of a window, update the parameters.
 
-        Returns a :class:`StepResult`. On the first ``accumulation_steps - 1`` calls of a window
+        Returns a ``StepResult``. On the first ``accumulation_steps - 1`` calls of a window
         nothing is touched and ``applied`` is False. ``kwargs`` go to ``optimizer.step``.
         With ``forensics``/``auto_fallback``, ``batch`` and ``loss_fn(model, batch)`` let an
-        overflowing step be replayed with :func:`ampguard.locate` (fp16 vs fp32).
+        overflowing step be replayed with ``ampguard.locate`` (fp16 vs fp32).
         Cost: see the class docstring (torch's own syncs, no more); an armed forensics window
-        or a replay adds its own (see ``ampguard.forensics._guard``).
+        or a replay adds its own (see the ``forensics`` argument).
         """
         if self._forensics is not None:
             self._forensics.check_replay(batch, loss_fn)
@@ -638,12 +683,12 @@ class Guard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; raises ``ValueError`` on a malformed state.
+        """Restore ``state_dict`` output; raises ``ValueError`` on a malformed state.
 
         All or nothing: the whole state is checked before anything is set, so a load that
         raises leaves this Guard exactly as it was. The precision given to this Guard's
         constructor wins over the saved one, except that a recorded automatic fallback from
-        that same precision is resumed; both cases warn (see ``ampguard.core._state``).
+        that same precision is resumed; both cases warn.
         """
         _guard_state.apply(self, _guard_state.check(self, state))
 
@@ -671,12 +716,12 @@ class Guard:
     # ------------------------------------------------------------------ telemetry
     @property
     def telemetry(self) -> Telemetry | None:
-        """The attached :class:`ampguard.Telemetry` (``telemetry=`` argument), or None."""
+        """The attached ``ampguard.Telemetry`` (``telemetry=`` argument), or None."""
         return self._telemetry
 
     @property
     def coverage(self) -> Any:
-        """The :class:`ampguard.Coverage` of window ``coverage_step`` once it ran, else None."""
+        """The ``ampguard.Coverage`` of window ``coverage_step`` once it ran, else None."""
         return self._forensics.coverage if self._forensics is not None else None
 
     def findings(self) -> list[Finding]:
@@ -749,7 +794,7 @@ class Guard:
     # ------------------------------------------------------------------ distributed
     @property
     def distributed(self) -> DistributedState | None:
-        """The :class:`~ampguard.distributed.DistributedState` (topology, per-rank counters,
+        """The ``DistributedState`` (topology, per-rank counters,
         audit), or None when training in one process."""
         return self._dist
 
@@ -780,14 +825,14 @@ class Guard:
     # the Guard's private attributes (issue 14; tests/test_privates.py checks it).
     def settle_pending(self) -> None:
         """Decode, count and act on the pending step flags of fused optimizers (what reading
-        ``StepResult.applied`` or :attr:`skipped_steps` does). Cost: one host sync for all
+        ``StepResult.applied`` or ``skipped_steps`` does). Cost: one host sync for all
         pending windows; none when nothing is pending."""
         self._drain()
 
     @property
     def applied_steps(self) -> int:
         """Windows whose step was applied, as counted so far: pending fused-optimizer flags are
-        not settled (read :attr:`skipped_steps` first for settled totals). Cost: no host sync."""
+        not settled (read ``skipped_steps`` first for settled totals). Cost: no host sync."""
         return self._counts.applied
 
     def scale_used_at(self, step: int) -> float:
@@ -817,7 +862,7 @@ class Guard:
 
     def restart_scale(self) -> None:
         """A checkpoint without scaler state: the scale starts again from ``init_scale`` (a
-        resume is recorded, see :attr:`resume`). Cost: none beyond the resume check."""
+        resume is recorded, see ``resume``). Cost: none beyond the resume check."""
         if self._scaler is not None:
             self._scaler = self._make_scaler()
             self._history.reset(self.scaler_config.init_scale)
