@@ -97,15 +97,19 @@ def test_step_axes_have_integer_ticks(tmp_path):
         assert ticks and all(float(t).is_integer() for t in ticks), (make.__name__, ticks)
 
 
-def test_later_steps_keep_the_users_layer_every(tmp_path):
+@pytest.mark.parametrize(
+    ("layer_every", "expected"),
+    [(None, [*range(1, 33), 40, 50, 60]), (10, [10, 20, 30, 40, 50, 60])],
+)
+def test_only_the_default_samples_a_short_runs_first_steps(tmp_path, layer_every, expected):
     model = mlp()
-    tel = ag.Telemetry(tmp_path, layer_every=10, range_every=0)
+    tel = ag.Telemetry(tmp_path, layer_every=layer_every, range_every=0)
     with ag.Guard(
         model, torch.optim.SGD(model.parameters(), lr=0.01), precision="fp16", telemetry=tel
     ) as guard:
         train(guard, model, 60)
     steps = runlog.load_run(tmp_path).layer_steps.tolist()
-    assert steps == [*range(1, 33), 40, 50, 60]
+    assert steps == expected  # an explicit layer_every is kept exactly
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plots.heatmap_plot(runlog.load_run(tmp_path)).startswith(b"\x89PNG")
