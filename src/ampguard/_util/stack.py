@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 
 __all__ = ["user_stacklevel"]
 
@@ -19,7 +20,7 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` called by the caller of this function that
     names the first frame outside the ampguard package (its innermost caller in user code,
     a test, or a framework). Cost: a walk up the Python stack, host only."""
-    frame = sys._getframe(1)  # the function about to call warnings.warn: stacklevel 1
+    frame: FrameType | None = sys._getframe(1)  # the caller of warnings.warn: stacklevel 1
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back
