@@ -28,7 +28,12 @@ def test_counts_skips_changes_and_history():
     d = guard.diagnostics(last=4)
     assert d["step"] == 9
     assert d["skipped_steps"] == 2
-    assert d["skipped_by_cause"] == {"overflow": 2, "collapse": 0, "nonfinite": 0}
+    assert d["skipped_by_cause"] == {
+        "overflow": 2,
+        "collapse": 0,
+        "nonfinite": 0,
+        "nonfinite_forward": 0,
+    }
     assert d["applied_steps"] == 7
     # 1024 -> 512 -> 256 (two back-offs at steps 2, 3), growth at steps 6 and 9
     assert d["scale"] == 1024.0
@@ -58,7 +63,12 @@ def test_fallback_is_listed():
     d = guard.diagnostics()
     assert d["precision"] == "bf16"
     assert d["fallbacks"] == [{"step": 2, "from": "fp16", "to": "bf16"}]
-    assert d["skipped_by_cause"] == {"overflow": 1, "collapse": 1, "nonfinite": 0}
+    assert d["skipped_by_cause"] == {
+        "overflow": 1,
+        "collapse": 1,
+        "nonfinite": 0,
+        "nonfinite_forward": 0,
+    }
 
 
 def test_close_records_diagnostics_for_the_report_header(tmp_path):

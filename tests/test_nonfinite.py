@@ -86,7 +86,12 @@ def test_a_nonfinite_window_is_skipped_and_matches_a_loop_without_that_batch(pre
     assert (good.applied, good.nonfinite, good.skip_cause) == (True, False, None)
     assert same(params(model), params(ref_model))  # bitwise: as if the batch never came
     assert guard.skipped_steps == 1
-    assert guard.diagnostics()["skipped_by_cause"] == {"overflow": 0, "collapse": 0, "nonfinite": 1}
+    assert guard.diagnostics()["skipped_by_cause"] == {
+        "overflow": 0,
+        "collapse": 0,
+        "nonfinite": 1,
+        "nonfinite_forward": 0,
+    }
 
 
 @pytest.mark.parametrize("value", [INF, -INF, NAN])

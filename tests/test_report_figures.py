@@ -70,3 +70,18 @@ def test_finding_evidence_wraps_inside_its_card(tmp_path):
     page = (tmp_path / runlog.REPORT).read_text(encoding="utf-8")
     css = page[page.index("<style>") : page.index("</style>")]
     assert "white-space:pre-wrap" in css and "overflow-wrap:anywhere" in css
+
+
+def test_the_range_panel_draws_each_layers_safe_window_from_safe_lo_to_safe_hi(tmp_path):
+    _guarded(tmp_path, steps=4, layer_every=1, range_every=2)
+    run = runlog.load_run(tmp_path)
+    k = int(np.flatnonzero(run.range_applied)[-1])
+    lo, hi = run.safe_lo[k], run.safe_hi[k]
+    assert np.isfinite(lo).all() and np.isfinite(hi).all() and (hi > 2 * lo).all()
+    fig = plots.range_figure(run)
+    bars = sorted(fig.axes[0].patches, key=lambda b: b.get_y())  # one bar per layer, top down
+    assert len(bars) == len(run.layers)
+    left = np.array([b.get_x() for b in bars])
+    right = np.array([b.get_x() + b.get_width() for b in bars])
+    assert np.allclose(left, lo) and np.allclose(right, hi)  # not lo + hi / lo
+    assert plots.range_plot(run).startswith(b"\x89PNG")

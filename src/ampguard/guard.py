@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.stack import user_stacklevel
 from ampguard._util.tensors import is_fused as _is_fused
 from ampguard._util.tensors import params_of as _params_of
 from ampguard.core import _nonfinite, results
@@ -56,6 +57,7 @@ from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding, count
 from ampguard.forensics import _guard as _guard_forensics
 from ampguard.forensics import _verdicts
+from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import _guard as _fp8_guard
 from ampguard.reporting._on_close import write_report as _write_report
 from ampguard.telemetry import Telemetry
@@ -80,15 +82,66 @@ class Guard:
     step in Python (one in all, where torch has one per optimizer), none for fused optimizers
     (``_step_supports_amp_scaling``), whose step flags are read lazily; reading
     ``StepResult.applied`` there, or registering schedulers/callbacks, syncs once per window.
-    bf16 and fp32 windows get the same non-finite check (``skip_nonfinite=True``, the default:
-    see ``ampguard.core._nonfinite``): one host sync per window, none for fused optimizers (their
-    ``found_inf``); ``skip_nonfinite=False`` never syncs there, except with
-    ``contain_nonfinite_microbatches`` (a window whose micro-batches were all dropped must skip).
+    bf16 and fp32 windows get the same non-finite check (``skip_nonfinite=True``, the default):
+    one host sync per window, none for fused optimizers (their ``found_inf``);
+    ``skip_nonfinite=False`` never syncs there, except with ``contain_nonfinite_microbatches``
+    (a window whose micro-batches were all dropped must skip).
 
     ``restore_buffers_on_skip=True`` (the default) puts the buffers a skipped window's forward
     changed (BatchNorm statistics...) back as they were (:mod:`ampguard.core.buffer_restore`:
     one multi-tensor copy per window, no sync). With bf16/fp16 weights, sampled windows measure
     the share of updates that round away (:mod:`ampguard.core.stagnation`, AG175; no sync).
+
+
+    Args:
+        model: The ``torch.nn.Module`` being trained; its parameters must be the optimizers'.
+        optimizer: One ``torch.optim.Optimizer`` or a list of them (one step flag each).
+        precision: ``"auto"`` (bf16 where the device supports it, else fp16), ``"fp16"``
+            (with a dynamic loss scaler), ``"bf16"``, ``"fp32"`` or ``"fp8"`` (torchao float8
+            linears, see ``fp8_plan``).
+        scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
+            ``on_collapse``); used only when the precision resolves to fp16.
+        accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
+            by this number.
+        clip_grad_norm: Clip the total norm of the *unscaled* gradients to this value (None:
+            no clipping); ``StepResult.grad_norm`` then holds the norm before clipping.
+        schedulers: LR schedulers stepped after every *applied* step only, never on a skip.
+        contain_nonfinite_microbatches: Drop a micro-batch whose gradients are non-finite and
+            keep the rest of the window (its step applies unless every micro-batch was dropped).
+        resume_warmup: An ``ampguard.ResumeWarmup``: after a resume that lost the loss scale,
+            lower the learning rate while the scale finds its level again.
+        audit_every: Under a process group, compare the Guard's state across ranks every this
+            many windows (None: never).
+        on_desync: What a failed cross-rank audit does: ``"raise"`` (``ampguard.DesyncError``),
+            ``"warn"`` or ``"repair"`` (copy rank 0's state to the others).
+        process_group: The ``torch.distributed`` group to agree on skips and audit over
+            (None: the default group when one is initialised).
+        peer_timeout: Seconds ampguard's own collectives wait for the other ranks before they
+            raise ``ampguard.PeerFailureError`` naming the ranks that did not answer (None:
+            the timeout given to ``init_process_group`` when one was set, else 600).
+        telemetry: A run folder (str or path) or an ``ampguard.Telemetry``: device-side step
+            records flushed every N steps, the findings and ``report.html`` at ``close()``.
+        keep_fp32: Modules to run outside autocast in fp32: fnmatch patterns over
+            ``model.named_modules()`` names (``"head"``, ``"blocks.*.attn"``) and/or module
+            classes (``torch.nn.BatchNorm2d`` matches every instance); saved by name.
+        forensics: After an overflow, trace the next windows op by op and diagnose the next
+            overflow (AG301-AG305); with ``step(batch=..., loss_fn=...)`` the failing batch is
+            replayed with ``ampguard.locate`` from the RNG state its forward started from.
+        auto_fallback: Implies ``forensics``: keep a module diagnosed as an fp16 overflow
+            (also an absorbed one) in fp32 from the next step on, and record the change
+            (AG306); under ``precision="fp8"`` move a layer drifting out of fp8's window back
+            to bf16 (AG113).
+        coverage_step: Trace window N once and keep its autocast coverage (AG310/AG311).
+        fp8_plan: Under ``precision="fp8"``: an ``ampguard.Fp8Plan`` naming the layers that may
+            convert (None: every eligible Linear).
+        skip_nonfinite: Without a loss scaler (bf16/fp32), skip a window whose gradients are
+            non-finite instead of applying it (one host sync per window; False: none).
+        restore_buffers_on_skip: Put back the buffers (BatchNorm statistics, ...) that a
+            skipped window's forward changed, so a skip leaves no trace (default True).
+
+    Raises:
+        TypeError: An argument of the wrong type (the message names it).
+        ValueError: A value outside what the argument allows (the message names both).
     """
 
     def __init__(
@@ -108,7 +161,7 @@ class Guard:
         process_group: Any = None,
         peer_timeout: float | None = None,
         telemetry: str | os.PathLike | Telemetry | None = None,
-        keep_fp32: Sequence[str] | str | None = None,
+        keep_fp32: Sequence[Fp32Pattern] | Fp32Pattern | None = None,
         forensics: bool = False,
         auto_fallback: bool = False,
         coverage_step: int | None = None,
@@ -164,6 +217,8 @@ class Guard:
         for sched in schedulers:
             self.on_applied(scheduler_callback(sched))
         self._micro = 0
+        self._window_losses: list[torch.Tensor] = []  # this window's losses (skip causes)
+        self._loss_bad: torch.Tensor | None = None  # ... as a device flag, at the window's end
         self._steps = 0
         self._counts = results.Counters()
         self._pending: list[tuple[StepResult, torch.Tensor]] = []
@@ -229,7 +284,7 @@ class Guard:
 
     @property
     def policy(self) -> PrecisionPolicy:
-        """The resolved :class:`PrecisionPolicy` (device type, dtype, scaler need)."""
+        """The resolved ``PrecisionPolicy`` (device type, dtype, scaler need)."""
         return self._policy
 
     @property
@@ -278,13 +333,13 @@ class Guard:
 
     @property
     def requested_precision(self) -> str:
-        """The ``precision=`` argument as given (e.g. "auto"); :attr:`precision` is what it
+        """The ``precision=`` argument as given (e.g. "auto"); ``precision`` is what it
         resolved to."""
         return self._requested_precision
 
     @property
     def loss_scaler(self) -> LossScaler | None:
-        """The live :class:`LossScaler` (its ``scale_tensor`` and ``inv_scale()`` read without a
+        """The live ``LossScaler`` (its ``scale_tensor`` and ``inv_scale()`` read without a
         sync), or None when no scaler is in use (bf16/fp32, or after a fallback)."""
         return self._scaler
 
@@ -324,6 +379,7 @@ class Guard:
                 )
             )
         check_backward(self._micro, self.accumulation_steps)
+        self._window_losses.append(loss.detach())  # a NaN loss is a forward, not an overflow
         if self._telemetry is not None:
             self._telemetry.on_backward(loss)
         if self._dist is not None and self._scaler is not None:
@@ -352,12 +408,12 @@ class Guard:
     ) -> StepResult:
         """Finish a micro-batch; at the end of a window, update the parameters.
 
-        Returns a :class:`StepResult`. On the first ``accumulation_steps - 1`` calls of a window
+        Returns a ``StepResult``. On the first ``accumulation_steps - 1`` calls of a window
         nothing is touched and ``applied`` is False. ``kwargs`` go to ``optimizer.step``.
         With ``forensics``/``auto_fallback``, ``batch`` and ``loss_fn(model, batch)`` let an
-        overflowing step be replayed with :func:`ampguard.locate` (fp16 vs fp32).
+        overflowing step be replayed with ``ampguard.locate`` (fp16 vs fp32).
         Cost: see the class docstring (torch's own syncs, no more); an armed forensics window
-        or a replay adds its own (see ``ampguard.forensics._guard``).
+        or a replay adds its own (see the ``forensics`` argument).
         """
         if self._forensics is not None:
             self._forensics.check_replay(batch, loss_fn)
@@ -369,6 +425,8 @@ class Guard:
         if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update
             tel.before_update()
         self._micro = 0
+        self._loss_bad = results.loss_nonfinite(self._window_losses)
+        self._window_losses = []
         if not self.contain_nonfinite_microbatches:  # containment buffers hold the grads
             check_grads_present(self._params)  # e.g. another Guard's step() cleared them
         self._steps += 1
@@ -454,7 +512,7 @@ class Guard:
         if dropped is not None:
             skipped = signal > 0  # a window that still updates is no collapse
             signal = signal + dropped.float()  # a dropped micro-batch says the scale is too high
-        status = results.pack(found, dropped)
+        status = results.pack(found, dropped, self._loss_bad)
         if all(fused):
             # No host sync (as torch): the kernels skip themselves on found_inf.
             for opt, f in zip(self.optimizers, found, strict=True):
@@ -604,7 +662,9 @@ class Guard:
             )
         if policy == "warn":
             if not self._collapsing:
-                warnings.warn(self._collapse_message(step), RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    self._collapse_message(step), RuntimeWarning, stacklevel=user_stacklevel()
+                )
             self._collapsing = True
             return
         self._fall_back(step)
@@ -645,7 +705,7 @@ class Guard:
             "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler."
             + (f" {advice}" if (advice := _verdicts.advice(self._forensics)) else ""),
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     @property
@@ -657,10 +717,12 @@ class Guard:
     def diagnostics(self, last: int = 8) -> dict[str, Any]:
         """A summary of the run so far, from what the Guard already keeps.
 
-        Current scale, skipped steps (total and by cause), scale changes, the last ``last``
-        scales with their steps, consecutive skips now, micro-batches dropped, fallbacks applied,
-        precision, resume and warm-up state. Cost: one host sync (a few scalars and the
-        32-entry scale history); nothing is recomputed.
+        Current scale, skipped steps (total and by cause: ``skipped_by_cause`` splits them into
+        ``overflow``, ``collapse``, ``nonfinite`` (no scaler) and ``nonfinite_forward``, the
+        fp16 skips whose loss was NaN/inf, never counted as an overflow), scale changes, the
+        last ``last`` scales with their steps, consecutive skips now, micro-batches dropped,
+        fallbacks applied, precision, resume and warm-up state. Cost: one host sync (a few
+        scalars and the 32-entry scale history); nothing is recomputed.
         """
         self._drain()
         c = self._counts
@@ -674,6 +736,7 @@ class Guard:
                 "overflow": c.skipped_overflow,
                 "collapse": c.skipped_collapse,
                 "nonfinite": c.skipped_nonfinite,
+                "nonfinite_forward": c.skipped_nonfinite_loss,
             },
             "applied_steps": c.applied,
             "scale_changes": self._history.changes(),
@@ -707,7 +770,7 @@ class Guard:
                 f"Guard.state_dict() called mid-window ({self._micro} of "
                 f"{self.accumulation_steps} micro-batches); their gradients are not saved",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         return {
             "version": _STATE_VERSION,
@@ -726,12 +789,12 @@ class Guard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; raises ``ValueError`` on a malformed state.
+        """Restore ``state_dict`` output; raises ``ValueError`` on a malformed state.
 
         All or nothing: the whole state is checked before anything is set, so a load that
         raises leaves this Guard exactly as it was. The precision given to this Guard's
         constructor wins over the saved one, except that a recorded automatic fallback from
-        that same precision is resumed; both cases warn (see ``ampguard.core._state``).
+        that same precision is resumed; both cases warn.
         """
         _guard_state.apply(self, _guard_state.check(self, state))
 
@@ -759,7 +822,7 @@ class Guard:
     # ------------------------------------------------------------------ telemetry
     @property
     def telemetry(self) -> Telemetry | None:
-        """The attached :class:`ampguard.Telemetry` (``telemetry=`` argument), or None."""
+        """The attached ``ampguard.Telemetry`` (``telemetry=`` argument), or None."""
         return self._telemetry
 
     @property
@@ -771,23 +834,32 @@ class Guard:
 
     @property
     def coverage(self) -> Any:
-        """The :class:`ampguard.Coverage` of window ``coverage_step`` once it ran, else None."""
+        """The ``ampguard.Coverage`` of window ``coverage_step`` once it ran, else None."""
         return self._forensics.coverage if self._forensics is not None else None
 
     def findings(self) -> list[Finding]:
         """The AG1xx findings over the run so far (needs ``telemetry=``), plus the AG3xx
         diagnoses, fallbacks and coverage of ``forensics``/``auto_fallback``/``coverage_step``
-        (those work without telemetry too).
+        (those work without telemetry too: then only they are returned, never an error; with
+        none of them enabled, an empty list and a warning that says why).
 
         Also writes ``findings.json`` to the run folder. Cost: one host sync (the telemetry
         flush) and a read of the run log.
         """
         side = self._side_findings()
-        if self._telemetry is None:
-            if self._forensics is None and self._dist is None and self._stagnation is None:
-                raise RuntimeError(
-                    "Guard.findings() needs telemetry: create the Guard with "
-                    "telemetry=RUN_DIR (or an ampguard.Telemetry)"
+        if self._telemetry is None:  # what forensics/fp8/distributed found; no rules to run
+            if (
+                self._forensics is None
+                and self._dist is None
+                and self._fp8 is None
+                and self._stagnation is None
+            ):
+                warnings.warn(
+                    "Guard.findings(): without telemetry only forensics, fp8 and distributed "
+                    "findings exist (none are enabled); the AG1xx rules need a run log: create "
+                    "the Guard with telemetry=RUN_DIR (or an ampguard.Telemetry)",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
             return side
         self._telemetry.record_findings(side)
@@ -831,7 +903,7 @@ class Guard:
             warnings.warn(
                 f"Guard.close() failed while handling {exc_type.__name__}: {err!r}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     def _make_scaler(self) -> LossScaler | None:
@@ -842,7 +914,7 @@ class Guard:
     # ------------------------------------------------------------------ distributed
     @property
     def distributed(self) -> DistributedState | None:
-        """The :class:`~ampguard.distributed.DistributedState` (topology, per-rank counters,
+        """The ``DistributedState`` (topology, per-rank counters,
         audit), or None when training in one process."""
         return self._dist
 
@@ -873,14 +945,14 @@ class Guard:
     # the Guard's private attributes (issue 14; tests/test_privates.py checks it).
     def settle_pending(self) -> None:
         """Decode, count and act on the pending step flags of fused optimizers (what reading
-        ``StepResult.applied`` or :attr:`skipped_steps` does). Cost: one host sync for all
+        ``StepResult.applied`` or ``skipped_steps`` does). Cost: one host sync for all
         pending windows; none when nothing is pending."""
         self._drain()
 
     @property
     def applied_steps(self) -> int:
         """Windows whose step was applied, as counted so far: pending fused-optimizer flags are
-        not settled (read :attr:`skipped_steps` first for settled totals). Cost: no host sync."""
+        not settled (read ``skipped_steps`` first for settled totals). Cost: no host sync."""
         return self._counts.applied
 
     def scale_used_at(self, step: int) -> float:
@@ -910,7 +982,7 @@ class Guard:
 
     def restart_scale(self) -> None:
         """A checkpoint without scaler state: the scale starts again from ``init_scale`` (a
-        resume is recorded, see :attr:`resume`). Cost: none beyond the resume check."""
+        resume is recorded, see ``resume``). Cost: none beyond the resume check."""
         if self._scaler is not None:
             self._scaler = self._make_scaler()
             self._history.reset(self.scaler_config.init_scale)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.checkpoint import _validate as _v
 from ampguard.checkpoint._files import CheckpointError, atomic_write, is_zip, verify_zip
 from ampguard.core import _state as _guard_state
@@ -190,7 +191,7 @@ def _read(target: Path) -> Any:
             f"{target}: torch's legacy (pre-1.6, non-zip) format carries no "
             "checksums; loaded without an integrity check",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return data
 
@@ -274,7 +275,7 @@ def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
                 f"{target}: no ampguard Guard state; adopted the torch GradScaler "
                 f"state (scale {value['scale']:g})",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         elif kind == "restart warn":
             warnings.warn(
@@ -283,7 +284,7 @@ def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
                 f"{guard.scaler_config.init_scale:g} and will probe its level again (AG107). "
                 "Consider a lower learning rate for a few hundred steps.",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
             guard.restart_scale()
     except OSError as exc:  # the Guard's run log (telemetry) could not be continued
@@ -303,7 +304,7 @@ def _check_rng(state: Any, target: Path, foreign: bool) -> dict[str, Any] | None
         f"{target}: its 'rng' field is not in ampguard's format; the random number "
         "generators were not restored",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
     return None
 

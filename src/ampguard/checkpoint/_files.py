@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ampguard._util import atomic as _atomic
+from ampguard._util.stack import user_stacklevel
 
 __all__ = ["CheckpointError", "atomic_write", "stale_temporaries", "verify_zip", "temp_name"]
 
@@ -227,7 +228,7 @@ def verify_zip(path: Path) -> int:
             "with torch.serialization.set_crc32_options(False)) and load unverified: "
             f"{', '.join(unverified[:3])}",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return checked
 

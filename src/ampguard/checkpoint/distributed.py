@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ampguard._util.atomic import fsync_dir
+from ampguard._util.stack import user_stacklevel
 from ampguard.checkpoint import _dist_checks as _dc
 from ampguard.checkpoint import _dist_peers as _dp
 from ampguard.checkpoint import _load, _save_with_crc, save_checkpoint
@@ -292,7 +293,7 @@ def _resolve(target: Path) -> Path:
             f"{target}: missing (a save was interrupted mid-swap); loading the previous "
             f"checkpoint {old}",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return old
     return target
@@ -408,7 +409,7 @@ def _restore_rng(info: Any, group: Any, target: Path) -> None:
             f"{target}: saved on {len(info['rng'])} ranks, loaded on {world}; random "
             "number generators are not restored",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return
     state = info["rng"][rank]

@@ -132,7 +132,12 @@ _DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ampguard`` argument parser with every subcommand."""
+    from ampguard import __version__  # the package's own: no torch, no metadata lookup
+
     parser = Parser(prog="ampguard", description=_DESCRIPTION)
+    parser.add_argument(
+        "--version", action="version", version=f"ampguard {__version__}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, add_args, run in _SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.stack import user_stacklevel
 from ampguard._util.tensors import is_fused as _is_fused
 from ampguard._util.tensors import params_of as _params_of
 from ampguard.core import results
@@ -78,7 +79,7 @@ def step_unscaled(guard: Any, kwargs: dict[str, Any]) -> StepResult:
     if agree is not None:
         found, dropped = agree.wait()
         grad_norm = guard._dist.plain_tensor(grad_norm)
-    status = results.pack(found, dropped)
+    status = results.pack(found, dropped, guard._loss_bad)
     fused = [_is_fused(opt) for opt in guard.optimizers]
     if all(fused):  # no host sync: the kernels skip themselves on found_inf
         if guard._telemetry is not None:
@@ -182,7 +183,7 @@ def on_bound(guard: Any, step: int, run: int | None = None) -> None:
     )
     if cfg.on_collapse == "warn":
         if not guard._collapsing:
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            warnings.warn(msg, RuntimeWarning, stacklevel=user_stacklevel())
         guard._collapsing = True
         return
     raise ScaleCollapseError(msg)

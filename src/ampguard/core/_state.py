@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampguard._util.checks import is_int, is_number
+from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.policy import PrecisionPolicy, resolve_precision
 
@@ -237,7 +238,7 @@ def apply(guard: Any, plan: Plan) -> None:
             f"Guard state was saved with a different ScalerConfig {plan.config_diff}; "
             "keeping the config given to this Guard",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     guard._steps = plan.steps
     guard._counts = plan.counters
@@ -249,6 +250,7 @@ def apply(guard: Any, plan: Plan) -> None:
         if guard._telemetry is not None:
             guard._telemetry.on_abort()
     guard._micro = 0
+    guard._window_losses = []
     guard._drain(act=False)  # results still pending stay readable
     if plan.policy.precision != guard._policy.precision:
         guard._policy = plan.policy
@@ -269,7 +271,7 @@ def apply(guard: Any, plan: Plan) -> None:
     if guard._fp8 is not None and plan.fp8_rescued:  # fp8 layers rescued to bf16 stay there
         guard._fp8.load(plan.fp8_rescued, guard)
     if plan.precision_note is not None:
-        warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=3)
+        warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=user_stacklevel())
     guard._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)
     guard._resume.load_state_dict(plan.resume)  # a warm-up ramp still running
 

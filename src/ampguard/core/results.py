@@ -12,7 +12,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["StepResult", "Decoded", "Counters", "pack", "observed", "add_collapse", "decode"]
+__all__ = [
+    "StepResult",
+    "Decoded",
+    "Counters",
+    "pack",
+    "observed",
+    "add_collapse",
+    "decode",
+    "loss_nonfinite",
+]
 
 
 class Decoded(NamedTuple):
@@ -23,6 +32,7 @@ class Decoded(NamedTuple):
     dropped: int
     scaled: bool = True  # a loss scaler was in use: a skip is an overflow, else non-finite
     observed: bool = False  # non-finite gradients seen on a step ampguard does not own (watch)
+    loss_nonfinite: bool = False  # the window's loss was NaN/inf (a non-finite forward)
 
     @property
     def applied(self) -> bool:
@@ -49,20 +59,37 @@ class Decoded(NamedTuple):
         return "overflow" if self.scaled else "nonfinite"
 
 
-def pack(found: list[torch.Tensor], dropped: torch.Tensor | None) -> torch.Tensor:
+def pack(
+    found: list[torch.Tensor],
+    dropped: torch.Tensor | None,
+    loss_nonfinite: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pack a window's flags into one fp32 device scalar (exact integers below 2**24).
 
     Bit i = optimizer i overflowed; bit n = collapse (see :func:`add_collapse`); bit n + 1 =
-    non-finite gradients observed on an applied step (see :func:`observed`); the bits above hold
-    the dropped micro-batch count. Float arithmetic keeps it to one small op per flag.
+    non-finite gradients observed on an applied step (see :func:`observed`); bit n + 2 = the
+    window's loss was NaN/inf (``loss_nonfinite``, a 0-dim bool); the bits above hold the
+    dropped micro-batch count. Float arithmetic keeps it to one small op per flag.
     """
     n = len(found)
     status = found[0].clamp(max=1.0)
     for i in range(1, n):
         status = status.add(found[i].clamp(max=1.0), alpha=2**i)
+    if loss_nonfinite is not None:
+        status = status.add(loss_nonfinite, alpha=2 ** (n + 2))
     if dropped is not None:
-        status = status.add(dropped, alpha=2 ** (n + 2))
+        status = status.add(dropped, alpha=2 ** (n + 3))
     return status
+
+
+def loss_nonfinite(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    """0-dim bool on the device: some micro-batch loss of the window was NaN/inf (None for no
+    losses). Cost: no host sync; one or two small device ops per window."""
+    if not losses:
+        return None
+    if len(losses) == 1:
+        return torch.isfinite(losses[0]).logical_not()
+    return torch.isfinite(torch.stack(losses)).all().logical_not()
 
 
 def observed(found: torch.Tensor, n: int) -> torch.Tensor:
@@ -83,7 +110,12 @@ def decode(value: float, n: int, scaled: bool = True) -> Decoded:
     value = int(value)
     applied = tuple(not (value >> i) & 1 for i in range(n))
     return Decoded(
-        applied, bool((value >> n) & 1), value >> (n + 2), scaled, bool((value >> (n + 1)) & 1)
+        applied,
+        bool((value >> n) & 1),
+        value >> (n + 3),
+        scaled,
+        bool((value >> (n + 1)) & 1),
+        bool((value >> (n + 2)) & 1),
     )
 
 
@@ -154,6 +186,12 @@ class StepResult:
         return self._flags().skip_cause if self.boundary else None
 
     @property
+    def loss_nonfinite(self) -> bool:
+        """The window's loss was NaN/inf: a non-finite forward (the step was skipped because of
+        it, not because the loss scale was too high)."""
+        return self.boundary and self._flags().loss_nonfinite
+
+    @property
     def dropped_microbatches(self) -> int:
         return self._flags().dropped if self.boundary else 0
 
@@ -180,6 +218,9 @@ class Counters:
     skipped_overflow: int = 0
     skipped_collapse: int = 0
     skipped_nonfinite: int = 0
+    # fp16 skips whose loss was NaN/inf: a non-finite forward, not an overflow (without a
+    # scaler such a skip stays in skipped_nonfinite, AG109's count)
+    skipped_nonfinite_loss: int = 0
     collapses: int = 0
     dropped_microbatches: int = 0
     consecutive_skips: int = 0
@@ -192,7 +233,9 @@ class Counters:
         else:
             self.skipped += 1
             self.consecutive_skips += 1
-            if flags.collapse:
+            if flags.loss_nonfinite and flags.scaled:  # no loss scale fixes a NaN loss
+                self.skipped_nonfinite_loss += 1  # (a collapse it caused included)
+            elif flags.collapse:
                 self.skipped_collapse += 1
             elif flags.nonfinite:
                 self.skipped_nonfinite += 1

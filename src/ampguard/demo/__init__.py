@@ -116,7 +116,9 @@ def run_demo(
         checkpoint=checkpoint,
         diagnostics=diagnostics,
         extra_lines=[
-            f"  finding:           {f.code} {f.title}" + (f" (step {f.step})" if f.step else "")
+            f"  finding:           {f.code} [{f.severity}] {f.title}"
+            + (f" (step {f.step})" if f.step else "")
+            + ("; transient: skipping absorbed it" if f.evidence.get("transient") else "")
             for f in findings
         ],
     )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX
 from ampguard.distributed._errors import DesyncError
@@ -62,7 +63,7 @@ def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
             if "param_checksum" in diffs
             else "."
         )
-    warnings.warn(message, RuntimeWarning, stacklevel=5)
+    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
     return diffs
 
 

@@ -234,6 +234,16 @@ def merge_saturation(findings: list[Finding], probe: ProbeResult) -> list[Findin
     return out
 
 
+def _checked(probe: ProbeResult) -> str:
+    """What "fits fp16" was checked on: module outputs (and gradients), never values inside a
+    module (a norm's variance, an eps), so the claim says so."""
+    what = "module output" if probe.loss is None else "module output or gradient"
+    return (
+        f"no probed {what} leaves fp16's range (values computed inside a module, such as a "
+        "norm's variance or eps, were not probed)"
+    )
+
+
 def _plan(
     model: nn.Module, probe: ProbeResult, overflow: list[str], found: list[Finding], scale: float
 ) -> Finding:
@@ -256,7 +266,7 @@ def _plan(
         why = (
             "a few modules overflow or saturate in fp16; running them in fp32 keeps the rest fast"
             if keep
-            else "no probed value leaves fp16's range" + (" (bf16 fits too)" if bf16 else "")
+            else _checked(probe) + (" (bf16 fits too)" if bf16 else "")
         )
     args = [f"precision={precision!r}"] + ([f"keep_fp32={keep!r}"] if keep else [])
     if probe.loss is None:

@@ -140,9 +140,27 @@ def _batchnorm_heavy(model: nn.Module) -> Finding | None:
         "running_mean/running_var, which then poisons every eval forward, even after the scaler "
         "skipped that step.",
         evidence={"modules": bns[:20], "count": len(bns)},
-        fix="Prefer precision='bf16'; under fp16 keep BatchNorm in fp32 "
-        f"(keep_fp32={bns[:8]!r}) and check running stats for non-finite values.",
+        fix="Prefer precision='bf16'; under fp16 keep every BatchNorm in fp32 "
+        f"(Guard(..., keep_fp32={_class_list(model, _BATCHNORMS)})) and check running stats for "
+        "non-finite values.",
     )
+
+
+def _class_list(model: nn.Module, kinds: tuple[type, ...]) -> str:
+    """``[torch.nn.BatchNorm2d, ...]``: the classes of ``model``'s modules that are ``kinds``,
+    as code that matches all of them (``keep_fp32`` takes module classes), never a truncated
+    list of names."""
+    seen: dict[type, None] = {}
+    for m in model.modules():
+        if isinstance(m, kinds):
+            seen.setdefault(type(m), None)
+    return "[" + ", ".join(_class_path(c) for c in seen) + "]"
+
+
+def _class_path(cls: type) -> str:
+    if getattr(nn, cls.__name__, None) is cls:
+        return f"torch.nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _saturating(model: nn.Module) -> Finding | None:

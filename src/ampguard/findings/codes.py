@@ -14,7 +14,8 @@ way a flag disagrees) the title *starts* with the catalogue's and the detail fol
 parenthesis. Where the severity legitimately varies the catalogue holds the default and the
 emitter passes the actual one: AG101 (error at ``min_scale``, warning otherwise), AG103 (info for
 a run too short to judge its skip rate), AG109 (error once the Guard stops on consecutive
-skips), AG321 (warning when the probe saw activations round to 1 in fp16).
+skips), AG301 (warning for a confirmed burst that did not recur), AG321 (warning when the probe
+saw activations round to 1 in fp16).
 """
 
 from __future__ import annotations

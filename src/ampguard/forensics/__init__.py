@@ -50,6 +50,7 @@ from ampguard._util.checks import check_finite
 from ampguard.core.policy import device_of, resolve_precision
 from ampguard.findings import Finding, make
 from ampguard.forensics import _optimizer
+from ampguard.forensics._fixcheck import check_keep_fp32, tiny_eps
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
 from ampguard.forensics._silent import absorbed_overflow, partial_underflow
@@ -165,6 +166,7 @@ def locate(
     scale: float | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    rng_state: dict[str, Any] | torch.Tensor | None = None,
 ) -> Diagnosis:
     """Find the module and op where ``batch`` first goes non-finite, and classify why.
 
@@ -173,7 +175,16 @@ def locate(
     ``2**16`` under fp16, as ``torch.amp.GradScaler`` starts; 1 under bf16), then in fp32, and,
     for a backward overflow, once more at scale 1 to tell a scaler probe from a real overflow.
     Parameters, buffers, gradients, RNG state and training modes are restored afterwards and
-    no hook is left behind.
+    no hook is left behind. ``rng_state`` (``torch.get_rng_state()`` taken just before the
+    failing step's forward, or ``{"cpu": ..., "cuda": [...]}``) makes every replay start from
+    it, so dropout draws the failing step's masks; ``stats["replay_loss"]`` is the replayed
+    loss, to check that the replay reproduced the step.
+
+    An fp16 overflow at a module is checked against its fix: the batch is replayed once more
+    with that module kept in fp32 (twice when its backward still overflows), so the advice says
+    when ``keep_fp32`` on it alone is not enough and what else is needed; an ``eps`` of that
+    module below fp16's smallest subnormal is named (``stats["tiny_eps"]``,
+    ``stats["keep_fp32_check"]``).
 
     ``optimizer`` (the one that trains ``model``): when the batch is finite and its weights are
     in bf16/fp16, one real step of it (its state restored afterwards) is judged too, phase
@@ -181,8 +192,8 @@ def locate(
     :mod:`ampguard.forensics._optimizer`); it also names an underflowing eps behind weights that
     are already non-finite.
 
-    Cost: two or three traced forward+backward passes (every op's output reduced on the device),
-    a few host syncs, and one copy of the parameters and buffers while it runs; with
+    Cost: two to five traced forward+backward passes (every op's output reduced on the
+    device), a few host syncs, and one copy of the parameters and buffers while it runs; with
     ``optimizer`` and bf16/fp16 weights, one more forward+backward and optimizer step.
 
     >>> diag = ag.locate(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), (x, y))
@@ -192,7 +203,7 @@ def locate(
     """
     policy, scale = _check_args(model, loss_fn, precision, scale)
     _optimizer.check_optimizer(optimizer)
-    keep = Preserved(model)
+    keep = Preserved(model, _check_rng(rng_state))
     try:
         keep.reset()
         bad_params, bad_buffers = _nonfinite_state(model)
@@ -222,19 +233,21 @@ def _locate(
     scale: float,
     keep: Preserved,
 ) -> Diagnosis:
-    """The replays of :func:`locate` (forward and backward), from a reset state."""
+    """The replays of :func:`locate` (forward and backward), from a reset state; every
+    diagnosis carries the low-precision replay's loss (``stats["replay_loss"]``)."""
     fp32 = resolve_precision("fp32", policy.device_type)
     bad = nonfinite_leaves(batch)
     low = replay(model, loss_fn, batch, policy, scale)
     if bad:
-        return _input_nonfinite(low, bad, scale)
+        return _replayed(_input_nonfinite(low, bad, scale), low)
     keep.reset()
     ref = replay(model, loss_fn, batch, fp32, 1.0)
     if ref.failed:
-        return _at(ref, "model_nonfinite", policy.precision, low)
+        return _replayed(_at(ref, "model_nonfinite", policy.precision, low), low)
     if low.failed:
-        return _low_failed(model, loss_fn, batch, policy, keep, low, ref)
-    return _silent(low, ref) or Diagnosis(
+        diag = _low_failed(model, loss_fn, batch, policy, keep, low, ref)
+        return _replayed(_check_fix(model, loss_fn, batch, policy, keep, diag), low)
+    none = Diagnosis(
         "none",
         None,
         None,
@@ -242,6 +255,23 @@ def _locate(
         {"loss": low.loss, "loss_fp32": ref.loss},
         policy.precision,
         scale,
+    )
+    return _replayed(_silent(low, ref) or none, low)
+
+
+def _replayed(diag: Diagnosis, low: Run) -> Diagnosis:
+    diag.stats.setdefault("replay_loss", low.loss)  # the low-precision replay's loss
+    return diag
+
+
+def _check_rng(value: Any) -> dict[str, Any] | None:
+    if value is None or isinstance(value, dict) and isinstance(value.get("cpu"), torch.Tensor):
+        return value
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+        return {"cpu": value}
+    raise TypeError(
+        "rng_state must be torch.get_rng_state() or a dict {'cpu': ..., 'cuda': [...]}, got "
+        f"{type(value).__name__}"
     )
 
 
@@ -411,6 +441,25 @@ def _low_failed(
         low.scale,
         benign=True,
     )
+
+
+def _check_fix(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    keep: Preserved,
+    diag: Diagnosis,
+) -> Diagnosis:
+    """An fp16 overflow at a module: check that keeping it in fp32 fixes the batch, and name an
+    eps fp16 cannot hold (:mod:`ampguard.forensics._fixcheck`), so the advice is one that works."""
+    if diag.kind != "fp16_overflow" or diag.benign or not diag.module:
+        return diag
+    diag.stats["tiny_eps"] = tiny_eps(model, diag.module, diag.precision)
+    diag.stats["keep_fp32_check"] = check_keep_fp32(
+        model, loss_fn, batch, policy, diag.scale, keep, diag.module, _first_new
+    )
+    return diag
 
 
 def _classify_low(run: Run, ref: Run, e: OpEvent | None, name: str) -> Diagnosis:

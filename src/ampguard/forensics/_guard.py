@@ -1,7 +1,8 @@
 """The Guard's forensics and precision fixes: ``keep_fp32``, ``forensics``, ``auto_fallback``,
 ``coverage_step``.
 
-- ``keep_fp32=[patterns]`` puts the matching modules in fp32 islands when the Guard is built.
+- ``keep_fp32=[patterns]`` puts the matching modules (name globs, or module classes such as
+  ``torch.nn.BatchNorm2d``) in fp32 islands when the Guard is built; the state keeps the names.
 - ``forensics=True`` arms op-level tracing (:mod:`ampguard.forensics._optrace`) for the next
   :data:`ARM_STEPS` windows after an overflow that is not the scaler's start-up descent (the
   first overflow before any applied step). An armed window that overflows is diagnosed from its
@@ -36,10 +37,12 @@ from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._absorbed_scan import diagnose_absorbed, scan_every
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
+from ampguard.forensics._replay import rng_state
+from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
-from ampguard.forensics.islands import Fp32Islands, keep_fp32, match_modules
+from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32, match_modules
 
-__all__ = ["ARM_STEPS", "GuardForensics", "attach", "check", "diagnose_trace"]
+__all__ = ["ARM_STEPS", "GuardForensics", "attach", "check", "diagnose_trace", "reproduced"]
 
 ARM_STEPS = 3
 FORENSICS_FILE = "forensics.json"
@@ -81,7 +84,7 @@ class GuardForensics:
     def __init__(
         self,
         guard: Any,
-        patterns: Iterable[str] | str | None,
+        patterns: Iterable[Pattern] | Pattern | None,
         enabled: bool,
         auto_fallback: bool,
         coverage_step: int | None,
@@ -101,6 +104,7 @@ class GuardForensics:
         self._trace: OpTrace | None = None
         self._scan_only = False  # the trace is an absorbed-overflow scan, not an armed window
         self._losses: list[torch.Tensor] = []
+        self._rng: dict[str, Any] | None = None  # RNG as the latest forward started (replays)
 
     # ------------------------------------------------------------------ Guard hooks
     def check_replay(self, batch: Any, loss_fn: Any) -> None:
@@ -112,7 +116,14 @@ class GuardForensics:
             )
 
     def session(self, phase: str) -> contextlib.AbstractContextManager:
-        """Trace this pass when the window is armed or is the coverage step; else a no-op."""
+        """Trace this pass when the window is armed or is the coverage step; else a no-op.
+
+        With ``forensics``, each forward also keeps the global RNG state it starts from (CPU,
+        and the accelerator's), so a replay of the batch handed to ``step()`` (the window's last
+        micro-batch) draws the same dropout masks as the step that failed. Cost: a host copy of
+        the generator states per forward, no device sync."""
+        if phase == "forward" and self.enabled:
+            self._rng = rng_state(self.guard.device.type)
         if phase == "forward" and self._trace is None and (self._wanted() or self._scan_due()):
             self._scan_only = not self._wanted()
             self._trace = OpTrace(self.guard.model, numerics=self._armed > 0 or self._scan_only)
@@ -159,11 +170,15 @@ class GuardForensics:
         scale = self._scale_used()
         if batch is not None and loss_fn is not None:
             if not self._warming_up():
-                self._handle(
-                    result.step,
-                    locate(self.guard.model, loss_fn, batch, self.guard.precision, scale),
-                    "replay",
+                diag = locate(
+                    self.guard.model,
+                    loss_fn,
+                    batch,
+                    self.guard.precision,
+                    scale,
+                    rng_state=self._rng,
                 )
+                self._handle(result.step, reproduced(diag, result.loss_nonfinite), "replay")
         elif armed and trace is not None:  # armed implies a trace; said for the checker
             floor = self.guard.scaler_config.min_scale
             self._handle(
@@ -194,7 +209,7 @@ class GuardForensics:
         return self.guard.scale_used_at(self.guard.steps)
 
     def _handle(self, step: int, diag: Diagnosis, via: str) -> None:
-        if diag.ok:
+        if diag.ok and diag.stats.get("replay_reproduced") is not False:
             self.benign += diag.benign
             self._armed = 0  # the scaler was probing: nothing to catch
             return
@@ -230,7 +245,10 @@ class GuardForensics:
 
     # ------------------------------------------------------------------ outputs
     def findings(self) -> list[Finding]:
-        """Diagnoses (one per code/module/pass/op, with occurrences), fallbacks, coverage."""
+        """Diagnoses (one per code/module/pass/op, with occurrences), fallbacks, coverage.
+
+        An AG301 seen on a few close steps that did not recur over a quiet stretch after them
+        is a warning that says so (:mod:`ampguard.forensics._transient`), not an error."""
         seen: dict[tuple, list[int]] = {}
         first: dict[tuple, tuple[Diagnosis, str]] = {}
         for step, d, via in self.diagnoses:
@@ -238,8 +256,11 @@ class GuardForensics:
             seen.setdefault(key, []).append(step)
             first.setdefault(key, (d, via))
         out = []
+        last = max((step for step, _, _ in self.diagnoses), default=0)
         for key, (d, via) in first.items():
             f = d.to_finding(step=seen[key][0])
+            # a burst that came and went (skipping absorbed it): a warning, not an error
+            f = soften(f, seen[key], last, self.guard.steps)
             out.append(
                 Finding(
                     f.code,
@@ -292,6 +313,17 @@ class GuardForensics:
         runlog.write_json_atomic(telemetry.run_dir / FORENSICS_FILE, self.to_dict())
         if self.coverage is not None:
             runlog.write_json_atomic(telemetry.run_dir / COVERAGE_FILE, self.coverage.to_dict())
+
+
+def reproduced(diag: Diagnosis, logged_nonfinite: bool) -> Diagnosis:
+    """``diag`` with ``stats["replay_reproduced"]``: whether the replay's loss is non-finite
+    exactly when the step's logged loss was (a NaN loss the replay does not show means it
+    replayed a different computation: data changed in ``loss_fn``, non-deterministic ops)."""
+    replay_loss = diag.stats.get("replay_loss")
+    replay_bad = isinstance(replay_loss, float) and not math.isfinite(replay_loss)
+    diag.stats["logged_loss_nonfinite"] = bool(logged_nonfinite)
+    diag.stats["replay_reproduced"] = replay_bad or not logged_nonfinite
+    return diag
 
 
 def _fallback_finding(change: dict[str, Any]) -> Finding:

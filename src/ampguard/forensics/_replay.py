@@ -17,7 +17,7 @@ import torch
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.forensics._optrace import OpEvent, OpTrace
 
-__all__ = ["Preserved", "Run", "replay", "nonfinite_leaves"]
+__all__ = ["Preserved", "Run", "replay", "nonfinite_leaves", "rng_state"]
 
 
 class Preserved:
@@ -27,7 +27,7 @@ class Preserved:
     Cost: holds one copy of the parameters and buffers while open.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, rng: dict[str, Any] | None = None) -> None:
         self.model = model
         self._slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]] = []
         for module in model.modules():
@@ -39,9 +39,13 @@ class Preserved:
         self._modes = [(m, m.training) for m in model.modules()]
         self._device_type = next((p.device.type for p in model.parameters()), "cpu")
         self._rng = _rng_state(self._device_type)
+        # the replays start from ``rng`` (the failing step's, so dropout draws the same mask);
+        # close() puts back the RNG as it was when the snapshot was taken
+        self._replay_rng = self._rng if rng is None else rng
 
     def reset(self) -> None:
-        """Values, modes and RNG as at the snapshot; gradients cleared (``None``)."""
+        """Values, modes and RNG (the replay's: ``rng`` if given) as at the snapshot; gradients
+        cleared (``None``)."""
         with torch.no_grad():
             # always copy back: kernels update buffers (BatchNorm stats) without a version bump
             for store, key, original, copy in self._slots:
@@ -51,11 +55,12 @@ class Preserved:
             p.grad = None
         for m, mode in self._modes:
             m.training = mode
-        _set_rng_state(self._device_type, self._rng)
+        _set_rng_state(self._device_type, self._replay_rng)
 
     def close(self) -> None:
-        """Restore everything, gradients included, and free the copies."""
+        """Restore everything, gradients and the caller's RNG included, and free the copies."""
         self.reset()
+        _set_rng_state(self._device_type, self._rng)
         for p, grad in self._grads:
             p.grad = grad
         self._slots.clear()
@@ -175,6 +180,13 @@ def nonfinite_leaves(batch: Any, path: str = "batch") -> list[dict[str, Any]]:
         for key, item in batch.items():
             found += nonfinite_leaves(item, f"{path}[{key!r}]")
     return found
+
+
+def rng_state(device_type: str) -> dict[str, Any]:
+    """The global RNG state a replay can start from: ``{"cpu": ...}`` plus the accelerator's
+    (``"cuda": [...]``, every device) where ``device_type`` has one. Cost: host copies of the
+    generator states, no device sync."""
+    return _rng_state(device_type)
 
 
 def _rng_state(device_type: str) -> dict[str, Any]:

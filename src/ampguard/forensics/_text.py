@@ -6,6 +6,7 @@ from typing import Any
 
 from ampguard.findings.codes import lookup
 from ampguard.forensics import _optimizer
+from ampguard.forensics._fixcheck import eps_text, keep_fp32_text
 
 __all__ = ["explain", "title_for", "fix_for", "where"]
 
@@ -72,7 +73,8 @@ def fix_for(d: Any) -> str:
         )
     return {
         "none": "Nothing to fix.",
-        "fp16_overflow": (
+        "fp16_overflow": keep_fp32_text(d)
+        or (
             f"Keep {where(d.module)} in fp32: Guard(..., keep_fp32=[{target!r}]) or "
             "Guard(..., auto_fallback=True); or train in bf16 (precision='bf16'); "
             "or bound the values (normalisation, clamping, smaller init or LR)."
@@ -148,6 +150,13 @@ def explain(d: Any) -> str:
             f"The batch itself holds {s.get('nan_count', 0)} NaN and {s.get('inf_count', 0)} "
             f"inf values ({paths}); the first module to consume them is {at}."
         )
+    if s.get("replay_reproduced") is False:
+        text = (
+            "The replay did not reproduce the failing step: its loss was NaN/inf in training "
+            f"but is {_g(s.get('replay_loss'))} in the replay (the batch or the model changed "
+            "between the step and the replay, loss_fn draws its own randomness, or an op is "
+            f"non-deterministic), so what follows describes the replay, not the step. {text}"
+        )
     return f"{text} Fix: {fix_for(d)}"
 
 
@@ -164,11 +173,22 @@ def _overflow(d: Any, at: str, counts: str) -> str:
             f"value is beyond {low}'s largest value {limit}; fp32 stays finite."
         )
     if d.phase == "forward":
-        return (
+        head = (
             f"In the forward pass {at} produced {counts} ({s.get('dtype')}, shape "
-            f"{s.get('shape')}) from finite inputs. In fp32 the same op reaches max |x| = "
-            f"{_g(ref)}, beyond {low}'s largest value {limit}; fp32 stays finite, so this "
-            f"is a {low} range overflow."
+            f"{s.get('shape')}) from finite inputs."
+        )
+        limit_value = s.get("limit")
+        if isinstance(ref, float) and isinstance(limit_value, float) and ref <= limit_value:
+            return (
+                f"{head} In fp32 the same op reaches only max |x| = {_g(ref)}, which fits "
+                f"{low}: one of its inputs lost its value in {low} (a small value rounded to "
+                f"zero, then divided by), so the op is non-finite only in {low}."
+                + eps_text(s.get("tiny_eps") or [])
+            )
+        return (
+            f"{head} In fp32 the same op reaches max |x| = {_g(ref)}, beyond {low}'s largest "
+            f"value {limit}; fp32 stays finite, so this is a {low} range overflow."
+            + eps_text(s.get("tiny_eps") or [])
         )
     if d.op == "aten._to_copy":
         what = (

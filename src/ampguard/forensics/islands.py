@@ -1,11 +1,14 @@
 """fp32 islands: run chosen modules outside autocast, in fp32.
 
 ``keep_fp32(model, ["head", "blocks.*.attn"])`` matches the patterns with :func:`fnmatch.fnmatch`
-against the names of ``model.named_modules()``. Each matching module then runs with autocast
-disabled and its floating low-precision inputs (positional and keyword, nested in tuples, lists
-and dicts) cast to fp32; its children run in fp32 too. Outputs are left in fp32: autocast casts
-them again where the next op needs it, so a value that only fits fp32 is not forced back into
-fp16 at the module boundary. The returned :class:`Fp32Islands` removes every hook it added.
+against the names of ``model.named_modules()``; a module class in the list
+(``keep_fp32(model, [torch.nn.BatchNorm2d])``) matches every module that is an instance of it, so
+one entry covers all of a model's BatchNorms however many there are. Each matching module then
+runs with autocast disabled and its floating low-precision inputs (positional and keyword, nested
+in tuples, lists and dicts) cast to fp32; its children run in fp32 too. Outputs are left in
+fp32: autocast casts them again where the next op needs it, so a value that only fits fp32 is
+not forced back into fp16 at the module boundary. The returned :class:`Fp32Islands` removes
+every hook it added.
 
 >>> islands = keep_fp32(model, ["head"])
 >>> with torch.autocast("cpu", dtype=torch.float16):
@@ -24,49 +27,79 @@ import torch
 
 from ampguard._util.tensors import device_type
 
-__all__ = ["Fp32Islands", "keep_fp32", "match_modules"]
+__all__ = ["Fp32Islands", "Pattern", "keep_fp32", "match_modules"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
 
+Pattern = str | type[torch.nn.Module]
+"""A ``keep_fp32`` entry: an fnmatch pattern over module names, or a module class."""
+
+
 def match_modules(
-    model: torch.nn.Module, patterns: str | Iterable[str], *, argument: str = "keep_fp32"
+    model: torch.nn.Module,
+    patterns: Pattern | Iterable[Pattern],
+    *,
+    argument: str = "keep_fp32",
 ) -> list[str]:
     """Names in ``model.named_modules()`` matching any pattern, in model order.
 
-    Raises ``TypeError`` for patterns that are not strings and ``ValueError``, naming
-    ``argument``, for a pattern that matches no module (with the closest names as a hint).
+    A ``str`` pattern matches names (fnmatch); a module class matches instances of it
+    (subclasses too). Raises ``TypeError``, naming ``argument``, for an entry that is neither,
+    and ``ValueError`` for an entry that matches no module (with the closest names, or the
+    classes the model has, as a hint).
     """
     pats = _patterns(patterns, argument)
-    names = [name for name, _ in model.named_modules()]
+    modules = list(model.named_modules())
     for pat in pats:
-        if not any(fnmatch(name, pat) for name in names):
-            close = difflib.get_close_matches(pat, [n for n in names if n], n=3)
-            hint = f"; did you mean {close}?" if close else ""
-            raise ValueError(
-                f"{argument} pattern {pat!r} matches no module of {type(model).__name__} "
-                f"(patterns are fnmatch-style over model.named_modules() names, e.g. 'head', "
-                f"'blocks.*.attn'){hint}"
-            )
-    return [name for name in names if any(fnmatch(name, pat) for pat in pats)]
+        if not any(_matches(pat, name, m) for name, m in modules):
+            raise ValueError(_no_match(model, pat, modules, argument))
+    return [name for name, m in modules if any(_matches(pat, name, m) for pat in pats)]
 
 
-def _patterns(patterns: Any, argument: str) -> list[str]:
-    if isinstance(patterns, str):
+def _matches(pat: Pattern, name: str, module: torch.nn.Module) -> bool:
+    return fnmatch(name, pat) if isinstance(pat, str) else isinstance(module, pat)
+
+
+def _no_match(
+    model: torch.nn.Module, pat: Pattern, modules: list[tuple[str, Any]], argument: str
+) -> str:
+    if isinstance(pat, str):
+        close = difflib.get_close_matches(pat, [n for n, _ in modules if n], n=3)
+        hint = f"; did you mean {close}?" if close else ""
+        return (
+            f"{argument} pattern {pat!r} matches no module of {type(model).__name__} "
+            f"(patterns are fnmatch-style over model.named_modules() names, e.g. 'head', "
+            f"'blocks.*.attn', or module classes, e.g. torch.nn.BatchNorm2d){hint}"
+        )
+    kinds = sorted({type(m).__name__ for _, m in modules})
+    return (
+        f"{argument} class {pat.__qualname__} matches no module of {type(model).__name__} "
+        f"(its module classes: {', '.join(kinds[:12])}{', ...' if len(kinds) > 12 else ''})"
+    )
+
+
+def _patterns(patterns: Any, argument: str) -> list[Pattern]:
+    if isinstance(patterns, str) or _is_module_class(patterns):
         return [patterns]
     try:
         pats = list(patterns)
     except TypeError:
         raise TypeError(
-            f"{argument} must be a list of module-name patterns (str), got "
-            f"{type(patterns).__name__}"
+            f"{argument} must be a list of module-name patterns (str) or module classes "
+            f"(e.g. torch.nn.BatchNorm2d), got {type(patterns).__name__}"
         ) from None
     for pat in pats:
-        if not isinstance(pat, str):
+        if not (isinstance(pat, str) or _is_module_class(pat)):
             raise TypeError(
-                f"{argument} must hold module-name patterns (str), got {type(pat).__name__} {pat!r}"
+                f"{argument} must hold module-name patterns (str) or torch.nn.Module subclasses, "
+                f"got {type(pat).__name__} {pat!r}"
             )
     return pats
+
+
+def _is_module_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, torch.nn.Module)
 
 
 class Fp32Islands:
@@ -126,8 +159,9 @@ class Fp32Islands:
         return f"Fp32Islands({list(self._handles)})"
 
 
-def keep_fp32(model: torch.nn.Module, patterns: str | Iterable[str]) -> Fp32Islands:
-    """Run the modules matching ``patterns`` outside autocast in fp32 (see the module doc).
+def keep_fp32(model: torch.nn.Module, patterns: Pattern | Iterable[Pattern]) -> Fp32Islands:
+    """Run the modules matching ``patterns`` (name globs or module classes) outside autocast in
+    fp32 (see the module doc).
 
     Returns the removable :class:`Fp32Islands` handle. Cost: no host sync; one cast per
     low-precision input of an island per call.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.fp8._torchao import TORCHAO_PIN, Fp8UnavailableError, quiet_logs, require_torchao
 
 __all__ = [
@@ -122,7 +123,7 @@ class Fp8State:
                 "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
                 "or the plan keeps them all in bf16); training runs in bf16",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )
 
     def revert(self) -> None:
@@ -267,7 +268,7 @@ def _warn_emulated(device: torch.device) -> None:
         "emulates it (real fp8 casts, the matmul in high precision): numerics as on an "
         "fp8 GPU, speed not",
         RuntimeWarning,
-        stacklevel=5,
+        stacklevel=user_stacklevel(),
     )
 
 

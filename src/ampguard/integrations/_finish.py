@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding
 
 __all__ = ["close_and_report"]
@@ -23,7 +24,9 @@ def close_and_report(handle: Any, report: bool) -> list[Finding]:
         try:
             handle.report()
         except ImportError as exc:
-            warnings.warn(f"ampguard: no report written ({exc})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"ampguard: no report written ({exc})", RuntimeWarning, stacklevel=user_stacklevel()
+            )
     serious = [f for f in found if f.severity in ("warning", "error")]
     if serious:
         codes = ", ".join(sorted({f.code for f in serious}))
@@ -32,6 +35,6 @@ def close_and_report(handle: Any, report: bool) -> list[Finding]:
             f"ampguard: {len(serious)} finding(s) ({codes}); see {where}/report.html "
             f"or `ampguard report {where}`",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return found

@@ -36,6 +36,7 @@ import torch
 
 from ampguard import runlog
 from ampguard import telemetry as _telemetry
+from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.policy import device_of
 from ampguard.core.scaler import ScaleCollapseError
@@ -390,7 +391,7 @@ class Watch:
         if self.policy.on_collapse == "raise" and in_step:
             raise ScaleCollapseError(msg)
         if not self._collapsing:
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            warnings.warn(msg, RuntimeWarning, stacklevel=user_stacklevel())
         self._collapsing = True
 
     # ------------------------------------------------------------------ findings

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from ampguard import runlog
+from ampguard._util.stack import user_stacklevel
 
 __all__ = ["write_report"]
 
@@ -32,7 +33,7 @@ def write_report(run_dir: str | os.PathLike) -> Path | None:
             f"ampguard: no report.html written for {run_dir} (needs matplotlib: pip "
             "install 'ampguard[report]'); `ampguard report` renders it later",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return None
     except OSError as exc:  # a full or read-only disk: the run log is what matters

@@ -29,9 +29,22 @@ if TYPE_CHECKING:  # matplotlib is imported lazily (the ``plots`` extra)
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["scale_plot", "loss_plot", "heatmap_plot", "range_plot", "FIGURES"]
+__all__ = [
+    "scale_plot",
+    "loss_plot",
+    "heatmap_plot",
+    "range_plot",
+    "scale_figure",
+    "loss_figure",
+    "heatmap_figure",
+    "range_figure",
+    "HEATMAP_NOTE",
+    "FIGURES",
+]
 
 _MAX_LABELS = 40
+HEATMAP_NOTE = "white: zero, non-finite or not recorded"
+"""What an empty heatmap cell means (said on the figure itself)."""
 _MAX_STEP_TICKS = 30
 
 
@@ -51,6 +64,14 @@ def _png(fig: Figure) -> bytes:
 
 
 _MAX_EVENTS = 50  # resume / fallback markers drawn (a log with more is not a training run)
+
+
+def _step_axis(ax: Axes) -> None:
+    """Steps are whole numbers: integer ticks only (no "2.5" on a 5-step run)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
 
 
 def _markers(ax: Axes, run: RunLog) -> None:
@@ -79,6 +100,13 @@ def _markers(ax: Axes, run: RunLog) -> None:
 
 
 def scale_plot(run: RunLog) -> bytes | None:
+    """Loss scale per step on a log2 axis, skipped steps, resumes and the safe fp16 window
+    (PNG bytes of :func:`scale_figure`)."""
+    fig = scale_figure(run)
+    return None if fig is None else _png(fig)
+
+
+def scale_figure(run: RunLog) -> Figure | None:
     """Loss scale per step on a log2 axis, skipped steps, resumes and the safe fp16 window."""
     if not len(run.steps):
         return None
@@ -121,11 +149,11 @@ def scale_plot(run: RunLog) -> bytes | None:
         ax.set_ylim(positive.min() / 16, positive.max() * 16)
     ax.set_yscale("log", base=2)
     _markers(ax, run)
-    ax.set_xlabel("step")
+    _step_axis(ax)
     ax.set_ylabel("loss scale")
     ax.legend(loc="lower left", fontsize=8)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig
 
 
 def _scale_line(ax: Axes, steps: np.ndarray, scale: np.ndarray) -> None:
@@ -150,6 +178,13 @@ def _scale_line(ax: Axes, steps: np.ndarray, scale: np.ndarray) -> None:
 
 
 def loss_plot(run: RunLog) -> bytes | None:
+    """Loss per step (log axis when positive), skipped steps marked
+    (PNG bytes of :func:`loss_figure`)."""
+    fig = loss_figure(run)
+    return None if fig is None else _png(fig)
+
+
+def loss_figure(run: RunLog) -> Figure | None:
     """Loss per step (log axis when positive), skipped steps marked."""
     finite = np.isfinite(run.loss)
     if not finite.any():
@@ -189,11 +224,11 @@ def loss_plot(run: RunLog) -> bytes | None:
         ax.set_yscale("log")
         _plain_log_labels(ax)
     _markers(ax, run)
-    ax.set_xlabel("step")
+    _step_axis(ax)
     ax.set_ylabel("loss")
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig
 
 
 def _plain_log_labels(ax: Axes) -> None:
@@ -234,6 +269,13 @@ def _layer_ticks(ax: Axes, names: list[str], axis: str = "y") -> None:
 
 
 def heatmap_plot(run: RunLog) -> bytes | None:
+    """log10 of each layer's unscaled gradient norm over the sampled steps
+    (PNG bytes of :func:`heatmap_figure`)."""
+    fig = heatmap_figure(run)
+    return None if fig is None else _png(fig)
+
+
+def heatmap_figure(run: RunLog) -> Figure | None:
     """log10 of each layer's unscaled gradient norm over the sampled steps."""
     if not len(run.layer_steps) or not run.layers:
         return None
@@ -248,17 +290,26 @@ def heatmap_plot(run: RunLog) -> bytes | None:
     rows = np.arange(len(run.layers) + 1) - 0.5
     img = ax.pcolormesh(_column_edges(cols), rows, data, cmap="viridis")
     ax.set_ylim(len(run.layers) - 0.5, -0.5)  # the first layer on top
+    _step_axis(ax)
     if len(run.layer_steps) <= _MAX_STEP_TICKS:  # a short run: label every sampled step
         ax.set_xticks(run.layer_steps, [str(int(s)) for s in run.layer_steps], fontsize=7)
     _layer_ticks(ax, run.layers)
-    ax.set_xlabel("step")
+    ax.set_title(HEATMAP_NOTE, fontsize=8, loc="right")
     fig.colorbar(img, ax=ax, label="log10 grad norm (unscaled)")
-    return _png(fig)
+    return fig
 
 
 def range_plot(run: RunLog) -> bytes | None:
     """Per layer at the latest clean range sample: safe scale window vs the scale in use,
-    underflow share and fp16 headroom."""
+    underflow share and fp16 headroom (PNG bytes of :func:`range_figure`)."""
+    fig = range_figure(run)
+    return None if fig is None else _png(fig)
+
+
+def range_figure(run: RunLog) -> Figure | None:
+    """The figure :func:`range_plot` renders, for a caller that reads its geometry: in the left
+    axes, one bar per layer spanning ``[safe_lo, safe_hi]`` of the latest clean range sample
+    (an open end drawn to 1 or to 256x the highest bound), the scale in use as a vertical line."""
     ok = np.flatnonzero(run.range_applied)
     if not len(ok) or not run.layers:
         return None
@@ -274,7 +325,7 @@ def range_plot(run: RunLog) -> bytes | None:
     good = bottom <= top
     ax.barh(
         y[good],
-        (top / bottom)[good],
+        (top - bottom)[good],  # barh's width is an extent: the bar ends at left + width
         left=bottom[good],
         color="#2a9d8f",
         alpha=0.6,
@@ -310,7 +361,7 @@ def range_plot(run: RunLog) -> bytes | None:
     ax2.set_xlim(0, max(5.0, float(under.max()) * 110))
     ax2.set_xlabel("% below fp16 normal  /  headroom to 65504")
     ax2.legend(loc="lower right", fontsize=7)
-    return _png(fig)
+    return fig
 
 
 FIGURES: list[tuple[str, str, Callable[[RunLog], bytes | None]]] = [

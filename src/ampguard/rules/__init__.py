@@ -60,7 +60,10 @@ from ampguard.rules._nonfinite import ag109, ag110
 from ampguard.rules._silent import ag170, ag171
 from ampguard.runlog import RunLog
 
-__all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "TITLES"]
+__all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "NONFINITE_FORWARD", "TITLES"]
+
+NONFINITE_FORWARD = "non-finite forward (NaN/inf loss)"
+"""The :func:`skip_causes` key of skipped steps whose loss was non-finite."""
 
 
 def evaluate(run: RunLog, config: RuleConfig | None = None) -> list[Finding]:
@@ -129,24 +132,34 @@ def warmup_mask(run: RunLog, cfg: RuleConfig) -> np.ndarray:
 
 
 def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[int]]:
-    """Skipped steps by cause: warm-up probing, collapse, every micro-batch dropped, overflow.
+    """Skipped steps by cause: warm-up probing, collapse, every micro-batch dropped, a
+    non-finite forward, overflow.
 
-    A step that a recorded forensics error (AG301/AG303/AG304) traced to a non-finite value is an
-    overflow even inside the warm-up: the scale was not merely probing its level there.
+    A skipped step whose loss was NaN/inf is a non-finite forward (:data:`NONFINITE_FORWARD`),
+    never a warm-up or gradient overflow: no loss scale makes a non-finite loss finite, so the
+    fix lies in the forward. A step that a recorded forensics error (AG301/AG303/AG304) traced
+    to a non-finite value is an overflow even inside the warm-up: the scale was not merely
+    probing its level there.
     """
     warm = warmup_mask(run, cfg or RuleConfig())
     confirmed = _forensics_confirmed(run)
     accumulation = int(run.meta.get("guard", {}).get("accumulation_steps", 1))
+    loss_bad = _loss_nonfinite(run)
     out: dict[str, list[int]] = {
         "warm-up overflow": [],
         "collapse": [],
         "all micro-batches dropped": [],
+        NONFINITE_FORWARD: [],
         "overflow": [],
         "non-finite gradients (no loss scaler)": [],
     }
     for i in np.flatnonzero(~run.applied):
         step = int(run.steps[i])
-        if run.collapse[i]:
+        # a NaN loss under a scaler (a collapse it caused included); without a scaler the skip
+        # is AG109's count, whatever the loss was
+        if loss_bad[i] and not run.nonfinite[i] and run.dropped[i] < accumulation:
+            out[NONFINITE_FORWARD].append(step)
+        elif run.collapse[i]:
             out["collapse"].append(step)
         elif run.dropped[i] >= accumulation:
             out["all micro-batches dropped"].append(step)
@@ -159,14 +172,35 @@ def skip_causes(run: RunLog, cfg: RuleConfig | None = None) -> dict[str, list[in
     return out
 
 
+def _loss_nonfinite(run: RunLog) -> np.ndarray:
+    """Per step: the window's loss was NaN/inf (False where the log has no such field)."""
+    bad = run.loss_nonfinite
+    return bad if len(bad) == len(run.steps) else np.zeros(len(run.steps), dtype=bool)
+
+
+def _forward_share(run: RunLog, idx: np.ndarray) -> tuple[int, int]:
+    """(skipped steps among ``idx`` whose loss was non-finite, skipped steps among ``idx``)."""
+    skipped = idx[~run.applied[idx]]
+    return int(_loss_nonfinite(run)[skipped].sum()), len(skipped)
+
+
+_FORWARD_FIX = (
+    "The loss itself was NaN/inf, so no loss scale helps: find the forward module that "
+    "produces it (ampguard.locate(model, loss_fn, batch) or Guard(forensics=True)) and keep it "
+    "in fp32 (Guard(keep_fp32=[...])), check the data and any eps below 6e-8 (fp16's smallest "
+    "subnormal), or train in bf16 (precision='bf16')."
+)
+
+
 def _forensics_confirmed(run: RunLog) -> set[int]:
-    """Steps that a recorded forensics error (AG301/AG303/AG304) traced to a real non-finite."""
+    """Steps that a recorded forensics error (AG301/AG303/AG304, or an AG301 warning about a
+    transient burst) traced to a real non-finite."""
     out: set[int] = set()
     for e in run.events:
         f = e.get("finding") if e.get("kind") == "finding" else None
         if not (
             isinstance(f, dict)
-            and f.get("severity") == "error"
+            and (f.get("severity") == "error" or (f.get("evidence") or {}).get("transient"))
             and str(f.get("code", "")).startswith("AG30")
         ):
             continue
@@ -189,21 +223,27 @@ def _ag101(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     if run.collapse.any():
         idx = np.flatnonzero(run.collapse)
         step = int(run.steps[idx[0]])
+        forward, _ = _forward_share(run, idx)
+        what = (
+            f"the loss was NaN/inf (a non-finite forward) on {forward} of them"
+            if forward
+            else "gradients overflowed"
+        )
         return [
             _finding(
                 "AG101",
                 "error",
-                f"the loss scale collapsed: gradients overflowed at min_scale="
-                f"{min_scale:g} on {count(len(idx), 'step')}, first at step {step}; "
-                f"{'it was' if len(idx) == 1 else 'they were'} skipped and the model "
+                f"the loss scale collapsed: {count(len(idx), 'step')} skipped at min_scale="
+                f"{min_scale:g}, first at step {step}; {what}, and the model "
                 f"did not learn from {'it' if len(idx) == 1 else 'them'}.",
                 step,
                 {
                     "collapse_steps": run.steps[idx[:20]].tolist(),
                     "collapses": len(idx),
                     "min_scale": min_scale,
+                    "nonfinite_loss_steps": forward,
                 },
-                fix,
+                _FORWARD_FIX if forward * 2 >= len(idx) else fix,
             )
         ]
     if not sc.get("dynamic", True) or len(run.steps) == 0:
@@ -212,21 +252,30 @@ def _ag101(run: RunLog, cfg: RuleConfig, warm: np.ndarray) -> list[Finding]:
     low = np.flatnonzero(run.overflow & (run.scale <= floor))
     if len(low) and float(sc.get("init_scale", 2.0**16)) > floor:
         i = int(low[0])
+        forward, skipped = _forward_share(run, np.flatnonzero(run.overflow))
+        what = "skipped steps" if forward == skipped else "overflows"
+        why = (
+            f"; {forward} of the {skipped} skipped steps had a NaN/inf loss (a non-finite "
+            "forward, not overflowing gradients)"
+            if forward
+            else ""
+        )
         return [
             _finding(
                 "AG101",
                 "warning",
-                f"overflows drove the loss scale down to {run.scale[i]:g} at step "
+                f"{what} drove the loss scale down to {run.scale[i]:g} at step "
                 f"{int(run.steps[i])}, within {cfg.collapse_floor_factor:g}x of "
-                f"min_scale={min_scale:g}: one more bad stretch and every step is "
+                f"min_scale={min_scale:g}{why}: one more bad stretch and every step is "
                 "skipped.",
                 int(run.steps[i]),
                 {
                     "scale": run.scale[i],
                     "min_scale": min_scale,
                     "overflow_steps": run.steps[low[:20]].tolist(),
+                    "nonfinite_loss_steps": forward,
                 },
-                fix,
+                _FORWARD_FIX if forward * 2 >= max(skipped, 1) else fix,
             )
         ]
     return _net_drop(run, cfg, warm, fix)
@@ -244,16 +293,31 @@ def _net_drop(run: RunLog, cfg: RuleConfig, warm: np.ndarray, fix: str) -> list[
     if drop[worst] < cfg.collapse_halvings:
         return []
     step = int(run.steps[post[worst]])
+    forward, skipped = _forward_share(run, post[max(0, worst - w + 1) : worst + 1])
+    if forward and forward == skipped:
+        why = f"every skipped step in it ({forward}) had a NaN/inf loss: the forward is non-finite"
+    elif forward:
+        why = (
+            f"{forward} of its {skipped} skipped steps had a NaN/inf loss (a non-finite "
+            "forward), the others overflowing gradients"
+        )
+    else:
+        why = "the gradients keep overflowing"
     return [
         _finding(
             "AG101",
             "warning",
             f"the loss scale fell by 2^{drop[worst]:.0f} (to {run.scale[post[worst]]:g})"
-            f" within {w} steps, ending at step {step}: the gradients keep overflowing "
+            f" within {w} steps, ending at step {step}: {why} "
             "and the scale is heading for min_scale.",
             step,
-            {"halvings": drop[worst], "window_steps": w, "scale": run.scale[post[worst]]},
-            fix,
+            {
+                "halvings": drop[worst],
+                "window_steps": w,
+                "scale": run.scale[post[worst]],
+                "nonfinite_loss_steps": forward,
+            },
+            _FORWARD_FIX if forward * 2 >= max(skipped, 1) else fix,
         )
     ]
 

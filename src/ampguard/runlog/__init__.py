@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ampguard._util import atomic
+from ampguard._util.stack import user_stacklevel
 from ampguard.runlog._errors import TelemetryError
 from ampguard.runlog._files import read_findings, read_json_file, read_meta
 from ampguard.runlog._lock import RunFolderLock
@@ -208,7 +209,7 @@ def _cut_torn_tail(path: Path) -> None:
             f"{path}: cutting a torn last line ({size - keep} bytes) left by a crash "
             "before continuing the run log",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
         fh.truncate(keep)
 
@@ -354,6 +355,10 @@ def load_run(run_dir: str | os.PathLike) -> RunLog:
     """
     run_dir = Path(run_dir)
     meta_path, events_path = run_dir / META, run_dir / EVENTS
+    if not run_dir.exists():
+        raise RunFolderError(f"run_dir {str(run_dir)!r} does not exist")
+    if not run_dir.is_dir():
+        raise RunFolderError(f"run_dir {str(run_dir)!r} is not a folder (a run folder is)")
     if not meta_path.exists() or not events_path.exists():
         raise RunFolderError(
             f"run_dir {str(run_dir)!r} is not an ampguard run folder (needs "

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.runlog._schema import (
     LineWarnings,
     RunFolderError,
@@ -126,14 +127,16 @@ def read_coverage(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
         cov = read_json_file(path)
     except RunFolderError as exc:
-        warnings.warn(f"{exc}; the coverage section is left out", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{exc}; the coverage section is left out", RuntimeWarning, stacklevel=user_stacklevel()
+        )
         return None
     ok = coverage_ok(cov)
     if not ok:
         warnings.warn(
             f"{path}: not an autocast census written by ampguard; the coverage section is left out",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return None
     return cov

@@ -51,6 +51,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.findings import SEVERITIES
 from ampguard.findings.codes import CATALOGUE
 
@@ -294,7 +295,11 @@ class LineWarnings:
     def warn(self, where: str, problem: str) -> None:
         self.count += 1
         if self.count <= self.limit:
-            warnings.warn(f"{self.path}: {where}: {problem}; skipped", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"{self.path}: {where}: {problem}; skipped",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def close(self) -> None:
         if self.count > self.limit:
@@ -302,7 +307,7 @@ class LineWarnings:
                 f"{self.path}: {self.count - self.limit} more malformed line(s) or "
                 f"field(s) skipped ({self.count} in all)",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
 

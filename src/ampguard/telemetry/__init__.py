@@ -36,6 +36,7 @@ import torch
 
 from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
+from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
 from ampguard.telemetry._absorbed import AbsorbedCounter
@@ -71,6 +72,12 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return check_int(f"Telemetry {name}", value, minimum)
 
 
+DENSE_LAYER_STEPS = 32
+"""With the default ``layer_every`` (None), steps 1..32 of a run sample the gradient norms every
+step and later steps every 10th: a short run (a smoke test, a 20-step repro) gets a heatmap with
+a column per step, for 29 extra samples in all. An explicit ``layer_every`` is kept exactly."""
+
+
 class Telemetry:
     """Records what a :class:`ampguard.Guard` does into ``run_dir``, without per-step host syncs.
 
@@ -79,7 +86,8 @@ class Telemetry:
 
     Arguments: ``flush_every`` (rows in the device ring buffer; one device-to-host transfer per
     flush), ``layer_stats`` (per-layer grad norms; False keeps only the total norm),
-    ``layer_every`` (gradient statistics every N steps; 1 = every step), ``range_every``
+    ``layer_every`` (gradient statistics every N steps; 1 = every step; None, the default:
+    every 10 steps and each of the first ``DENSE_LAYER_STEPS`` = 32), ``range_every``
     (fp16 range statistics every N steps; 0 = off), ``tensorboard`` (also write ``tb/`` with the
     ``tensorboard`` package), ``resume`` (continue an existing log in ``run_dir`` and mark the
     resume point; False starts the log over), ``sinks`` (extra sinks such as
@@ -114,7 +122,7 @@ class Telemetry:
         run_dir: str | os.PathLike,
         flush_every: int = 100,
         layer_stats: bool = True,
-        layer_every: int = 10,
+        layer_every: int | None = None,
         range_every: int = 100,
         tensorboard: bool = False,
         *,
@@ -137,7 +145,9 @@ class Telemetry:
             check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
         self.flush_every = _positive_int("flush_every", flush_every)
-        self.layer_every = _positive_int("layer_every", layer_every)
+        # None: every 10 steps, and each of the first DENSE_LAYER_STEPS (a short run's heatmap)
+        self._dense = DENSE_LAYER_STEPS if layer_every is None else 0
+        self.layer_every = 10 if layer_every is None else _positive_int("layer_every", layer_every)
         self.range_every = _positive_int("range_every", range_every, minimum=0)
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
         self._failures = WriteFailures(self.run_dir, on_write_error)
@@ -209,7 +219,7 @@ class Telemetry:
             self.flush_every,
             len(layout.params),
             n_layers,
-            self.layer_every,
+            1 if self._dense else self.layer_every,  # slots for the dense first steps too
             self.range_every,
             self._device,
         )
@@ -273,7 +283,9 @@ class Telemetry:
             why = _cannot_continue(self._meta_path, self.layers)
             if why:
                 warnings.warn(
-                    f"{self.run_dir}: {why}; starting a new log", RuntimeWarning, stacklevel=4
+                    f"{self.run_dir}: {why}; starting a new log",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
                 )
                 self._log_pending = False
         if not self._log_pending:
@@ -324,7 +336,7 @@ class Telemetry:
             return
         if self._log_pending:  # the first step came without a resume: a new run
             self._begin_log()
-        layers = step % self.layer_every == 0
+        layers = step % self.layer_every == 0 or step <= self._dense
         ranged = self.range_every and step % self.range_every == 0
         if not (layers or ranged):
             return
@@ -422,6 +434,8 @@ class Telemetry:
 
     def _due_after(self, step: int) -> int:
         """The first step after ``step`` whose gradients are sampled."""
+        if step < self._dense:  # a short run's heatmap: every one of the first steps
+            return step + 1
         return min(step // k * k + k for k in (self.layer_every, self.range_every) if k)
 
     def on_abort(self) -> None:
