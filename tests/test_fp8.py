@@ -187,6 +187,32 @@ def test_guard_fp8_argument_errors():
         )
 
 
+def test_guard_fp8_with_no_layer_converted_says_it_trains_in_bf16(tmp_path):
+    odd = nn.Sequential(nn.Linear(30, 10), nn.GELU(), nn.Linear(10, 30))  # nothing eligible
+    opt = torch.optim.AdamW(odd.parameters(), lr=1e-3)
+    tel = ag.Telemetry(tmp_path / "run", flush_every=2)
+    with pytest.warns(RuntimeWarning, match="guard.precision is 'bf16'"):
+        guard = ag.Guard(odd, opt, precision="fp8", telemetry=tel)
+    assert guard.precision == "bf16" and guard.requested_precision == "fp8"
+    assert guard.fp8 is not None and guard.fp8.layers == []
+    with guard:
+        for _ in range(2):
+            with guard.autocast():
+                loss = odd(torch.randn(4, 30)).float().pow(2).mean()
+            guard.backward(loss)
+            guard.step()
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["precision"] == "bf16" and meta["requested_precision"] == "fp8"
+    # its state resumes into the same Guard without a precision-change warning
+    odd2 = nn.Sequential(nn.Linear(30, 10), nn.GELU(), nn.Linear(10, 30))
+    with pytest.warns(RuntimeWarning, match="no Linear layer is converted"):
+        guard2 = ag.Guard(odd2, torch.optim.AdamW(odd2.parameters()), precision="fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard2.load_state_dict(guard.state_dict())
+    assert guard2.precision == "bf16" and guard2.steps == 2
+
+
 def test_fp8_checkpoint_resumes_bitwise(tmp_path):
     def fresh():
         torch.manual_seed(0)

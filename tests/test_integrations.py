@@ -149,6 +149,8 @@ def test_hf_trainer_fp16_on_cpu_is_fp32_and_says_so(tmp_path):
     assert callback.run_dir == run
     assert "AG122" in _codes(callback.findings())
     assert _records(run)[0]["precision"] == "fp32"
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["precision"] == "fp32" and meta["requested_precision"] == "fp16"
     saved = json.loads((run / "findings.json").read_text())
     assert "AG122" in {f["code"] for f in saved}
 
@@ -264,7 +266,14 @@ def _reset_accelerate():
 
 
 def _accelerate_run(
-    tmp_path, *, mixed_precision="fp16", fused=False, give_scaler=True, bad=BAD, clip=None
+    tmp_path,
+    *,
+    mixed_precision="fp16",
+    fused=False,
+    give_scaler=True,
+    bad=BAD,
+    clip=None,
+    native_amp=True,
 ):
     accelerate = pytest.importorskip("accelerate")
     from ampguard.integrations.accelerate import watch_accelerator
@@ -274,7 +283,7 @@ def _accelerate_run(
     accelerator = accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True)
     if mixed_precision == "fp16" and give_scaler:
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        accelerator.native_amp = True
+        accelerator.native_amp = native_amp
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     _plant(model[0].weight, bad)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
@@ -327,6 +336,27 @@ def test_accelerate_bf16_records_loss_and_every_step(tmp_path):
 def test_accelerate_fp16_on_cpu_without_scaler_reports_ag122(tmp_path):
     handle, _ = _accelerate_run(tmp_path, give_scaler=False, bad=())
     assert "AG122" in _codes(handle.findings())
+
+
+def test_accelerate_user_scaler_without_native_amp_is_fp32_and_says_so(tmp_path):
+    # accelerator.scaler set by the user, but native_amp stays False (Accelerate on CPU):
+    # accelerator.autocast() is a no-op, so the loss is scaled and every op runs in fp32
+    handle, flags = _accelerate_run(tmp_path, native_amp=False)
+    recs = _records(tmp_path)
+    assert len(recs) == STEPS and {r["precision"] for r in recs} == {"fp32"}
+    assert _skipped(tmp_path) == list(BAD)  # the scaler still skips the planted overflows
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["precision"] == "fp32" and meta["requested_precision"] == "fp16"
+    ag122 = [f for f in handle.findings() if f.code == "AG122"]
+    assert len(ag122) == 1 and "native_amp is False" in ag122[0].message
+    assert ag122[0].evidence["actual"] == "fp32"
+
+
+def test_accelerate_records_what_was_requested(tmp_path):
+    handle, _ = _accelerate_run(tmp_path, mixed_precision="bf16", bad=())
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["precision"] == meta["requested_precision"] == "bf16"
+    assert "AG122" not in _codes(handle.findings())
 
 
 def test_accelerate_wrappers_removed_on_close(tmp_path):

@@ -1,5 +1,9 @@
 """``Guard(precision="fp8")``: torchao float8 training for the Linear layers a plan allows.
 
+When no layer is converted (none eligible, or the plan keeps them all in bf16) the Guard trains
+in bf16 and says so: ``guard.precision == "bf16"`` (the run log records ``precision: "bf16"``,
+``requested_precision: "fp8"``) and a ``RuntimeWarning`` at construction.
+
 The Guard keeps bf16 autocast for everything; this module swaps the chosen ``nn.Linear`` layers
 for torchao's ``Float8Linear`` (``convert_to_float8_training`` with the plan's recipe), with
 ``emulate=True`` where the device has no fp8 matmul (CPU, GPUs before sm_89): real fp8 casts, the
@@ -22,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ampguard.core.policy import resolve_precision
 
 __all__ = [
     "Fp8UnavailableError",
@@ -128,9 +134,12 @@ class Fp8State:
         ]
         self.kept = [n for n in linears if n not in self.layers]
         if not self.layers:
+            # nothing computes in fp8: the Guard says what runs (bf16), not what was asked
+            guard._policy = resolve_precision("bf16", guard._device)
             warnings.warn(
                 "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
-                "or the plan keeps them all in bf16); training runs in bf16",
+                "or the plan keeps them all in bf16); training runs in bf16 "
+                "(guard.precision is 'bf16', guard.requested_precision 'fp8')",
                 RuntimeWarning,
                 stacklevel=4,
             )
