@@ -201,6 +201,7 @@ def kill_writer_at(folder: Path, moment: str) -> tuple[list[str], list[Path]]:
     return log.read_text().split(), temp_files(folder)
 
 
+@pytest.mark.slow  # SIGKILL of a writer process
 @pytest.mark.timeout(150)
 def test_sigkill_at_any_moment_leaves_a_loadable_consistent_checkpoint(tmp_path):
     moments = ["temp file created", "temp file half written", "0.05", "0.3"]

@@ -609,6 +609,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # SIGKILL of a writer process
 @pytest.mark.timeout(120)
 def test_a_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
     target = tmp_path / "ckpt.pt"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import warnings
 
@@ -448,9 +449,11 @@ def test_mlflow_sink_local_store(tmp_path, monkeypatch):
 
     from ampguard.integrations.sinks import MlflowSink
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    # the sink opens its own file store (MLflow 3 refuses one without MLFLOW_ALLOW_FILE_STORE)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     uri = (tmp_path / "mlruns").as_uri()
     sink = MlflowSink(experiment="ampguard-test", tracking_uri=uri)
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # set only while the store was made
     recs = _watched_loop(tmp_path / "run", sink)
     client = MlflowClient(tracking_uri=uri)
     run_id = client.search_runs([client.get_experiment_by_name("ampguard-test").experiment_id])[
@@ -463,6 +466,24 @@ def test_mlflow_sink_local_store(tmp_path, monkeypatch):
     applied = client.get_metric_history(run_id, "ampguard/applied")
     assert [m.step for m in applied if m.value == 0.0] == [2]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_mlflow_sink_takes_a_path_and_leaves_a_users_setting_alone(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.exceptions import MlflowException
+
+    from ampguard.integrations.sinks import MlflowSink, is_local_store
+
+    assert is_local_store("/runs/mlruns") and is_local_store("file:///runs/mlruns")
+    assert not is_local_store("http://localhost:5000") and not is_local_store(None)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    sink = MlflowSink(experiment="ampguard-path", tracking_uri=tmp_path / "mlruns")
+    sink.start(tmp_path / "run", ["fc"])
+    sink.close()
+    assert (tmp_path / "mlruns").is_dir()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # the user's own choice wins
+    with pytest.raises(MlflowException, match="MLFLOW_ALLOW_FILE_STORE"):
+        MlflowSink(tracking_uri=tmp_path / "other")
 
 
 # ---------------------------------------------------------------------- issue 12: grad norm
