@@ -155,6 +155,7 @@ def test_the_split_pages_keep_their_code_blocks_whole(split_copy):
     shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
     reason="mkdocs is not installed (pip install -e '.[docs]')",
 )
+@pytest.mark.slow  # a full mkdocs build in a subprocess
 def test_mkdocs_build_strict_passes_on_the_split_docs(split_copy, tmp_path):
     (split_copy / "docs" / "img").mkdir(exist_ok=True)
     if not (split_copy / "docs" / "img" / "report.png").exists():  # made by screenshot_report
@@ -189,6 +190,7 @@ def test_doctest_blocks_become_code_fences():
 
 
 # ---------------------------------------------------------------------- the example
+@pytest.mark.slow  # a fresh interpreter trains and writes the report
 def test_the_quickstart_example_runs_and_writes_the_report(tmp_path):
     script = DOCS / "examples" / "quickstart.py"
     assert len(script.read_text(encoding="utf-8").splitlines()) <= 20
