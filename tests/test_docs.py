@@ -99,6 +99,23 @@ def test_readme_links_resolve():
     assert not broken
 
 
+def test_readme_has_two_setup_commands_and_ci_runs_the_test_command_as_written():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)\n```", setup, re.S)
+    assert len(commands) == 2, commands
+    demo, tests = commands
+    assert demo.endswith("&& ampguard demo") and '".[dev]"' in tests
+    test_command = tests.rsplit("&& ", 1)[1]
+    assert test_command.startswith("python -m pytest")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"\n{test_command}\n" in ci  # CI runs it exactly as the README writes it
+    quick = re.search(r'`(python -m pytest -q -m "not slow")`', setup)
+    assert quick is not None  # the quick tier is offered, and the marker it names is registered
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"slow: ' in pyproject and "--strict-markers" in pyproject
+
+
 def test_readme_run_folders_match_the_demo_default():
     from ampguard.demo import run_demo
 
