@@ -68,7 +68,7 @@ def unconvertible(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 def _describe(module: nn.Module) -> dict[str, Any] | None:
     if is_hf_conv1d(module):
-        nx, nf = module.weight.shape
+        nx, nf = _weight(module).shape
         return {
             "shape": [int(nx), int(nf)],
             "reason": "transformers Conv1D (a Linear with its weight transposed): torchao "
@@ -131,8 +131,15 @@ def conv1d_to_linear(model: nn.Module) -> nn.Module:
     return model
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is not a tensor")
+    return weight
+
+
 def _as_linear(conv: nn.Module) -> nn.Linear:
-    weight: torch.Tensor = conv.weight
+    weight = _weight(conv)
     bias = getattr(conv, "bias", None)
     nx, nf = weight.shape
     linear = nn.Linear(nx, nf, bias=bias is not None, device="meta")

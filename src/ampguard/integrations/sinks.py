@@ -151,6 +151,8 @@ class MlflowSink:
             for rec, rate in zip(records, skip_rate, strict=True)
             for key, value in step_metrics(rec, rate, self._layers).items()
         ]
+        if self.run_id is None:
+            raise RuntimeError("MlflowSink.write before start (no MLflow run to log into)")
         for start in range(0, len(metrics), _MLFLOW_BATCH):
             self._client.log_batch(self.run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
 
