@@ -146,3 +146,14 @@ def _conv1d(nf: int, nx: int) -> nn.Module:
     from transformers.pytorch_utils import Conv1D
 
     return Conv1D(nf, nx)
+
+
+def test_guard_fp8_names_the_conv1d_it_leaves_in_bf16():
+    pytest.importorskip("torchao")
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(RuntimeWarning, match=r"8 module\(s\) do matmuls but are not nn.Linear"):
+        guard = ag.Guard(model, opt, precision="fp8")
+    assert guard.fp8.layers == ["lm_head"] and guard.precision == "fp8"
+    assert guard.fp8.unconvertible == _conv1d_names(model)
+    assert guard.fp8.summary()["unconvertible"] == _conv1d_names(model)

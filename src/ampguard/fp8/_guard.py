@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ampguard.core.policy import resolve_precision
+from ampguard.fp8._modules import CONV1D_FIX, is_hf_conv1d, unconvertible
 
 __all__ = [
     "Fp8UnavailableError",
@@ -133,6 +134,9 @@ class Fp8State:
             n for n, m in model.named_modules() if isinstance(m, float8.float8_linear.Float8Linear)
         ]
         self.kept = [n for n in linears if n not in self.layers]
+        self.unconvertible = list(unconvertible(model))  # matmuls that are not nn.Linear
+        if self.unconvertible:
+            _warn_unconvertible(model, self.unconvertible)
         if not self.layers:
             # nothing computes in fp8: the Guard says what runs (bf16), not what was asked
             guard._policy = resolve_precision("bf16", guard._device)
@@ -168,6 +172,7 @@ class Fp8State:
             "emulated": self.emulated,
             "converted": list(self.layers),
             "kept_bf16": list(self.kept),
+            "unconvertible": list(self.unconvertible),
         }
         if self.plan is not None:
             out["plan"] = {
@@ -185,6 +190,18 @@ class Fp8State:
         found = self.monitor.findings()
         self.monitor.telemetry.annotate("fp8", self.summary())  # the report's fp8 section
         return found
+
+
+def _warn_unconvertible(model: nn.Module, names: list[str]) -> None:
+    shown = ", ".join(n or "(root)" for n in names[:6]) + (", ..." if len(names) > 6 else "")
+    conv1d = any(is_hf_conv1d(m) for m in model.modules())
+    warnings.warn(
+        f"precision='fp8': {len(names)} module(s) do matmuls but are not nn.Linear, so they "
+        f"stay in bf16 ({shown}; guard.fp8.unconvertible lists them)"
+        + (f". Fix for transformers Conv1D: {CONV1D_FIX}" if conv1d else ""),
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _warn_emulated(device: torch.device) -> None:
