@@ -18,17 +18,13 @@ import warnings
 
 import pytest
 import torch
+from _runfolders import step_records as _records
 
 import ampguard as ag
 from ampguard.telemetry import Telemetry
 
 BAD = (3, 6)  # 1-based optimizer steps whose gradients get an inf
 STEPS = 8
-
-
-def _records(run_dir) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind", "step") == "step"]
 
 
 def _skipped(run_dir) -> list[int]:
