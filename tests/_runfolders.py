@@ -1,4 +1,5 @@
-"""Hand-written run folders for the schema, fuzz and scale tests (no training: plain files)."""
+"""Hand-written run folders for the schema, fuzz and scale tests (no training: plain files), and
+``step_records``, the step records of a run folder as the tests read them back."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The step records of ``run_dir``'s ``events.jsonl`` (other kinds, e.g. fp8, left out)."""
+    lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind", "step") == "step"]
+
 
 LAYERS = ["enc", "a$b^$", "head"]  # legal (add_module("a$b^$", ...)); invalid as math text
 

@@ -13,20 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import batch, make_model
 from torch import nn
 
 import ampguard as ag
 from ampguard.checkpoint import atomic_write
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
 
 
 def trained(steps: int = 2):
@@ -201,6 +192,7 @@ def kill_writer_at(folder: Path, moment: str) -> tuple[list[str], list[Path]]:
     return log.read_text().split(), temp_files(folder)
 
 
+@pytest.mark.slow  # SIGKILL of a writer process
 @pytest.mark.timeout(150)
 def test_sigkill_at_any_moment_leaves_a_loadable_consistent_checkpoint(tmp_path):
     moments = ["temp file created", "temp file half written", "0.05", "0.3"]

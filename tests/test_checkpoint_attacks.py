@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import batch
 from torch import nn
 
 import ampguard as ag
@@ -33,11 +34,6 @@ def make_model(seed: int = 0, hidden: int = 16, extra_layer: bool = False) -> nn
     if extra_layer:
         layers.append(nn.Linear(4, 4))
     return nn.Sequential(*layers)
-
-
-def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
 
 
 def train(model, opt, guard, steps, start=0):
@@ -141,6 +137,7 @@ def test_a_flipped_byte_in_a_member_is_refused_naming_the_member(tmp_path, membe
     assert name in str(err)
 
 
+@pytest.mark.slow  # every byte of a checkpoint, flipped and loaded
 @pytest.mark.timeout(240)
 def test_no_flipped_byte_anywhere_loads_different_content(tmp_path):
     """Every byte of a small checkpoint (sampled) flipped: refused, or loads identical content."""
@@ -609,6 +606,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # SIGKILL of a writer process
 @pytest.mark.timeout(120)
 def test_a_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
     target = tmp_path / "ckpt.pt"

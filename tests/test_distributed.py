@@ -80,6 +80,7 @@ def all_ranks(values: dict[int, dict], world: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- found_inf consensus
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
 def test_inf_on_one_rank_makes_every_rank_skip_that_step(request, world):
@@ -88,6 +89,7 @@ def test_inf_on_one_rank_makes_every_rank_skip_that_step(request, world):
         assert v["applied"] == [True, False, True, True]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
 def test_inf_on_one_rank_backs_the_scale_off_identically(request, world):
@@ -96,6 +98,7 @@ def test_inf_on_one_rank_backs_the_scale_off_identically(request, world):
         assert v["scales"] == [1024.0, 512.0, 512.0, 512.0]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
 def test_inf_on_one_rank_leaves_parameters_identical_across_ranks(request, world):
@@ -105,6 +108,7 @@ def test_inf_on_one_rank_leaves_parameters_identical_across_ranks(request, world
         assert v["params"] == values[0]["params"]  # bitwise
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
 def test_plain_ddp_runs_no_consensus_collective(request, world):
@@ -114,6 +118,7 @@ def test_plain_ddp_runs_no_consensus_collective(request, world):
         assert v["consensus_calls"] == 0
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
 def test_overflow_origin_names_the_rank_whose_gradients_overflowed(request, world):
@@ -126,6 +131,7 @@ def test_overflow_origin_names_the_rank_whose_gradients_overflowed(request, worl
         assert v["summary"]["origin"] == "each rank's own loss, gathered at the audit of step 4"
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("kind", ["ddp_hook", "ddp_safe_hook", "plain"])
 def test_paths_that_keep_the_consensus_skip_a_fault_after_the_reduction_on_every_rank(two, kind):
@@ -138,6 +144,7 @@ def test_paths_that_keep_the_consensus_skip_a_fault_after_the_reduction_on_every
         assert values[0]["params"] == values[1]["params"]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_plain_ddp_fault_after_the_all_reduce_is_named_by_the_next_audit(two):
     # the trade of dropping the consensus: a rank-local change after DDP's all-reduce is not
@@ -148,6 +155,7 @@ def test_plain_ddp_fault_after_the_all_reduce_is_named_by_the_next_audit(two):
 
 
 # ---------------------------------------------------------------------- accumulation
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_ddp_accumulation_matches_one_process_on_the_global_batch(two):
     values = all_ranks(ok(two, "ddp_accumulation"), 2)
@@ -158,12 +166,14 @@ def test_ddp_accumulation_matches_one_process_on_the_global_batch(two):
         assert torch.allclose(torch.tensor(v["params"]), reference, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_ddp_accumulation_all_reduces_once_per_window(two):
     for v in all_ranks(ok(two, "ddp_accumulation"), 2):
         assert v["allreduce_calls"] == 3  # 3 windows x 2 micro-batches, one bucket
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_ddp_containment_drops_the_same_microbatch_on_every_rank(two):
     values = all_ranks(ok(two, "ddp_containment"), 2)
@@ -173,6 +183,7 @@ def test_ddp_containment_drops_the_same_microbatch_on_every_rank(two):
     assert values[0]["params"] == values[1]["params"]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_ddp_containment_matches_one_process_on_the_global_batch(two):
     reference = S.single_containment(2)
@@ -181,6 +192,7 @@ def test_ddp_containment_matches_one_process_on_the_global_batch(two):
 
 
 # ---------------------------------------------------------------------- FSDP2
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_fsdp2_with_fp16_autocast_trains_and_matches_ddp(two):
     for v in all_ranks(ok(two, "fsdp2_vs_ddp"), 2):
@@ -189,6 +201,7 @@ def test_fsdp2_with_fp16_autocast_trains_and_matches_ddp(two):
         assert v["max_diff"] <= 1e-5
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_fsdp2_overflow_in_one_ranks_shard_skips_on_every_rank(two):
     for v in all_ranks(ok(two, "fsdp2_vs_ddp"), 2):
@@ -198,6 +211,7 @@ def test_fsdp2_overflow_in_one_ranks_shard_skips_on_every_rank(two):
 
 
 # ---------------------------------------------------------------------- audit
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("world", [2, 4])
 def test_scale_desync_on_one_rank_raises_desync_error_naming_it(request, world):
@@ -212,6 +226,7 @@ def test_scale_desync_on_one_rank_raises_desync_error_naming_it(request, world):
         assert v["code"] == "AG130"
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_desync_repair_copies_rank0_scaler_state_and_parameters(two):
     values = all_ranks(ok(two, "desync_repairs"), 2)
@@ -221,6 +236,7 @@ def test_desync_repair_copies_rank0_scaler_state_and_parameters(two):
         assert len(v["warnings"]) == 1 and "Repaired" in v["warnings"][0]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_desync_warn_only_warns_and_changes_nothing(two):
     values = all_ranks(ok(two, "desync_warns"), 2)
@@ -231,6 +247,7 @@ def test_desync_warn_only_warns_and_changes_nothing(two):
 
 
 # ---------------------------------------------------------------------- checkpoints
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("name", ["ddp_resume", "fsdp2_resume"])
 def test_checkpoint_resume_equals_the_uninterrupted_run(two, name):
@@ -240,6 +257,7 @@ def test_checkpoint_resume_equals_the_uninterrupted_run(two, name):
         assert v["loaded_scale"] == 512.0 and v["skipped"] == 1
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("name", ["ddp_resume", "fsdp2_resume"])
 def test_checkpoint_resume_restores_each_ranks_own_rng(two, name):
@@ -248,6 +266,7 @@ def test_checkpoint_resume_restores_each_ranks_own_rng(two, name):
     assert values[0]["rng"] != values[1]["rng"]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_sharded_checkpoint_leaves_no_temporary_folder(two):
     for v in all_ranks(ok(two, "fsdp2_resume"), 2):
@@ -255,6 +274,7 @@ def test_sharded_checkpoint_leaves_no_temporary_folder(two):
 
 
 # ---------------------------------------------------------------------- comm hook
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_nonfinite_safe_hook_applies_the_healthy_ranks_mean(two):
     reference = S.healthy_ranks_step(2)
@@ -263,6 +283,7 @@ def test_nonfinite_safe_hook_applies_the_healthy_ranks_mean(two):
         assert torch.allclose(torch.tensor(v["params"]), reference, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_nonfinite_safe_hook_records_the_dropped_rank(two):
     for v in all_ranks(ok(two, "hook_drops_nan_rank"), 2):
@@ -271,6 +292,7 @@ def test_nonfinite_safe_hook_records_the_dropped_rank(two):
 
 
 # ---------------------------------------------------------------------- failures
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_a_rank_that_raises_does_not_leave_the_others_hanging(four):
     per_rank = four["rank_raises"]
@@ -306,6 +328,7 @@ def _named_by_survivor(per_rank: dict, what: str) -> None:
     assert v["seconds"] < S.SLEEP + 4  # peer_timeout + roll call, not the 30 s group timeout
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2", "plain"])
 def test_a_rank_paused_inside_the_audit_is_named_after_peer_timeout(hangs, kind):
@@ -316,12 +339,14 @@ def test_a_rank_paused_inside_the_audit_is_named_after_peer_timeout(hangs, kind)
     assert "stopped waiting for THIS rank" in v["message"]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("kind", ["fsdp2", "plain"])
 def test_a_rank_paused_before_step_is_named_by_the_consensus_after_peer_timeout(hangs, kind):
     _named_by_survivor(hangs[f"sleep_before_step_{kind}"], "the found_inf consensus at step 2")
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_under_plain_ddp_a_rank_paused_before_step_is_bounded_by_the_group_timeout():
     # no consensus under plain DDP: the others wait in DDP's next all-reduce, which only the
@@ -332,6 +357,7 @@ def test_under_plain_ddp_a_rank_paused_before_step_is_bounded_by_the_group_timeo
     assert "Timed out" in per_rank[0][1]["message"]
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_a_crashed_rank_is_a_peer_failure_error_naming_it(kind):
@@ -345,6 +371,7 @@ def test_a_crashed_rank_is_a_peer_failure_error_naming_it(kind):
 
 
 # ---------------------------------------------------------------------- demo
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(GROUP_TIMEOUT)
 def test_distributed_demo_under_fsdp2_skips_the_outlier_steps_on_every_rank(two):
     for v in all_ranks(ok(two, "demo_fsdp2"), 2):
@@ -355,6 +382,7 @@ def test_distributed_demo_under_fsdp2_skips_the_outlier_steps_on_every_rank(two)
         assert v["origin"] == {0: 0, 1: 3}
 
 
+@pytest.mark.slow  # multi-process (torchrun)
 @pytest.mark.timeout(120)
 def test_torchrun_launches_the_ddp_demo(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -99,6 +99,23 @@ def test_readme_links_resolve():
     assert not broken
 
 
+def test_readme_has_two_setup_commands_and_ci_runs_the_test_command_as_written():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)\n```", setup, re.S)
+    assert len(commands) == 2, commands
+    demo, tests = commands
+    assert demo.endswith("&& ampguard demo") and '".[dev]"' in tests
+    test_command = tests.rsplit("&& ", 1)[1]
+    assert test_command.startswith("python -m pytest")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"\n{test_command}\n" in ci  # CI runs it exactly as the README writes it
+    quick = re.search(r'`(python -m pytest -q -m "not slow")`', setup)
+    assert quick is not None  # the quick tier is offered, and the marker it names is registered
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"slow: ' in pyproject and "--strict-markers" in pyproject
+
+
 def test_readme_run_folders_match_the_demo_default():
     from ampguard.demo import run_demo
 
@@ -155,6 +172,7 @@ def test_the_split_pages_keep_their_code_blocks_whole(split_copy):
     shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
     reason="mkdocs is not installed (pip install -e '.[docs]')",
 )
+@pytest.mark.slow  # a full mkdocs build in a subprocess
 def test_mkdocs_build_strict_passes_on_the_split_docs(split_copy, tmp_path):
     (split_copy / "docs" / "img").mkdir(exist_ok=True)
     if not (split_copy / "docs" / "img" / "report.png").exists():  # made by screenshot_report
@@ -178,6 +196,9 @@ def test_mkdocs_build_strict_passes_on_the_split_docs(split_copy, tmp_path):
 
 
 def test_doctest_blocks_become_code_fences():
+    pytest.importorskip(
+        "griffe", reason="griffe comes with the docs extra (pip install -e '.[docs]'); CI has it"
+    )
     fence = _tool("griffe_doctest").fence_doctests
     text = "Summary.\n\n>>> x = f()\n>>> [c for c in x]\n['AG310']\n\nAfter."
     assert fence(text) == (
@@ -186,6 +207,7 @@ def test_doctest_blocks_become_code_fences():
 
 
 # ---------------------------------------------------------------------- the example
+@pytest.mark.slow  # a fresh interpreter trains and writes the report
 def test_the_quickstart_example_runs_and_writes_the_report(tmp_path):
     script = DOCS / "examples" / "quickstart.py"
     assert len(script.read_text(encoding="utf-8").splitlines()) <= 20

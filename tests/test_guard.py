@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import batch, make_model
 from torch import nn
 
 import ampguard as ag
@@ -24,19 +25,6 @@ OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
 }
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def batch(i: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + i)
-    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
-    if bad:
-        x[0, 0] = NAN  # a corrupt sample: every gradient of this micro-batch becomes NaN
-    return x, y
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -4,24 +4,12 @@ and their interplay with the other features. Real torch on CPU, tiny models."""
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import batch, make_model
 from torch import nn
 
 import ampguard as ag
 
 NAN = float("nan")
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def batch(i: int, bad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + i)
-    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
-    if bad:
-        x[0, 0] = NAN  # every gradient of this micro-batch becomes NaN
-    return x, y
 
 
 def micro(guard: ag.Guard, model: nn.Module, i: int, bad: bool = False) -> ag.StepResult:

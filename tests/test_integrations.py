@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import warnings
 
 import pytest
 import torch
+from _runfolders import step_records as _records
 
 import ampguard as ag
 from ampguard.telemetry import Telemetry
 
 BAD = (3, 6)  # 1-based optimizer steps whose gradients get an inf
 STEPS = 8
-
-
-def _records(run_dir) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind", "step") == "step"]
 
 
 def _skipped(run_dir) -> list[int]:
@@ -149,6 +146,8 @@ def test_hf_trainer_fp16_on_cpu_is_fp32_and_says_so(tmp_path):
     assert callback.run_dir == run
     assert "AG122" in _codes(callback.findings())
     assert _records(run)[0]["precision"] == "fp32"
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["precision"] == "fp32" and meta["requested_precision"] == "fp16"
     saved = json.loads((run / "findings.json").read_text())
     assert "AG122" in {f["code"] for f in saved}
 
@@ -264,7 +263,14 @@ def _reset_accelerate():
 
 
 def _accelerate_run(
-    tmp_path, *, mixed_precision="fp16", fused=False, give_scaler=True, bad=BAD, clip=None
+    tmp_path,
+    *,
+    mixed_precision="fp16",
+    fused=False,
+    give_scaler=True,
+    bad=BAD,
+    clip=None,
+    native_amp=True,
 ):
     accelerate = pytest.importorskip("accelerate")
     from ampguard.integrations.accelerate import watch_accelerator
@@ -274,7 +280,7 @@ def _accelerate_run(
     accelerator = accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True)
     if mixed_precision == "fp16" and give_scaler:
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        accelerator.native_amp = True
+        accelerator.native_amp = native_amp
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     _plant(model[0].weight, bad)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
@@ -327,6 +333,27 @@ def test_accelerate_bf16_records_loss_and_every_step(tmp_path):
 def test_accelerate_fp16_on_cpu_without_scaler_reports_ag122(tmp_path):
     handle, _ = _accelerate_run(tmp_path, give_scaler=False, bad=())
     assert "AG122" in _codes(handle.findings())
+
+
+def test_accelerate_user_scaler_without_native_amp_is_fp32_and_says_so(tmp_path):
+    # accelerator.scaler set by the user, but native_amp stays False (Accelerate on CPU):
+    # accelerator.autocast() is a no-op, so the loss is scaled and every op runs in fp32
+    handle, flags = _accelerate_run(tmp_path, native_amp=False)
+    recs = _records(tmp_path)
+    assert len(recs) == STEPS and {r["precision"] for r in recs} == {"fp32"}
+    assert _skipped(tmp_path) == list(BAD)  # the scaler still skips the planted overflows
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["precision"] == "fp32" and meta["requested_precision"] == "fp16"
+    ag122 = [f for f in handle.findings() if f.code == "AG122"]
+    assert len(ag122) == 1 and "native_amp is False" in ag122[0].message
+    assert ag122[0].evidence["actual"] == "fp32"
+
+
+def test_accelerate_records_what_was_requested(tmp_path):
+    handle, _ = _accelerate_run(tmp_path, mixed_precision="bf16", bad=())
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["precision"] == meta["requested_precision"] == "bf16"
+    assert "AG122" not in _codes(handle.findings())
 
 
 def test_accelerate_wrappers_removed_on_close(tmp_path):
@@ -418,9 +445,11 @@ def test_mlflow_sink_local_store(tmp_path, monkeypatch):
 
     from ampguard.integrations.sinks import MlflowSink
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    # the sink opens its own file store (MLflow 3 refuses one without MLFLOW_ALLOW_FILE_STORE)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     uri = (tmp_path / "mlruns").as_uri()
     sink = MlflowSink(experiment="ampguard-test", tracking_uri=uri)
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # set only while the store was made
     recs = _watched_loop(tmp_path / "run", sink)
     client = MlflowClient(tracking_uri=uri)
     run_id = client.search_runs([client.get_experiment_by_name("ampguard-test").experiment_id])[
@@ -433,6 +462,24 @@ def test_mlflow_sink_local_store(tmp_path, monkeypatch):
     applied = client.get_metric_history(run_id, "ampguard/applied")
     assert [m.step for m in applied if m.value == 0.0] == [2]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_mlflow_sink_takes_a_path_and_leaves_a_users_setting_alone(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.exceptions import MlflowException
+
+    from ampguard.integrations.sinks import MlflowSink, is_local_store
+
+    assert is_local_store("/runs/mlruns") and is_local_store("file:///runs/mlruns")
+    assert not is_local_store("http://localhost:5000") and not is_local_store(None)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    sink = MlflowSink(experiment="ampguard-path", tracking_uri=tmp_path / "mlruns")
+    sink.start(tmp_path / "run", ["fc"])
+    sink.close()
+    assert (tmp_path / "mlruns").is_dir()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # the user's own choice wins
+    with pytest.raises(MlflowException, match="MLFLOW_ALLOW_FILE_STORE"):
+        MlflowSink(tracking_uri=tmp_path / "other")
 
 
 # ---------------------------------------------------------------------- issue 12: grad norm

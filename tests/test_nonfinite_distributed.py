@@ -5,6 +5,7 @@ import _distributed_scenarios as S
 import pytest
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(150)
 def test_fsdp2_bf16_nonfinite_shard_on_one_rank_is_skipped_by_every_rank(tmp_path):
     results = S.run_group(2, ["fsdp2_bf16_nonfinite"], timeout=120, tmp=str(tmp_path))

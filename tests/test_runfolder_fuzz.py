@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _runfolders import meta, steps, write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -158,6 +159,7 @@ def test_mutated_run_folders_never_crash_the_readers(ops, meta_op):
         read_everything(folder(tmp, mutate(steps(24), ops), meta_op), html=False)
 
 
+@pytest.mark.slow  # renders a report per example
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(mutation, min_size=1, max_size=6), meta_op=meta_mutation)
 def test_mutated_run_folders_never_crash_the_report(ops, meta_op):

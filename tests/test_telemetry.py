@@ -329,6 +329,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # SIGKILL of a writer process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("after_flushes", [1, 4])
 def test_sigkill_mid_run_keeps_everything_up_to_the_last_flush(tmp_path, after_flushes):

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _runfolders import step_records as _records
 from _telemetry_runs import data, mlp, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,12 +20,6 @@ import ampguard as ag
 from ampguard import runlog
 from ampguard.rules import _ranges
 from ampguard.telemetry import _device
-
-
-def _records(run_dir) -> list[dict]:
-    lines = (run_dir / runlog.EVENTS).read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind", "step") == "step"]
-
 
 # ------------------------------------------------------------------------ number formatting
 SPECIAL = [

@@ -64,6 +64,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+@pytest.mark.slow  # runs mypy in a subprocess
 def test_public_api_is_typed(tmp_path: Path) -> None:
     lines = _mypy(tmp_path, SNIPPET)
     revealed = [

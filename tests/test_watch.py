@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _runfolders import step_records as _records
 
 import ampguard as ag
 from ampguard.telemetry import Telemetry
@@ -70,11 +71,6 @@ def _run(
         scaler.update()
         opt.zero_grad(set_to_none=True)
     return model, opt, scaler, handle
-
-
-def _records(run_dir) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind", "step") == "step"]
 
 
 def _tensors(obj):

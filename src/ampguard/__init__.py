@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "fp8_plan": "ampguard.fp8",
     "Fp8Plan": "ampguard.fp8",
     "Fp8Thresholds": "ampguard.fp8",
+    "conv1d_to_linear": "ampguard.fp8",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.forensics.autocast_coverage import coverage as coverage
     from ampguard.fp8 import Fp8Plan as Fp8Plan
     from ampguard.fp8 import Fp8Thresholds as Fp8Thresholds
+    from ampguard.fp8 import conv1d_to_linear as conv1d_to_linear
     from ampguard.fp8 import fp8_plan as fp8_plan
     from ampguard.guard import Guard as Guard
     from ampguard.guard import StepResult as StepResult

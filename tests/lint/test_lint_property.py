@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -108,6 +109,7 @@ def test_random_bytes_never_crash(data: bytes) -> None:
     _check(lint_source(data), data.count(b"\n") + 1)
 
 
+@pytest.mark.slow  # hypothesis: generated AMP programs
 @SETTINGS
 @given(amp_programs())
 def test_random_amp_programs_never_crash(program: str) -> None:

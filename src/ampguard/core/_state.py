@@ -197,6 +197,8 @@ def _precision(
 ) -> tuple[PrecisionPolicy, str | None]:
     device = guard._device
     intent = resolve_precision(guard._requested_precision, device).precision
+    if intent == "fp8" and guard.fp8 is not None and not guard.fp8.layers:
+        intent = "bf16"  # fp8 asked, no layer converted: the Guard trains in bf16
     if saved == intent:
         return resolve_precision(intent, device), None
     asked = f"precision={guard._requested_precision!r}"

@@ -220,28 +220,35 @@ def compare(
 
     Cost: ``steps`` training steps per variant, plus at most one ``ampguard.locate`` run, and
     a copy of each low-precision variant's final weights, optimizer state and last batch (what a
-    ``silent_stall``'s ``locate`` replays).
+    ``silent_stall``'s ``locate`` replays); with an fp8 variant, one fp8 plan and a second bf16
+    run (``seed + 1``: bf16's run-to-run noise, against which fp8 is judged).
 
     >>> cmp = ag.compare(make_experiment, steps=200)
     >>> cmp.verdict, cmp.fix
     ('amp_ok', '')
     """
     names = _check_args(factory, steps, variants, scaler)
-    bar = _progress(progress, steps * len(names))
+    fp8 = any(n in _f8.FP8_VARIANTS or n in _lp.LOWP_VARIANTS for n in names)
+    bar = _progress(progress, steps * (len(names) + fp8))
     results: dict[str, VariantResult] = {}
     capture: dict[str, Any] = {}
     plan = _fp8_plan(factory, seed, names)
+    bf16_again = None
     try:
         for name in names:
             if bar is not None:
                 bar.set_description(name)
             results[name] = _run_variant(factory, name, steps, seed, scaler, bar, capture, plan)
+        if fp8:  # bf16's run-to-run noise, the yardstick of the fp8 verdict
+            if bar is not None:
+                bar.set_description("bf16 (seed + 1)")
+            bf16_again = _run_variant(factory, "bf16", steps, seed + 1, scaler, bar, {}, None)
     finally:
         if bar is not None:
             bar.close()
     cmp = Comparison(results, *_v.judge(results, steps), steps)
-    _f8.judge_fp8(cmp, plan)
-    _lp.judge_lowp(cmp)
+    _f8.judge_fp8(cmp, plan, bf16_again)
+    _lp.judge_lowp(cmp, bf16_again)
     if cmp.verdict == "fp16_range" and "batch" in capture:
         cmp.failing_batch = capture["index"]
         cmp.explanation += (

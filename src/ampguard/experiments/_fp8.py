@@ -2,8 +2,13 @@
 ``fp8_planned`` (only the layers :func:`ampguard.fp8_plan` finds ready), judged against fp32
 (as every variant) and against bf16, whose final loss is the fp8 target.
 
-An fp8 variant is *like bf16* when it trains (fp32's criteria) and its final loss is within a
-quarter of bf16's progress (or 5% of bf16's final loss, whichever is larger) of bf16's. Verdict:
+fp8 is judged against bf16's own run-to-run noise at the same steps: when an fp8 variant runs,
+compare trains bf16 a second time with the next seed (``seed + 1``: another initialisation, and
+other data if the factory draws it from the seeded RNGs). Over the last tenth of the steps, with
+``d`` the step-by-step loss difference of the two bf16 runs, the noise is
+``max(|mean(d)|, std(d) / sqrt(len(d)))``. An fp8 variant is *like bf16* when it trains (fp32's
+criteria) and its final loss (mean of the last tenth) is at most ``max(3 * noise, 0.5% of bf16's
+final loss)`` above bf16's (ending lower is never held against it). Verdict:
 
 - ``fp8_ok`` (AG337): naive fp8 is like bf16 (or, when only the planned variant ran, that one);
 - ``fp8_keep_layers`` (AG338): naive fp8 is not, the planned one is: keep the plan's named layers
@@ -16,7 +21,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["FP8_VARIANTS", "FP8_VERDICTS", "FP8_CODES", "make_plan", "judge_fp8", "fp8_lines"]
+__all__ = [
+    "FP8_VARIANTS",
+    "FP8_VERDICTS",
+    "FP8_CODES",
+    "make_plan",
+    "judge_fp8",
+    "fp8_lines",
+    "bf16_noise",
+    "tolerance",
+]
 
 FP8_VARIANTS = {
     "fp8": "fp8 (torchao float8) for every eligible Linear, bf16 autocast around it",
@@ -41,26 +55,57 @@ def _tail(losses: list[float]) -> tuple[float, float]:
     return sum(losses[:k]) / k, sum(losses[-k:]) / k
 
 
-def _like_bf16(r: Any, bf16: Any) -> bool:
-    head_b, tail_b = _tail(bf16.losses)
+NOISE_FACTOR = 3.0  # an fp8 gap beyond three times bf16's run-to-run noise is real
+MIN_TOLERANCE = 0.005  # ... and beyond 0.5% of bf16's final loss (two runs that agree by chance)
+
+
+def bf16_noise(bf16: Any, again: Any) -> float:
+    """bf16's run-to-run noise in the final loss: two bf16 runs (seeds ``s`` and ``s + 1``)
+    compared at the same steps over the last tenth, ``max(|mean(d)|, std(d) / sqrt(n))``.
+    NaN when either run has no finite tail."""
+    n = min(len(bf16.losses), len(again.losses))
+    k = max(1, n // 10)
+    diffs = [b - a for a, b in zip(bf16.losses[n - k : n], again.losses[n - k : n], strict=True)]
+    if not diffs or not all(math.isfinite(d) for d in diffs):
+        return math.nan
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
+    return max(abs(mean), math.sqrt(var / len(diffs)))
+
+
+def tolerance(bf16: Any, noise: float) -> float:
+    """How far above bf16's final loss an fp8 variant may end and still be like bf16."""
+    _, tail_b = _tail(bf16.losses)
+    floor = MIN_TOLERANCE * abs(tail_b) if math.isfinite(tail_b) else 0.0
+    if not math.isfinite(noise):
+        return max(floor, 1e-12)
+    return max(NOISE_FACTOR * noise, floor, 1e-12)
+
+
+def _like_bf16(r: Any, bf16: Any, tol: float) -> bool:
+    _, tail_b = _tail(bf16.losses)
     _, tail = _tail(r.losses)
-    tol = 0.25 * max(abs(head_b - tail_b), 0.05 * abs(tail_b), 1e-12)
     gap = tail - tail_b
     r.gap_to_bf16 = gap if math.isfinite(gap) else None
     if r.trained and bf16.trained:
-        r.reason += f"; gap to bf16 {gap:+.3g}"
-    return bool(r.trained and math.isfinite(gap) and abs(gap) <= tol)
+        r.reason += f"; gap to bf16 {gap:+.3g} (tolerance {tol:.3g})"
+    return bool(r.trained and math.isfinite(gap) and gap <= tol)
 
 
-def judge_fp8(cmp: Any, plan: Any) -> None:
+def judge_fp8(cmp: Any, plan: Any, bf16_again: Any = None) -> None:
     """Add the fp8 verdict to ``cmp`` (after the fp32 judgement): ``cmp.extra["fp8"]``; and it
-    becomes ``cmp.verdict`` when no fp16 variant ran and fp32 trained."""
+    becomes ``cmp.verdict`` when no fp16 variant ran and fp32 trained.
+
+    ``bf16_again``: the second bf16 run (the next seed) that measures bf16's noise; without it
+    the tolerance is the 0.5% floor."""
     results = cmp.variants
     runs = [results[n] for n in FP8_VARIANTS if n in results]
     bf16 = results.get("bf16")
     if not runs or bf16 is None:
         return
-    like = {r.name: _like_bf16(r, bf16) for r in runs}
+    noise = bf16_noise(bf16, bf16_again) if bf16_again is not None else math.nan
+    tol = tolerance(bf16, noise)
+    like = {r.name: _like_bf16(r, bf16, tol) for r in runs}
     keep = [] if plan is None else list(plan.keep_bf16)
     names = ", ".join(repr(n) for n in keep) or "none"
     if "fp8" in like and like["fp8"] or "fp8" not in like and like.get("fp8_planned"):
@@ -99,6 +144,9 @@ def judge_fp8(cmp: Any, plan: Any) -> None:
         "fix": fix,
         "keep_bf16": keep,
         "plan": None if plan is None else plan.to_dict(),
+        "bf16_noise": noise if math.isfinite(noise) else None,
+        "tolerance": tol,
+        "noise_seed_losses": None if bf16_again is None else list(bf16_again.losses),
     }
     if results["fp32"].trained and not any(n in results for n in _FP16):
         cmp.verdict, cmp.explanation, cmp.fix = verdict, text, fix
@@ -114,7 +162,13 @@ def fp8_lines(cmp: Any) -> list[str]:
         for n, r in cmp.variants.items()
         if n in FP8_VARIANTS and r.gap_to_bf16 is not None
     ]
-    out = [f"fp8 final loss gap to bf16: {', '.join(gaps)}" if gaps else ""]
+    noise = info.get("bf16_noise")
+    against = (
+        f" (tolerance {info['tolerance']:.3g}: 3x bf16's run-to-run noise {noise:.3g})"
+        if noise is not None and "tolerance" in info
+        else ""
+    )
+    out = [f"fp8 final loss gap to bf16: {', '.join(gaps)}{against}" if gaps else ""]
     if info["verdict"] != cmp.verdict:
         out += [f"fp8 verdict: {info['verdict']} ({info['code']})", info["explanation"]]
         if info["fix"]:

@@ -8,6 +8,7 @@ the variant fails before any variant runs, with the ``pip install "ampguard[fp8]
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 __all__ = ["LOWP_VARIANTS", "prepare", "judge_lowp", "lowp_lines"]
@@ -25,17 +26,20 @@ def prepare(name: str, model: Any) -> list[str]:
     return emulate(model, name)
 
 
-def judge_lowp(cmp: Any) -> None:
-    """Judge each block-scaled variant that ran against bf16 (``cmp.extra["lowp"]``)."""
-    from ampguard.experiments._fp8 import _like_bf16
+def judge_lowp(cmp: Any, bf16_again: Any = None) -> None:
+    """Judge each block-scaled variant that ran against bf16 (``cmp.extra["lowp"]``), with the
+    fp8 variants' tolerance: bf16's run-to-run noise (``bf16_again``, the next seed's run)."""
+    from ampguard.experiments._fp8 import _like_bf16, bf16_noise, tolerance
 
     bf16 = cmp.variants.get("bf16")
     runs = [cmp.variants[n] for n in LOWP_VARIANTS if n in cmp.variants]
     if bf16 is None or not runs:
         return
+    noise = bf16_noise(bf16, bf16_again) if bf16_again is not None else math.nan
+    tol = tolerance(bf16, noise)
     cmp.extra["lowp"] = {
         r.name: {
-            "like_bf16": _like_bf16(r, bf16),
+            "like_bf16": _like_bf16(r, bf16, tol),
             "gap_to_bf16": r.gap_to_bf16,
             "converted": list(getattr(r, "converted", [])),
         }

@@ -784,6 +784,16 @@ CATALOGUE: dict[str, Code] = _table(
         "then costs log(0))",
         "return logits and use F.binary_cross_entropy_with_logits (BCEWithLogitsLoss)",
     ),
+    (
+        "AG355",
+        "warning",
+        "matmul modules fp8 cannot convert",
+        "fp8",
+        "the model does matmuls in modules that are not nn.Linear (transformers Conv1D, "
+        "nn.MultiheadAttention's in_proj_weight, nn.Bilinear, convolutions): precision='fp8' "
+        "leaves them in bf16",
+        "ag.conv1d_to_linear(model) for transformers Conv1D (exact); the others stay in bf16",
+    ),
 )
 
 # A short script that fires each lint code (the findings page shows it; a test lints each).

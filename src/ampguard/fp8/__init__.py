@@ -1,5 +1,8 @@
 """fp8 readiness plan: which ``nn.Linear`` layers can train in fp8, and why not, before training.
 
+Modules that do matmuls but are not ``nn.Linear`` (transformers ``Conv1D``, ...) are named in
+``plan.unconvertible`` with their fix (:mod:`ampguard.fp8._modules`, ``ag.conv1d_to_linear``).
+
 One traced forward + backward in bf16 autocast captures every Linear layer's input, weight and
 output gradient; each is cast as torchao's float8 training would cast it (``recipe``:
 ``"tensorwise"`` or ``"rowwise"``, see :mod:`ampguard.fp8._cast`) and measured:
@@ -40,9 +43,10 @@ from ampguard.core.policy import device_of
 from ampguard.findings import Finding
 from ampguard.fp8._cast import E4M3, RECIPES, Recipe, flushed_share, quantize, sqnr_db
 from ampguard.fp8._formats import FORMATS, check_formats
+from ampguard.fp8._modules import conv1d_to_linear, unconvertible
 from ampguard.fp8._multi import measure_formats
 
-__all__ = ["Fp8Plan", "Fp8Thresholds", "fp8_plan", "FIXES", "FORMATS"]
+__all__ = ["Fp8Plan", "Fp8Thresholds", "fp8_plan", "FIXES", "FORMATS", "conv1d_to_linear"]
 
 FIXES = ("fine", "keep_bf16", "rowwise", "rescale")
 _MULTIPLE = 16  # torch._scaled_mm: both matmul dimensions must be multiples of 16
@@ -94,6 +98,12 @@ class Fp8Plan:
     ``grad_flushed`` (None when no gradient reached the layer), ``input_amax``,
     ``input_outlier_ratio`` (amax over the median nonzero magnitude) and ``grad_amax``.
     ``seconds`` is the wall time of the trace and measurements.
+
+    ``unconvertible[name]``: every other module that does a matmul with its own weight but is
+    not an ``nn.Linear`` (transformers ``Conv1D``, ``nn.MultiheadAttention``'s input
+    projection, ``nn.Bilinear``, convolutions): ``type``, ``shape``, ``reason``, ``fix``. They
+    stay in bf16 under ``precision="fp8"``; the summary and AG355 name them with the fix
+    (``ag.conv1d_to_linear(model)`` for Conv1D).
     """
 
     float8_recipe: str
@@ -101,6 +111,7 @@ class Fp8Plan:
     layers: dict[str, dict[str, Any]]
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    unconvertible: dict[str, dict[str, Any]] = field(default_factory=dict)
     formats: tuple[str, ...] = ()
     order: list[str] = field(default_factory=list)  # Linear layers in the order they ran
 
@@ -163,6 +174,7 @@ class Fp8Plan:
                 n: {k: finite_or_none(v) for k, v in info.items()}
                 for n, info in self.layers.items()
             },
+            "unconvertible": {n: dict(info) for n, info in self.unconvertible.items()},
         }
 
 
@@ -198,8 +210,20 @@ def fp8_plan(
     names = () if formats is None else check_formats(formats)
     th = thresholds or Fp8Thresholds()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    others = unconvertible(model)
     if not linears:
-        raise ValueError("model has no nn.Linear layers: fp8 training converts nn.Linear only")
+        named = ", ".join(f"{n or '(root)'} ({i['type']})" for n, i in list(others.items())[:8])
+        hint = f"; it does its matmuls in {named}" if named else ""
+        conv1d = any(i["type"] == "Conv1D" for i in others.values())
+        raise ValueError(
+            "model has no nn.Linear layers: fp8 training converts nn.Linear only"
+            + hint
+            + (
+                " (ag.conv1d_to_linear(model) turns transformers Conv1D into nn.Linear)"
+                if conv1d
+                else ""
+            )
+        )
     started = time.perf_counter()
     captured = _trace(model, loss_fn, batch, linears)
     rec = RECIPES[recipe]
@@ -209,7 +233,15 @@ def fp8_plan(
         for n, m in linears.items():
             layers[n]["formats"] = _formats_of(m, captured.get(n), names, th)
     order = [n for n in captured if n in linears]
-    return Fp8Plan(recipe, th, layers, time.perf_counter() - started, formats=names, order=order)
+    return Fp8Plan(
+        recipe,
+        th,
+        layers,
+        time.perf_counter() - started,
+        formats=names,
+        order=order,
+        unconvertible=others,
+    )
 
 
 def _formats_of(

@@ -1,5 +1,9 @@
 """``Guard(precision="fp8")``: torchao float8 training for the Linear layers a plan allows.
 
+When no layer is converted (none eligible, or the plan keeps them all in bf16) the Guard trains
+in bf16 and says so: ``guard.precision == "bf16"`` (the run log records ``precision: "bf16"``,
+``requested_precision: "fp8"``) and a ``RuntimeWarning`` at construction.
+
 The Guard keeps bf16 autocast for everything; this module swaps the chosen ``nn.Linear`` layers
 for torchao's ``Float8Linear`` (``convert_to_float8_training`` with the plan's recipe), with
 ``emulate=True`` where the device has no fp8 matmul (CPU, GPUs before sm_89): real fp8 casts, the
@@ -21,6 +25,8 @@ import torch
 from torch import nn
 
 from ampguard._util.stack import user_stacklevel
+from ampguard.core.policy import resolve_precision
+from ampguard.fp8._modules import CONV1D_FIX, is_hf_conv1d, unconvertible
 from ampguard.fp8._torchao import TORCHAO_PIN, Fp8UnavailableError, quiet_logs, require_torchao
 
 __all__ = [
@@ -73,6 +79,7 @@ class Fp8State:
             )
         float8 = require_torchao()
         self._float8 = float8
+        self._guard = guard
         self.model: nn.Module = guard.model
         self.plan = plan
         self.recipe = plan.float8_recipe if plan is not None else "tensorwise"
@@ -96,6 +103,7 @@ class Fp8State:
         self.kept: list[str] = list(linears)
         self.monitor: Any = None
         self.rescue: Any = None  # fp8 -> bf16 moves during training (ampguard.fp8._rescue)
+        self.unconvertible: list[str] = []  # matmuls that are not nn.Linear (set by convert)
 
     def convert(self) -> None:
         """Swap the chosen Linear layers for ``Float8Linear`` (same parameter tensors); on any
@@ -118,10 +126,17 @@ class Fp8State:
             n for n, m in model.named_modules() if isinstance(m, float8.float8_linear.Float8Linear)
         ]
         self.kept = [n for n in self._linears if n not in self.layers]
+        self.unconvertible = list(unconvertible(model))  # matmuls that are not nn.Linear
+        if self.unconvertible:
+            _warn_unconvertible(model, self.unconvertible)
         if not self.layers:
+            # nothing computes in fp8: the Guard says what runs (bf16), not what was asked
+            guard = self._guard
+            guard._policy = resolve_precision("bf16", guard.device)
             warnings.warn(
                 "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
-                "or the plan keeps them all in bf16); training runs in bf16",
+                "or the plan keeps them all in bf16); training runs in bf16 "
+                "(guard.precision is 'bf16', guard.requested_precision 'fp8')",
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
@@ -217,6 +232,7 @@ class Fp8State:
             "emulated": self.emulated,
             "converted": list(self.layers),
             "kept_bf16": list(self.kept),
+            "unconvertible": list(self.unconvertible),
         }
         if self.plan is not None:
             out["plan"] = {
@@ -257,6 +273,18 @@ def _check_plan_shapes(plan: Any, linears: dict[str, nn.Linear]) -> None:
             "fp8_plan was made for another model: its layers' shapes differ from this "
             f"model's: {', '.join(differ[:5])}; make the plan with ag.fp8_plan on this model"
         )
+
+
+def _warn_unconvertible(model: nn.Module, names: list[str]) -> None:
+    shown = ", ".join(n or "(root)" for n in names[:6]) + (", ..." if len(names) > 6 else "")
+    conv1d = any(is_hf_conv1d(m) for m in model.modules())
+    warnings.warn(
+        f"precision='fp8': {len(names)} module(s) do matmuls but are not nn.Linear, so they "
+        f"stay in bf16 ({shown}; guard.fp8.unconvertible lists them)"
+        + (f". Fix for transformers Conv1D: {CONV1D_FIX}" if conv1d else ""),
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _warn_emulated(device: torch.device) -> None:

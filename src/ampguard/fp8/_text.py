@@ -7,6 +7,8 @@ AG343 warning   the layer's fp8 output is too noisy (SQNR below the limit)
 AG344 warning   the weight flushes in e4m3
 AG345 info      a shape fp8 matmuls do not accept (fix: keep in bf16, or pad to multiples of 16)
 AG346 info      a Linear the traced forward never called (kept in bf16)
+AG355 warning   matmul modules that are not nn.Linear (transformers Conv1D, ...): they stay in
+                bf16 (fix: ag.conv1d_to_linear for Conv1D)
 """
 
 from __future__ import annotations
@@ -90,7 +92,26 @@ def plan_table(plan: Any) -> str:
         from ampguard.fp8._recipe import recipe_table
 
         lines += ["", recipe_table(plan)]
+    lines.extend(_unconvertible_lines(plan))
     return "\n".join(lines)
+
+
+def _unconvertible_lines(plan: Any) -> list[str]:
+    others = plan.unconvertible
+    if not others:
+        return []
+    by_type: dict[str, list[str]] = {}
+    for name, info in others.items():
+        by_type.setdefault(info["type"], []).append(name or "(root)")
+    lines = [
+        f"{len(others)} more module(s) do matmuls but are not nn.Linear, so fp8 cannot convert "
+        "them (they stay in bf16):"
+    ]
+    for kind, names in by_type.items():
+        fix = next(i["fix"] for i in others.values() if i["type"] == kind)
+        lines.append(f"  {kind} ({len(names)}): {', '.join(names)}")
+        lines.append(f"    fix: {fix}")
+    return lines
 
 
 def plan_findings(plan: Any) -> list[Finding]:
@@ -112,6 +133,8 @@ def plan_findings(plan: Any) -> list[Finding]:
                 fix=f"{label}: {FIX_TEXT[info['fix']]}",
             )
         )
+    if plan.unconvertible:
+        out.append(_unconvertible_finding(plan))
     ready = plan.ready_layers
     if ready:
         out.append(
@@ -127,3 +150,24 @@ def plan_findings(plan: Any) -> list[Finding]:
     from ampguard.fp8._recipe import recipe_findings
 
     return out + recipe_findings(plan)
+
+
+def _unconvertible_finding(plan: Any) -> Finding:
+    others = plan.unconvertible
+    kinds = sorted({i["type"] for i in others.values()})
+    names = list(others)
+    fixes = []
+    for kind in kinds:
+        fix = next(i["fix"] for i in others.values() if i["type"] == kind)
+        fixes.append(f"{kind}: {fix}")
+    return make(
+        "AG355",
+        f"{len(others)} module(s) do matmuls but are not nn.Linear ({', '.join(kinds)}), so "
+        f"precision='fp8' leaves them in bf16: {', '.join(n or '(root)' for n in names)}",
+        evidence={
+            "modules": {n or "(root)": dict(i) for n, i in others.items()},
+            "types": kinds,
+            "linear_layers": len(plan.layers),
+        },
+        fix="; ".join(fixes),
+    )

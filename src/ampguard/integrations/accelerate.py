@@ -34,7 +34,12 @@ require("accelerate", "ampguard.integrations.accelerate")
 
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 
-__all__ = ["watch_accelerator", "observe_skip_flags", "accelerate_precision"]
+__all__ = [
+    "watch_accelerator",
+    "observe_skip_flags",
+    "accelerate_precision",
+    "requested_precision",
+]
 
 
 def watch_accelerator(
@@ -62,7 +67,12 @@ def watch_accelerator(
             f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}"
         )
     scaler = accelerator.scaler
-    precision, note = accelerate_precision(accelerator.mixed_precision, scaler, accelerator.device)
+    precision, note = accelerate_precision(
+        accelerator.mixed_precision,
+        scaler,
+        accelerator.device,
+        native_amp=getattr(accelerator, "native_amp", None),
+    )
     handle = Watch(
         scaler,
         accelerator.unwrap_model(model),
@@ -72,6 +82,7 @@ def watch_accelerator(
         framework="accelerate",
         loss_from_scaler=False,
         policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
+        requested_precision=requested_precision(accelerator.mixed_precision),
     )
     if note is not None:
         handle.add_finding(note)
@@ -80,19 +91,44 @@ def watch_accelerator(
     return handle
 
 
-def accelerate_precision(mixed_precision: str, scaler: Any, device: Any) -> tuple[str, Any]:
-    """ampguard's precision for Accelerate's ``mixed_precision`` setting, and an AG122 finding
-    when fp16 was asked for but runs without a scaler (Accelerate on CPU: fp32)."""
+def accelerate_precision(
+    mixed_precision: str, scaler: Any, device: Any, *, native_amp: bool | None = None
+) -> tuple[str, Any]:
+    """The precision Accelerate really computes in for its ``mixed_precision`` setting, and an
+    AG122 finding when fp16 was asked for but does not run.
+
+    fp16 runs only with an enabled ``scaler`` *and* Accelerate's fp16 autocast: with
+    ``native_amp=False`` (Accelerate on CPU, even when the user set ``accelerator.scaler``)
+    ``accelerator.autocast()`` is a no-op, so the loss is scaled but every op is fp32: that is
+    recorded as fp32 with AG122. ``native_amp=None``: not known (taken as on).
+    """
+    autocast = native_amp is not False
+    if mixed_precision == "fp16":
+        if scaler is not None and scaler.is_enabled() and autocast:
+            return "fp16", None
+        if scaler is not None and scaler.is_enabled():
+            detail = (
+                f"accelerator.scaler is set, but native_amp is False on device {str(device)!r}: "
+                "accelerator.autocast() adds no fp16 autocast, so the loss is scaled and every "
+                "op runs in fp32"
+            )
+        else:
+            detail = (
+                f"Accelerate creates no GradScaler and no fp16 autocast on device {str(device)!r}"
+            )
+        return "fp32", fp16_inactive("accelerate", detail)
     if scaler is not None and scaler.is_enabled():
-        return "fp16", None
+        return "fp16", None  # a scaler the user set under another setting: the loop is theirs
     if mixed_precision in ("bf16", "fp8"):
         return "bf16", None
-    if mixed_precision == "fp16":
-        return "fp32", fp16_inactive(
-            "accelerate",
-            f"Accelerate creates no GradScaler and no fp16 autocast on device {str(device)!r}",
-        )
     return "fp32", None
+
+
+def requested_precision(mixed_precision: Any) -> str:
+    """ampguard's name for Accelerate's ``mixed_precision`` setting (what the user asked for)."""
+    return {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}.get(
+        str(mixed_precision), str(mixed_precision)
+    )
 
 
 def observe_skip_flags(handle: Watch, optimizer: Any) -> None:

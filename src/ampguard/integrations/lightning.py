@@ -119,6 +119,11 @@ class AmpGuardCallback(WatchingCallback, Callback):
             policy=self.policy,
             framework="lightning",
             grads_from_optimizer_hooks=False,
+            requested_precision=(
+                None
+                if self.requested_precision is None
+                else _PRECISIONS.get(self.requested_precision, "fp32")
+            ),
         )
         actual = str(getattr(plugin, "precision", "32-true"))
         if self.requested_precision == "16-mixed" and self.watch.scaler is None:

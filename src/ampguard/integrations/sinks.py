@@ -9,7 +9,11 @@ per-step cost) and logs ``ampguard/scale``, ``ampguard/skip_rate``, ``ampguard/l
 against the optimizer step. W&B keeps its own step counter for the user's metrics, so ampguard's
 metrics use ``ampguard/step`` as their x-axis (``define_metric``) and never move it. Both work
 offline: ``WANDB_MODE=offline`` / ``mode="offline"`` writes a local run; MLflow logs to whatever
-``tracking_uri`` says (a local folder or database works without a server).
+``tracking_uri`` says. A local folder works without a server: MLflow 3 refuses its file store
+unless ``MLFLOW_ALLOW_FILE_STORE=true``, so the sink sets it while it opens its own store (a
+``tracking_uri`` that is a path or a ``file:`` URI) and only then; a value you set yourself wins.
+(``mlflow-skinny``, what ``[mlflow]`` installs, has no SQLAlchemy, so ``sqlite:`` stores need the
+full ``mlflow``.)
 
 Each sink imports its package when constructed and raises ``ImportError`` naming the extra
 (``pip install "ampguard[wandb]"`` / ``"ampguard[mlflow]"``) when it is missing.
@@ -17,11 +21,13 @@ Each sink imports its package when constructed and raises ``ImportError`` naming
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 from ampguard.integrations._extras import require
 
@@ -95,7 +101,9 @@ class MlflowSink:
 
     ``run_id``: log into this run; else the active run (``mlflow.active_run()``); else a new run
     in ``experiment`` (default "ampguard"), ended on close. ``tracking_uri``: where to log
-    (default: MLflow's own setting).
+    (default: MLflow's own setting); a local folder (a path, ``os.PathLike`` or ``file:`` URI) is
+    opened with ``MLFLOW_ALLOW_FILE_STORE=true`` set for the moment the store is made (MLflow 3
+    refuses file stores otherwise), unless that variable is already set.
     """
 
     def __init__(
@@ -103,12 +111,14 @@ class MlflowSink:
         run_id: str | None = None,
         *,
         experiment: str = "ampguard",
-        tracking_uri: str | None = None,
+        tracking_uri: str | os.PathLike | None = None,
     ) -> None:
         self._mlflow = require("mlflow", "MlflowSink")
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=tracking_uri)
+        uri = os.fspath(tracking_uri) if isinstance(tracking_uri, os.PathLike) else tracking_uri
+        with _file_store_allowed(uri):
+            self._client = MlflowClient(tracking_uri=uri)
         self._given = run_id
         self._experiment = experiment
         self.run_id: str | None = None
@@ -141,13 +151,34 @@ class MlflowSink:
             for rec, rate in zip(records, skip_rate, strict=True)
             for key, value in step_metrics(rec, rate, self._layers).items()
         ]
-        run_id = self.run_id
-        if run_id is None:  # closed: nothing to log into
-            return
+        if self.run_id is None:
+            raise RuntimeError("MlflowSink.write before start (no MLflow run to log into)")
         for start in range(0, len(metrics), _MLFLOW_BATCH):
-            self._client.log_batch(run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
+            self._client.log_batch(self.run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
 
     def close(self) -> None:
         if self._owned and self.run_id is not None:
             self._client.set_terminated(self.run_id)
         self.run_id = None
+
+
+def is_local_store(uri: str | None) -> bool:
+    """True when an MLflow ``tracking_uri`` names a local folder (a path or a ``file:`` URI)."""
+    if not isinstance(uri, str) or not uri:
+        return False
+    scheme = urlparse(uri).scheme
+    return scheme in ("", "file") or len(scheme) == 1  # "C:\\runs": a drive letter
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str | None) -> Iterator[None]:
+    """``MLFLOW_ALLOW_FILE_STORE=true`` while the sink opens its own local store, unless set."""
+    name = "MLFLOW_ALLOW_FILE_STORE"
+    if not is_local_store(uri) or name in os.environ:
+        yield
+        return
+    os.environ[name] = "true"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)

@@ -76,6 +76,7 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             precision=precision,
             policy=self.policy,
             framework="transformers",
+            requested_precision=_trainer_request(args),
         )
         if note is not None:
             self.watch.add_finding(note)
@@ -98,6 +99,13 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
+
+
+def _trainer_request(args: Any) -> str:
+    """What the TrainingArguments ask for (recorded as ``requested_precision``)."""
+    if getattr(args, "fp16", False):
+        return "fp16"
+    return "bf16" if getattr(args, "bf16", False) else "fp32"
 
 
 def _trainer_precision(args: Any, scaler: Any) -> tuple[str, Finding | None]:

@@ -116,6 +116,7 @@ class Watch:
         framework: str | None = None,
         loss_from_scaler: bool = True,
         grads_from_optimizer_hooks: bool = True,
+        requested_precision: str | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -128,7 +129,7 @@ class Watch:
         self.policy = policy or AttachPolicy()
         self.framework = framework
         enabled = scaler is not None and scaler.is_enabled()
-        self.precision = _resolve_precision(precision, enabled)
+        self.precision = _resolve_precision(precision, enabled, requested_precision is not None)
         if self.policy.active and not enabled:
             raise ValueError(
                 "min_scale, max_scale and hysteresis need an enabled GradScaler "
@@ -151,6 +152,8 @@ class Watch:
         self.source = WatchSource(
             model, self.optimizers, self.scaler, self.precision, self.policy, framework
         )
+        if requested_precision is not None:
+            self.source.requested_precision = requested_precision
         self.telemetry = _resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
         self._tap: ScalerTap | None = None
@@ -480,7 +483,10 @@ class WatchSource:
         self.contain_nonfinite_microbatches = False
 
 
-def _resolve_precision(precision: str | None, scaled: bool) -> str:
+def _resolve_precision(precision: str | None, scaled: bool, framework_knows: bool = False) -> str:
+    """The precision a watched loop computes in. ``framework_knows``: an integration that read
+    its framework's settings names it (e.g. fp32 under an enabled scaler when Accelerate's
+    autocast is off); a user's ``watch()`` call must agree with its scaler."""
     if precision is None:
         if not scaled:
             raise ValueError(
@@ -490,7 +496,7 @@ def _resolve_precision(precision: str | None, scaled: bool) -> str:
         return "fp16"
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if scaled and precision != "fp16":
+    if scaled and precision != "fp16" and not framework_knows:
         raise ValueError(
             f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
             "scaling); pass precision='fp16' or None"
