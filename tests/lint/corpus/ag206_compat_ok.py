@@ -1,5 +1,5 @@
 # ruff: noqa  (a fixture written in the style of third-party training scripts)
-"""AG206 look-alikes in compatibility code: the fallback for old torch does not use the old AMP
+"""AG206 look-alikes in compatibility code: the fallback for old torch does not use the old AMP (torch.cuda.amp)
 spelling (no scaler at all, a null context), and version gates that are about other APIs."""
 import contextlib
 
