@@ -130,9 +130,9 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
         if isinstance(func, ast.Attribute) and func.attr == "autocast" and qual is None:
             flag = keyword(expr, "enabled")  # accelerator.autocast(), self.autocast(enabled=...)
             value = _constant(flag) if flag is not None else None
-            enabled = value if isinstance(value, bool) else None
+            switch = value if isinstance(value, bool) else None
             text = ast.unparse(flag) if flag is not None else None
-            return Autocast(expr, None, None, enabled, text, maybe=True)
+            return Autocast(expr, None, None, switch, text, maybe=True)
         return _helper_autocast(model, expr, depth)
     partial = _partial_of(model, expr.func)
     merged = ast.Call(

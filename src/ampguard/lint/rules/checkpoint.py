@@ -31,6 +31,7 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
     groups: dict[int, list[Any]] = {}  # dict identity -> [first call, entries, kinds, lines, via]
     for call, obj in sites:
         found = _entries(model, obj, call, site_ids)
+        entries: _Entries
         if found is None:
             entries, identity = ([(None, obj)] if obj is not None else []), id(call)
         else:

@@ -28,7 +28,7 @@ _OLD_MODULES = ("torch.cuda.amp", "torch.cpu.amp")
 _SINCE = {"autocast": "1.10", "GradScaler": "2.3", "custom_fwd": "2.4", "custom_bwd": "2.4"}
 _PROBES = ("version", "hasattr", "torch_", "is_torch", "_torch")
 _CATCHES = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError", "TypeError"})
-_TRIES: tuple[type, ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
+_TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 
 
 def _check(ctx: Context) -> Iterator[Finding]:
