@@ -86,3 +86,32 @@ class Trainer:
             loss, grad_norm = self.train_step(batch)
             self._log_step(loss, grad_norm)
             self.global_step += 1
+
+
+class DetTrainer:
+    def __init__(self, model, optimizer, meters, cfg):
+        self.model = model
+        self.optimizer = optimizer
+        self.meters = meters
+        self.cfg = cfg
+        self.scaler = torch.amp.GradScaler("cuda")
+
+    def _update_meters(self, loss_dict):
+        for name, value in loss_dict.items():
+            self.meters[name].update(value.item())  # expect: AG213
+
+    def run_iter(self, images, targets, pbar):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss_dict = self.model(images, targets)
+            losses = sum(loss_dict.values())
+        self.optimizer.zero_grad()
+        self.scaler.scale(losses).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._update_meters(loss_dict)
+        pbar.desc = f"loss {losses.item():.3f}"  # expect: AG213
+
+    def train(self, loader):
+        pbar = tqdm(loader)
+        for images, targets in pbar:
+            self.run_iter(images, targets, pbar)

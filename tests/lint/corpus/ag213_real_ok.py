@@ -62,3 +62,20 @@ def train_with_check(model, optimizer, loader):
         optimizer.step()
         optimizer.zero_grad()
         logger.info("loss %.4f", loss_value)
+
+
+def train_one_epoch(model, optimizer, scaler, loader, epoch):
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    logger.info(f"epoch {epoch}: last loss {loss.item():.4f}")  # once per epoch
+
+
+def main(model, optimizer, loader, epochs):
+    scaler = torch.amp.GradScaler("cuda")
+    for epoch in range(epochs):
+        train_one_epoch(model, optimizer, scaler, loader, epoch)

@@ -182,8 +182,11 @@ def _per_step(ctx: Context, node: ast.AST, depth: int) -> _Step | None:
             continue
         found: _Step | None = None
         if isinstance(anc, _LOOPS):
-            if not any(s is child for s in anc.body) or not _trains(ctx, anc.body, 0):
+            if not any(s is child for s in anc.body):
                 return None
+            if not _trains(ctx, anc.body, 0):  # for k, v in loss_dict.items(): per step, n times
+                child = anc
+                continue
             found = _Step(f"loop at line {anc.lineno}", anc)
         elif isinstance(anc, _STOP):
             if isinstance(anc, FUNCS) and anc.name == "training_step":
@@ -236,7 +239,7 @@ def _trains(ctx: Context, body: list[ast.stmt], depth: int) -> bool:
     stack: list[ast.AST] = list(body)
     while stack:
         node = stack.pop()
-        if isinstance(node, _STOP) or (depth == 0 and isinstance(node, _LOOPS)):
+        if isinstance(node, (*_STOP, *_LOOPS)):  # a helper that loops is an epoch, not a step
             continue
         if isinstance(node, ast.Call) and _training_call(ctx, node, depth):
             return True
@@ -328,6 +331,13 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
         if key is not None and "." in key and not uses and isinstance(where, FUNCS):
             return False  # self.state.tokens_seen += ...: read outside this function
         return key is not None and all(_inside_log(ctx, n) for n in uses)
+    if (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Attribute)
+        and stmt.targets[0].attr in ("desc", "postfix")
+    ):
+        return True  # pbar.desc = f"loss {loss.item():.3f}"
     if not (
         isinstance(stmt, ast.Assign)
         and len(stmt.targets) == 1
