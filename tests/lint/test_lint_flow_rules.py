@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from ampguard.lint import lint_paths, lint_source
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -104,3 +107,55 @@ def test_ag207_names_the_condition_that_does_not_gate() -> None:
     found = _lint("ag207_cond_fire.py")
     assert [f.line for f in found] == [20, 41]
     assert "under 'if sched is not None'" in found[0].message
+
+
+_STEP = [
+    "scaler.scale(loss).backward()",
+    "loss.backward()",
+    "scaler.unscale_(opt)",
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+    "scaler.step(opt)",
+    "opt.step()",
+    "scaler.update()",
+    "opt.zero_grad()",
+]
+_statement = st.sampled_from(_STEP)
+_block = st.lists(_statement, min_size=1, max_size=4)
+# a loop body: plain statements and ``if use_fp16: ... else: ...`` blocks
+_part = st.one_of(
+    _statement.map(lambda s: [s]),
+    st.tuples(_block, _block).map(
+        lambda ab: [
+            "if use_fp16:",
+            *(f"    {s}" for s in ab[0]),
+            "else:",
+            *(f"    {s}" for s in ab[1]),
+        ]
+    ),
+)
+
+
+def _program(parts: list[list[str]], flags: list[int]) -> str:
+    lines = ["import torch", "scaler = torch.amp.GradScaler()", "", "def train(cfg, use_fp16):"]
+    lines.append("    for x in loader:")
+    lines.append("        loss = model(x)")
+    for index, part in enumerate(parts):
+        for flag in (f for f in flags if f == index):
+            lines += [f"        if cfg.flag{flag}_{len(lines)}:", "            x = x.flip(0)"]
+        lines += [f"        {line}" for line in part]
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_part, min_size=1, max_size=5), st.lists(st.integers(0, 4), max_size=9))
+def test_unrelated_flags_never_change_the_order_findings(parts: list, flags: list) -> None:
+    """However many flags that leave the step alone surround it, the findings are the same: no
+    merge invents a path (and none loses one)."""
+
+    def found(source: str) -> list[tuple[str, str]]:
+        return sorted(
+            (f.code, f.message)
+            for f in lint_source(source, "train.py", select="AG201,AG202,AG204,AG200")
+        )
+
+    assert found(_program(parts, sorted(flags))) == found(_program(parts, []))
