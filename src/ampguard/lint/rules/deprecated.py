@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from collections.abc import Iterator
 
 from ampguard.findings import Finding
@@ -26,7 +27,9 @@ _DEPRECATED = frozenset(DEPRECATED)
 _OLD_MODULES = ("torch.cuda.amp", "torch.cpu.amp")
 # the torch release from which the new spelling works
 _SINCE = {"autocast": "1.10", "GradScaler": "2.3", "custom_fwd": "2.4", "custom_bwd": "2.4"}
-_PROBES = ("version", "hasattr", "torch_", "is_torch", "_torch")
+# a test that reads the torch version or probes for an API: version.parse(torch.__version__),
+# hasattr(torch.amp, "GradScaler"), TORCH_2_3, IS_TORCH_GE_2_3, torch_ge_24
+_PROBE = re.compile(r"version|^hasattr$|torch_?(ge|gt|lt|le)?_?\d", re.IGNORECASE)
 _CATCHES = frozenset({"ImportError", "ModuleNotFoundError", "AttributeError", "TypeError"})
 _TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 
@@ -149,7 +152,7 @@ def _probe(test: ast.AST) -> bool:
     """A test that reads the torch version or probes for an API."""
     for node in ast.walk(test):
         word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
-        if isinstance(word, str) and any(p in word.lower() for p in _PROBES):
+        if isinstance(word, str) and _PROBE.search(word):
             return True
     return False
 
