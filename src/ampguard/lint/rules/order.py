@@ -143,7 +143,7 @@ AG201 = Rule.from_code(
     "AG201",
     fix="call scaler.unscale_(optimizer) after scaler.scale(loss).backward() and before "
     "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
-    triggers=("clip_grad",),
+    triggers=("clip",),  # clip_grad_norm_, or a clipping object (self.clipper(params))
     check=_check_clip,  # also needs a scaler: cheap to find out
 )
 AG202 = Rule.from_code(

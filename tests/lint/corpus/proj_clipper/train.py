@@ -11,12 +11,12 @@ class AmpOptimizerHook:
         self.model = model
         self.optimizer = optimizer
         self.loss_scaler = torch.amp.GradScaler("cuda")
-        self.clip_grads = GradClipper(**(grad_clip or {}))
+        self.grad_limiter = GradClipper(**(grad_clip or {}))
 
     def after_train_iter(self, loss):
         self.optimizer.zero_grad()
         self.loss_scaler.scale(loss).backward()
-        self.clip_grads(self.model.parameters())  # expect: AG201
+        self.grad_limiter(self.model.parameters())  # expect: AG201
         self.loss_scaler.step(self.optimizer)
         self.loss_scaler.update()
 
@@ -24,6 +24,6 @@ class AmpOptimizerHook:
         self.optimizer.zero_grad()
         self.loss_scaler.scale(loss).backward()
         self.loss_scaler.unscale_(self.optimizer)
-        self.clip_grads(self.model.parameters())
+        self.grad_limiter(self.model.parameters())
         self.loss_scaler.step(self.optimizer)
         self.loss_scaler.update()
