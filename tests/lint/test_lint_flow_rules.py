@@ -161,3 +161,9 @@ def test_unrelated_flags_never_change_the_order_findings(parts: list, flags: lis
         )
 
     assert found(_program(parts, sorted(flags))) == found(_program(parts, []))
+
+
+def test_ag213_says_when_a_per_step_sync_is_logged_only_every_n_steps() -> None:
+    [found] = [f for f in _lint("ag213_real_fire.py") if f.evidence["unit"] == "train_gpt"]
+    assert "on every training step" in found.message
+    assert "only to be logged under 'if iter_num % log_interval == 0'" in found.message

@@ -115,3 +115,16 @@ class DetTrainer:
         pbar = tqdm(loader)
         for images, targets in pbar:
             self.run_iter(images, targets, pbar)
+
+
+def train_gpt(model, optimizer, scaler, loader, log_interval, grad_accum):
+    for iter_num, (X, Y) in enumerate(loader):
+        with torch.autocast("cuda", dtype=torch.float16):
+            logits, loss = model(X, Y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        lossf = loss.item() * grad_accum  # expect: AG213
+        if iter_num % log_interval == 0:
+            print(f"iter {iter_num}: loss {lossf:.4f}")

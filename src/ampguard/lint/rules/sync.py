@@ -83,8 +83,10 @@ def _check(ctx: Context) -> Iterator[Finding]:
         if found is None:
             continue
         home = model.function_of(node) if found.via else None
-        if not _only_logged(ctx, node, home if home is not None else found.node):
+        uses = _only_logged(ctx, node, home if home is not None else found.node)
+        if uses is None:
             continue
+        throttle = _throttle(ctx, uses) if uses else None
         if len(what) > 40:
             what = what[:37] + "..."
         how = (
@@ -95,10 +97,11 @@ def _check(ctx: Context) -> Iterator[Finding]:
         if found.rank0:
             how += " on the main rank"
         where = found.where + "".join(found.via)
+        logged = f" only to be logged under 'if {throttle}'" if throttle else " only to be logged"
         yield ctx.finding(
             AG213,
             node,
-            f"{what} runs {how} ({where}) only to be logged: "
+            f"{what} runs {how} ({where}){logged}: "
             "each call waits for the device (a host sync); log every N steps or accumulate on "
             "the device",
             sync=what,
@@ -304,15 +307,19 @@ def _is_meter(ctx: Context, recv: ast.AST) -> bool:
     )
 
 
-def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
+def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> list[ast.AST] | None:
     """The value goes straight into a logging call, into a name used only by logging calls, or
-    into a running total (``epoch_loss += loss.item()``) that the step reads only to log it."""
+    into a running total (``epoch_loss += loss.item()``) that the step reads only to log it.
+
+    Returns the reads that log it (empty when the sync sits in the logging call itself), or
+    ``None`` when the value is used otherwise.
+    """
     model = ctx.model
     child: ast.AST = node
     anc: ast.AST = node
     for anc in model.ancestors(node):
         if isinstance(anc, ast.Call) and _is_log_call(ctx, anc) and child is not anc.func:
-            return True
+            return []
         if isinstance(anc, ast.stmt):
             break
         child = anc
@@ -329,21 +336,21 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
             and dotted(n) == key
         ]
         if key is not None and "." in key and not uses and isinstance(where, FUNCS):
-            return False  # self.state.tokens_seen += ...: read outside this function
-        return key is not None and all(_inside_log(ctx, n) for n in uses)
+            return None  # self.state.tokens_seen += ...: read outside this function
+        return uses if key is not None and all(_inside_log(ctx, n) for n in uses) else None
     if (
         isinstance(stmt, ast.Assign)
         and len(stmt.targets) == 1
         and isinstance(stmt.targets[0], ast.Attribute)
         and stmt.targets[0].attr in ("desc", "postfix")
     ):
-        return True  # pbar.desc = f"loss {loss.item():.3f}"
+        return []  # pbar.desc = f"loss {loss.item():.3f}"
     if not (
         isinstance(stmt, ast.Assign)
         and len(stmt.targets) == 1
         and isinstance(stmt.targets[0], ast.Name)
     ):
-        return False
+        return None
     name = stmt.targets[0].id
     unit = model.function_of(node)
     body = unit.body if unit is not None else model.tree.body
@@ -352,7 +359,26 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
         for n in model.statements(body)
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
     ]
-    return bool(uses) and all(_inside_log(ctx, n) for n in uses)
+    return uses if uses and all(_inside_log(ctx, n) for n in uses) else None
+
+
+def _throttle(ctx: Context, uses: list[ast.AST]) -> str | None:
+    """The ``if step % N == 0`` test every logging read sits under, if they share one."""
+    tests = set()
+    for use in uses:
+        test = None
+        for anc in ctx.model.ancestors(use):
+            if isinstance(anc, ast.If) and any(
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(anc.test)
+            ):
+                test = ast.unparse(anc.test)
+                break
+            if isinstance(anc, _STOP):
+                break
+        if test is None:
+            return None
+        tests.add(test)
+    return tests.pop() if len(tests) == 1 else None
 
 
 def _inside_log(ctx: Context, node: ast.AST) -> bool:
