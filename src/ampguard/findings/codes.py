@@ -276,7 +276,8 @@ CATALOGUE: dict[str, Code] = _table(
         "error",
         "file could not be parsed",
         "lint",
-        "a file that does not parse, is not UTF-8 (or its declared encoding), or cannot be read",
+        "a file that does not parse, is not UTF-8 (or its declared encoding), or cannot be read; "
+        "as a note (info): a function over the lint path budget, not checked by the order rules",
         "fix the syntax or the encoding",
     ),
     (
@@ -328,7 +329,8 @@ CATALOGUE: dict[str, Code] = _table(
         "warning",
         "deprecated AMP API",
         "lint",
-        "torch.cuda.amp.autocast/GradScaler/custom_fwd/custom_bwd, torch.cpu.amp.*",
+        "torch.cuda.amp.autocast/GradScaler/custom_fwd/custom_bwd, torch.cpu.amp.* (info as a "
+        "fallback for old torch)",
         "torch.amp.autocast('cuda', ...), torch.amp.GradScaler('cuda'), torch.amp.custom_fwd",
     ),
     (
@@ -336,7 +338,8 @@ CATALOGUE: dict[str, Code] = _table(
         "warning",
         "LR scheduler steps on skipped optimizer steps",
         "lint",
-        "scheduler.step() unconditionally right after scaler.step(...)",
+        "scheduler.step() right after scaler.step(...), unconditionally or under an if that does "
+        "not test whether the step ran",
         "step the scheduler only when the optimizer stepped (StepResult.applied)",
     ),
     (
@@ -385,7 +388,8 @@ CATALOGUE: dict[str, Code] = _table(
         "info",
         "per-step host sync only for logging",
         "lint",
-        "a per-step loss.item() / scaler.get_scale() whose value is only logged",
+        "a per-step loss.item() / .cpu() / float(t) / formatted device tensor / "
+        "scaler.get_scale() whose value is only logged",
         "log every N steps, or accumulate on the device",
     ),
     (

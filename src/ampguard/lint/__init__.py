@@ -1,7 +1,7 @@
 """``ampguard lint``: a static checker for AMP mistakes in PyTorch training scripts.
 
-Rules AG200-AG214 read the source with the stdlib :mod:`ast` only; this package never imports
-torch, so it runs in pre-commit in a fraction of a second.
+The rules (:data:`RULES`, one per AG2xx code) read the source with the stdlib :mod:`ast` only;
+this package never imports torch, so it runs in pre-commit in a fraction of a second.
 
 >>> from ampguard.lint import lint_source
 >>> src = "import torch\\nscaler = torch.cuda.amp.GradScaler()\\n"

@@ -128,7 +128,11 @@ def autocast_info(model: FileModel, expr: ast.AST, depth: int = 0) -> Autocast |
     if qual not in AUTOCASTS:
         func = expr.func
         if isinstance(func, ast.Attribute) and func.attr == "autocast" and qual is None:
-            return Autocast(expr, None, None, None, None, maybe=True)  # accelerator.autocast()
+            flag = keyword(expr, "enabled")  # accelerator.autocast(), self.autocast(enabled=...)
+            value = _constant(flag) if flag is not None else None
+            switch = value if isinstance(value, bool) else None
+            text = ast.unparse(flag) if flag is not None else None
+            return Autocast(expr, None, None, switch, text, maybe=True)
         return _helper_autocast(model, expr, depth)
     partial = _partial_of(model, expr.func)
     merged = ast.Call(
@@ -195,13 +199,28 @@ def _bound(model: FileModel, call: ast.Call, func: ast.AST, info: Autocast) -> A
             arg = argument_for(func, call, dtype_node.id)
             dtype = dtype_kind(model, arg) if arg is not None else None
         enabled_node = keyword(inner, "enabled")
-        if enabled is None and isinstance(enabled_node, ast.Name):
+        arg = None
+        if isinstance(enabled_node, ast.Name):
             arg = argument_for(func, call, enabled_node.id)
-            if arg is not None:
-                value = _constant(arg)
-                enabled = value if isinstance(value, bool) else None
-                text = ast.unparse(arg)
+        elif enabled_node is None and _forwards_kwargs(func, inner):
+            arg = keyword(call, "enabled")  # def amp(**kw): return torch.autocast(..., **kw)
+            if arg is None and any(kw.arg is None for kw in call.keywords):
+                enabled = None  # amp(**cfg): the region may be switched off
+                text = None
+        if arg is not None:
+            value = _constant(arg)
+            enabled = value if isinstance(value, bool) else None
+            text = ast.unparse(arg)
     return Autocast(call, dtype, info.device, enabled, text, info.maybe)
+
+
+def _forwards_kwargs(func: ast.AST, inner: ast.Call) -> bool:
+    """``inner`` passes on the helper's own ``**kwargs``."""
+    kwarg = getattr(getattr(func, "args", None), "kwarg", None)
+    return kwarg is not None and any(
+        kw.arg is None and isinstance(kw.value, ast.Name) and kw.value.id == kwarg.arg
+        for kw in inner.keywords
+    )
 
 
 def enclosing_autocast(model: FileModel, node: ast.AST) -> Autocast | None:

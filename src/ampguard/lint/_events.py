@@ -10,7 +10,7 @@ from typing import Any
 
 from ampguard.lint._context import is_scheduler_like, scaler_state
 from ampguard.lint._model import FUNCS, FileModel
-from ampguard.lint._names import CLIPS, dotted
+from ampguard.lint._names import CLIPS, dotted, terminal
 from ampguard.lint._project import resolve_def
 
 __all__ = ["Event", "Events", "header"]
@@ -88,12 +88,32 @@ class Events:
                 return [Event("update", call, key)]
             if attr == "zero_grad":
                 return [Event("zero", call)]
-        if self.model.call_name(call) in CLIPS:
+        if self.model.call_name(call) in CLIPS or self._clip_object(func):
             return [Event("clip", call)]
         helper, owner = self._helper(call)
         if helper is not None:
             return [Event("call", call, target=helper, mapping=_mapping(helper, call), owner=owner)]
         return [Event("opaque", call, key) for key in self._opaque_keys(call)]
+
+    def _clip_object(self, func: ast.AST) -> bool:
+        """``self.clip_grad_norm(params)`` where the attribute holds a clipping object: an
+        instance of a class (this file or, in project mode, another) whose ``__call__`` runs
+        ``clip_grad_norm_``, or ``functools.partial(clip_grad_norm_, ...)``."""
+        if not isinstance(func, (ast.Name, ast.Attribute)):
+            return False
+        values, _ = self.model.values_of(func)
+        for value in values:
+            if not isinstance(value, ast.Call):
+                continue
+            if terminal(value.func) == "partial" and value.args:
+                if self.model.qualname(value.args[0]) in CLIPS:
+                    return True
+                continue
+            found = resolve_def(self.model, value.func)
+            if found is not None and isinstance(found[1], ast.ClassDef):
+                if _clips_when_called(found[0], found[1]):
+                    return True
+        return False
 
     def _is_parameter(self, node: ast.AST) -> bool:
         """``node`` is a bare parameter of its function (a helper's ``scaler`` argument)."""
@@ -145,6 +165,36 @@ class Events:
         if isinstance(func, ast.Attribute) and dotted(func.value) == "self":  # unresolved method
             keys.extend(k for k in self.scalers if k.startswith("self."))
         return keys
+
+
+_CLIPPER = "_ag_clips_when_called"
+
+
+def _clips_when_called(model: FileModel, cls: ast.ClassDef) -> bool:
+    """The class's ``__call__`` clips gradients (directly or through one of its own methods)."""
+    cached = getattr(cls, _CLIPPER, None)
+    if cached is not None:
+        return cached
+    methods = {s.name: s for s in cls.body if isinstance(s, FUNCS)}
+    result = False
+    todo, seen = ["__call__"], set()
+    while todo and not result:
+        name = todo.pop()
+        method = methods.get(name)
+        if method is None or name in seen:
+            continue
+        seen.add(name)
+        for node in model.statements(method.body):
+            if not isinstance(node, ast.Call):
+                continue
+            if model.call_name(node) in CLIPS:
+                result = True
+                break
+            func = node.func
+            if isinstance(func, ast.Attribute) and dotted(func.value) == "self":
+                todo.append(func.attr)
+    setattr(cls, _CLIPPER, result)
+    return result
 
 
 def header(stmt: ast.AST) -> list[ast.AST]:

@@ -24,11 +24,20 @@ from ampguard.lint._paths import MAX_PATHS, condition, heads, stored_heads
 __all__ = ["Analysis", "Env", "Event", "Events", "Interpreter", "OutOfBudget"]
 
 _MAX_LOOP_ROUNDS = 8
+_COMPACT_ABOVE = 4  # assumption sets kept before the exact merges are tried
 _MAX_INLINE_DEPTH = 3
 
 
 class OutOfBudget(Exception):
-    """The body is too large to interpret; the caller gives up on it (no findings)."""
+    """The body is too large to interpret; the caller drops the unit's findings and says so.
+
+    ``reason`` is ``"paths"`` (more than :data:`MAX_PATHS` assumption sets that cannot be merged
+    without inventing paths) or ``"events"`` (too many events interpreted).
+    """
+
+    def __init__(self, reason: str = "events") -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -114,16 +123,11 @@ class Interpreter:
                 continue
             for key, value in state.items():
                 result[key] = self._merge(result.get(key), value)
-        if result is not None and len(result) > MAX_PATHS:
-            result = self._collapse(result)
+        if result is not None and len(result) > _COMPACT_ABOVE:
+            result = _compact(result, self._merge)
+            if len(result) > MAX_PATHS:
+                raise OutOfBudget("paths")
         return result
-
-    def _collapse(self, paths: Paths) -> Paths:
-        common = frozenset.intersection(*paths)
-        merged = None
-        for value in paths.values():
-            merged = self._merge(merged, value)
-        return {common: merged}
 
     def _flat(self, paths: Paths | None) -> Any:
         if not paths:
@@ -318,6 +322,40 @@ class Interpreter:
 
     def _skip(self, stmt: ast.AST, state: Paths, env: Env) -> _Out:
         return _Out(state)  # nested def/class: their bodies do not run here
+
+
+def _compact(paths: Paths, join: Callable[[Any, Any], Any]) -> Paths:
+    """Merge assumption sets only where no path is invented (``join`` joins two states).
+
+    Two sets with the same analysis state merge when they differ in one assumption only
+    (``{A, x}`` and ``{A, not x}`` are ``{A}``: the state reached both branches of ``x``), or
+    when one holds the other (``{A}`` already stands for the paths of ``{A, B}``). Merging sets
+    with different states, or dropping an assumption one state depends on, would let a path
+    reach a branch it never takes: that is never done; the caller stops instead
+    (:class:`OutOfBudget`).
+    """
+    out = dict(paths)
+    changed = True
+    while changed and len(out) > 1:
+        changed = False
+        for key in sorted(out, key=len):
+            if key not in out:
+                continue
+            value = out[key]
+            for other in [o for o in out if key < o and out[o] == value]:
+                del out[other]
+                changed = True
+            for fact in key:
+                smaller = key - {fact}
+                twin = smaller | {(fact[0], not fact[1])}
+                if twin in out and out[twin] == value:
+                    del out[key], out[twin]
+                    out[smaller] = value if smaller not in out else join(out[smaller], value)
+                    changed = True
+                    break
+            if changed:
+                break
+    return out
 
 
 _STATEMENTS: dict[type, Callable[..., _Out]] = {

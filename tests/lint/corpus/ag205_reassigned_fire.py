@@ -41,7 +41,7 @@ def main(loader, epochs):
         torch.save(ckpt, os.path.join(args.out, "last.pt"))  # expect: AG205
         if val_loss < best:
             best = val_loss
-            torch.save(ckpt, os.path.join(args.out, "best.pt"))  # expect: AG205
+            torch.save(ckpt, os.path.join(args.out, "best.pt"))  # the same dict: listed in the finding at line 41
         save_checkpoint({  # expect: AG205
             "epoch": epoch + 1,
             "state_dict": model.state_dict(),

@@ -13,7 +13,7 @@ from ampguard.lint._names import dotted
 from ampguard.lint._project import resolve_def
 from ampguard.lint.rules._base import Context
 
-__all__ = ["save_sites"]
+__all__ = ["builder_calls", "save_sites"]
 
 _SAVE = frozenset({"torch.save"})
 _MAX_DEPTH = 2  # save_checkpoint -> save_on_master -> torch.save
@@ -42,6 +42,51 @@ def save_sites(ctx: Context) -> list[tuple[ast.Call, ast.AST | None]]:
             sites.append((call, _argument(call, param, found[1])))
     ctx.cache["save_sites"] = sites
     return sites
+
+
+def builder_calls(ctx: Context) -> list[tuple[ast.Call, FileModel, Any, ast.Call, ast.AST]]:
+    """Calls to a saver in another file (project mode) that saves a dict it builds itself
+    (``def save_checkpoint(model, optimizer, lr, it, path): torch.save({...}, path)``): (call,
+    the saver's file, its ``def``, the save inside it, the object that save writes). Cached."""
+    if "builder_calls" in ctx.cache:
+        return ctx.cache["builder_calls"]
+    model = ctx.model
+    out = []
+    memo: dict[int, _Param | None] = {}
+    built: dict[int, tuple[ast.Call, ast.AST] | None] = {}
+    if model.project is not None:
+        for call in model.calls:
+            found = resolve_def(model, call.func)
+            if found is None or found[0] is model or not isinstance(found[1], FUNCS):
+                continue
+            owner, func = found
+            if id(func) not in built:
+                built[id(func)] = _built_save(owner, func, memo)
+            save = built[id(func)]
+            if save is not None:
+                out.append((call, owner, func, save[0], save[1]))
+    ctx.cache["builder_calls"] = out
+    return out
+
+
+def _built_save(model: FileModel, func: Any, memo: dict[int, _Param | None]) -> Any:
+    """The save in ``func`` of an object that is not one of its parameters, and that object."""
+    params = set(_params(func)) | {a.arg for a in func.args.kwonlyargs}
+    for node in model.statements(func.body):
+        if not isinstance(node, ast.Call):
+            continue
+        if model.call_name(node) in _SAVE:
+            obj = keyword(node, "obj", 0)
+        elif (inner := resolve_def(model, node.func)) is not None and isinstance(inner[1], FUNCS):
+            param = _saved_param(inner[0], inner[1], 1, memo)
+            obj = _argument(node, param, inner[1]) if param is not None else None
+        else:
+            continue
+        if obj is None or (isinstance(obj, ast.Name) and obj.id in params):
+            continue
+        if isinstance(obj, (ast.Dict, ast.Name, ast.Call)):
+            return node, obj
+    return None
 
 
 def _params(func: Any) -> list[str]:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 
-from ampguard.lint._flow import Events
+from ampguard.findings import Finding, make
+from ampguard.lint._flow import Events, OutOfBudget
 from ampguard.lint._model import FUNCS
+from ampguard.lint._paths import MAX_PATHS
 from ampguard.lint.rules._base import Context
 
-__all__ = ["events", "flow_units"]
+__all__ = ["budget_note", "events", "flow_units"]
+
+_FLOW_CODES = "AG201, AG202, AG204"
 
 _PROTOCOL = (
     "backward",
@@ -52,3 +57,36 @@ def flow_units(ctx: Context) -> list[ast.FunctionDef | ast.AsyncFunctionDef | as
     ordered = sorted(units.values(), key=lambda u: getattr(u, "lineno", 0))
     ctx.cache["units"] = ordered
     return ordered
+
+
+def budget_note(ctx: Context, unit: ast.AST, error: OutOfBudget) -> Iterator[Finding]:
+    """The AG200 note (info) for a unit the flow rules gave up on, once per unit and file.
+
+    The unit's findings of the rule that ran out are dropped (a merged path could invent one);
+    the note says which function was not checked, so silence is never mistaken for "clean".
+    """
+    noted: set[int] = ctx.cache.setdefault("budget_notes", set())
+    if id(unit) in noted:
+        return
+    noted.add(id(unit))
+    name = f"{unit.name}()" if isinstance(unit, FUNCS) else "the module's top-level code"
+    line = getattr(unit, "lineno", 1)
+    if error.reason == "paths":
+        why = (
+            f"its branches combine into more than {MAX_PATHS} sets of conditions that cannot "
+            "be merged without inventing paths"
+        )
+    else:
+        why = "it has more steps than the interpreter's budget"
+    yield make(
+        "AG200",
+        f"{name} (line {line}) was not checked by the order rules ({_FLOW_CODES}): {why}",
+        severity="info",
+        title="analysis budget exceeded",
+        evidence={"unit": name, "reason": error.reason, "end_line": line},
+        fix="split the function (move a branch or the logging into a helper), or check its "
+        "AMP step order by hand",
+        path=ctx.path,
+        line=line,
+        col=getattr(unit, "col_offset", 0) + 1,
+    )

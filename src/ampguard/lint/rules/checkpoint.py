@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from typing import Any
 
 from ampguard.findings import Finding
 from ampguard.lint._context import is_model_like, is_scheduler_like, keyword
+from ampguard.lint._model import FileModel
 from ampguard.lint._names import dotted, terminal
 from ampguard.lint._reach import reaching_assignment
 from ampguard.lint.rules._base import Context, Rule
-from ampguard.lint.rules._savers import save_sites
+from ampguard.lint.rules._savers import builder_calls, save_sites
 
 __all__ = ["AG205", "AG208", "WEIGHTS_ONLY_DEFAULT_SINCE"]
 
@@ -20,43 +22,82 @@ _Entries = list[tuple[str | None, ast.AST]]
 
 
 def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
+    """One finding per checkpoint dict (at its first save, every save line listed)."""
     model = ctx.model
     if not model.uses_grad_scaler:
         return
     sites = save_sites(ctx)
     site_ids = {id(call) for call, _ in sites}
-    saves = []
+    groups: dict[int, list[Any]] = {}  # dict identity -> [first call, entries, kinds, lines, via]
     for call, obj in sites:
-        entries = _entries(ctx, obj, call, site_ids)
-        if entries is None:
-            entries = [(None, obj)] if obj is not None else []
-        saves.append((call, entries, {_kind(ctx, key, value) for key, value in entries}))
-    if any("scaler" in kinds for _, _, kinds in saves):
+        found = _entries(model, obj, call, site_ids)
+        entries: _Entries
+        if found is None:
+            entries, identity = ([(None, obj)] if obj is not None else []), id(call)
+        else:
+            entries, identity = found
+        _group(groups, identity, call, entries, _kinds(model, entries), None)
+    for call, owner, helper, dict_node, entries in built_sites(ctx):
+        _group(groups, id(dict_node), call, entries, _kinds(owner, entries), (owner, helper))
+    if any("scaler" in group[2] for group in groups.values()):
         return  # the scaler's state is saved (maybe in a file of its own): the run can resume it
-    for call, entries, kinds in saves:
-        if {"model", "optimizer"} <= kinds and "unknown" not in kinds:
-            yield ctx.finding(
-                AG205,
-                call,
-                "checkpoint saves the model and optimizer but not the GradScaler: "
-                "a resumed run restarts the loss scale at its initial value (more skipped "
-                "steps, different numerics)",
-                keys=sorted(k for k, _ in entries if k),
-            )
+    for call, entries, kinds, lines, via in groups.values():
+        if not ({"model", "optimizer"} <= kinds and "unknown" not in kinds):
+            continue
+        where = f" (saved at lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+        built = ""
+        if via is not None:
+            owner, helper = via
+            built = f" built by {helper.name}() ({_short(owner.path)}:{helper.lineno})"
+        yield ctx.finding(
+            AG205,
+            call,
+            f"checkpoint{built} saves the model and optimizer but not the GradScaler{where}: "
+            "a resumed run restarts the loss scale at its initial value (more skipped "
+            "steps, different numerics)",
+            keys=sorted(k for k, _ in entries if k),
+            save_lines=lines,
+        )
+
+
+def _short(path: str) -> str:
+    return path.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def _group(
+    groups: dict[int, list[Any]],
+    identity: int,
+    call: ast.Call,
+    entries: _Entries,
+    kinds: set[str],
+    via: Any,
+) -> None:
+    group = groups.get(identity)
+    if group is None:
+        groups[identity] = [call, entries, kinds, [call.lineno], via]
+    elif call.lineno not in group[3]:
+        group[3].append(call.lineno)
+        group[3].sort()
+        if call.lineno < group[0].lineno:
+            group[0] = call
+
+
+def _kinds(model: FileModel, entries: _Entries) -> set[str]:
+    return {_kind(model, key, value) for key, value in entries}
 
 
 def _entries(
-    ctx: Context, obj: ast.AST | None, save: ast.Call, site_ids: set[int]
-) -> _Entries | None:
-    """The (key, value) pairs of the dict being saved; ``None`` when they cannot all be known.
+    model: FileModel, obj: ast.AST | None, save: ast.Call, site_ids: set[int]
+) -> tuple[_Entries, int] | None:
+    """The (key, value) pairs of the dict being saved and the dict's identity (the node that
+    builds it); ``None`` when they cannot all be known.
 
     A name is followed to the assignment that reaches the save (``ckpt = torch.load(...)`` at
     resume and ``ckpt = None`` earlier do not count), then to the entries added after it.
     """
     literal = _literal(obj)
     if literal is not None or not isinstance(obj, ast.Name):
-        return literal
-    model = ctx.model
+        return None if literal is None or obj is None else (literal, id(obj))
     reach = reaching_assignment(model, obj.id, obj)
     if reach is None:
         return None
@@ -88,7 +129,26 @@ def _entries(
             literal.extend(more)
         elif any(dotted(a) == obj.id for a in (*call.args, *(k.value for k in call.keywords))):
             return None  # handed to a helper that may add entries
-    return literal
+    return literal, id(reach.stmt)
+
+
+def built_sites(ctx: Context) -> list[tuple[ast.Call, FileModel, Any, ast.AST, _Entries]]:
+    """Calls to a saver of another file that builds the checkpoint dict itself from what it is
+    passed (``save_checkpoint(model, optimizer, lr, it, path)``), with the dict's entries."""
+    out = []
+    for call, owner, helper, save, obj in builder_calls(ctx):
+        found = _entries(owner, obj, save, {id(save)})
+        if found is None:
+            continue
+        entries, _ = found
+        node = obj if not isinstance(obj, ast.Name) else _dict_node(owner, obj)
+        out.append((call, owner, helper, node if node is not None else save, entries))
+    return out
+
+
+def _dict_node(model: FileModel, name: ast.Name) -> ast.AST | None:
+    reach = reaching_assignment(model, name.id, name)
+    return reach.stmt if reach is not None else None
 
 
 def _literal(node: ast.AST | None) -> _Entries | None:
@@ -110,8 +170,19 @@ def _literal(node: ast.AST | None) -> _Entries | None:
     return None
 
 
-def _kind(ctx: Context, key: str | None, value: ast.AST) -> str:
-    """``scaler``/``model``/``optimizer``/``other``, or ``unknown`` for state we cannot see into."""
+def _kind(model: FileModel, key: str | None, value: ast.AST) -> str:
+    """``scaler``/``model``/``optimizer``/``other``, or ``unknown`` for state we cannot see into.
+
+    ``None`` (``"optimizer": None`` in a weights-only export) is no state at all; of
+    ``x.state_dict() if keep else None`` the state counts.
+    """
+    if isinstance(value, ast.Constant) and value.value is None:
+        return "other"
+    if isinstance(value, ast.IfExp):
+        for branch in (value.body, value.orelse):
+            if not (isinstance(branch, ast.Constant) and branch.value is None):
+                return _kind(model, key, branch)
+        return "other"
     k = (key or "").lower()
     holder = _state_dict_holder(value)
     holder_text = (dotted(holder) or "").lower() if holder is not None else ""
@@ -121,7 +192,7 @@ def _kind(ctx: Context, key: str | None, value: ast.AST) -> str:
         or k in ("amp", "scale", "loss_scale")
         or "scaler" in last
         or last == "amp"
-        or (holder is not None and dotted(holder) in ctx.model.scaler_keys)
+        or (holder is not None and dotted(holder) in model.scaler_keys)
     ):
         return "scaler"
     if "optim" in k:
@@ -133,9 +204,9 @@ def _kind(ctx: Context, key: str | None, value: ast.AST) -> str:
         return "unknown" if name and "state" in name.lower() else "other"
     if "optim" in last or last in ("opt", "optimizer"):
         return "optimizer"
-    if is_model_like(ctx.model, holder) or "model" in last or "ema" in last:
+    if is_model_like(model, holder) or "model" in last or "ema" in last:
         return "model"
-    if is_scheduler_like(ctx.model, holder):
+    if is_scheduler_like(model, holder):
         return "other"
     return "unknown"
 

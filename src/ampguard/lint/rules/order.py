@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from ampguard.findings import Finding
 from ampguard.lint._flow import Env, Event, Interpreter, OutOfBudget
 from ampguard.lint.rules._base import Context, Rule
-from ampguard.lint.rules._units import events, flow_units
+from ampguard.lint.rules._units import budget_note, events, flow_units
 
 __all__ = ["AG201", "AG202"]
 
@@ -121,10 +121,13 @@ def _run(
 ) -> Iterator[Finding]:
     extractor = events(ctx)
     for unit in flow_units(ctx):
+        before = set(analysis.found)
         try:
             Interpreter(extractor, analysis).body(unit.body, start, record=True)
-        except OutOfBudget:
-            continue
+        except OutOfBudget as error:
+            for key in set(analysis.found) - before:
+                del analysis.found[key]
+            yield from budget_note(ctx, unit, error)
     yield from analysis.found.values()
 
 
@@ -140,7 +143,7 @@ AG201 = Rule.from_code(
     "AG201",
     fix="call scaler.unscale_(optimizer) after scaler.scale(loss).backward() and before "
     "clip_grad_norm_/clip_grad_value_, so the threshold applies to the real gradients",
-    triggers=("clip_grad",),
+    triggers=("clip",),  # clip_grad_norm_, or a clipping object (self.clipper(params))
     check=_check_clip,  # also needs a scaler: cheap to find out
 )
 AG202 = Rule.from_code(

@@ -1,4 +1,12 @@
-"""AG207: an LR scheduler stepped unconditionally right after ``scaler.step(...)``."""
+"""AG207: an LR scheduler stepped right after ``scaler.step(...)`` whether or not it skipped.
+
+Also under an ``if`` that does not ask whether the optimizer stepped: ``if sched is not None:``,
+``if cfg.per_iter_sched:``, ``if (i + 1) % accum == 0:`` test configuration or the step count, so
+the schedule still advances on a skipped step. An ``if`` is a gate (silent) when its test calls
+something (``scaler.get_scale() >= before``), reads a name the loop assigns
+(``optimizer_was_run = ...``, a counter), or names a skip (``skipped``, ``applied``,
+``found_inf``, ``overflow``, ...).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,26 @@ __all__ = ["AG207"]
 
 _BOUNDARY = (*FUNCS, ast.Lambda, ast.ClassDef, ast.For, ast.AsyncFor, ast.While, ast.Module)
 _LISTS = ("body", "orelse", "finalbody")
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_GATE_WORDS = frozenset(
+    {
+        "skip",
+        "skipped",
+        "applied",
+        "stepped",
+        "run",
+        "overflow",
+        "overflowed",
+        "inf",
+        "nan",
+        "finite",
+        "nonfinite",
+        "valid",
+        "success",
+        "ok",
+        "updated",
+    }
+)
 
 
 def _check(ctx: Context) -> Iterator[Finding]:
@@ -28,21 +56,55 @@ def _check(ctx: Context) -> Iterator[Finding]:
             and dotted(func.value) in model.scaler_keys
         ):
             continue
-        for sched, name in _later_scheduler_steps(ctx, call):
+        assigned = _loop_assigned(ctx, call)
+        for sched, name, test in _later_scheduler_steps(ctx, call, assigned):
             if id(sched) not in seen:
                 seen.add(id(sched))
+                under = f" (under 'if {test}', which does not test the step)" if test else ""
                 yield ctx.finding(
                     AG207,
                     sched,
                     f"{name}.step() runs even when {dotted(func.value)}.step() "
-                    "skipped the optimizer step (inf/NaN gradients): the schedule advances "
-                    "without training",
+                    f"skipped the optimizer step (inf/NaN gradients){under}: the schedule "
+                    "advances without training",
                     scheduler=name,
                     step_line=call.lineno,
                 )
 
 
-def _later_scheduler_steps(ctx: Context, call: ast.Call) -> Iterator[tuple[ast.Call, str | None]]:
+_Found = tuple[ast.Call, str | None, str | None]
+
+
+def _loop_assigned(ctx: Context, call: ast.Call) -> frozenset[str]:
+    """Names assigned in the body of the loop around ``call`` (not its own ``for`` target)."""
+    loop = next((a for a in ctx.model.ancestors(call) if isinstance(a, (*_LOOPS, *FUNCS))), None)
+    if not isinstance(loop, _LOOPS):
+        return frozenset()
+    out = set()
+    for node in ctx.model.statements(loop.body):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+    return frozenset(out)
+
+
+def _is_gate(test: ast.AST, assigned: frozenset[str]) -> bool:
+    """``test`` may ask whether the optimizer stepped (see the module docstring)."""
+    for node in ast.walk(test):
+        if isinstance(node, (ast.Call, ast.Await, ast.NamedExpr)):
+            return True
+        word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if not isinstance(word, str):
+            continue
+        if isinstance(node, ast.Name) and word in assigned:
+            return True
+        if not _GATE_WORDS.isdisjoint(word.lower().split("_")):
+            return True
+    return False
+
+
+def _later_scheduler_steps(
+    ctx: Context, call: ast.Call, assigned: frozenset[str]
+) -> Iterator[_Found]:
     """Scheduler ``.step()`` statements after the one holding ``call``, at each block level."""
     child: ast.AST = call
     for anc in ctx.model.ancestors(call):
@@ -51,15 +113,24 @@ def _later_scheduler_steps(ctx: Context, call: ast.Call) -> Iterator[tuple[ast.C
                 block = getattr(anc, field, None)
                 if isinstance(block, list) and any(s is child for s in block):
                     index = next(i for i, s in enumerate(block) if s is child)
-                    yield from _scheduler_steps(ctx, block[index + 1 :])
+                    yield from _scheduler_steps(ctx, block[index + 1 :], assigned, None)
         if isinstance(anc, _BOUNDARY):
             return
         child = anc
 
 
-def _scheduler_steps(ctx: Context, stmts: list[ast.stmt]) -> Iterator[tuple[ast.Call, str | None]]:
-    """Scheduler ``.step()`` calls among ``stmts``, each with the scheduler's text."""
+def _scheduler_steps(
+    ctx: Context, stmts: list[ast.stmt], assigned: frozenset[str], test: str | None
+) -> Iterator[_Found]:
+    """Scheduler ``.step()`` calls among ``stmts`` (also inside ``if`` statements that are not a
+    gate), each with the scheduler's text and the test it runs under."""
     for stmt in stmts:
+        if isinstance(stmt, ast.If) and not _is_gate(stmt.test, assigned):
+            text = ast.unparse(stmt.test)
+            text = text if len(text) <= 40 else text[:37] + "..."
+            yield from _scheduler_steps(ctx, stmt.body, assigned, test or text)
+            yield from _scheduler_steps(ctx, stmt.orelse, assigned, test or f"not ({text})")
+            continue
         value = stmt.value if isinstance(stmt, ast.Expr) else None
         if (
             isinstance(value, ast.Call)
@@ -70,7 +141,7 @@ def _scheduler_steps(ctx: Context, stmts: list[ast.stmt]) -> Iterator[tuple[ast.
             and dotted(value.func.value) not in ctx.model.scaler_keys
             and is_scheduler_like(ctx.model, value.func.value)
         ):
-            yield value, dotted(value.func.value)
+            yield value, dotted(value.func.value), test
 
 
 AG207 = Rule.from_code(

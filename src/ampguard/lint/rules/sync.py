@@ -1,8 +1,14 @@
 """AG213: a host sync on every training step whose value is only logged.
 
-Syncs: ``x.item()``, ``scaler.get_scale()`` and a device tensor formatted as text (``f"{loss}"``,
-``str(loss)``, ``print(loss)``). Logged: printed, passed to a logger or progress bar, fed to a
-running-average meter, or summed into a total that the step itself reads only to log.
+Syncs: ``x.item()``, ``scaler.get_scale()``, ``.cpu()`` / ``.tolist()`` / ``.numpy()`` /
+``float(t)`` of a device tensor, and a device tensor formatted as text (``f"{outputs.loss:.4f}"``,
+``"%g" % loss``, ``str(loss)``, ``print(loss)``), for any expression that holds one (see
+:mod:`._tensors`; tensors provably on the CPU do not count). Logged: printed, passed to a logger or
+progress bar, fed to a running-average meter, or summed into a total that the step itself reads
+only to log. Per step: in a loop that trains, in ``training_step``, or in a helper called from
+one; also under ``if rank == 0:`` (every step on one rank) and under ``if step % k == 0`` with a
+literal ``k`` below 10 (the message says how often). Test files (``test_*.py``, ``*_test.py``,
+``conftest.py``) are not checked.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from ampguard.lint._context import is_scheduler_like
 from ampguard.lint._model import FUNCS, branch_of
 from ampguard.lint._names import dotted, terminal
 from ampguard.lint.rules._base import Context, Rule
-from ampguard.lint.rules._tensors import formatted_tensors
+from ampguard.lint.rules._tensors import TensorFacts, host_syncs
 
 __all__ = ["AG213"]
 
@@ -43,54 +49,159 @@ _METER_WORDS = ("meter", "metric", "smooth", "logger", "tracker", "averager", "r
 _METER_CLASSES = ("Meter", "MetricLogger", "SmoothedValue", "Averager", "Tracker", "RunningAverage")
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _STOP = (*FUNCS, ast.Lambda, ast.ClassDef)
+_MAX_PERIOD = 10  # under ``if step % k == 0`` a literal k below this still fires
+_MAX_HELPER_DEPTH = 2  # helpers followed from the per-step call site
+_RANK_WORDS = ("rank", "main_process", "master", "global_zero")
+
+
+class _Step:
+    """Where a sync runs per step: the description, the loop or function that repeats it, how
+    often (``None``: every step), on which ranks, and the helper call it goes through."""
+
+    __slots__ = ("where", "node", "period", "rank0", "via")
+
+    def __init__(self, where: str, node: ast.AST) -> None:
+        self.where = where
+        self.node = node
+        self.period: int | None = None
+        self.rank0 = False
+        self.via: list[str] = []
+
+
+def _is_test_file(path: str) -> bool:
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    return name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
 
 
 def _check(ctx: Context) -> Iterator[Finding]:
+    if _is_test_file(ctx.path):
+        return
     model = ctx.model
-    for node, what in _syncs(ctx):
-        found = _per_step(ctx, node)
-        if found is None or not _only_logged(ctx, node, found[1]):
+    facts = TensorFacts(model)
+    for node, what in _syncs(ctx, facts):
+        found = _per_step(ctx, node, 0)
+        if found is None:
             continue
+        home = model.function_of(node) if found.via else None
+        uses = _only_logged(ctx, node, home if home is not None else found.node)
+        if uses is None:
+            continue
+        throttle = _throttle(ctx, uses) if uses else None
         if len(what) > 40:
             what = what[:37] + "..."
+        how = (
+            "on every training step"
+            if found.period is None
+            else (f"every {found.period} training steps")
+        )
+        if found.rank0:
+            how += " on the main rank"
+        where = found.where + "".join(found.via)
+        logged = f" only to be logged under 'if {throttle}'" if throttle else " only to be logged"
         yield ctx.finding(
             AG213,
             node,
-            f"{what} runs on every training step ({found[0]}) only to be logged: "
+            f"{what} runs {how} ({where}){logged}: "
             "each call waits for the device (a host sync); log every N steps or accumulate on "
             "the device",
             sync=what,
             unit=unit.name if (unit := model.function_of(node)) is not None else "<module>",
+            period=found.period or 1,
         )
 
 
-def _syncs(ctx: Context) -> Iterator[tuple[ast.AST, str]]:
-    """Host syncs: ``x.item()``, ``scaler.get_scale()``, and a device tensor formatted as text."""
+def _syncs(ctx: Context, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
+    """Host syncs: ``x.item()``, ``.cpu()``/``.tolist()``/``.numpy()``/``float()`` of a device
+    tensor, ``scaler.get_scale()``, and a device tensor formatted as text."""
     model = ctx.model
-    for call in model.by_terminal.get("item", ()):
-        if isinstance(call.func, ast.Attribute) and not call.args and not call.keywords:
-            yield call, ast.unparse(call)
     for call in model.by_terminal.get("get_scale", ()):
         if isinstance(call.func, ast.Attribute) and dotted(call.func.value) in model.scaler_keys:
             yield call, ast.unparse(call)
-    yield from formatted_tensors(model)
+    yield from host_syncs(model, facts)
 
 
-def _per_step(ctx: Context, node: ast.AST) -> tuple[str, ast.AST] | None:
-    """Where ``node`` runs once per step (``loop at line N`` / ``training_step``, and that loop or
-    function), else ``None``."""
+def _condition(test: ast.AST) -> tuple[bool, int | None] | None:
+    """``(rank 0 only, period)`` for the body of ``if test:`` when it still runs per step
+    (``rank == 0``, ``step % 5 == 0``), ``None`` when it is a throttle or unknown."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        rank0, period = False, None
+        for value in test.values:
+            part = _condition(value)
+            if part is None:
+                return None
+            rank0 = rank0 or part[0]
+            period = _times(period, part[1])
+        return rank0, period
+    mod = None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        mod = test.operand
+    elif (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Eq)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == 0
+    ):
+        mod = test.left
+    if isinstance(mod, ast.BinOp) and isinstance(mod.op, ast.Mod):
+        k = mod.right.value if isinstance(mod.right, ast.Constant) else None
+        if isinstance(k, int) and not isinstance(k, bool) and 0 < k < _MAX_PERIOD:
+            return False, k
+        return None  # every N steps (N from the config, or >= 10): the recommended throttle
+    words = [
+        n.id if isinstance(n, ast.Name) else n.attr
+        for n in ast.walk(test)
+        if isinstance(n, (ast.Name, ast.Attribute))
+    ]
+    if any(w in word.lower() for word in words for w in _RANK_WORDS):
+        return True, None
+    return None
+
+
+def _times(a: int | None, b: int | None) -> int | None:
+    """Two periods nested: every ``a`` steps, of those every ``b`` (``None``: every step)."""
+    if a is None:
+        return b
+    return a if b is None else a * b
+
+
+def _per_step(ctx: Context, node: ast.AST, depth: int) -> _Step | None:
+    """Where ``node`` runs once per step (``loop at line N`` / ``training_step`` / a helper called
+    from there), else ``None``."""
     child: ast.AST = node
+    rank0, period = False, None
     for anc in ctx.model.ancestors(node):
         if branch_of(anc, child) is not None:
-            return None  # conditional: already throttled (or at least not every step)
+            part = (
+                _condition(anc.test)
+                if isinstance(anc, ast.If) and any(s is child for s in anc.body)
+                else None
+            )
+            if part is None:
+                return None  # conditional: already throttled (or at least not every step)
+            rank0 = rank0 or part[0]
+            period = _times(period, part[1])
+            child = anc
+            continue
+        found: _Step | None = None
         if isinstance(anc, _LOOPS):
-            if not any(s is child for s in anc.body) or not _trains(ctx, anc.body, 0):
+            if not any(s is child for s in anc.body):
                 return None
-            return f"loop at line {anc.lineno}", anc
-        if isinstance(anc, _STOP):
+            if not _trains(ctx, anc.body, 0):  # for k, v in loss_dict.items(): per step, n times
+                child = anc
+                continue
+            found = _Step(f"loop at line {anc.lineno}", anc)
+        elif isinstance(anc, _STOP):
             if isinstance(anc, FUNCS) and anc.name == "training_step":
-                return "training_step", anc
-            return None
+                found = _Step("training_step", anc)
+            elif isinstance(anc, FUNCS) and depth < _MAX_HELPER_DEPTH:
+                found = _called_per_step(ctx, anc, depth)
+            if found is None:
+                return None
+        if found is not None:
+            found.rank0 = found.rank0 or rank0
+            found.period = _times(found.period, period)
+            return found
         if isinstance(anc, ast.withitem) or (
             isinstance(anc, (ast.If, ast.While)) and child is anc.test
         ):
@@ -99,12 +210,39 @@ def _per_step(ctx: Context, node: ast.AST) -> tuple[str, ast.AST] | None:
     return None
 
 
+def _called_per_step(
+    ctx: Context, func: ast.FunctionDef | ast.AsyncFunctionDef, depth: int
+) -> _Step | None:
+    """A helper (``self.log_step(loss)``, ``log_metrics(loss)``) called once per step."""
+    model = ctx.model
+    cls = model.class_of(func)
+    method = cls is not None and model.parent(func) is cls
+    for call in model.by_terminal.get(func.name, ()):
+        target = call.func
+        if method:
+            if not (isinstance(target, ast.Attribute) and dotted(target.value) == "self"):
+                continue
+            if model.class_of(call) is not cls:
+                continue
+        elif not isinstance(target, ast.Name):
+            continue
+        else:
+            found = model.binding(target.id, model.scope_of(call))
+            if not (found and found[0] == "values" and func in found[1]):
+                continue
+        step = _per_step(ctx, call, depth + 1)
+        if step is not None:
+            step.via.insert(0, f", in {func.name}() called at line {call.lineno}")
+            return step
+    return None
+
+
 def _trains(ctx: Context, body: list[ast.stmt], depth: int) -> bool:
     """``body`` (not its nested loops) runs backward() or an optimizer/scaler step."""
     stack: list[ast.AST] = list(body)
     while stack:
         node = stack.pop()
-        if isinstance(node, _STOP) or (depth == 0 and isinstance(node, _LOOPS)):
+        if isinstance(node, (*_STOP, *_LOOPS)):  # a helper that loops is an epoch, not a step
             continue
         if isinstance(node, ast.Call) and _training_call(ctx, node, depth):
             return True
@@ -123,7 +261,15 @@ def _training_call(ctx: Context, call: ast.Call, depth: int) -> bool:
             and not is_scheduler_like(ctx.model, func.value)
         ):
             return True
-    if depth >= 2 or not isinstance(func, ast.Name):
+    if depth >= 2:
+        return False
+    if isinstance(func, ast.Attribute) and dotted(func.value) == "self":  # self.train_step(b)
+        cls = ctx.model.class_of(call)
+        for stmt in cls.body if cls is not None else ():
+            if isinstance(stmt, FUNCS) and stmt.name == func.attr:
+                return _trains(ctx, stmt.body, depth + 1)
+        return False
+    if not isinstance(func, ast.Name):
         return False
     found = ctx.model.binding(func.id, ctx.model.scope_of(call))
     if found and found[0] == "values" and len(found[1]) == 1 and isinstance(found[1][0], FUNCS):
@@ -161,22 +307,26 @@ def _is_meter(ctx: Context, recv: ast.AST) -> bool:
     )
 
 
-def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
+def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> list[ast.AST] | None:
     """The value goes straight into a logging call, into a name used only by logging calls, or
-    into a running total (``epoch_loss += loss.item()``) that the step reads only to log it."""
+    into a running total (``epoch_loss += loss.item()``) that the step reads only to log it.
+
+    Returns the reads that log it (empty when the sync sits in the logging call itself), or
+    ``None`` when the value is used otherwise.
+    """
     model = ctx.model
     child: ast.AST = node
     anc: ast.AST = node
     for anc in model.ancestors(node):
         if isinstance(anc, ast.Call) and _is_log_call(ctx, anc) and child is not anc.func:
-            return True
+            return []
         if isinstance(anc, ast.stmt):
             break
         child = anc
     stmt = anc
     if isinstance(stmt, ast.AugAssign) and child is stmt.value:
         key = dotted(stmt.target)
-        body = where.body if isinstance(where, _LOOPS) else [where]
+        body = where.body if isinstance(where, (*_LOOPS, *FUNCS)) else [where]
         uses = [
             n
             for n in model.statements(body)
@@ -185,13 +335,22 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
             and isinstance(n.ctx, ast.Load)
             and dotted(n) == key
         ]
-        return key is not None and all(_inside_log(ctx, n) for n in uses)
+        if key is not None and "." in key and not uses and isinstance(where, FUNCS):
+            return None  # self.state.tokens_seen += ...: read outside this function
+        return uses if key is not None and all(_inside_log(ctx, n) for n in uses) else None
+    if (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Attribute)
+        and stmt.targets[0].attr in ("desc", "postfix")
+    ):
+        return []  # pbar.desc = f"loss {loss.item():.3f}"
     if not (
         isinstance(stmt, ast.Assign)
         and len(stmt.targets) == 1
         and isinstance(stmt.targets[0], ast.Name)
     ):
-        return False
+        return None
     name = stmt.targets[0].id
     unit = model.function_of(node)
     body = unit.body if unit is not None else model.tree.body
@@ -200,7 +359,26 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> bool:
         for n in model.statements(body)
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
     ]
-    return bool(uses) and all(_inside_log(ctx, n) for n in uses)
+    return uses if uses and all(_inside_log(ctx, n) for n in uses) else None
+
+
+def _throttle(ctx: Context, uses: list[ast.AST]) -> str | None:
+    """The ``if step % N == 0`` test every logging read sits under, if they share one."""
+    tests = set()
+    for use in uses:
+        test = None
+        for anc in ctx.model.ancestors(use):
+            if isinstance(anc, ast.If) and any(
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(anc.test)
+            ):
+                test = ast.unparse(anc.test)
+                break
+            if isinstance(anc, _STOP):
+                break
+        if test is None:
+            return None
+        tests.add(test)
+    return tests.pop() if len(tests) == 1 else None
 
 
 def _inside_log(ctx: Context, node: ast.AST) -> bool:

@@ -9,7 +9,7 @@ from ampguard.findings import Finding
 from ampguard.lint._flow import Env, Event, Interpreter, OutOfBudget
 from ampguard.lint._names import dotted
 from ampguard.lint.rules._base import Context, Rule
-from ampguard.lint.rules._units import events, flow_units
+from ampguard.lint.rules._units import budget_note, events, flow_units
 
 __all__ = ["AG204"]
 
@@ -88,10 +88,13 @@ def _check(ctx: Context) -> Iterator[Finding]:
     for loop in model.loops:
         if id(model.function_of(loop) or model.tree) not in units:
             continue
+        before = set(analysis.found)
         try:
             _loop(ctx, loop, Interpreter(extractor, analysis), analysis)
-        except OutOfBudget:
-            continue
+        except OutOfBudget as error:
+            for key in set(analysis.found) - before:
+                del analysis.found[key]
+            yield from budget_note(ctx, model.function_of(loop) or model.tree, error)
     yield from analysis.found.values()
     yield from _never_updated(ctx, set(analysis.found))
 
