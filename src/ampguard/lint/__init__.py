@@ -22,6 +22,7 @@ from ampguard.lint._engine import (
     lint_bytes,
     make_options,
     parse_codes,
+    relaxed_gc,
 )
 from ampguard.lint._output import FORMATS, format_findings, sort_findings
 from ampguard.lint._project import Project
@@ -100,11 +101,12 @@ def lint_paths(
     findings: list[Finding] = []
     files = list(iter_python_files(paths, tuple(exclude)))
     tree = Project(files) if project else None
-    for path in files:
-        data = read_source(path)  # regular files only, at most MAX_FILE_BYTES
-        if isinstance(data, Finding):
-            if "AG200" in options.codes:
-                findings.append(data)
-            continue
-        findings.extend(lint_bytes(data, path, options, tree))
+    with relaxed_gc():
+        for path in files:
+            data = read_source(path)  # regular files only, at most MAX_FILE_BYTES
+            if isinstance(data, Finding):
+                if "AG200" in options.codes:
+                    findings.append(data)
+                continue
+            findings.extend(lint_bytes(data, path, options, tree))
     return sort_findings(findings)
