@@ -16,7 +16,15 @@ def lint_args(p: argparse.ArgumentParser) -> None:
         "--format",
         default="text",
         choices=("text", "json", "sarif"),
-        help="output format (default text: path:line:col: CODE message)",
+        help="output format (default text: path:line:col: CODE [severity] message, "
+        "then the fix on an indented line)",
+    )
+    p.add_argument(
+        "--fail-on",
+        default="warning",
+        choices=("error", "warning", "info"),
+        help="exit 1 when a finding is this severe or worse (default warning: an info hint "
+        "such as AG213 is printed but never fails a pre-commit hook)",
     )
     p.add_argument(
         "--select",
@@ -55,8 +63,9 @@ def _codes(values: list[str] | None) -> list[str] | None:
 
 
 def lint_run(args: argparse.Namespace) -> int:
-    """Exit code 0: clean; 1: findings; 2: usage error (bad code, missing path)."""
-    from ampguard.lint import format_findings, lint_paths
+    """Exit code 0: nothing at ``--fail-on`` severity or worse; 1: such findings; 2: usage error
+    (bad code, missing path)."""
+    from ampguard.lint import failing, format_findings, lint_paths, summary_line
 
     try:
         findings = lint_paths(
@@ -73,5 +82,5 @@ def lint_run(args: argparse.Namespace) -> int:
     if output and (findings or args.format != "text"):
         sys.stdout.write(output)
     if findings and args.format == "text":
-        print(f"{len(findings)} finding(s)", file=sys.stderr)
-    return 1 if findings else 0
+        print(summary_line(findings, args.fail_on), file=sys.stderr)
+    return 1 if failing(findings, args.fail_on) else 0

@@ -24,7 +24,14 @@ from ampguard.lint._engine import (
     parse_codes,
     relaxed_gc,
 )
-from ampguard.lint._output import FORMATS, format_findings, sort_findings
+from ampguard.lint._output import (
+    FORMATS,
+    SEVERITIES,
+    failing,
+    format_findings,
+    sort_findings,
+    summary_line,
+)
 from ampguard.lint._project import Project
 from ampguard.lint._source import MAX_FILE_BYTES, read_source
 from ampguard.lint.rules import RULES, Rule
@@ -34,12 +41,15 @@ __all__ = [
     "FORMATS",
     "MAX_FILE_BYTES",
     "RULES",
+    "SEVERITIES",
     "Rule",
+    "failing",
     "format_findings",
     "iter_python_files",
     "lint_paths",
     "lint_source",
     "parse_codes",
+    "summary_line",
 ]
 
 Codes = str | Iterable[str] | None
