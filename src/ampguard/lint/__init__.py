@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from functools import partial
 
 from ampguard._util.checks import check_bool
 from ampguard.findings import Finding
 from ampguard.lint._engine import (
     DEFAULT_EXCLUDES,
+    Options,
     iter_python_files,
     lint_bytes,
     make_options,
@@ -147,13 +149,19 @@ def fix_paths(
                 text, encoding = decode(data)
             except (SyntaxError, UnicodeDecodeError, LookupError):
                 continue
-            fixed = fix_text(text, path, options, lambda t, p=path: lint_bytes(t, p, options, tree))
+            fixed = fix_text(
+                text, path, options, partial(_lint_in, path=path, options=options, tree=tree)
+            )
             if fixed.changed:
                 if write:
                     with open(path, "wb") as handle:
                         handle.write(fixed.text.encode(encoding))
                 out.append(fixed)
     return out
+
+
+def _lint_in(text: str, *, path: str, options: Options, tree: Project | None) -> list[Finding]:
+    return lint_bytes(text, path, options, tree)
 
 
 def lint_paths(

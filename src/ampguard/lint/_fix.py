@@ -253,8 +253,8 @@ def _weights_only_edits(model: FileModel, src: _Source, finding: Finding) -> lis
         return []
     last = max(
         [*call.args, *(k.value for k in call.keywords)],
-        key=lambda n: (n.end_lineno, n.end_col_offset),
-    )  # type: ignore[attr-defined]
+        key=lambda n: (getattr(n, "end_lineno", 0), getattr(n, "end_col_offset", 0)),
+    )
     at = src.end(last)
     return [_Edit(at, at, ", weights_only=True")]
 
@@ -488,8 +488,10 @@ class _ImportPlan:
     def _insert_first(self, call: ast.Call, text: str) -> list[_Edit]:
         """Insert ``text`` as the call's first argument."""
         if call.args or call.keywords:
-            firsts = [*call.args, *(k for k in call.keywords)]
-            first = min(firsts, key=lambda n: (n.lineno, n.col_offset))
+            firsts: list[ast.AST] = [*call.args, *call.keywords]
+            first = min(
+                firsts, key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))
+            )
             at = self.src.start(first)
             return [_Edit(at, at, f"{text}, ")]
         at = self.src.end(call) - 1  # just inside ``)``

@@ -62,12 +62,12 @@ def condition(test: ast.AST, rename: dict[str, str]) -> tuple[str, bool] | None:
         return None if text is None else (f"{text} is None", False)
     if rename:
         return None
-    cached = getattr(test, _CONDITION, None)  # the same test is read on every pass over a loop
-    if cached is None:
+    cached: tuple[str, bool] | bool | None = getattr(test, _CONDITION, None)
+    if cached is None:  # the same test is read on every pass over a loop: read it once
         fixed = not any(isinstance(n, _NOT_FIXED) for n in ast.walk(test))
         cached = (ast.unparse(test), True) if fixed else False
         setattr(test, _CONDITION, cached)
-    return cached or None
+    return cached if isinstance(cached, tuple) else None
 
 
 def _renamed(text: str | None, rename: dict[str, str]) -> str | None:
