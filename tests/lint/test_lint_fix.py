@@ -245,3 +245,23 @@ def test_fix_paths_from_python(tmp_path: Path) -> None:
     assert (tmp_path / "a.py").read_text() == expected and done.path.endswith("a.py")
     assert fix_paths(tmp_path) == []
     assert not [f for f in lint_paths([tmp_path]) if f.code == "AG204"]
+
+
+def test_fix_and_diff_import_no_torch(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text(CASES["ag206_from_import"][1])
+    code = (
+        "import sys\nfrom ampguard.cli import main\n"
+        "for flag in ('--diff', '--fix'):\n"
+        "    try:\n        main(['lint', flag, sys.argv[1]])\n"
+        "    except SystemExit:\n        pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert "from torch.amp import GradScaler, autocast" in (tmp_path / "t.py").read_text()
