@@ -45,7 +45,10 @@ def test_special_files_in_a_folder_are_findings_not_reads(tree):
     assert found["x.py"] == "not read: a FIFO (named pipe), not a regular file"
     assert found["y.py"] == "not read: a character device, not a regular file"
     assert found["loop.py"].startswith("cannot read the file: Too many levels of symbolic links")
-    assert found["dangling.py"].startswith("cannot read the file: No such file")
+    assert found["dangling.py"] == (
+        "not read: a dangling symlink: it points to 'missing_target.py' "
+        f"({tree / 'missing_target.py'}), which does not exist"
+    )
     assert set(found) == {"x.py", "y.py", "loop.py", "dangling.py"}  # ok.py and inner.py: clean
 
 
@@ -75,4 +78,4 @@ def test_the_cli_over_special_files_ends_with_findings(tree):
         timeout=50,
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "x.py:1:1: AG200 not read: a FIFO" in out.stdout
+    assert "x.py:1:1: AG200 [error] not read: a FIFO" in out.stdout

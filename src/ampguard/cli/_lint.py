@@ -16,7 +16,15 @@ def lint_args(p: argparse.ArgumentParser) -> None:
         "--format",
         default="text",
         choices=("text", "json", "sarif"),
-        help="output format (default text: path:line:col: CODE message)",
+        help="output format (default text: path:line:col: CODE [severity] message, "
+        "then the fix on an indented line)",
+    )
+    p.add_argument(
+        "--fail-on",
+        default="warning",
+        choices=("error", "warning", "info"),
+        help="exit 1 when a finding is this severe or worse (default warning: an info hint "
+        "such as AG213 is printed but never fails a pre-commit hook)",
     )
     p.add_argument(
         "--select",
@@ -41,6 +49,18 @@ def lint_args(p: argparse.ArgumentParser) -> None:
         "build, site-packages, ... are always skipped inside folders",
     )
     p.add_argument(
+        "--fix",
+        action="store_true",
+        help="rewrite the files: the mechanical fixes for AG201, AG204, AG206, AG208 (minimal "
+        "edits; the rest of each file is kept byte for byte), then report what is left",
+    )
+    p.add_argument(
+        "--diff",
+        action="store_true",
+        help="print the fixes --fix would make as a unified diff and change nothing "
+        "(exit 1 when there is something to fix)",
+    )
+    p.add_argument(
         "--torch-version",
         default=None,
         metavar="X.Y",
@@ -54,11 +74,36 @@ def _codes(values: list[str] | None) -> list[str] | None:
     return [code for value in values for code in value.split(",")]
 
 
+def _diff(fixed: list) -> int:
+    from ampguard.lint import unified_diff
+
+    for item in fixed:
+        sys.stdout.write(unified_diff(item))
+    count = sum(len(f.fixed) for f in fixed)
+    print(f"would fix {count} finding(s) in {len(fixed)} file(s)", file=sys.stderr)
+    return 1 if fixed else 0
+
+
 def lint_run(args: argparse.Namespace) -> int:
-    """Exit code 0: clean; 1: findings; 2: usage error (bad code, missing path)."""
-    from ampguard.lint import format_findings, lint_paths
+    """Exit code 0: nothing at ``--fail-on`` severity or worse; 1: such findings; 2: usage error
+    (bad code, missing path). ``--fix`` writes the fixes first and judges what is left;
+    ``--diff`` prints them and exits 1 when there is something to fix."""
+    from ampguard.lint import failing, fix_paths, format_findings, lint_paths, summary_line
 
     try:
+        if args.fix or args.diff:
+            fixed = fix_paths(
+                args.paths,
+                write=not args.diff,
+                select=_codes(args.select),
+                ignore=_codes(args.ignore),
+                exclude=args.exclude,
+                torch_version=args.torch_version,
+            )
+            if args.diff:
+                return _diff(fixed)
+            count = sum(len(f.fixed) for f in fixed)
+            print(f"fixed {count} finding(s) in {len(fixed)} file(s)", file=sys.stderr)
         findings = lint_paths(
             args.paths,
             select=_codes(args.select),
@@ -73,5 +118,5 @@ def lint_run(args: argparse.Namespace) -> int:
     if output and (findings or args.format != "text"):
         sys.stdout.write(output)
     if findings and args.format == "text":
-        print(f"{len(findings)} finding(s)", file=sys.stderr)
-    return 1 if findings else 0
+        print(summary_line(findings, args.fail_on), file=sys.stderr)
+    return 1 if failing(findings, args.fail_on) else 0

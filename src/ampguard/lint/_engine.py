@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import gc
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -23,6 +25,7 @@ __all__ = [
     "lint_bytes",
     "make_options",
     "parse_codes",
+    "relaxed_gc",
 ]
 
 DEFAULT_EXCLUDES = (
@@ -44,6 +47,7 @@ DEFAULT_EXCLUDES = (
     ".pytest_cache",
     ".ruff_cache",
 )
+_GC_GEN0 = 50_000  # allocations between young collections while linting (CPython's default: 700)
 _CODE = re.compile(r"^AG\d{0,3}$")
 _TRIGGERS = {code: (r.triggers, tuple(t.encode() for t in r.triggers)) for code, r in RULES.items()}
 _REQUIRES = {code: (r.requires, tuple(t.encode() for t in r.requires)) for code, r in RULES.items()}
@@ -120,6 +124,24 @@ def _installed_torch() -> tuple[int, int] | None:
         return None
 
 
+@contextlib.contextmanager
+def relaxed_gc() -> Iterator[None]:
+    """Run a lint of many files with fewer cyclic garbage collections (restored on exit).
+
+    Parsing allocates millions of AST nodes that live until their file is done; with CPython's
+    default thresholds the collector walks them again and again (a quarter of project mode's
+    time over a 16k-line repository). Young collections still run every :data:`_GC_GEN0`
+    allocations, so memory stays bounded; the thresholds the process had are put back, also on
+    an exception. Cost: none beyond the collections it saves.
+    """
+    old = gc.get_threshold()
+    gc.set_threshold(max(old[0], _GC_GEN0), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def lint_bytes(
     source: str | bytes, path: str, options: Options, project: Project | None = None
 ) -> list[Finding]:
@@ -127,7 +149,7 @@ def lint_bytes(
 
     With ``project`` (project mode), names imported from the other files of the run resolve.
     """
-    parsed = parse(source, path)
+    parsed = parse(source, path) if project is None else project.linted(path, source)
     if isinstance(parsed, Finding):
         return [parsed] if "AG200" in options.codes else []
     checks = [
@@ -140,8 +162,10 @@ def lint_bytes(
     if not checks:
         return []
     try:
-        model = FileModel(parsed.tree, path, project)
-        if project is not None:
+        if project is None:
+            model = FileModel(parsed.tree, path, project)
+        else:
+            model = project.model_for(path, parsed)
             project.begin(path, model)
         ctx = Context(model, path, options.torch_version)
         # a rule may add an AG200 note (a unit over the analysis budget): it obeys select/ignore

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampguard.lint._context import is_scheduler_like, scaler_state
+from ampguard.lint._inert import summary
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import CLIPS, dotted, terminal
 from ampguard.lint._project import resolve_def
@@ -51,8 +52,22 @@ class Events:
         found = self._cache.get(key)
         if found is None:
             found = [ev for call in _calls_in(header(stmt)) for ev in self._call(call)]
+            if any(ev.kind == "call" for ev in found):  # inert helpers are not inlined
+                found = [ev for ev in found if ev.kind != "call" or not self._inert(ev)]
             self._cache[key] = found
         return found
+
+    def _inert(self, event: Event) -> bool:
+        return self.inert(event) == frozenset()
+
+    def inert(self, event: Event) -> frozenset[str] | None:
+        """For a helper call: ``None`` if inlining it may change the state, else the helper's
+        parameters it assigns (see :mod:`ampguard.lint._inert`); cached on the ``def``."""
+        owner = event.owner if event.owner is not None else self.model
+        events = self if owner is self.model else self.sub(owner)
+        if not isinstance(event.target, FUNCS):
+            return None
+        return summary(events, event.target, header)
 
     def _call(self, call: ast.Call) -> list[Event]:
         func = call.func

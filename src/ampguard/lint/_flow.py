@@ -202,6 +202,9 @@ class Interpreter:
         if event.owner is not None and event.owner is not events.model:
             events = self.events.sub(event.owner)
         inner = Env(env.record, mapping, (*env.active, helper), events)
+        stores = events.inert(event)  # no events inside: only what it assigns matters
+        if stores is not None:
+            return self._forget(state, stores, inner) if stores else state
         out = self._block(helper.body, state, inner)
         return self._pjoin(out.out, out.ret)
 

@@ -1,4 +1,5 @@
-"""Printing findings: ``path:line:col: CODE message`` text, a JSON list, or SARIF 2.1.0."""
+"""Printing findings: ``path:line:col: CODE [severity] message`` text with the fix under it, a
+JSON list, or SARIF 2.1.0; and which severities fail a run (``--fail-on``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path, PurePath
 from ampguard.findings import Finding
 from ampguard.lint.rules import RULES
 
-__all__ = ["FORMATS", "format_findings", "sort_findings"]
+__all__ = ["FORMATS", "SEVERITIES", "failing", "format_findings", "sort_findings", "summary_line"]
 
 FORMATS = ("text", "json", "sarif")
+SEVERITIES = ("error", "warning", "info")  # most severe first
 _SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 _SARIF_LEVEL = {"error": "error", "warning": "warning", "info": "note"}
 
@@ -28,10 +30,40 @@ def format_findings(findings: Iterable[Finding], fmt: str = "text") -> str:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     items = sort_findings(findings)
     if fmt == "text":
-        return "".join(f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}\n" for f in items)
+        return "".join(_text(f) for f in items)
     if fmt == "json":
         return json.dumps([f.to_dict() for f in items], indent=2) + "\n"
     return json.dumps(_sarif(items), indent=2) + "\n"
+
+
+def _text(f: Finding) -> str:
+    """``path:line:col: CODE [severity] message`` and, indented under it, ``fix: ...``: the first
+    line is what editors' problem matchers read; the second never looks like a location."""
+    head = f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}] {f.message}\n"
+    return head + (f"    fix: {f.fix}\n" if f.fix else "")
+
+
+def _rank(severity: str, argument: str) -> int:
+    if severity not in SEVERITIES:
+        raise ValueError(f"{argument} must be one of {', '.join(SEVERITIES)}, got {severity!r}")
+    return SEVERITIES.index(severity)
+
+
+def failing(findings: Iterable[Finding], fail_on: str = "warning") -> list[Finding]:
+    """The findings at ``fail_on`` severity or worse (``"error"``, ``"warning"``, ``"info"``):
+    those that make ``ampguard lint`` exit 1. With the default, an ``info`` hint never fails a
+    pre-commit hook."""
+    limit = _rank(fail_on, "fail_on")
+    return [f for f in findings if SEVERITIES.index(f.severity) <= limit]
+
+
+def summary_line(findings: list[Finding], fail_on: str = "warning") -> str:
+    """``3 findings (1 error, 1 warning, 1 info); 2 at --fail-on warning or worse``."""
+    counts = [(s, sum(1 for f in findings if f.severity == s)) for s in SEVERITIES]
+    parts = ", ".join(f"{n} {s}" for s, n in counts if n)
+    noun = "finding" if len(findings) == 1 else "findings"
+    bad = len(failing(findings, fail_on))
+    return f"{len(findings)} {noun} ({parts}); {bad} at --fail-on {fail_on} or worse"
 
 
 def _uri(path: str | None) -> str:

@@ -31,6 +31,7 @@ _NOT_FIXED = (
     ast.GeneratorExp,
 )
 _STORES = "_ag_stored_heads"
+_CONDITION = "_ag_condition"
 
 
 def _is_none(node: ast.AST) -> bool:
@@ -59,9 +60,14 @@ def condition(test: ast.AST, rename: dict[str, str]) -> tuple[str, bool] | None:
     if isinstance(test, (ast.Name, ast.Attribute)):
         text = _renamed(dotted(test), rename)
         return None if text is None else (f"{text} is None", False)
-    if rename or any(isinstance(n, _NOT_FIXED) for n in ast.walk(test)):
+    if rename:
         return None
-    return ast.unparse(test), True
+    cached: tuple[str, bool] | bool | None = getattr(test, _CONDITION, None)
+    if cached is None:  # the same test is read on every pass over a loop: read it once
+        fixed = not any(isinstance(n, _NOT_FIXED) for n in ast.walk(test))
+        cached = (ast.unparse(test), True) if fixed else False
+        setattr(test, _CONDITION, cached)
+    return cached if isinstance(cached, tuple) else None
 
 
 def _renamed(text: str | None, rename: dict[str, str]) -> str | None:

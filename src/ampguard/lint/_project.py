@@ -17,6 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from ampguard.findings import Finding
 from ampguard.lint._calls import argument_for, resolve_def
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._source import Parsed, parse, read_source
@@ -44,6 +45,8 @@ class Project:
         self._resolved: dict[tuple[str, str], _Resolved | None] = {}
         self._budget = MAX_FOLLOWED
         self._current: tuple[str, FileModel] | None = None
+        self._sources: dict[str, str | bytes] = {}  # what each cached model was parsed from
+        self._linted: FileModel | None = None
 
     def begin(self, path: str, model: FileModel) -> None:
         """``model`` (of ``path``) is linted now: a call back into it resolves to this model."""
@@ -52,11 +55,52 @@ class Project:
         self._budget = MAX_FOLLOWED
         self._resolved.clear()  # answers hold models: keep none alive past the file that asked
 
-    def _store(self, key: str, model: FileModel | None) -> None:
+    @property
+    def exhausted(self) -> bool:
+        """The file being linted has used up its :data:`MAX_FOLLOWED` followed files."""
+        return self._budget <= 0
+
+    def _store(self, key: str, model: FileModel | None, source: str | bytes | None) -> None:
         self._models[key] = model
         self._models.move_to_end(key)
+        if source is None:
+            self._sources.pop(key, None)
+        else:
+            self._sources[key] = source
         while len(self._models) > _MAX_CACHED:
-            self._models.popitem(last=False)
+            old, _ = self._models.popitem(last=False)
+            self._sources.pop(old, None)
+
+    def linted(self, path: str, source: str | bytes) -> Parsed | Finding:
+        """``path``'s parse for linting it, reusing the model an importer already built.
+
+        Kept (at most :data:`_MAX_CACHED` files, least recently used out) so that files
+        imported later, and the helpers' summaries cached on their ``def`` nodes, are reused."""
+        key = _key(path)
+        found = self._models.get(key)
+        cached = self._sources.get(key)
+        if found is not None and cached is not None and cached == source:
+            self._models.move_to_end(key)
+            self._linted = found
+            return (
+                Parsed(path, found.tree, data=source)
+                if isinstance(source, bytes)
+                else Parsed(path, found.tree, _text=source)
+            )
+        parsed = parse(source, path)
+        self._linted = None
+        return parsed
+
+    def model_for(self, path: str, parsed: Parsed) -> FileModel:
+        """The model to lint ``parsed`` with (the cached one :meth:`linted` found, else new)."""
+        found, self._linted = self._linted, None
+        if found is not None and found.tree is parsed.tree:
+            return found
+        model = FileModel(parsed.tree, path, self)
+        key = _key(path)
+        if key in self.files:
+            self._store(key, model, parsed.data if parsed.data is not None else parsed.text)
+        return model
 
     def model(self, path: str) -> FileModel | None:
         """The parsed file (``None``: not part of the run, too large, unreadable or over budget)."""
@@ -70,6 +114,7 @@ class Project:
             return None
         self._budget -= 1
         model = None
+        data: bytes | Finding | None = None
         try:
             if os.path.getsize(key) <= MAX_FILE_BYTES:
                 data = read_source(key)  # regular files only: a FIFO or device is never read
@@ -82,7 +127,7 @@ class Project:
                     model = FileModel(parsed.tree, path=path, project=self)
         except (OSError, RecursionError, MemoryError):
             model = None
-        self._store(key, model)
+        self._store(key, model, data if isinstance(data, bytes) and model is not None else None)
         return model
 
     def resolve(self, qual: str, importer: str, hops: int = 0) -> _Resolved | None:

@@ -8,6 +8,7 @@ fills memory; so is a file larger than :data:`MAX_FILE_BYTES`. Also reads ``# no
 from __future__ import annotations
 
 import ast
+import errno
 import io
 import os
 import re
@@ -65,6 +66,9 @@ def read_source(path: str) -> bytes | Finding:
     try:
         fd = os.open(path, flags)
     except OSError as err:
+        dangling = _dangling(path) if err.errno == errno.ENOENT else None
+        if dangling is not None:
+            return syntax_finding(path, dangling)
         return syntax_finding(path, f"cannot read the file: {err.strerror or err}")
     with os.fdopen(fd, "rb", buffering=0) as fh:
         mode, size = os.fstat(fd)[stat.ST_MODE], os.fstat(fd).st_size
@@ -82,6 +86,21 @@ def read_source(path: str) -> bytes | Finding:
     if data is None or len(data) > MAX_FILE_BYTES:  # it grew while being read
         return syntax_finding(path, f"not read: over lint's {MAX_FILE_BYTES:,}-byte cap")
     return data
+
+
+def _dangling(path: str) -> str | None:
+    """``not read: a dangling symlink to 'target' (...)`` for a symlink whose target is missing."""
+    try:
+        if not os.path.islink(path):
+            return None
+        target = os.readlink(path)
+    except OSError:
+        return None
+    if os.path.exists(path):
+        return None  # the target is there: the open failed for another reason
+    where = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    shown = repr(target) if target == where else f"{target!r} ({where})"
+    return f"not read: a dangling symlink: it points to {shown}, which does not exist"
 
 
 def _kind(mode: int) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from ampguard.findings import Finding
 from ampguard.lint._flow import Env, Event, Interpreter, OutOfBudget
+from ampguard.lint._spell import stepped_optimizer
 from ampguard.lint.rules._base import Context, Rule
 from ampguard.lint.rules._units import budget_note, events, flow_units
 
@@ -40,12 +41,15 @@ class _ClipAnalysis:
         if kind == "clip" and env.record and _UNSCALED not in state:
             pending = sorted(f[1] for f in state if isinstance(f, tuple) and f[0] == "pending")
             if pending and id(event.node) not in self.found:
+                opt = stepped_optimizer(self.ctx.model, pending[0], event.node)
                 self.found[id(event.node)] = self.ctx.finding(
                     AG201,
                     event.node,
                     f"gradient clipping runs on scaled gradients: no {pending[0]}.unscale_"
-                    f"(optimizer) after {pending[0]}.scale(loss).backward() in this step",
+                    f"({opt or 'optimizer'}) after {pending[0]}.scale(...).backward() in this "
+                    "step",
                     scaler=pending[0],
+                    optimizer=opt,
                 )
         return state
 
