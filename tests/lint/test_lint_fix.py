@@ -167,6 +167,19 @@ LEFT_ALONE = {
 }
 
 
+def test_a_fallback_for_old_torch_is_left_alone() -> None:
+    source = (
+        "import torch\ntry:\n    from torch.amp import GradScaler\nexcept ImportError:\n"
+        "    from torch.cuda.amp import GradScaler\nscaler = GradScaler()\n"
+        "if hasattr(torch.amp, 'autocast'):\n    ctx = torch.amp.autocast('cuda')\nelse:\n"
+        "    ctx = torch.cuda.amp.autocast()\n"
+    )
+    found = [f for f in lint_source(source, torch_version="2.4") if f.code == "AG206"]
+    assert found and all(f.evidence.get("fallback") for f in found)
+    result = fix_source(source, torch_version="2.4")
+    assert (result.text, result.changed) == (source, False)
+
+
 @pytest.mark.parametrize("code", sorted(LEFT_ALONE))
 def test_what_is_not_mechanical_is_left_alone(code: str) -> None:
     source = LEFT_ALONE[code]

@@ -163,6 +163,9 @@ def _overlaps(a: _Edit, b: _Edit) -> bool:
 def _proposals(
     model: FileModel, src: _Source, findings: list[Finding]
 ) -> Iterator[tuple[Finding, list[_Edit]]]:
+    # a fallback to the old spelling for old torch is kept: rewriting it would break the old
+    # torch that code still supports (AG206 reports it as info, with the fix in words)
+    findings = [f for f in findings if not (f.code == "AG206" and f.evidence.get("fallback"))]
     imports = _ImportPlan(model, src, [f for f in findings if f.code == "AG206"])
     for finding in findings:
         if finding.code == "AG206":
