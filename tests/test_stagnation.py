@@ -62,8 +62,8 @@ def test_fp32_master_weights_are_not_watched():
     guard = ag.Guard(model, torch.optim.Adam(model.parameters(), lr=1e-5), precision="bf16")
     train(guard, model, 2)
     assert guard.stagnation is None
-    with pytest.raises(RuntimeError, match="needs telemetry"):
-        guard.findings()
+    with pytest.warns(RuntimeWarning, match="need a run log"):
+        assert guard.findings() == []  # nothing is watched: no AG175, and no telemetry
 
 
 def test_a_skipped_window_is_not_counted_as_stagnation():

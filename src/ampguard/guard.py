@@ -88,9 +88,9 @@ class Guard:
     (a window whose micro-batches were all dropped must skip).
 
     ``restore_buffers_on_skip=True`` (the default) puts the buffers a skipped window's forward
-    changed (BatchNorm statistics...) back as they were (:mod:`ampguard.core.buffer_restore`:
-    one multi-tensor copy per window, no sync). With bf16/fp16 weights, sampled windows measure
-    the share of updates that round away (:mod:`ampguard.core.stagnation`, AG175; no sync).
+    changed (BatchNorm statistics...) back as they were (``ampguard.core.buffer_restore``: one
+    multi-tensor copy per window, no sync). With bf16/fp16 weights, sampled windows measure the
+    share of updates that round away (``ampguard.core.stagnation``, AG175; no sync).
 
 
     Args:
@@ -828,7 +828,7 @@ class Guard:
     @property
     def stagnation(self) -> StagnationProbe | None:
         """The probe measuring, per layer, the share of updates that round away in bf16/fp16
-        weights (``.shares()``, ``.stagnant()``: one host sync each; AG175 in :meth:`findings`),
+        weights (``.shares()``, ``.stagnant()``: one host sync each; AG175 in ``findings()``),
         or None when every trained parameter is fp32."""
         return self._stagnation
 

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from ampguard.forensics import _MAX, Diagnosis
-from ampguard.forensics._optrace import LOW, OpTrace, is_new
+from ampguard.forensics._optrace import LOW, OpTrace, is_new, op_info
 
 __all__ = ["SCAN_EVERY", "scan_every", "diagnose_absorbed"]
 
@@ -55,20 +55,12 @@ def diagnose_absorbed(trace: OpTrace, precision: str, scale: float) -> Diagnosis
             ),
             None,
         )
-        info = {
-            "dtype": str(e.out_dtype).replace("torch.", ""),
-            "shape": list(e.shape),
-            "nan_count": int(row[3]) if row[3] >= 0 else None,
-            "inf_count": int(row[4]) if row[4] >= 0 else None,
-            "scale": scale,
-            "limit": _MAX.get(precision, math.inf),
-            f"input_max_abs_{precision}": row[0],
-            "max_abs_fp32": shadow,
-            "absorbed_by": None
-            if consumer is None
-            else {"module": consumer.module, "op": consumer.op},
-            "source": "scanned training step (fp32 rerun of this op only)",
-        }
+        limit = _MAX.get(precision, math.inf)
+        source = "scanned training step (fp32 rerun of this op only)"
+        info = op_info(e, row, shadow, scale=scale, precision=precision, limit=limit, source=source)
+        info["absorbed_by"] = (
+            None if consumer is None else {"module": consumer.module, "op": consumer.op}
+        )
         return Diagnosis(
             "fp16_overflow_absorbed", "forward", e.module, e.op, info, precision, scale
         )

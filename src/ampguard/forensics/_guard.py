@@ -36,7 +36,7 @@ from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding, make
 from ampguard.forensics import _MAX, Diagnosis, locate
 from ampguard.forensics._absorbed_scan import diagnose_absorbed, scan_every
-from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new
+from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new, op_info
 from ampguard.forensics._replay import rng_state
 from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
@@ -366,17 +366,8 @@ def diagnose_trace(
         return _untraced(rows, precision, scale)
     limit = _MAX.get(precision, math.inf)
     shadow = trace.shadow.get(e.index)
-    info = {
-        "dtype": str(e.out_dtype).replace("torch.", ""),
-        "shape": list(e.shape),
-        "nan_count": int(row[3]) if row[3] >= 0 else None,
-        "inf_count": int(row[4]) if row[4] >= 0 else None,
-        "scale": scale,
-        "limit": limit,
-        f"input_max_abs_{precision}": row[0],
-        "max_abs_fp32": shadow,
-        "source": "armed training step (fp32 rerun of this op only)",
-    }
+    source = "armed training step (fp32 rerun of this op only)"
+    info = op_info(e, row, shadow, scale=scale, precision=precision, limit=limit, source=source)
     if e.out_dtype not in LOW or (shadow is not None and not math.isfinite(shadow)):
         kind = "model_nonfinite"
     elif e.phase == "backward" and shadow is not None and shadow / scale * floor <= limit:

@@ -527,3 +527,28 @@ def _aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = t.float()
     lo, hi = t.aminmax()
     return lo, hi
+
+
+def op_info(
+    e: OpEvent,
+    row: list[float],
+    shadow: float | None,
+    *,
+    scale: float,
+    precision: str,
+    limit: float,
+    source: str,
+) -> dict[str, Any]:
+    """The evidence of one traced op for a diagnosis: dtype, shape, NaN/inf counts, the scale,
+    the precision's largest value, the input magnitude and the op's fp32 rerun (``shadow``)."""
+    return {
+        "dtype": str(e.out_dtype).replace("torch.", ""),
+        "shape": list(e.shape),
+        "nan_count": int(row[3]) if row[3] >= 0 else None,
+        "inf_count": int(row[4]) if row[4] >= 0 else None,
+        "scale": scale,
+        "limit": limit,
+        f"input_max_abs_{precision}": row[0],
+        "max_abs_fp32": shadow,
+        "source": source,
+    }

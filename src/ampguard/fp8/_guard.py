@@ -79,7 +79,6 @@ class Fp8State:
             )
         float8 = require_torchao()
         self._float8 = float8
-        self._guard = guard
         self.model: nn.Module = guard.model
         self.plan = plan
         self.recipe = plan.float8_recipe if plan is not None else "tensorwise"
@@ -98,6 +97,17 @@ class Fp8State:
         self._config = dataclasses.replace(config, emulate=True) if self.emulated else config
         self._linears = linears
         self._chosen = {n for n, m in linears.items() if self._wanted(m, n, float8)}
+        if not self._chosen:
+            # nothing will compute in fp8: the Guard says what runs (bf16), not what was asked,
+            # before telemetry records the precision
+            guard._policy = resolve_precision("bf16", guard.device)
+            warnings.warn(
+                "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
+                "or the plan keeps them all in bf16); training runs in bf16 "
+                "(guard.precision is 'bf16', guard.requested_precision 'fp8')",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
         self._originals: dict[str, nn.Module] = {}
         self.layers: list[str] = []
         self.kept: list[str] = list(linears)
@@ -129,17 +139,6 @@ class Fp8State:
         self.unconvertible = list(unconvertible(model))  # matmuls that are not nn.Linear
         if self.unconvertible:
             _warn_unconvertible(model, self.unconvertible)
-        if not self.layers:
-            # nothing computes in fp8: the Guard says what runs (bf16), not what was asked
-            guard = self._guard
-            guard._policy = resolve_precision("bf16", guard.device)
-            warnings.warn(
-                "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
-                "or the plan keeps them all in bf16); training runs in bf16 "
-                "(guard.precision is 'bf16', guard.requested_precision 'fp8')",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
 
     def revert(self) -> None:
         """Put back the ``nn.Linear`` modules :meth:`convert` replaced (a Guard that failed

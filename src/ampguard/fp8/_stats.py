@@ -23,17 +23,11 @@ from torch import nn
 from ampguard._util.jsonnum import finite_or_none
 from ampguard.findings import Finding, make
 from ampguard.fp8._cast import E4M3, RECIPES, flushed_share, quantize
+from ampguard.runlog._schema import FP8_FIELDS
 
 __all__ = ["Fp8Monitor", "FIELDS"]
 
-FIELDS = (
-    "input_amax",
-    "input_flushed",
-    "weight_amax",
-    "weight_flushed",
-    "grad_amax",
-    "grad_flushed",
-)
+FIELDS = FP8_FIELDS  # one source: the run-folder schema reads the same figures
 _WRITE_EVERY = 8  # pending samples before one host sync writes them out
 
 
