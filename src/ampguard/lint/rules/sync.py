@@ -327,7 +327,7 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> list[ast.AST] |
     if isinstance(stmt, ast.AugAssign) and child is stmt.value:
         key = dotted(stmt.target)
         body = where.body if isinstance(where, (*_LOOPS, *FUNCS)) else [where]
-        uses = [
+        uses: list[ast.AST] = [
             n
             for n in model.statements(body)
             if n is not stmt.target
@@ -354,12 +354,12 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> list[ast.AST] |
     name = stmt.targets[0].id
     unit = model.function_of(node)
     body = unit.body if unit is not None else model.tree.body
-    uses = [
+    named: list[ast.AST] = [
         n
         for n in model.statements(body)
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
     ]
-    return uses if uses and all(_inside_log(ctx, n) for n in uses) else None
+    return named if named and all(_inside_log(ctx, n) for n in named) else None
 
 
 def _throttle(ctx: Context, uses: list[ast.AST]) -> str | None:
