@@ -168,7 +168,7 @@ def breakdown(
     guard = ag.Guard(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16", telemetry=tel
     )
-    for _ in range(10):
+    for _ in range(40):  # past the default layer_every's dense first 32 steps
         guard_step(model, guard, x, y)
     spent = {name: 0.0 for name in _PARTS}
     calls = dict.fromkeys(_PARTS, 0)
@@ -217,7 +217,9 @@ def hook_share(
     guard = ag.Guard(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision="fp16", telemetry=tel
     )
-    for _ in range(10):  # warm-up, outside the clock
+    # warm-up, outside the clock: past the default layer_every's dense first 32 steps (the
+    # steady state of a run; those steps sample every step so a short run's heatmap is useful)
+    for _ in range(40):
         guard_step(model, guard, x, y)
     clock = HookClock(tel)
     for _ in range(steps):
