@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from _models import OUTLIER_FACTORY
 from torch import nn
 
 import ampguard as ag
@@ -420,16 +421,7 @@ def test_cli_inspect_fp8_prints_the_plan(tmp_path, capsys):
     from ampguard.cli import main
 
     src = tmp_path / "fac.py"
-    src.write_text(
-        "import torch, ampguard as ag\n"
-        "from ampguard.demo.fp8_model import OutlierNet, make_task, loss_fn\n"
-        "def experiment():\n"
-        "    m = OutlierNet()\n"
-        "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
-        "                         list(make_task(steps=1).batches()), loss_fn)\n"
-        "def bare():\n"
-        "    return OutlierNet()\n"
-    )
+    src.write_text(OUTLIER_FACTORY)
     assert main(["inspect", "--fp8", f"{src}:experiment"]) == 0
     out = capsys.readouterr().out
     assert "head" in out and "AG341" in out and "5 of 6 Linear layers ready" in out

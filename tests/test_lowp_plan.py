@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _models import OUTLIER_FACTORY
 from torch import nn
 
 import ampguard as ag
@@ -216,14 +217,7 @@ def test_cli_inspect_fp8_prints_the_multi_format_table(tmp_path, capsys):
     from ampguard.cli import main
 
     src = tmp_path / "fac.py"
-    src.write_text(
-        "import torch, ampguard as ag\n"
-        "from ampguard.demo.fp8_model import OutlierNet, make_task, loss_fn\n"
-        "def experiment():\n"
-        "    m = OutlierNet()\n"
-        "    return ag.Experiment(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
-        "                         list(make_task(steps=1).batches()), loss_fn)\n"
-    )
+    src.write_text(OUTLIER_FACTORY)
     assert main(["inspect", "--fp8", f"{src}:experiment"]) == 0
     out = capsys.readouterr().out
     assert "tensorwise  rowwise" in out and "mxfp8" in out and "nvfp4" in out
