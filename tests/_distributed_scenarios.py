@@ -44,12 +44,21 @@ def run_group(
 
     ``pg_timeout``: the default group's timeout (what bounds a hang in DDP's own all-reduce).
     """
+    tmp = tmp or tempfile.mkdtemp(prefix="ampguard-dist-")
+    return run_ranks(_rank_main, world, scenarios, timeout, tmp, pg_timeout)
+
+
+def run_ranks(
+    target: Any, world: int, scenarios: list[str], timeout: float, tmp: str, pg_timeout: float
+) -> dict[str, dict[int, tuple[str, Any]]]:
+    """Spawn ``world`` processes of ``target(rank, world, port, scenarios, queue, tmp,
+    pg_timeout)`` and collect their ``(scenario, rank, status, value)`` reports; a process
+    still alive after ``timeout`` seconds is killed, so a hang fails instead of stalling."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    tmp = tmp or tempfile.mkdtemp(prefix="ampguard-dist-")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, scenarios, queue, tmp, pg_timeout))
+        ctx.Process(target=target, args=(r, world, port, scenarios, queue, tmp, pg_timeout))
         for r in range(world)
     ]
     for p in procs:

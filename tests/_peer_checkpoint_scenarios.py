@@ -8,14 +8,12 @@ spawns ranks whose entry point is this module's, so they import these scenarios 
 from __future__ import annotations
 
 import os
-import queue as queue_module
 import tempfile
 import time
 from typing import Any
 
 import _distributed_scenarios as S
 import torch
-import torch.multiprocessing as mp
 
 import ampguard as ag
 from ampguard.checkpoint.distributed import load_distributed_checkpoint, save_distributed_checkpoint
@@ -28,35 +26,8 @@ def run_group(
     world: int, scenarios: list[str], timeout: float = 90.0, pg_timeout: float = 30.0
 ) -> dict[str, dict[int, tuple[str, Any]]]:
     """:func:`_distributed_scenarios.run_group` with this module's entry point."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port, tmp = S._free_port(), tempfile.mkdtemp(prefix="ampguard-peers-")
-    procs = [
-        ctx.Process(target=_main, args=(r, world, port, scenarios, queue, tmp, pg_timeout))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[str, dict[int, tuple[str, Any]]] = {name: {} for name in scenarios}
-    deadline = time.monotonic() + timeout
-    got = 0
-    try:
-        while got < world * len(scenarios) and time.monotonic() < deadline:
-            try:
-                name, rank, status, value = queue.get(timeout=0.5)
-            except queue_module.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                continue
-            out[name][rank] = (status, value)
-            got += 1
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return out
+    tmp = tempfile.mkdtemp(prefix="ampguard-peers-")
+    return S.run_ranks(_main, world, scenarios, timeout, tmp, pg_timeout)
 
 
 def _main(*args: Any) -> None:
