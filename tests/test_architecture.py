@@ -26,7 +26,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ampguard"
 # and applies rules, so it sits next to telemetry, below ``integrations`` (``watch`` writes a
 # report when it closes) and ``demo``.
 LAYERS: list[set[str]] = [
-    {"_util", "findings", "testing"},
+    {"_util", "findings", "precisions", "testing"},
     {"core", "runlog", "lint"},
     {"rules", "fp8"},
     {"telemetry", "forensics", "distributed", "reporting"},
@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
 ]
 SHIM_DOC = "kept because the README documented it"  # tools/restructure.py writes it
 # Units that must not import torch, directly or through anything they import.
-TORCH_FREE = {"_util", "findings", "runlog", "lint", "rules", "reporting"}
+TORCH_FREE = {"_util", "findings", "precisions", "runlog", "lint", "rules", "reporting"}
 LINT_MAY_IMPORT = {"_util", "findings", "lint"}
 # Cycles between modules of one package, each hidden behind an import inside a function.
 # Known debt (issue 14): break them, then delete the line. A cycle that contains none of these
@@ -363,3 +363,20 @@ def test_import_paths_the_readme_documents_still_work(path, name):
     except ImportError as exc:  # an optional framework (the extra) is not installed
         pytest.skip(str(exc))
     assert callable(getattr(module, name))
+
+
+def test_every_precision_hook_is_importable_by_the_guard():
+    # a registry entry names its conversion hook as "module:attribute" (the registry sits in the
+    # lowest layer); the Guard loads it, so the hook must live below the Guard and resolve
+    from ampguard import precisions
+
+    guard_rank = rank("guard")
+    assert guard_rank is not None
+    for entry in precisions.REGISTRY.values():
+        if entry.hook is None:
+            continue
+        module = entry.hook.partition(":")[0]
+        assert module.startswith("ampguard."), entry.hook
+        hook_rank = rank(unit(module) or "")
+        assert hook_rank is not None and hook_rank < guard_rank, f"{entry.name}: {entry.hook}"
+        assert callable(entry.load_hook()), entry.hook

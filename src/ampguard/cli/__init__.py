@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from ampguard import precisions
 from ampguard.cli import _compare, _lint, _report
 from ampguard.cli._types import Parser, fail, positive_int, seed, usable_out
 
@@ -29,7 +30,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="fp16",
-        choices=("auto", "fp16", "bf16", "fp32", "fp8"),
+        choices=precisions.requests(),
         help="precision (default fp16, the one with a loss scaler; fp8: plan, then torchao "
         "float8 on a model with an outlier-feature layer)",
     )

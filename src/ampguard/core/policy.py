@@ -1,9 +1,9 @@
 """Precision policy: resolve a precision request against a device.
 
-``"auto"`` picks bf16 where the device supports bf16 autocast, else fp16. Only fp16 gets a loss
-scaler (under bf16 a scaler is wasted work, under fp32 meaningless). ``"fp32"`` means autocast off.
-``"fp8"`` is bf16 autocast plus torchao float8 training of the Linear layers (the Guard converts
-them; see :mod:`ampguard.fp8._guard`): no loss scaler, fp8 scales every tensor by its own amax.
+``"auto"`` picks bf16 where the device supports bf16 autocast, else fp16. What each precision
+means (autocast dtype, loss scale, parameter rules, conversion hook) is its entry in
+:data:`ampguard.core.precision.REGISTRY`; a :class:`PrecisionPolicy` is one entry bound to a
+device type.
 """
 
 from __future__ import annotations
@@ -14,22 +14,25 @@ from dataclasses import dataclass
 
 import torch
 
+from ampguard import precisions as _registry
+from ampguard.precisions import Precision
+
 __all__ = [
     "PRECISIONS",
     "PrecisionPolicy",
     "resolve_precision",
     "supports_bf16",
     "device_of",
+    "dtype_of",
     "check_parameters",
 ]
 
-PRECISIONS = ("auto", "fp16", "bf16", "fp32", "fp8")
-_DTYPES = {
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp32": None,
-    "fp8": torch.bfloat16,
-}  # fp8: bf16 autocast around the fp8 Linear layers
+PRECISIONS = _registry.requests()  # "auto" and every registered precision
+
+
+def dtype_of(name: str | None) -> torch.dtype | None:
+    """The torch dtype a registry entry names (``None`` stays ``None``: full precision)."""
+    return None if name is None else getattr(torch, name)
 
 
 def supports_bf16(device_type: str) -> bool:
@@ -47,18 +50,23 @@ def supports_bf16(device_type: str) -> bool:
 class PrecisionPolicy:
     """A resolved precision: its name, the device type and autocast dtype, and scaler need."""
 
-    precision: str  # "fp16" | "bf16" | "fp32" | "fp8"
+    precision: str  # a name in ampguard.core.precision.REGISTRY
     device_type: str
 
     @property
+    def entry(self) -> Precision:
+        """The registry entry of this precision."""
+        return _registry.REGISTRY[self.precision]
+
+    @property
     def dtype(self) -> torch.dtype | None:
-        """The autocast dtype, or ``None`` for fp32 (autocast off)."""
-        return _DTYPES[self.precision]
+        """The autocast dtype, or ``None`` where autocast is off (fp32)."""
+        return dtype_of(self.entry.autocast_dtype)
 
     @property
     def needs_scaler(self) -> bool:
-        """True only for fp16: the one precision whose gradients underflow without scaling."""
-        return self.precision == "fp16"
+        """True where gradients underflow without a loss scale (fp16)."""
+        return self.entry.needs_scaler
 
     def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
         """An autocast context for this policy; a no-op context under fp32."""
@@ -68,17 +76,17 @@ class PrecisionPolicy:
 
 
 def resolve_precision(request: str, device: torch.device | str) -> PrecisionPolicy:
-    """Resolve ``request`` ("auto"|"fp16"|"bf16"|"fp32"|"fp8") for ``device``.
+    """Resolve ``request`` (``"auto"`` or a registered precision) for ``device``.
 
-    Raises ``ValueError`` naming ``precision`` for an unknown request or bf16 on a device
-    without bf16 autocast.
+    Raises ``ValueError`` naming ``precision`` for an unknown request or a bf16-based precision
+    on a device without bf16 autocast.
     """
     if request not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {request!r}")
     device_type = torch.device(device).type
-    if request == "auto":
+    if request == _registry.AUTO:
         request = "bf16" if supports_bf16(device_type) else "fp16"
-    elif request in ("bf16", "fp8") and not supports_bf16(device_type):
+    elif _registry.REGISTRY[request].needs_bf16 and not supports_bf16(device_type):
         raise ValueError(
             f"precision={request!r} is not supported on device {device_type!r} "
             "(no bf16 autocast there); use precision='fp16' or 'auto'"
@@ -96,8 +104,9 @@ def device_of(params: Iterable[torch.Tensor]) -> torch.device:
 def check_parameters(params: list[torch.Tensor], policy: PrecisionPolicy, *, argument: str) -> None:
     """Reject parameter lists that cannot train under ``policy``, naming ``argument``.
 
-    Empty lists, non-floating parameters and fp16 parameters combined with the fp16 scaler
-    (torch's "Attempting to unscale FP16 gradients") fail here, at construction.
+    Empty lists and non-floating parameters fail here, at construction, and so does whatever the
+    precision's own rule refuses (fp16: fp16 parameters under the loss scaler, torch's
+    "Attempting to unscale FP16 gradients").
     """
     if not params:
         raise ValueError(f"{argument} has no parameters to train")
@@ -107,10 +116,10 @@ def check_parameters(params: list[torch.Tensor], policy: PrecisionPolicy, *, arg
                 f"{argument} holds a non-floating parameter of dtype {p.dtype}; "
                 "only floating-point parameters can be trained"
             )
-    if policy.needs_scaler and any(p.dtype == torch.float16 for p in params):
+    refused = dtype_of(policy.entry.refused_params)
+    if refused is not None and any(p.dtype == refused for p in params):
         raise ValueError(
-            f"{argument} holds float16 parameters (a model cast with .half()), but "
-            "precision='fp16' uses a loss scaler, which needs fp32 master weights: fp16 "
-            "updates underflow and torch refuses to unscale fp16 gradients. Keep the model in "
-            "float32 and let autocast run the fp16 math (remove .half()), or use precision='bf16'."
+            f"{argument} holds {policy.entry.refused_params} parameters (a model cast with "
+            ".half()), but "
+            + policy.entry.param_advice
         )

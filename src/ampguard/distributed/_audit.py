@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ampguard._util.stack import user_stacklevel
+from ampguard import precisions
 from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX
 from ampguard.distributed._errors import DesyncError
@@ -32,7 +33,6 @@ AUDIT_FIELDS = (
     "precision",
     "param_checksum",
 )
-_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # append only: codes cross ranks
 
 
 def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
@@ -178,8 +178,10 @@ def scale_from_bits(bits: int) -> float:
 
 
 def precision_name(code: int) -> str:
-    return _PRECISIONS[code] if 0 <= code < len(_PRECISIONS) else f"unknown({code})"
+    """The precision a rank's audit row names (its registry entry's ``audit_code``)."""
+    return precisions.by_audit_code(code)
 
 
 def precision_code(name: str) -> int:
-    return _PRECISIONS.index(name)
+    """The stable code of precision ``name`` that crosses ranks in the audit row."""
+    return precisions.REGISTRY[name].audit_code

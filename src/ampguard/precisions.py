@@ -1,0 +1,161 @@
+"""Precisions as values: one :class:`Precision` entry per precision ampguard can train in.
+
+Every fact that used to be a string comparison (``precision == "fp16"``) is a field here: the
+autocast dtype, the dtype activations and gradients are rounded to, whether a loss scaler is
+needed, whether the device must support bf16 autocast, what the parameters must be, whether
+``ag.watch`` can observe it, the stable code ranks exchange in the distributed audit, and the
+conversion hook that prepares the model (fp8: torchao's ``Float8Linear``). The CLI's choices, the
+validators' messages and the docs' precision table (``tools/gen_docs.py``) read from
+:data:`REGISTRY`; adding a precision is one entry here plus its hook.
+
+The registry imports nothing (not torch either: ``ampguard lint`` and the CLI's argument parser
+read it and start fast), so dtypes are torch attribute names (``"float16"``) that
+:mod:`ampguard.core.policy` resolves, and a hook is named as ``"module:attribute"`` rather than
+imported: the registry sits under the packages that implement hooks (``ampguard.fp8``), and the
+Guard loads the hook with :meth:`Precision.load_hook` when it is built (``tests/test_architecture.py``
+checks that every named hook lives in a layer the Guard may import). Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "AUTO",
+    "Precision",
+    "REGISTRY",
+    "get",
+    "names",
+    "requests",
+    "by_audit_code",
+]
+
+AUTO = "auto"  # a request, not a precision: bf16 where the device supports it, else fp16
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision: what autocast runs, what is rounded, what it needs.
+
+    ``autocast_dtype`` names the torch dtype autocast runs (``None``: autocast off, fp32).
+    ``low_dtype`` names the dtype whose range limits activations and gradients (fp16, bf16;
+    ``None`` for fp32). ``loss_scale`` is ``"dynamic"`` where gradients underflow without scaling
+    (fp16) and ``"none"`` elsewhere. ``refused_params`` names a parameter dtype the precision
+    cannot train (fp16's scaler needs fp32 master weights), ``param_advice`` says why and what to
+    do instead. ``hook`` names the model conversion run when
+    a Guard is built (``None``: no conversion); ``extra`` is the pip extra that hook needs.
+    ``audit_code`` is append-only: ranks exchange it.
+    """
+
+    name: str
+    summary: str
+    autocast_dtype: str | None
+    low_dtype: str | None
+    loss_scale: str  # "dynamic" | "none"
+    needs_bf16: bool
+    audit_code: int
+    watchable: bool = True
+    refused_params: str | None = None
+    param_advice: str = ""
+    hook: str | None = None
+    extra: str | None = None
+
+    @property
+    def needs_scaler(self) -> bool:
+        """True where gradients underflow without a loss scale (the Guard builds a scaler)."""
+        return self.loss_scale == "dynamic"
+
+    @property
+    def is_full(self) -> bool:
+        """True for full precision (autocast off): the reference a low precision is judged by."""
+        return self.autocast_dtype is None
+
+    def load_hook(self) -> Any:
+        """The conversion hook (imported on first use), or ``None`` for a precision without."""
+        if self.hook is None:
+            return None
+        module, _, attribute = self.hook.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+REGISTRY: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision(
+            name="fp16",
+            summary="float16 autocast with a dynamic loss scale (fp32 master weights)",
+            autocast_dtype="float16",
+            low_dtype="float16",
+            loss_scale="dynamic",
+            needs_bf16=False,
+            audit_code=2,
+            refused_params="float16",
+            param_advice=(
+                "precision='fp16' uses a loss scaler, which needs fp32 master weights: fp16 "
+                "updates underflow and torch refuses to unscale fp16 gradients. Keep the model "
+                "in float32 and let autocast run the fp16 math (remove .half()), or use "
+                "precision='bf16'."
+            ),
+        ),
+        Precision(
+            name="bf16",
+            summary="bfloat16 autocast; fp32's range, so no loss scale",
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",
+            needs_bf16=True,
+            audit_code=1,
+        ),
+        Precision(
+            name="fp32",
+            summary="autocast off: the full-precision reference",
+            autocast_dtype=None,
+            low_dtype=None,
+            loss_scale="none",
+            needs_bf16=False,
+            audit_code=0,
+        ),
+        Precision(
+            name="fp8",
+            summary="bf16 autocast plus torchao float8 training of the Linear layers a plan allows",
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",  # fp8 scales every tensor by its own amax
+            needs_bf16=True,
+            audit_code=3,
+            watchable=False,
+            hook="ampguard.fp8._guard:Fp8State",
+            extra="fp8",
+        ),
+    )
+}
+
+
+def names(*, watchable: bool = False) -> tuple[str, ...]:
+    """The registered precisions, in registry order (only those ``ag.watch`` observes with
+    ``watchable=True``)."""
+    return tuple(n for n, p in REGISTRY.items() if p.watchable or not watchable)
+
+
+def requests() -> tuple[str, ...]:
+    """What ``precision=`` accepts: ``"auto"`` and every registered precision."""
+    return (AUTO, *names())
+
+
+def get(
+    name: str, *, argument: str = "precision", allowed: tuple[str, ...] | None = None
+) -> Precision:
+    """The entry for ``name``; ``ValueError`` naming ``argument`` and what is allowed otherwise."""
+    allowed = names() if allowed is None else allowed
+    if name not in allowed or name not in REGISTRY:
+        raise ValueError(f"{argument} must be one of {allowed}, got {name!r}")
+    return REGISTRY[name]
+
+
+def by_audit_code(code: int) -> str:
+    """The precision a rank reported by its audit code (``unknown(N)`` for a code not here)."""
+    for p in REGISTRY.values():
+        if p.audit_code == code:
+            return p.name
+    return f"unknown({code})"
