@@ -12,8 +12,9 @@ The registry imports nothing (not torch either: ``ampguard lint`` and the CLI's 
 read it and start fast), so dtypes are torch attribute names (``"float16"``) that
 :mod:`ampguard.core.policy` resolves, and a hook is named as ``"module:attribute"`` rather than
 imported: the registry sits under the packages that implement hooks (``ampguard.fp8``), and the
-Guard loads the hook with :meth:`Precision.load_hook` when it is built (``tests/test_architecture.py``
-checks that every named hook lives in a layer the Guard may import). Nothing here touches a device.
+Guard loads the hook with :meth:`Precision.load_hook` when it is built
+(``tests/test_architecture.py`` checks that every named hook lives in a layer the Guard may
+import). Nothing here touches a device.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 AUTO = "auto"  # a request, not a precision: bf16 where the device supports it, else fp16
+
 
 @dataclass(frozen=True)
 class Precision:

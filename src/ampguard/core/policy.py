@@ -120,6 +120,5 @@ def check_parameters(params: list[torch.Tensor], policy: PrecisionPolicy, *, arg
     if refused is not None and any(p.dtype == refused for p in params):
         raise ValueError(
             f"{argument} holds {policy.entry.refused_params} parameters (a model cast with "
-            ".half()), but "
-            + policy.entry.param_advice
+            ".half()), but " + policy.entry.param_advice
         )

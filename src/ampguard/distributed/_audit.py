@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard._util.stack import user_stacklevel
 from ampguard import precisions
+from ampguard._util.stack import user_stacklevel
 from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX
 from ampguard.distributed._errors import DesyncError
