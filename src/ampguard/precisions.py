@@ -31,6 +31,12 @@ __all__ = [
     "names",
     "requests",
     "by_audit_code",
+    "full",
+    "scaled",
+    "traced",
+    "watched_as",
+    "label",
+    "checked",
 ]
 
 AUTO = "auto"  # a request, not a precision: bf16 where the device supports it, else fp16
@@ -72,6 +78,13 @@ class Precision:
     def is_full(self) -> bool:
         """True for full precision (autocast off): the reference a low precision is judged by."""
         return self.autocast_dtype is None
+
+    @property
+    def autocast_only(self) -> bool:
+        """True for a low precision that is autocast and nothing else (no conversion hook): a
+        trace of the model under its autocast sees everything it changes (``ag.locate``,
+        ``ag.coverage`` accept these)."""
+        return not self.is_full and self.hook is None
 
     def load_hook(self) -> Any:
         """The conversion hook (imported on first use), or ``None`` for a precision without."""
@@ -161,3 +174,59 @@ def by_audit_code(code: int) -> str:
         if p.audit_code == code:
             return p.name
     return f"unknown({code})"
+
+
+def full() -> str:
+    """The full-precision reference (autocast off, ``"fp32"``): what a low precision is judged by
+    and what a framework that runs no autocast trains in."""
+    return next(n for n, p in REGISTRY.items() if p.is_full)
+
+
+def scaled() -> str:
+    """The precision a loss scaler trains (``"fp16"``): what a run with an enabled
+    ``GradScaler`` is, whatever its framework was asked for."""
+    return next(n for n, p in REGISTRY.items() if p.needs_scaler)
+
+
+def traced(*, with_auto: bool = True) -> tuple[str, ...]:
+    """The low precisions a trace under autocast sees whole (:attr:`Precision.autocast_only`),
+    with ``"auto"`` first unless ``with_auto=False``: what ``ag.locate`` and ``ag.coverage``
+    accept."""
+    low = tuple(n for n, p in REGISTRY.items() if p.autocast_only)
+    return (AUTO, *low) if with_auto else low
+
+
+def watched_as(name: str) -> str:
+    """The precision ``ag.watch`` records a run of ``name`` as: ``name`` itself where it is
+    :attr:`~Precision.watchable`, else the first watchable entry with the same autocast dtype
+    and loss scale (fp8 -> bf16: attach mode sees the autocast, not the converted layers)."""
+    p = get(name, argument="name")
+    if p.watchable:
+        return name
+    for n, q in REGISTRY.items():
+        if q.watchable and (q.autocast_dtype, q.loss_scale) == (p.autocast_dtype, p.loss_scale):
+            return n
+    raise ValueError(f"ag.watch cannot observe precision {name!r} (no watchable entry like it)")
+
+
+_FULL_DTYPE = "float32"  # what full precision computes in (its entry has no low dtype)
+
+
+def label(dtype: str) -> str:
+    """The short name ampguard prints for a torch dtype name: the first entry without a
+    conversion hook that rounds to it (``"float16"`` -> ``"fp16"``, ``"bfloat16"`` -> ``"bf16"``,
+    ``"float32"`` -> ``"fp32"``); the dtype name itself when no entry does."""
+    for n, p in REGISTRY.items():
+        if p.hook is None and (p.low_dtype or _FULL_DTYPE) == dtype:
+            return n
+    return dtype
+
+
+def checked(mapping: dict[str, str], *, source: str) -> dict[str, str]:
+    """``mapping`` (a framework's own precision names -> ampguard's), after checking that every
+    value is a registered precision; ``ValueError`` naming ``source`` otherwise. Frameworks keep
+    their own vocabulary ("16-mixed", "no"); what it maps to is the registry's."""
+    bad = sorted({v for v in mapping.values() if v not in REGISTRY})
+    if bad:
+        raise ValueError(f"{source} maps to unregistered precisions {bad}; registered: {names()}")
+    return mapping

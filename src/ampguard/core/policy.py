@@ -2,7 +2,7 @@
 
 ``"auto"`` picks bf16 where the device supports bf16 autocast, else fp16. What each precision
 means (autocast dtype, loss scale, parameter rules, conversion hook) is its entry in
-:data:`ampguard.core.precision.REGISTRY`; a :class:`PrecisionPolicy` is one entry bound to a
+:data:`ampguard.precisions.REGISTRY`; a :class:`PrecisionPolicy` is one entry bound to a
 device type.
 """
 
@@ -50,7 +50,7 @@ def supports_bf16(device_type: str) -> bool:
 class PrecisionPolicy:
     """A resolved precision: its name, the device type and autocast dtype, and scaler need."""
 
-    precision: str  # a name in ampguard.core.precision.REGISTRY
+    precision: str  # a name in ampguard.precisions.REGISTRY
     device_type: str
 
     @property
@@ -81,8 +81,9 @@ def resolve_precision(request: str, device: torch.device | str) -> PrecisionPoli
     Raises ``ValueError`` naming ``precision`` for an unknown request or a bf16-based precision
     on a device without bf16 autocast.
     """
-    if request not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {request!r}")
+    allowed = _registry.requests()  # read now: a registered entry is accepted at once
+    if request not in allowed:
+        raise ValueError(f"precision must be one of {allowed}, got {request!r}")
     device_type = torch.device(device).type
     if request == _registry.AUTO:
         request = "bf16" if supports_bf16(device_type) else "fp16"

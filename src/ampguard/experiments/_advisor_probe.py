@@ -12,6 +12,7 @@ import math
 
 from torch import nn
 
+from ampguard import precisions
 from ampguard.core.policy import supports_bf16
 from ampguard.experiments._range_probe import FP16_MAX, ModuleRange, ProbeResult
 from ampguard.findings import Finding, make
@@ -273,7 +274,7 @@ def _plan(
         scale_text = "Gradients were not probed (pass loss_fn)."
     else:
         scale_text = f"Largest loss scale without gradient overflow: {scale:g}."
-        if precision == "fp16" and scale < 2.0**16:
+        if precisions.get(precision).needs_scaler and scale < 2.0**16:
             args.append(f"scaler=ag.ScalerConfig(init_scale={scale:g})")
     return make(
         "AG331",

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampguard import precisions
+
 __all__ = [
     "FP8_VARIANTS",
     "FP8_VERDICTS",
@@ -108,8 +110,9 @@ def judge_fp8(cmp: Any, plan: Any, bf16_again: Any = None) -> None:
     like = {r.name: _like_bf16(r, bf16, tol) for r in runs}
     keep = [] if plan is None else list(plan.keep_bf16)
     names = ", ".join(repr(n) for n in keep) or "none"
-    if "fp8" in like and like["fp8"] or "fp8" not in like and like.get("fp8_planned"):
-        r = results["fp8"] if "fp8" in like else results["fp8_planned"]
+    every, planned = like.get("fp8"), like.get("fp8_planned")  # None: the variant did not run
+    if every or every is None and planned:
+        r = results["fp8"] if every else results["fp8_planned"]
         verdict = "fp8_ok"
         text = f"{r.name} trains like bf16 ({r.reason})."
         fix = ""
@@ -148,7 +151,7 @@ def judge_fp8(cmp: Any, plan: Any, bf16_again: Any = None) -> None:
         "tolerance": tol,
         "noise_seed_losses": None if bf16_again is None else list(bf16_again.losses),
     }
-    if results["fp32"].trained and not any(n in results for n in _FP16):
+    if results[precisions.full()].trained and not any(n in results for n in _FP16):
         cmp.verdict, cmp.explanation, cmp.fix = verdict, text, fix
 
 

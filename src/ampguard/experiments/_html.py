@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ampguard import precisions
 from ampguard._util.atomic import write_text
 
 __all__ = ["write_report", "plots"]
@@ -60,15 +61,16 @@ def plots(cmp: Any) -> dict[str, str]:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    base = cmp.variants["fp32"].losses
+    reference = precisions.full()  # the baseline variant: autocast off
+    base = cmp.variants[reference].losses
     positive = all(x > 0 for r in cmp.variants.values() for x in r.losses if math.isfinite(x))
     loss_fig, dev_fig = Figure(figsize=(9, 4)), Figure(figsize=(9, 3.2))
     ax, dx = loss_fig.add_subplot(), dev_fig.add_subplot()
     for k, (name, r) in enumerate(cmp.variants.items()):
         style: dict[str, Any] = {
             "color": _COLORS.get(name),
-            "lw": 2.2 if name == "fp32" else 1.2,
-            "ls": "-" if name == "fp32" else (0, (4, 1 + k)),
+            "lw": 2.2 if name == reference else 1.2,
+            "ls": "-" if name == reference else (0, (4, 1 + k)),
         }
         ax.plot(
             range(1, len(r.losses) + 1),
@@ -77,7 +79,7 @@ def plots(cmp: Any) -> dict[str, str]:
             **style,
         )
         _marks(ax, r, k, style["color"])
-        if name != "fp32":
+        if name != reference:
             dev = [
                 abs(x - b) / max(abs(b), 1e-12)
                 if math.isfinite(x) and math.isfinite(b)

@@ -21,6 +21,8 @@ import copy
 import math
 from typing import Any
 
+from ampguard import precisions
+
 __all__ = ["STALL_ORDER", "stalled", "pick", "explain", "capture", "evidence"]
 
 
@@ -54,7 +56,7 @@ def stalled(r: Any, base: Any, tol_rtol: float, max_skip: float) -> dict[str, fl
 def pick(results: dict[str, Any], tol_rtol: float, max_skip: float) -> tuple[str, dict] | None:
     """The variant whose failure decides the verdict, with its numbers, when it stalled: fp16
     with dynamic scaling when it ran, else the first failed variant in :data:`STALL_ORDER`."""
-    base = results["fp32"]
+    base = results[precisions.full()]
     if "fp16_dynamic" in results:
         names: tuple[str, ...] = ("fp16_dynamic",)
     else:
@@ -100,7 +102,8 @@ def evidence(cmp: Any, name: str, fresh: Any, kept: dict[str, Any], locate: Any)
     exp = fresh()
     exp.model.load_state_dict(kept["state"])
     exp.optimizer.load_state_dict(kept["optimizer"])
-    precision = "bf16" if name == "bf16" else "fp16"
+    # a variant named after a precision trains in it; the fp16_* variants train in fp16
+    precision = name if name in precisions.REGISTRY else precisions.scaled()
     try:
         d = locate(
             exp.model,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampguard import precisions
 from ampguard._util.jsonnum import finite_or_none as json_float
 from ampguard.experiments import _stall
 from ampguard.experiments._fp8 import FP8_CODES as _FP8_CODES
@@ -124,10 +125,10 @@ def _judge_amp(r: Any, base: Any, steps: int) -> None:
 def judge(results: dict[str, Any], steps: int) -> tuple[str, str, str]:
     """Fill in each variant's ``trained``/``reason``/ratios; return the verdict, its
     explanation and its fix (the caller builds the Comparison from them)."""
-    base = results["fp32"]
+    base = results[precisions.full()]  # the reference variant: autocast off
     _judge_fp32(base)
     for name, r in results.items():
-        if name != "fp32":
+        if name != precisions.full():
             _judge_amp(r, base, steps)
     verdict = _verdict(results)
     explanation, fix = _explain(verdict, results)
@@ -144,7 +145,7 @@ def _verdict(results: dict[str, Any]) -> str:
 
 
 def _loud_verdict(results: dict[str, Any]) -> str:
-    if not results["fp32"].trained:
+    if not results[precisions.full()].trained:
         return "model_problem"
     dyn, fixed = results.get("fp16_dynamic"), results.get("fp16_fixed")
     if dyn is not None:
@@ -160,7 +161,7 @@ def _loud_verdict(results: dict[str, Any]) -> str:
 
 
 def _explain(verdict: str, results: dict[str, Any]) -> tuple[str, str]:
-    base = results["fp32"]
+    base = results[precisions.full()]
     dyn, fixed, bf16 = (results.get(n) for n in ("fp16_dynamic", "fp16_fixed", "bf16"))
     if verdict == "model_problem":
         return (
@@ -170,7 +171,7 @@ def _explain(verdict: str, results: dict[str, Any]) -> tuple[str, str]:
             "the first non-finite op.",
         )
     if verdict == "amp_ok":
-        r = dyn or next((r for n, r in results.items() if n != "fp32" and r.trained), base)
+        r = dyn or next((r for n, r in results.items() if n != base.name and r.trained), base)
         failed = "".join(
             f" {f.name} fails ({f.reason})." for f in results.values() if not f.trained
         )

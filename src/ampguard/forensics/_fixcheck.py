@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
+from ampguard.core.policy import dtype_of
 from ampguard.forensics._optrace import OpEvent
 from ampguard.forensics._replay import Preserved, Run, replay
 from ampguard.forensics.islands import Fp32Islands
@@ -32,10 +34,15 @@ _EPS_NAMES = ("eps", "epsilon", "variance_epsilon", "norm_eps", "layer_norm_eps"
 
 def tiny_eps(model: torch.nn.Module, module: str | None, precision: str) -> list[dict[str, Any]]:
     """``[{"module", "attribute", "value"}]``: float eps-like attributes of ``module`` and its
-    submodules that round to 0 in fp16 (0 < eps < 2**-24). Empty under bf16 (its range holds
-    them) or when there is no such module. Cost: host only."""
-    if precision != "fp16" or module is None:
+    submodules that round to 0 in the precision's low dtype (0 < eps < its smallest subnormal:
+    2**-24 in fp16). Empty under fp32 and, in practice, bf16 (its range holds them) or when there
+    is no such module. Cost: host only."""
+    entry = precisions.REGISTRY.get(precision)
+    low = None if entry is None else dtype_of(entry.low_dtype)
+    if low is None or module is None:
         return []
+    info = torch.finfo(low)
+    smallest = info.smallest_normal * info.eps  # the smallest subnormal (fp16: 2**-24)
     root = dict(model.named_modules()).get(module)
     if root is None:
         return []
@@ -45,7 +52,7 @@ def tiny_eps(model: torch.nn.Module, module: str | None, precision: str) -> list
             if (
                 isinstance(value, float)
                 and (attr.lower() in _EPS_NAMES or attr.lower().endswith("_eps"))
-                and 0.0 < value < FP16_SUBNORMAL
+                and 0.0 < value < smallest
             ):
                 out.append({"module": name, "attribute": attr, "value": value})
     return out

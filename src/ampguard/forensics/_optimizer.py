@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
 from ampguard.core.stagnation import (
     LOW_PRECISION,
     STAGNATION_SHARE,
@@ -47,7 +48,7 @@ def check_optimizer(optimizer: Any) -> None:
 
 
 def _short(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    return precisions.label(str(dtype).removeprefix("torch."))
 
 
 def eps_underflows(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

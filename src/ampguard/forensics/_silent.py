@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
+from ampguard.core.policy import dtype_of
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Run
 
@@ -31,8 +33,6 @@ __all__ = ["UNDERFLOW_SHARE", "LOSSY_BITS", "absorbed_overflow", "partial_underf
 
 UNDERFLOW_SHARE = 0.10  # a layer losing more than this share of its gradient elements fires
 LOSSY_BITS = 4  # a subnormal with this many significant bits or fewer counts as lost
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _rows(run: Run, phase: str) -> list[tuple[OpEvent, list[float]]]:
@@ -76,7 +76,8 @@ def partial_underflow(low: Run, ref: Run) -> dict[str, Any] | None:
     "share", "layers": {module: share}, "flushed", "lossy", "nonzero_fp32", "threshold"}`` or
     None. Cost: a few elementwise ops per gradient and one host sync.
     """
-    dtype = _DTYPES.get(low.precision)
+    entry = precisions.REGISTRY.get(low.precision)
+    dtype = None if entry is None else dtype_of(entry.low_dtype)  # None: full precision
     names = [n for n in low.order if n in low.grad_tensors and n in ref.grad_tensors]
     if dtype is None or not names:
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampguard import precisions
 from ampguard.findings.codes import lookup
 from ampguard.forensics import _optimizer
 from ampguard.forensics._fixcheck import eps_text, keep_fp32_text
@@ -32,7 +33,9 @@ def title_for(d: Any) -> str:
     head = lookup(d.code).title
     if d.benign:
         return f"{head}{at}"
-    if d.kind in ("fp16_overflow", "fp16_underflow", "fp16_overflow_absorbed") and low != "fp16":
+    entry = precisions.REGISTRY.get(low)
+    fp16_range = entry is not None and entry.low_dtype == "float16"  # what the titles name
+    if d.kind in ("fp16_overflow", "fp16_underflow", "fp16_overflow_absorbed") and not fp16_range:
         head += f" ({low})"
     return (
         head

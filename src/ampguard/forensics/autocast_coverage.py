@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
 from ampguard._util.checks import check_int
-from ampguard.core.policy import device_of, resolve_precision
+from ampguard.core.policy import device_of, dtype_of, resolve_precision
 from ampguard.findings import Finding, make
 from ampguard.forensics._optrace import OpEvent
 from ampguard.forensics._replay import Preserved, replay
@@ -90,13 +91,20 @@ _REDUCTIONS = {
     "norm",
     "logsumexp",
 }
-_LABELS = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-}
-_LOW = ("fp16", "bf16")
+_LABELS = {  # what an op ran in, by its output dtype (the registry's short names)
+    d: precisions.label(str(d).removeprefix("torch."))
+    for d in (torch.float16, torch.bfloat16, torch.float32)
+} | {torch.float64: "fp64"}
+
+
+def _low_labels() -> tuple[str, ...]:
+    """The labels of the registry's low dtypes (``("fp16", "bf16")``): heavy ops in these ran in
+    low precision."""
+    lows = (dtype_of(p.low_dtype) for p in precisions.REGISTRY.values())
+    return tuple(dict.fromkeys(_LABELS[d] for d in lows if d in _LABELS))
+
+
+_LOW = _low_labels()
 
 
 def is_heavy(op: str) -> bool:
@@ -209,7 +217,7 @@ def coverage(
     >>> [f.code for f in cov.findings()]
     ['AG310']
     """
-    allowed = ("fp16", "bf16", "auto")
+    allowed = precisions.traced()
     if precision not in allowed:
         raise ValueError(f"precision must be one of {allowed}, got {precision!r}")
     check_int("large_reduction", large_reduction)
@@ -255,7 +263,8 @@ def coverage_from_events(
             _count(modules.setdefault(n, _empty(None)), e, label)
             if not _is_under(e.module, kept):
                 _count(free.setdefault(n, _empty(modules[n]["autocast"])), e, label)
-    escaped = _escaped(free, kept) if precision in _LOW else []
+    entry = precisions.REGISTRY.get(precision)
+    escaped = _escaped(free, kept) if entry is not None and not entry.is_full else []
     fragile = _fragile(events, large_reduction)
     return Coverage(
         precision, modules, outside, {k: dict(v) for k, v in ops.items()}, escaped, fragile, step

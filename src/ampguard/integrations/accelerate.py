@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
 from ampguard.integrations._policy import AttachPolicy
@@ -103,9 +104,10 @@ def accelerate_precision(
     recorded as fp32 with AG122. ``native_amp=None``: not known (taken as on).
     """
     autocast = native_amp is not False
-    if mixed_precision == "fp16":
+    asked = precisions.REGISTRY.get(requested_precision(mixed_precision))
+    if asked is not None and asked.needs_scaler:
         if scaler is not None and scaler.is_enabled() and autocast:
-            return "fp16", None
+            return asked.name, None
         if scaler is not None and scaler.is_enabled():
             detail = (
                 f"accelerator.scaler is set, but native_amp is False on device {str(device)!r}: "
@@ -116,19 +118,25 @@ def accelerate_precision(
             detail = (
                 f"Accelerate creates no GradScaler and no fp16 autocast on device {str(device)!r}"
             )
-        return "fp32", fp16_inactive("accelerate", detail)
+        return precisions.full(), fp16_inactive("accelerate", detail)
     if scaler is not None and scaler.is_enabled():
-        return "fp16", None  # a scaler the user set under another setting: the loop is theirs
-    if mixed_precision in ("bf16", "fp8"):
-        return "bf16", None
-    return "fp32", None
+        # a scaler the user set under another setting: the loop is theirs
+        return precisions.scaled(), None
+    if asked is not None and not asked.is_full:
+        return precisions.watched_as(asked.name), None  # fp8: attach mode sees its bf16 autocast
+    return precisions.full(), None
+
+
+# Accelerate's mixed_precision values -> ampguard's precisions (checked against the registry)
+_ACCELERATE = precisions.checked(
+    {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"},
+    source="Accelerate's mixed_precision map",
+)
 
 
 def requested_precision(mixed_precision: Any) -> str:
     """ampguard's name for Accelerate's ``mixed_precision`` setting (what the user asked for)."""
-    return {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}.get(
-        str(mixed_precision), str(mixed_precision)
-    )
+    return _ACCELERATE.get(str(mixed_precision), str(mixed_precision))
 
 
 def observe_skip_flags(handle: Watch, optimizer: Any) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
@@ -36,14 +37,18 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 __all__ = ["AmpGuardCallback", "lightning_precision"]
 
-_PRECISIONS = {
-    "16-mixed": "fp16",
-    "16-true": "fp16",
-    "bf16-mixed": "bf16",
-    "bf16-true": "bf16",
-    "32-true": "fp32",
-    "64-true": "fp32",
-}
+# Lightning's precision values -> ampguard's precisions (checked against the registry)
+_PRECISIONS = precisions.checked(
+    {
+        "16-mixed": "fp16",
+        "16-true": "fp16",
+        "bf16-mixed": "bf16",
+        "bf16-true": "bf16",
+        "32-true": "fp32",
+        "64-true": "fp32",
+    },
+    source="Lightning's precision map",
+)
 _ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 
@@ -122,7 +127,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
             requested_precision=(
                 None
                 if self.requested_precision is None
-                else _PRECISIONS.get(self.requested_precision, "fp32")
+                else _PRECISIONS.get(self.requested_precision, precisions.full())
             ),
         )
         actual = str(getattr(plugin, "precision", "32-true"))
@@ -132,7 +137,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
                     "lightning",
                     f"precision='16-mixed' became {actual!r} on "
                     f"{type(trainer.accelerator).__name__}",
-                    actual=_PRECISIONS.get(actual, "fp32"),
+                    actual=_PRECISIONS.get(actual, precisions.full()),
                 )
             )
 
@@ -140,5 +145,5 @@ class AmpGuardCallback(WatchingCallback, Callback):
 def lightning_precision(plugin: Any, scaler: Any) -> str:
     """ampguard's precision name for a Lightning precision plugin."""
     if scaler is not None and scaler.is_enabled():
-        return "fp16"
-    return _PRECISIONS.get(str(getattr(plugin, "precision", "32-true")), "fp32")
+        return precisions.scaled()
+    return _PRECISIONS.get(str(getattr(plugin, "precision", "32-true")), precisions.full())

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ampguard import precisions
 from ampguard.findings import Finding
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
@@ -101,22 +102,30 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             self._loss_hook = None
 
 
+# TrainingArguments' precision flags -> ampguard's precisions (checked against the registry)
+_FLAGS = precisions.checked({"fp16": "fp16", "bf16": "bf16"}, source="transformers' flag map")
+
+
+def _asked(args: Any) -> list[str]:
+    return [name for flag, name in _FLAGS.items() if getattr(args, flag, False)]
+
+
 def _trainer_request(args: Any) -> str:
     """What the TrainingArguments ask for (recorded as ``requested_precision``)."""
-    if getattr(args, "fp16", False):
-        return "fp16"
-    return "bf16" if getattr(args, "bf16", False) else "fp32"
+    return next(iter(_asked(args)), precisions.full())
 
 
 def _trainer_precision(args: Any, scaler: Any) -> tuple[str, Finding | None]:
     if scaler is not None and scaler.is_enabled():
-        return "fp16", None
-    if getattr(args, "bf16", False):
-        return "bf16", None
-    if getattr(args, "fp16", False):
-        return "fp32", fp16_inactive(
+        return precisions.scaled(), None
+    asked = _asked(args)
+    unscaled = [n for n in asked if not precisions.REGISTRY[n].needs_scaler]
+    if unscaled:
+        return unscaled[0], None
+    if asked:  # a scaled precision was asked for, but no scaler runs
+        return precisions.full(), fp16_inactive(
             "transformers.Trainer",
             f"fp16=True, but Accelerate creates no GradScaler and no "
             f"fp16 autocast on device {str(getattr(args, 'device', '?'))!r}",
         )
-    return "fp32", None
+    return precisions.full(), None

@@ -11,6 +11,7 @@ import numpy as np
 from ampguard._util.checks import check_int
 from ampguard.findings import Finding, make
 from ampguard.findings.codes import lookup
+from ampguard.precisions import REGISTRY
 
 __all__ = ["TITLES", "RuleConfig", "make_finding", "fp16_mask"]
 
@@ -98,5 +99,11 @@ def _plain(value: Any) -> Any:
 
 
 def fp16_mask(precisions: list[str]) -> np.ndarray:
-    """True where the step ran in fp16 (the rules about fp16's range judge only those)."""
-    return np.array([p == "fp16" for p in precisions], dtype=bool)
+    """True where the step ran in a precision that rounds to float16 (the rules about fp16's
+    range judge only those)."""
+    return np.array([_rounds_to_fp16(p) for p in precisions], dtype=bool)
+
+
+def _rounds_to_fp16(name: str) -> bool:
+    entry = REGISTRY.get(name)
+    return entry is not None and entry.low_dtype == "float16"

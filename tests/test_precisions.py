@@ -1,0 +1,291 @@
+"""The precision registry: its facts, one entry is all a new precision needs, and no module
+outside it compares a variable with a precision name."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ampguard import precisions
+from ampguard.core.policy import resolve_precision
+from ampguard.precisions import REGISTRY
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "ampguard"
+NAMES = frozenset({"fp16", "bf16", "fp32", "fp8"})
+
+
+# ---------------------------------------------------------------------- the registry's facts
+def test_fp16_is_the_only_precision_with_a_loss_scale():
+    assert [n for n, p in REGISTRY.items() if p.needs_scaler] == ["fp16"]
+    assert precisions.scaled() == "fp16"
+
+
+def test_fp32_is_the_only_full_precision_and_the_reference():
+    assert [n for n, p in REGISTRY.items() if p.is_full] == ["fp32"]
+    assert precisions.full() == "fp32"
+    assert REGISTRY["fp32"].low_dtype is None and REGISTRY["fp32"].autocast_dtype is None
+
+
+def test_audit_codes_are_unique_and_stable():
+    # ranks exchange these codes: a renumbering would make mixed-version ranks disagree
+    codes = {n: p.audit_code for n, p in REGISTRY.items()}
+    assert {n: codes[n] for n in ("fp32", "bf16", "fp16", "fp8")} == {
+        "fp32": 0,
+        "bf16": 1,
+        "fp16": 2,
+        "fp8": 3,
+    }
+    assert len(set(codes.values())) == len(codes)
+    assert [precisions.by_audit_code(c) for c in range(4)] == ["fp32", "bf16", "fp16", "fp8"]
+    assert precisions.by_audit_code(99) == "unknown(99)"
+
+
+def test_requests_are_auto_then_every_entry():
+    assert precisions.requests() == ("auto", "fp16", "bf16", "fp32", "fp8")
+    assert precisions.names(watchable=True) == ("fp16", "bf16", "fp32")
+
+
+def test_entry_facts():
+    fp16, bf16, fp8 = REGISTRY["fp16"], REGISTRY["bf16"], REGISTRY["fp8"]
+    assert (fp16.autocast_dtype, fp16.low_dtype, fp16.refused_params) == ("float16",) * 3
+    assert bf16.needs_bf16 and not fp16.needs_bf16 and fp8.needs_bf16
+    assert (fp8.hook, fp8.extra, fp8.watchable) == ("ampguard.fp8._guard:Fp8State", "fp8", False)
+    assert [n for n, p in REGISTRY.items() if p.autocast_only] == ["fp16", "bf16"]
+    assert precisions.traced() == ("auto", "fp16", "bf16")
+
+
+def test_watched_as_and_labels():
+    assert [precisions.watched_as(n) for n in REGISTRY] == ["fp16", "bf16", "fp32", "bf16"]
+    assert [precisions.label(d) for d in ("float16", "bfloat16", "float32", "float64")] == [
+        "fp16",
+        "bf16",
+        "fp32",
+        "float64",
+    ]
+
+
+@pytest.mark.parametrize("bad", ["fp4", "FP16", "", "auto"])
+def test_get_names_the_argument_and_the_allowed_names(bad):
+    with pytest.raises(ValueError, match=r"^dtype_arg must be one of \(") as info:
+        precisions.get(bad, argument="dtype_arg")
+    for name in REGISTRY:
+        assert repr(name) in str(info.value)
+    assert repr(bad) in str(info.value)
+
+
+def test_get_with_a_narrower_allowed_refuses_the_rest():
+    assert precisions.get("bf16", allowed=("bf16",)) is REGISTRY["bf16"]
+    with pytest.raises(ValueError, match=r"precision must be one of \('bf16',\), got 'fp16'"):
+        precisions.get("fp16", allowed=("bf16",))
+
+
+def test_checked_refuses_a_map_to_an_unregistered_precision():
+    assert precisions.checked({"16-mixed": "fp16"}, source="x") == {"16-mixed": "fp16"}
+    with pytest.raises(
+        ValueError, match=r"Lightning's map maps to unregistered precisions \['fp4'\]"
+    ):
+        precisions.checked({"4-true": "fp4", "32": "fp32"}, source="Lightning's map")
+
+
+# ---------------------------------------------------------------------- one entry is enough
+@pytest.fixture
+def bf16_test(monkeypatch):
+    """A throwaway precision: a copy of bf16 under another name and audit code, registered the
+    way a new precision is: one entry in REGISTRY, nothing else edited."""
+    entry = dataclasses.replace(REGISTRY["bf16"], name="bf16-test", audit_code=99)
+    monkeypatch.setitem(REGISTRY, "bf16-test", entry)
+    return entry
+
+
+def _gen_docs():  # noqa: ANN202 - a module
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_new_entry_resolves(bf16_test):
+    policy = resolve_precision("bf16-test", "cpu")
+    assert policy.entry is bf16_test
+    assert policy.dtype is not None and str(policy.dtype) == "torch.bfloat16"
+    assert not policy.needs_scaler
+    assert precisions.by_audit_code(99) == "bf16-test"
+
+
+def test_a_new_entry_is_a_cli_choice(bf16_test):
+    from ampguard.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--precision", "bf16-test"])
+    assert args.precision == "bf16-test"
+
+
+def test_validators_list_a_new_entry(bf16_test):
+    import torch
+
+    from ampguard.forensics.autocast_coverage import coverage
+
+    with pytest.raises(ValueError, match="bf16-test") as policy_error:
+        resolve_precision("fp4", "cpu")
+    assert "precision must be one of" in str(policy_error.value)
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"precision must be one of .*'bf16-test'"):
+        coverage(model, lambda m, b: m(b).sum(), torch.randn(3, 4), "fp4")
+    with pytest.raises(ValueError, match="bf16-test"):
+        precisions.get("fp4")
+
+
+def test_coverage_traces_a_new_autocast_entry(bf16_test):
+    import torch
+
+    from ampguard.forensics.autocast_coverage import coverage
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    cov = coverage(model, lambda m, b: m(b).float().sum(), torch.randn(4, 8), "bf16-test")
+    assert cov.precision == "bf16-test"
+    assert cov.low_precision_share > 0.5  # the Linear layers ran in bf16
+
+
+def test_the_docs_table_lists_a_new_entry(bf16_test):
+    table = _gen_docs().precisions_table()
+    row = next(line for line in table.splitlines() if line.startswith("| `bf16-test` |"))
+    assert "bfloat16" in row and "| none |" in row and "bf16 autocast on the device" in row
+
+
+def test_the_fp16_range_rules_judge_an_entry_by_its_dtype(monkeypatch):
+    from ampguard.rules._base import fp16_mask
+
+    monkeypatch.setitem(
+        REGISTRY, "fp16-test", dataclasses.replace(REGISTRY["fp16"], name="fp16-test")
+    )
+    mask = fp16_mask(["fp16", "bf16", "fp16-test", "fp32", "fp8", "unknown"])
+    assert mask.tolist() == [True, False, True, False, False, False]
+    assert mask.dtype == np.bool_
+
+
+# ---------------------------------------------------------------------- no string comparisons
+# Files that still compare with a precision name; their owners are moving them onto the
+# registry, and each entry goes when that lands (the test below fails on a stale entry too).
+ALLOWED = {
+    "cli/__init__.py",
+    "core/_state.py",
+    "experiments/__init__.py",
+    "forensics/__init__.py",
+    "forensics/_guard.py",
+    "fp8/_guard.py",
+    "integrations/watch.py",
+}
+# lint reads the user's code: its "fp16"/"bf16" are the kinds of the user's torch dtypes and
+# framework flags (``bf16=True``), not ampguard's precisions.
+NOT_PRECISIONS = ("lint/",)
+
+
+def _literal(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value in NAMES
+
+
+def _names_literal(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_literal(e) for e in node.elts)
+    return _literal(node)
+
+
+def _is_kind(node: ast.AST) -> bool:
+    """``kind`` / ``x.kind`` / ``ev["kind"]`` / ``ev.get("kind")``: a run-log event kind (the
+    ``"fp8"`` event), another vocabulary."""
+    if isinstance(node, ast.Name):
+        return node.id == "kind"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "kind"
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "kind"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr == "get" and bool(node.args) and _is_kind_key(node.args[0])
+    return False
+
+
+def _is_kind_key(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value == "kind"
+
+
+def comparisons(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of every ``==``/``!=``/``in``/``not in`` between a value and a precision
+    name literal (or a tuple/list/set holding one), and of every literal tuple/list/set of two or
+    more precision names (a hand-written list of the registry's names)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            ops = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+            sides = [node.left, *node.comparators]
+            if (
+                any(isinstance(op, ops) for op in node.ops)
+                and any(_names_literal(s) for s in sides)
+                and not any(_is_kind(s) for s in sides)
+            ):
+                found.append((node.lineno, ast.get_source_segment(source, node) or ""))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            if sum(_literal(e) for e in node.elts) >= 2:
+                found.append((node.lineno, ast.get_source_segment(source, node) or ""))
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'if precision == "fp16": pass',
+        'ok = "bf16" != p',
+        'x = name in ("bf16", "fp8")',
+        'x = guard.precision not in {"fp32"}',
+        'ALLOWED = ("fp16", "bf16", "auto")',
+        'f(["fp32", "fp8"])',
+    ],
+)
+def test_the_scanner_finds_a_comparison(source):
+    assert comparisons(source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "if entry.needs_scaler: pass",
+        'precision = "fp16"',
+        'd = {"fp16": 1}',
+        'if kind == "fp8": pass',
+        'if ev.get("kind") != "fp8": pass',
+        'if name == "fp16_dynamic": pass',
+        'results["fp32"]',
+    ],
+)
+def test_the_scanner_leaves_what_is_not_a_comparison(source):
+    assert not comparisons(source)
+
+
+def _scanned() -> dict[str, list[tuple[int, str]]]:
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "precisions.py" or rel.startswith(NOT_PRECISIONS):
+            continue
+        hits = comparisons(path.read_text(encoding="utf-8"))
+        if hits:
+            out[rel] = hits
+    return out
+
+
+def test_no_module_compares_with_a_precision_name():
+    found = _scanned()
+    offending = {f: h for f, h in found.items() if f not in ALLOWED}
+    assert not offending, (
+        "compare registry facts (entry.needs_scaler, is_full, low_dtype, ...) instead of "
+        f"precision names: {offending}"
+    )
+
+
+def test_the_allow_list_has_no_stale_entry():
+    stale = ALLOWED - set(_scanned())
+    assert not stale, f"these files no longer compare with precision names: drop {stale}"
