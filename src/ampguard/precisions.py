@@ -8,6 +8,13 @@ conversion hook that prepares the model (fp8: torchao's ``Float8Linear``). The C
 validators' messages and the docs' precision table (``tools/gen_docs.py``) read from
 :data:`REGISTRY`; adding a precision is one entry here plus its hook.
 
+Code elsewhere asks the registry, never a name: :func:`full` (the fp32 reference),
+:func:`scaled` (what a loss scaler trains), :func:`traced` (what a trace under autocast sees
+whole: ``ag.locate``/``ag.coverage``), :func:`watched_as` (what ``ag.watch`` records a run as),
+:func:`label` (the short name of a dtype), and :func:`checked` for a framework's own name map
+(Lightning's ``"16-mixed"``, Accelerate's ``"no"``), whose values must be registered.
+``tests/test_precisions.py`` fails on a module that compares a variable with a precision name.
+
 The registry imports nothing (not torch either: ``ampguard lint`` and the CLI's argument parser
 read it and start fast), so dtypes are torch attribute names (``"float16"``) that
 :mod:`ampguard.core.policy` resolves, and a hook is named as ``"module:attribute"`` rather than
