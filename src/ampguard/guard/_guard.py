@@ -623,13 +623,13 @@ class Guard:
         self.apply_state(self.check_state(state))
 
     def check_state(self, state: Any) -> guard_state.Plan:
-        """Check a :meth:`state_dict` output against this Guard without changing anything (the
+        """Check a ``state_dict()`` output against this Guard without changing anything (the
         checkpoint loader checks every part of a checkpoint before it loads any); the plan
-        :meth:`apply_state` carries out. ``ValueError`` naming the bad field. Cost: none."""
+        ``apply_state()`` carries out. ``ValueError`` naming the bad field. Cost: none."""
         return guard_state.check(self._state, state)
 
     def apply_state(self, plan: guard_state.Plan) -> None:
-        """Carry out a plan of :meth:`check_state` and record the resume (run log, resume
+        """Carry out a plan of ``check_state()`` and record the resume (run log, resume
         warm-up). Cost: one host sync (pending flags, the resume check)."""
         saved = guard_state.apply(self._state, plan)
         self._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)

@@ -31,7 +31,6 @@ from ampguard.guard._step_state import StepState
 __all__ = ["Plan", "to_dict", "check", "apply", "STATE_VERSION"]
 
 STATE_VERSION = 1
-_RESOLVED = precisions.names()
 
 
 def to_dict(state: StepState, resume: dict[str, Any]) -> dict[str, Any]:
@@ -122,8 +121,8 @@ def check(guard: StepState, state: Any) -> Plan:
             raise ValueError(f"malformed Guard state: missing field {key!r}")
     saved = state["precision"]
     _check_fp8(guard, saved)  # fp8 <-> other precisions: refused, nothing changed
-    if saved not in _RESOLVED:
-        raise _bad("precision", f"must be one of {_RESOLVED}", saved)
+    if saved not in precisions.names():
+        raise _bad("precision", f"must be one of {precisions.names()}", saved)
     fallback = _check_fallback(state["fallback"])
     scaler = _check_scaler(state["scaler"])
     if _uses_scale(saved) and scaler is None:
@@ -155,8 +154,8 @@ def _check_fallback(value: Any) -> dict[str, Any] | None:
     fb = _dict(value, "fallback")
     if fb is None:
         return None
-    if fb.get("from") not in _RESOLVED or fb.get("to") not in _RESOLVED:
-        raise _bad("fallback", f"must name 'from' and 'to' precisions in {_RESOLVED}", fb)
+    if fb.get("from") not in precisions.names() or fb.get("to") not in precisions.names():
+        raise _bad("fallback", f"must name 'from' and 'to' precisions in {precisions.names()}", fb)
     _int(fb, "step")
     return dict(fb)
 
