@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import bare_step, count_syncs, guard_step, interleaved_medians, mlp  # noqa: E402
 
 import ampguard as ag  # noqa: E402
-from ampguard.forensics._guard import ARM_STEPS  # noqa: E402
 from ampguard.forensics._optrace import HUNT_BATCH  # noqa: E402
+from ampguard.guard._forensics import ARM_STEPS  # noqa: E402
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:

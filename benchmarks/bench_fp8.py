@@ -100,7 +100,7 @@ def main() -> None:
     OUTLIER = args.outlier
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", RuntimeWarning)  # the emulation notice: said below
-    from ampguard.fp8._guard import has_fp8_matmul
+    from ampguard.fp8._convert import has_fp8_matmul
 
     emulated = not has_fp8_matmul(torch.device(args.device))
     mark = " (EMULATED fp8)" if emulated else ""

@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampguard as ag
-from ampguard.forensics._guard import ARM_STEPS
+from ampguard.guard._forensics import ARM_STEPS
 
 
 @dataclass

@@ -498,7 +498,7 @@ def desync_raises(rank: int, world: int, tmp: str) -> dict[str, Any]:
                 "code": exc.finding.code,
             }
         if step == 2 and rank == world - 1:
-            guard._scaler.fill_(64.0)
+            guard.loss_scaler.fill_(64.0)
     return {"step": None}
 
 
@@ -526,7 +526,7 @@ def _desync_policy(rank: int, world: int, policy: str) -> dict[str, Any]:
         for step in range(1, 4):
             window(guard, model, step, rank, world)
             if step == 1 and rank == 1:
-                guard._scaler.fill_(64.0)
+                guard.loss_scaler.fill_(64.0)
                 with torch.no_grad():
                     model.module[0].weight.add_(1.0)
     return {

@@ -17,6 +17,7 @@ from torch import nn
 
 import ampguard as ag
 from ampguard.demo.fp8_model import MassiveActivation
+from ampguard.fp8 import _convert as fp8_convert
 
 pytest.importorskip("torchao")
 
@@ -146,7 +147,7 @@ def test_guard_fp8_converts_every_eligible_linear_and_trains():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with (
         pytest.warns(RuntimeWarning, match="emulat")
-        if not ag.guard._fp8_guard._warned_emulation
+        if not fp8_convert._warned_emulation
         else warnings.catch_warnings()
     ):
         guard = ag.Guard(model, opt, precision="fp8")

@@ -101,7 +101,7 @@ def test_armed_window_is_traced_and_leaves_no_hooks():
     model = Hazard()
     guard = make(model, forensics=True)
     train(guard, model, 3)
-    assert guard._forensics._armed > 0
+    assert guard._state.forensics._armed > 0
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
@@ -122,7 +122,7 @@ def test_scaler_probes_are_benign_and_change_nothing():
     overflows = train(guard, model, 10)
     assert overflows[0] and not any(overflows[-3:])
     assert guard.findings() == []
-    assert guard._forensics.benign >= 1
+    assert guard._state.forensics.benign >= 1
 
 
 def test_replay_of_the_captured_batch_uses_locate():
@@ -165,7 +165,7 @@ def test_fallbacks_survive_a_resume():
     model2 = Hazard()
     guard2 = make(model2, auto_fallback=True)
     guard2.load_state_dict(state)
-    assert guard2._forensics.islands.modules == guard._forensics.islands.modules
+    assert guard2._state.forensics.islands.modules == guard._state.forensics.islands.modules
     with guard2.autocast():
         assert model2.big(torch.randn(2, W)).dtype == torch.float32
 

@@ -1,4 +1,4 @@
-"""No module reads or writes another object's private attributes (issue 14).
+"""No module reads or writes another object's private attributes.
 
 Every attribute access of ``src/ampguard`` is read with ``ast``: ``<expr>._name``, and the
 constant names given to ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr``. A name is
@@ -28,12 +28,6 @@ THIRD_PARTY = {
     ("integrations/watch.py", "_scale"): "torch.amp.GradScaler._scale",
     ("integrations/watch.py", "_growth_tracker"): "torch.amp.GradScaler._growth_tracker",
 }
-
-# The Guard's own step and state code, split out of guard.py to keep it readable: functions that
-# take the Guard as their first argument (their ``self``) and are called only by the Guard (and
-# the checkpoint loader, through ``core._state.check/apply``). They may use the privates guard.py
-# defines, as methods of the class would; nothing else may.
-GUARD_BODY = {"core/_nonfinite.py", "core/_state.py", "fp8/_guard.py", "fp8/_stats.py"}
 
 # Names still pending removal, per file (empty: the contract is public everywhere).
 PENDING: dict[str, set[str]] = {}
@@ -111,7 +105,6 @@ def violations(
     sources: dict[str, str],
     *,
     third_party: dict[tuple[str, str], str],
-    guard_body: set[str],
     pending: dict[str, set[str]],
 ) -> list[str]:
     """``module:line: source (name defined in ...)`` for every forbidden access."""
@@ -126,7 +119,6 @@ def violations(
                 or module in owners
                 or (module, name) in third_party
                 or name in pending.get(module, set())
-                or (module in guard_body and "guard.py" in owners)
             ):
                 continue
             out.append(
@@ -159,26 +151,25 @@ def test_the_scanner_flags_another_objects_private():
         "c.py": "class C(A):\n"
         "    def g(self):\n"
         "        return super()._m() + self._x\n",  # own object: allowed
-        "guard.py": "class Guard:\n    def __init__(self):\n        self._steps = 0\n",
-        "body.py": "def step(guard):\n    guard._steps += 1\n",  # the Guard's body, allowed below
-        "other.py": "def step(guard):\n    return guard._steps\n",
+        "guard/_guard.py": "class Guard:\n    def __init__(self):\n        self._steps = 0\n",
+        # a helper of the same package is another module: it may not reach in either
+        "guard/_step.py": "def step(guard):\n    guard._steps += 1\n",
     }
-    found = violations(sources, third_party={}, guard_body={"body.py"}, pending={})
+    found = violations(sources, third_party={}, pending={})
     assert found == [
         "b.py:3: a._x (private of a class in a.py)",
         "b.py:5: getattr(a, '_m') (private of a class in a.py)",
-        "other.py:2: guard._steps (private of a class in guard.py)",
+        "guard/_step.py:2: guard._steps (private of a class in guard/_guard.py)",
     ]
     assert violations(
         sources,
         third_party={("b.py", "_x"): "why"},
-        guard_body=set(),
-        pending={"b.py": {"_m"}, "other.py": {"_steps"}},
-    ) == ["body.py:2: guard._steps (private of a class in guard.py)"]
+        pending={"b.py": {"_m"}},
+    ) == ["guard/_step.py:2: guard._steps (private of a class in guard/_guard.py)"]
 
 
 def test_no_module_uses_another_objects_privates():
-    found = violations(_sources(), third_party=THIRD_PARTY, guard_body=GUARD_BODY, pending=PENDING)
+    found = violations(_sources(), third_party=THIRD_PARTY, pending=PENDING)
     assert not found, (
         "private attributes of another ampguard object (add a public method or "
         "property to its class instead):\n" + "\n".join(found)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampguard as ag
-from ampguard.forensics._guard import reproduced
+from ampguard.forensics._live import reproduced
 
 HOT = range(5, 17)  # steps whose batch has one unit at 40000: inf in fp16 iff dropout keeps it
 

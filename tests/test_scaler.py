@@ -1,8 +1,8 @@
 """The loss-scale state machine: config validation, hand-written scale sequences, torch parity.
 
-Expected sequences are written by hand from the semantics in issue 2 and the pseudocode in
-``LossScaler``'s docstring ("o" = an overflowing step, "." = a clean step; each list holds the
-scale after every step).
+Expected sequences are written by hand from the scaler's semantics (torch-identical growth and
+backoff, floor, cap, hysteresis) and the pseudocode in ``LossScaler``'s docstring ("o" = an
+overflowing step, "." = a clean step; each list holds the scale after every step).
 """
 
 import math

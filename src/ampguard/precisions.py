@@ -56,10 +56,11 @@ class Precision:
     ``autocast_dtype`` names the torch dtype autocast runs (``None``: autocast off, fp32).
     ``low_dtype`` names the dtype whose range limits activations and gradients (fp16, bf16;
     ``None`` for fp32). ``loss_scale`` is ``"dynamic"`` where gradients underflow without scaling
-    (fp16) and ``"none"`` elsewhere. ``refused_params`` names a parameter dtype the precision
-    cannot train (fp16's scaler needs fp32 master weights), ``param_advice`` says why and what to
-    do instead. ``hook`` names the model conversion run when
-    a Guard is built (``None``: no conversion); ``extra`` is the pip extra that hook needs.
+    (fp16), ``"static"`` for a fixed scale and ``"none"`` elsewhere (the Guard builds the
+    matching :mod:`ampguard.core.loss_scale` implementation). ``refused_params`` names a
+    parameter dtype the precision cannot train (fp16's scaler needs fp32 master weights),
+    ``param_advice`` says why and what to do instead. ``hook`` names the model conversion run
+    when a Guard is built (``None``: no conversion); ``extra`` is the pip extra that hook needs.
     ``audit_code`` is append-only: ranks exchange it.
     """
 
@@ -67,7 +68,7 @@ class Precision:
     summary: str
     autocast_dtype: str | None
     low_dtype: str | None
-    loss_scale: str  # "dynamic" | "none"
+    loss_scale: str  # "dynamic" | "static" | "none" (ampguard.core.loss_scale.KINDS)
     needs_bf16: bool
     audit_code: int
     watchable: bool = True
@@ -79,7 +80,7 @@ class Precision:
     @property
     def needs_scaler(self) -> bool:
         """True where gradients underflow without a loss scale (the Guard builds a scaler)."""
-        return self.loss_scale == "dynamic"
+        return self.loss_scale != "none"
 
     @property
     def is_full(self) -> bool:
@@ -147,7 +148,7 @@ REGISTRY: dict[str, Precision] = {
             needs_bf16=True,
             audit_code=3,
             watchable=False,
-            hook="ampguard.fp8._guard:Fp8State",
+            hook="ampguard.fp8._convert:Fp8State",
             extra="fp8",
         ),
     )

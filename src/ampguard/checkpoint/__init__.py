@@ -5,7 +5,7 @@ over the target, so a crash at any moment leaves either the old or the new check
 one (``ampguard.checkpoint._files``). Loading checks the CRC-32 of every zip member, then always
 uses
 ``torch.load(weights_only=True)``: no code from the file ever runs. The payload is then checked
-against the live objects (``ampguard.checkpoint._validate``, ``ampguard.core._state``) and copied
+against the live objects (``ampguard.checkpoint._validate``, ``Guard.check_state``) and copied
 only
 when everything fits, so a failed load leaves model, optimizer, scheduler, Guard and RNG as they
 were. Every failure is a :class:`CheckpointError` naming the file.
@@ -25,7 +25,6 @@ import torch
 from ampguard._util.stack import user_stacklevel
 from ampguard.checkpoint import _validate as _v
 from ampguard.checkpoint._files import CheckpointError, atomic_write, is_zip, verify_zip
-from ampguard.core import _state as _guard_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "atomic_write"]
 
@@ -251,7 +250,7 @@ def _check_guard(guard: Any, data: dict[str, Any], target: Path) -> tuple[str, A
     state = data.get("guard")
     if state is not None:
         try:
-            return ("state", _guard_state.check(guard, state))
+            return ("state", guard.check_state(state))
         except ValueError as exc:
             raise CheckpointError(
                 f"{target}: its Guard state does not fit this Guard: {exc}; nothing was loaded"
@@ -266,7 +265,7 @@ def _commit_guard(guard: Any, plan: tuple[str, Any], target: Path) -> None:
     kind, value = plan
     try:
         if kind == "state":
-            _guard_state.apply(guard, value)
+            guard.apply_state(value)
         elif kind == "restart":
             guard.restart_scale()
         elif kind == "adopt":

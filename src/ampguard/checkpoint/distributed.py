@@ -45,7 +45,6 @@ from ampguard.checkpoint import _dist_peers as _dp
 from ampguard.checkpoint import _load, _save_with_crc, save_checkpoint
 from ampguard.checkpoint import _validate as _v
 from ampguard.checkpoint._files import CheckpointError, atomic_write, verify_zip
-from ampguard.core import _state as _guard_state
 from ampguard.distributed import fsdp_modules
 from ampguard.distributed._peers import is_comm_error
 
@@ -207,7 +206,7 @@ def _load_sharded(
     plan = None
     if guard is not None and meta.get("guard") is not None:
         try:
-            plan = _guard_state.check(guard, meta["guard"])
+            plan = guard.check_state(meta["guard"])
         except ValueError as exc:
             raise CheckpointError(
                 f"{target}: its Guard state does not fit this Guard: {exc}; nothing was loaded"
@@ -236,7 +235,7 @@ def _load_sharded(
             f"may be partly loaded: {exc}"
         ) from exc
     if plan is not None:
-        _guard_state.apply(guard, plan)
+        guard.apply_state(plan)
     return dict(extra), meta.get(_KEY)
 
 

@@ -168,6 +168,8 @@ class LossScaler:
     and about 8 with ``hysteresis>1``.
     """
 
+    scaled = True  # the loss is multiplied by a scale: gradients need unscaling
+
     def __init__(self, config: ScalerConfig, device: torch.device) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -246,6 +248,23 @@ class LossScaler:
         if cfg.hysteresis > 1:
             self._refill_budget(found)
         return collapse
+
+    def update_window(
+        self, found: Sequence[torch.Tensor], dropped: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """:meth:`update` for one window: ``found`` holds each optimizer's non-finite flag,
+        ``dropped`` the count of micro-batches containment dropped (None: no containment).
+
+        A dropped micro-batch says the scale is too high (the scale backs off) while the rest of
+        the window may still update, so a back-off at the floor is a collapse only where some
+        optimizer skipped. Returns the 0-dim bool collapse flag. Cost: no host sync.
+        """
+        signal = found[0] if len(found) == 1 else torch.stack(list(found)).sum()
+        skipped = None
+        if dropped is not None:
+            skipped = signal > 0  # a window that still updates is no collapse
+            signal = signal + dropped.float()
+        return self.update(signal, skipped)
 
     def _spend_budget(self, found: torch.Tensor) -> torch.Tensor:
         # An overflow absorbed by hysteresis must still reset the growth tracker; setting it to -1

@@ -19,7 +19,7 @@ from ampguard._util.checks import check_int
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.fp8_model import OUTLIER_LAYER, OutlierNet, OutlierTask, loss_fn, make_task
 from ampguard.fp8 import Fp8Plan, fp8_plan
-from ampguard.fp8._guard import require_torchao
+from ampguard.fp8._torchao import require_torchao
 from ampguard.guard import Guard
 from ampguard.reporting import report
 from ampguard.telemetry import Telemetry
@@ -90,6 +90,7 @@ def run_fp8_demo(
     )
     found = guard.findings()
     guard.close()
+    assert guard.fp8 is not None  # precision="fp8": the Guard holds its conversion
     result = Fp8DemoResult(
         steps=steps,
         plan=plan,

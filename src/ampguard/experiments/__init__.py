@@ -340,7 +340,7 @@ def _stream(batches: Iterable[Any], steps: int) -> Iterator[Any]:
 
 def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) -> Any:
     """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
-    from ampguard.fp8._guard import require_torchao
+    from ampguard.fp8._torchao import require_torchao
 
     if any(n in _lp.LOWP_VARIANTS for n in names):
         require_torchao()  # missing torchao: one clear error before any variant runs

@@ -18,11 +18,14 @@ Cost: none per step; a few Python comparisons per written sample.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
 from ampguard.findings import Finding, make
+
+if TYPE_CHECKING:
+    from ampguard.fp8._stats import Fp8Log
 
 __all__ = ["Fp8Rescue", "RESCUE_AFTER", "to_bf16"]
 
@@ -46,12 +49,20 @@ def to_bf16(module: nn.Module) -> None:
     module.__class__ = nn.Linear
 
 
+class Fp8Layers(Protocol):
+    """The fp8 layers a rescue moves (:class:`ampguard.fp8._convert.Fp8State`)."""
+
+    layers: list[str]
+
+    def release(self, name: str) -> None: ...
+
+
 class Fp8Rescue:
     """Decides and records the rescues of one fp8 Guard (see the module docstring)."""
 
-    def __init__(self, state: Any, guard: Any, thresholds: Any) -> None:
+    def __init__(self, state: Fp8Layers, telemetry: Fp8Log | None, thresholds: Any) -> None:
         self.state = state
-        self.guard = guard
+        self.telemetry = telemetry
         self.thresholds = thresholds
         self.changes: list[dict[str, Any]] = []
         self._over: dict[str, int] = {}
@@ -88,7 +99,7 @@ class Fp8Rescue:
             "limit": limit,
         }
         self.changes.append(change)
-        telemetry = self.guard.telemetry
+        telemetry = self.telemetry
         if telemetry is not None and not telemetry.closed:
             telemetry.append_events([{"kind": "fp8_rescue", **change}])
 

@@ -15,7 +15,7 @@ AG112 warning   on at least half of its samples, more than ``max_grad_flushed`` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,10 +25,32 @@ from ampguard.findings import Finding, make
 from ampguard.fp8._cast import E4M3, RECIPES, flushed_share, quantize
 from ampguard.runlog._schema import FP8_FIELDS
 
-__all__ = ["Fp8Monitor", "FIELDS"]
+__all__ = ["Fp8Monitor", "Fp8Log", "WindowClock", "FIELDS"]
 
 FIELDS = FP8_FIELDS  # one source: the run-folder schema reads the same figures
 _WRITE_EVERY = 8  # pending samples before one host sync writes them out
+
+
+class WindowClock(Protocol):
+    """Where the training loop is: ``steps`` windows done, ``micro`` micro-batches into the next
+    one (the Guard's step state has both)."""
+
+    steps: int
+    micro: int
+
+
+class Fp8Log(Protocol):
+    """The part of :class:`ampguard.Telemetry` the fp8 monitor and rescue write to."""
+
+    @property
+    def range_every(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def append_events(self, records: list[dict[str, Any]]) -> None: ...
+
+    def annotate(self, key: str, value: Any) -> None: ...
 
 
 def _stats(x: torch.Tensor, dtype: torch.dtype, recipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +62,19 @@ class Fp8Monitor:
     """Samples the fp8 layers of a Guard. Cost: on sample windows about 10 small kernels per
     converted layer and tensor; one host sync per 8 samples (none in between)."""
 
-    def __init__(self, guard: Any, layers: list[str], recipe: str, thresholds: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        telemetry: Fp8Log,
+        clock: WindowClock,
+        layers: list[str],
+        recipe: str,
+        thresholds: Any,
+    ) -> None:
         from ampguard.fp8 import Fp8Thresholds
 
-        self.guard = guard
-        self.telemetry = guard._telemetry
+        self.clock = clock
+        self.telemetry = telemetry
         self.recipe = RECIPES[recipe]
         self.thresholds = thresholds or Fp8Thresholds()
         self.layers = list(layers)
@@ -52,7 +82,7 @@ class Fp8Monitor:
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._current: tuple[int, dict[str, torch.Tensor]] | None = None
         self.on_records: Any = None  # called with each batch of written records (fp8 rescue)
-        modules = dict(guard.model.named_modules())
+        modules = dict(model.named_modules())
         self._handles = {n: modules[n].register_forward_hook(self._hook(n)) for n in self.layers}
 
     def drop(self, name: str) -> None:
@@ -62,10 +92,9 @@ class Fp8Monitor:
             handle.remove()
 
     def _sampling(self) -> int | None:
-        g = self.guard
-        step = g._steps + 1
+        step = self.clock.steps + 1
         if (
-            g._micro
+            self.clock.micro
             or step % self.telemetry.range_every
             or not torch.is_grad_enabled()
             or self.telemetry.closed
@@ -105,7 +134,7 @@ class Fp8Monitor:
 
     def collect(self) -> None:
         """Write pending samples to the run log. Cost: one host sync."""
-        if self._current is not None and self._current[0] <= self.guard._steps:
+        if self._current is not None and self._current[0] <= self.clock.steps:
             self._flush_current()  # that window is complete: its gradients were recorded
         if not self._pending:
             return

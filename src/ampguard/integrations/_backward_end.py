@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ampguard.core._nonfinite import check_grads
+from ampguard.core.loss_scale import check_grads
 from ampguard.core.scaler import collect_grads
 
 __all__ = ["BackwardEnd", "nonfinite_flag"]

@@ -1,8 +1,10 @@
-"""Loading a Guard's state: check everything, then apply, and say what happens to the precision.
+"""The Guard's state dict: what it saves, and loading it (check everything, then apply).
 
-:func:`check` reads a :meth:`Guard.state_dict` output and returns a :class:`Plan`, raising
-``ValueError`` for anything malformed *before* the Guard is touched; :func:`apply` then carries the
-plan out. So a ``Guard.load_state_dict`` that raises changes nothing.
+:func:`to_dict` builds :meth:`Guard.state_dict` (format version :data:`STATE_VERSION`: states
+saved by earlier releases load unchanged). :func:`check` reads such a state and returns a
+:class:`Plan`, raising ``ValueError`` for anything malformed *before* the Guard is touched;
+:func:`apply` then carries the plan out. So a ``Guard.load_state_dict`` that raises changes
+nothing.
 
 The precision rule: the precision given to the Guard's constructor is the user's intent and wins,
 with one exception: a state that recorded an automatic fallback (``on_collapse='fallback'``) away
@@ -17,15 +19,48 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ampguard import precisions
 from ampguard._util.checks import is_int, is_number
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.policy import PrecisionPolicy, resolve_precision
+from ampguard.guard import _flags
+from ampguard.guard._fp8 import UNCONVERTED
+from ampguard.guard._step_state import StepState
 
-__all__ = ["Plan", "check", "apply", "STATE_VERSION"]
+__all__ = ["Plan", "to_dict", "check", "apply", "STATE_VERSION"]
 
 STATE_VERSION = 1
-_RESOLVED = ("fp16", "bf16", "fp32", "fp8")
+
+
+def to_dict(state: StepState, resume: dict[str, Any]) -> dict[str, Any]:
+    """The Guard state of ``state`` (``resume``: the resume tracker's state). Settle pending
+    flags first. Cost: one host sync with a loss scale (its state)."""
+    return {
+        "version": STATE_VERSION,
+        "precision": state.policy.precision,
+        "requested_precision": state.requested_precision,
+        "fallback": dict(state.fallback) if state.fallback else None,
+        "scaler": state.loss_scale.state_dict(),
+        "scaler_config": state.config.to_dict(),
+        "steps": state.steps,
+        "accumulation_steps": state.accumulation_steps,
+        "counters": state.counts.to_dict(),
+        "scale_history": state.history.state_dict(),
+        "resume": resume,
+        "forensics": state.forensics.state() if state.forensics is not None else None,
+        "fp8": state.fp8.state() if state.fp8 is not None else None,
+    }
+
+
+def _uses_scale(precision: str) -> bool:
+    entry = precisions.REGISTRY.get(precision)
+    return entry is not None and entry.needs_scaler
+
+
+def _converts(precision: Any) -> bool:
+    entry = precisions.REGISTRY.get(precision) if isinstance(precision, str) else None
+    return entry is not None and entry.hook is not None
 
 
 @dataclass
@@ -74,8 +109,9 @@ def _positive(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------- check
-def check(guard: Any, state: Any) -> Plan:
-    """Validate ``state`` for ``guard``; raises ``ValueError`` naming the bad field."""
+def check(guard: StepState, state: Any) -> Plan:
+    """Validate ``state`` for the Guard whose step state is ``guard``; raises ``ValueError``
+    naming the bad field."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise ValueError(
             f"not an ampguard Guard state (expected a dict with version={STATE_VERSION})"
@@ -85,17 +121,17 @@ def check(guard: Any, state: Any) -> Plan:
             raise ValueError(f"malformed Guard state: missing field {key!r}")
     saved = state["precision"]
     _check_fp8(guard, saved)  # fp8 <-> other precisions: refused, nothing changed
-    if saved not in _RESOLVED:
-        raise _bad("precision", f"must be one of {_RESOLVED}", saved)
+    if saved not in precisions.names():
+        raise _bad("precision", f"must be one of {precisions.names()}", saved)
     fallback = _check_fallback(state["fallback"])
     scaler = _check_scaler(state["scaler"])
-    if saved == "fp16" and scaler is None:
-        raise ValueError("malformed Guard state: saved in fp16 but holds no scaler state")
+    if _uses_scale(saved) and scaler is None:
+        raise ValueError(f"malformed Guard state: saved in {saved} but holds no scaler state")
     config = _dict(state["scaler_config"], "scaler_config", optional=False)
     assert config is not None
     policy, note = _precision(guard, saved, fallback, scaler)
-    uses_scaler = policy.precision == "fp16"
-    keep_scale = uses_scaler and saved == "fp16"
+    uses_scaler = policy.needs_scaler
+    keep_scale = uses_scaler and _uses_scale(saved)
     return Plan(
         steps=_int(state, "steps"),
         counters=_check_counters(state["counters"]),
@@ -108,9 +144,9 @@ def check(guard: Any, state: Any) -> Plan:
         else None,
         forensics=_check_forensics(guard, state.get("forensics")),
         resume=_check_resume(state.get("resume")),
-        config_diff={k: v for k, v in config.items() if getattr(guard.scaler_config, k, v) != v},
+        config_diff={k: v for k, v in config.items() if getattr(guard.config, k, v) != v},
         precision_note=note,
-        fp8_rescued=guard._fp8.check_state(state.get("fp8")) if guard._fp8 is not None else None,
+        fp8_rescued=guard.fp8.check_state(state.get("fp8")) if guard.fp8 is not None else None,
     )
 
 
@@ -118,8 +154,8 @@ def _check_fallback(value: Any) -> dict[str, Any] | None:
     fb = _dict(value, "fallback")
     if fb is None:
         return None
-    if fb.get("from") not in _RESOLVED or fb.get("to") not in _RESOLVED:
-        raise _bad("fallback", f"must name 'from' and 'to' precisions in {_RESOLVED}", fb)
+    if fb.get("from") not in precisions.names() or fb.get("to") not in precisions.names():
+        raise _bad("fallback", f"must name 'from' and 'to' precisions in {precisions.names()}", fb)
     _int(fb, "step")
     return dict(fb)
 
@@ -145,28 +181,28 @@ def _check_counters(value: Any) -> results.Counters:
     return results.Counters.from_dict(data)
 
 
-def _check_history(guard: Any, value: Any) -> dict[str, Any] | None:
+def _check_history(guard: StepState, value: Any) -> dict[str, Any] | None:
     hist = _dict(value, "scale_history")
     if hist is None:  # absent in states saved before it was kept
         return None
     values = hist.get("values")
     if (
         not isinstance(values, list)
-        or len(values) != guard._history.size
+        or len(values) != guard.history.size
         or not all(_positive(v) for v in values)
     ):
         raise _bad(
             "scale_history.values",
-            f"must be a list of {guard._history.size} finite numbers > 0",
+            f"must be a list of {guard.history.size} finite numbers > 0",
             values,
         )
     _int(hist, "changes")
     return hist
 
 
-def _check_forensics(guard: Any, value: Any) -> dict[str, Any] | None:
+def _check_forensics(guard: StepState, value: Any) -> dict[str, Any] | None:
     data = _dict(value, "forensics")
-    if data is None or guard._forensics is None:
+    if data is None or guard.forensics is None:
         return None
     names, changes = data.get("keep_fp32", []), data.get("changes", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -193,15 +229,15 @@ def _check_resume(value: Any) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------- the precision rule
 def _precision(
-    guard: Any, saved: str, fallback: dict[str, Any] | None, scaler: dict[str, Any] | None
+    guard: StepState, saved: str, fallback: dict[str, Any] | None, scaler: dict[str, Any] | None
 ) -> tuple[PrecisionPolicy, str | None]:
-    device = guard._device
-    intent = resolve_precision(guard._requested_precision, device).precision
-    if intent == "fp8" and guard.fp8 is not None and not guard.fp8.layers:
-        intent = "bf16"  # fp8 asked, no layer converted: the Guard trains in bf16
+    device = guard.device
+    intent = resolve_precision(guard.requested_precision, device).precision
+    if _converts(intent) and guard.fp8 is not None and not guard.fp8.layers:
+        intent = UNCONVERTED  # a conversion asked, no layer converted: the Guard trains in bf16
     if saved == intent:
         return resolve_precision(intent, device), None
-    asked = f"precision={guard._requested_precision!r}"
+    asked = f"precision={guard.requested_precision!r}"
     if fallback is not None and fallback["from"] == intent and fallback["to"] == saved:
         policy = resolve_precision(saved, device)  # ValueError if this device lacks it
         return policy, (
@@ -214,16 +250,16 @@ def _precision(
         f"Guard state was saved in {saved}, this Guard was given {asked} ({intent}); "
         f"training continues in {intent} (the constructor's precision wins)"
     )
-    if intent == "fp16":
+    if _uses_scale(intent):
         tail = (
-            f" and the loss scale starts at init_scale={guard.scaler_config.init_scale:g}, "
+            f" and the loss scale starts at init_scale={guard.config.init_scale:g}, "
             "probing its level again (AG107). Consider a lower learning rate for a few "
             "hundred steps (ResumeWarmup)."
         )
-    elif saved == "fp16":
+    elif _uses_scale(saved):
         scale = scaler["scale"] if scaler else None
         tail = (
-            f"; the saved fp16 loss scale ({scale:g}) is dropped: {intent} needs none."
+            f"; the saved {saved} loss scale ({scale:g}) is dropped: {intent} needs none."
             if scale is not None
             else f"; {intent} needs no loss scale."
         )
@@ -233,8 +269,9 @@ def _precision(
 
 
 # ---------------------------------------------------------------------- apply
-def apply(guard: Any, plan: Plan) -> None:
-    """Carry out a checked plan (see :func:`check`)."""
+def apply(guard: StepState, plan: Plan) -> float | None:
+    """Carry out a checked plan (see :func:`check`); returns the saved scale (None without one).
+    The Guard then records the resume (its run log and resume tracker)."""
     if plan.config_diff:
         warnings.warn(
             f"Guard state was saved with a different ScalerConfig {plan.config_diff}; "
@@ -242,47 +279,47 @@ def apply(guard: Any, plan: Plan) -> None:
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
-    guard._steps = plan.steps
-    guard._counts = plan.counters
-    guard._fallback = plan.fallback
-    if guard._micro:  # a half-finished window: its gradients must not join the next one
+    guard.steps = plan.steps
+    guard.counts = plan.counters
+    guard.fallback = plan.fallback
+    if guard.micro:  # a half-finished window: its gradients must not join the next one
         for opt in guard.optimizers:
             opt.zero_grad(set_to_none=True)
-        guard._contain = None  # containment buffer: rebuilt on the next backward
-        if guard._telemetry is not None:
-            guard._telemetry.on_abort()
-    guard._micro = 0
-    guard._window_losses = []
-    guard._drain(act=False)  # results still pending stay readable
-    if plan.policy.precision != guard._policy.precision:
-        guard._policy = plan.policy
-        guard._scaler = guard._make_scaler()
+        guard.contain = None  # containment buffer: rebuilt on the next backward
+        if guard.telemetry is not None:
+            guard.telemetry.on_abort()
+    guard.micro = 0
+    guard.window_losses = []
+    _flags.drain(guard, act=False)  # results still pending stay readable
+    if plan.policy.precision != guard.policy.precision:
+        guard.policy = plan.policy
+        guard.loss_scale = guard.new_loss_scale()
     elif plan.restart_scale:
-        guard._scaler = guard._make_scaler()
+        guard.loss_scale = guard.new_loss_scale()
     saved = plan.scaler["scale"] if plan.scaler is not None else None
-    if guard._scaler is not None and plan.scaler is not None:
-        guard._scaler.load_state_dict(plan.scaler)
+    if guard.scaled and plan.scaler is not None:
+        guard.loss_scale.load_state_dict(plan.scaler)
     if plan.restart_scale:
-        guard._history.reset(guard.scaler_config.init_scale)
+        guard.history.reset(guard.config.init_scale)
     else:
-        guard._history.reset(saved if saved is not None else 1.0)
+        guard.history.reset(saved if saved is not None else 1.0)
     if plan.history is not None:
-        guard._history.load_state_dict(plan.history)
-    if guard._forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
-        guard._forensics.load(plan.forensics)
-    if guard._fp8 is not None and plan.fp8_rescued:  # fp8 layers rescued to bf16 stay there
-        guard._fp8.load(plan.fp8_rescued, guard)
+        guard.history.load_state_dict(plan.history)
+    if guard.forensics is not None:  # modules kept in fp32 stay in fp32 after a resume
+        guard.forensics.load(plan.forensics)
+    if guard.fp8 is not None and plan.fp8_rescued:  # fp8 layers rescued to bf16 stay there
+        guard.fp8.load(plan.fp8_rescued, guard.telemetry)
     if plan.precision_note is not None:
         warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=user_stacklevel())
-    guard._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)
-    guard._resume.load_state_dict(plan.resume)  # a warm-up ramp still running
+    return saved
 
 
-def _check_fp8(guard: Any, saved: Any) -> None:
-    """A Guard state saved in fp8 loads only into an fp8 Guard, and vice versa: the model's
-    Linear layers are converted (or not) at construction, which a load cannot change."""
-    now = guard.precision
-    if (saved == "fp8") != (now == "fp8"):
+def _check_fp8(guard: StepState, saved: Any) -> None:
+    """A Guard state saved under a converting precision (fp8) loads only into a Guard of that
+    precision, and vice versa: the model's Linear layers are converted (or not) at
+    construction, which a load cannot change."""
+    now = guard.policy.precision
+    if _converts(saved) != _converts(now):
         raise ValueError(
             f"the Guard state was saved with precision={saved!r} but this Guard "
             f"uses precision={now!r}; create the Guard with precision={saved!r} "

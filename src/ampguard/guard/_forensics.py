@@ -25,32 +25,62 @@ With telemetry the diagnoses and changes go to ``forensics.json``, the coverage 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ampguard import runlog
-from ampguard._util.checks import check_bool, check_int
-from ampguard.findings import Finding, make
-from ampguard.forensics import _MAX, Diagnosis, locate
+from ampguard.core.policy import PrecisionPolicy
+from ampguard.core.results import StepResult
+from ampguard.core.scaler import ScalerConfig
+from ampguard.findings import Finding
+from ampguard.forensics import Diagnosis, locate
 from ampguard.forensics._absorbed_scan import diagnose_absorbed, scan_every
-from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new, op_info
+from ampguard.forensics._live import check, diagnose_trace, fallback_finding, reproduced
+from ampguard.forensics._optrace import OpTrace
 from ampguard.forensics._replay import rng_state
 from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
-from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32, match_modules
+from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32
+from ampguard.telemetry import Telemetry
 
-__all__ = ["ARM_STEPS", "GuardForensics", "attach", "check", "diagnose_trace", "reproduced"]
+__all__ = ["ARM_STEPS", "ForensicsHost", "GuardForensics", "attach"]
 
 ARM_STEPS = 3
 FORENSICS_FILE = "forensics.json"
 COVERAGE_FILE = runlog.COVERAGE
 
 
+class ForensicsHost(Protocol):
+    """What the Guard's forensics reads from the Guard: its public surface (no sync)."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def policy(self) -> PrecisionPolicy: ...
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def scaler_config(self) -> ScalerConfig: ...
+
+    @property
+    def telemetry(self) -> Telemetry | None: ...
+
+    def scale_used_at(self, step: int) -> float: ...
+
+
 def attach(
-    guard: Any,
+    guard: ForensicsHost,
     *,
     keep_fp32: Any = None,
     forensics: Any = False,
@@ -66,24 +96,12 @@ def attach(
     )
 
 
-def check(
-    model: torch.nn.Module, keep_fp32: Any, forensics: Any, auto_fallback: Any, coverage_step: Any
-) -> None:
-    """Check the Guard's forensics arguments (every ``keep_fp32`` pattern must match a module)
-    without touching the model: the Guard calls it before anything else changes."""
-    for name, value in (("forensics", forensics), ("auto_fallback", auto_fallback)):
-        check_bool(name, value)
-    check_int("coverage_step", coverage_step, optional=True)
-    if keep_fp32:
-        match_modules(model, keep_fp32)
-
-
 class GuardForensics:
     """State and hooks behind the Guard's forensics arguments (see the module docstring)."""
 
     def __init__(
         self,
-        guard: Any,
+        guard: ForensicsHost,
         patterns: Iterable[Pattern] | Pattern | None,
         enabled: bool,
         auto_fallback: bool,
@@ -145,7 +163,10 @@ class GuardForensics:
                 self._armed = max(self._armed, ARM_STEPS)
 
     def on_step(
-        self, result: Any, batch: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None
+        self,
+        result: StepResult,
+        batch: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """End of a window: coverage, diagnosis of an armed or replayable overflow, fallback."""
         if not result.boundary:
@@ -198,7 +219,7 @@ class GuardForensics:
         overflow (see ampguard.forensics._absorbed_scan)."""
         return (
             self.auto_fallback
-            and self.guard.precision == "fp16"
+            and self.guard.policy.entry.low_dtype == "float16"  # fp16's range can overflow
             and (self.guard.steps + 1) % scan_every(self.guard) == 0
         )
 
@@ -277,7 +298,7 @@ class GuardForensics:
                     f.fix,
                 )
             )
-        out += [_fallback_finding(c) for c in self.changes]
+        out += [fallback_finding(c) for c in self.changes]
         if self.coverage is not None:
             out += self.coverage.findings()
         return out
@@ -307,98 +328,7 @@ class GuardForensics:
         telemetry = self.guard.telemetry
         if telemetry is None:
             return
-        from ampguard import runlog
-
         telemetry.run_dir.mkdir(parents=True, exist_ok=True)
         runlog.write_json_atomic(telemetry.run_dir / FORENSICS_FILE, self.to_dict())
         if self.coverage is not None:
             runlog.write_json_atomic(telemetry.run_dir / COVERAGE_FILE, self.coverage.to_dict())
-
-
-def reproduced(diag: Diagnosis, logged_nonfinite: bool) -> Diagnosis:
-    """``diag`` with ``stats["replay_reproduced"]``: whether the replay's loss is non-finite
-    exactly when the step's logged loss was (a NaN loss the replay does not show means it
-    replayed a different computation: data changed in ``loss_fn``, non-deterministic ops)."""
-    replay_loss = diag.stats.get("replay_loss")
-    replay_bad = isinstance(replay_loss, float) and not math.isfinite(replay_loss)
-    diag.stats["logged_loss_nonfinite"] = bool(logged_nonfinite)
-    diag.stats["replay_reproduced"] = replay_bad or not logged_nonfinite
-    return diag
-
-
-def _fallback_finding(change: dict[str, Any]) -> Finding:
-    module = change["module"]
-    return make(
-        "AG306",
-        f"Step {change['step']}: {module!r} overflowed fp16 in the {change['phase']} "
-        f"pass ({change['op']}{'; the overflow was absorbed' if change.get('absorbed') else ''}"
-        "); auto_fallback runs it outside autocast in fp32 from the next "
-        "step on.",
-        detail=repr(module),
-        step=change["step"],
-        evidence=dict(change),
-        fix=f"Make it permanent with Guard(..., keep_fp32=[{module!r}]), or bound its "
-        "values (normalisation, smaller init) so it fits fp16.",
-    )
-
-
-# ---------------------------------------------------------------------- live diagnosis
-def diagnose_trace(
-    trace: OpTrace, losses: list[torch.Tensor], scale: float, precision: str, floor: float = 1.0
-) -> Diagnosis:
-    """Diagnose an overflowing window from its own numerics trace (no fp32 replay).
-
-    The first op that made a non-finite value names module, pass and op; its fp32 rerun (the
-    trace's shadow) gives the kind: still non-finite in fp32 -> model_nonfinite; a backward
-    value that fits fp16 at the scaler's floor ``floor`` (min_scale) -> benign probe; beyond
-    fp16 -> fp16_overflow.
-    Cost: one host sync.
-    """
-    stats = trace.stats()
-    loss_ok = bool(torch.stack(losses).all()) if losses else True
-    phases = ("backward",) if loss_ok else ("forward", "backward")
-    rows = [(e, stats[e.row]) for e in trace.events if e.row is not None]
-    e, row = next(
-        ((e, r) for p in phases for e, r in rows if e.phase == p and is_new(r, e.intentional)),
-        (None, None),
-    )
-    if e is None or row is None:
-        return _untraced(rows, precision, scale)
-    limit = _MAX.get(precision, math.inf)
-    shadow = trace.shadow.get(e.index)
-    source = "armed training step (fp32 rerun of this op only)"
-    info = op_info(e, row, shadow, scale=scale, precision=precision, limit=limit, source=source)
-    if e.out_dtype not in LOW or (shadow is not None and not math.isfinite(shadow)):
-        kind = "model_nonfinite"
-    elif e.phase == "backward" and shadow is not None and shadow / scale * floor <= limit:
-        return Diagnosis("none", e.phase, e.module, e.op, info, precision, scale, benign=True)
-    elif shadow is not None and shadow <= limit:
-        kind = "fp16_underflow"  # fits the range in fp32: a value flushed to zero made it
-    else:
-        kind = "fp16_overflow"
-    return Diagnosis(kind, e.phase, e.module, e.op, info, precision, scale)
-
-
-def _untraced(rows: list[tuple[OpEvent, list[float]]], precision: str, scale: float) -> Diagnosis:
-    """No op made the non-finite value: it came in with the batch (or the state)."""
-    e = next(
-        (
-            e
-            for e, r in rows
-            if e.phase == "forward" and e.module is not None and not math.isfinite(r[0])
-        ),
-        None,
-    )
-    if e is None:
-        return Diagnosis(
-            "none", None, None, None, {"note": "overflow not seen in the trace"}, precision, scale
-        )
-    return Diagnosis(
-        "input_nonfinite",
-        "forward",
-        e.module,
-        e.op,
-        {"source": "armed training step"},
-        precision,
-        scale,
-    )

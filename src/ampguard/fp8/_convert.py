@@ -1,8 +1,9 @@
-"""``Guard(precision="fp8")``: torchao float8 training for the Linear layers a plan allows.
+"""fp8's model conversion: torchao float8 training for the Linear layers a plan allows.
 
-When no layer is converted (none eligible, or the plan keeps them all in bf16) the Guard trains
-in bf16 and says so: ``guard.precision == "bf16"`` (the run log records ``precision: "bf16"``,
-``requested_precision: "fp8"``) and a ``RuntimeWarning`` at construction.
+:class:`Fp8State` is the fp8 registry entry's conversion hook
+(``ampguard.precisions.REGISTRY["fp8"].hook``): the Guard builds it with
+``Fp8State(model, device, plan)`` and, when it chose no layer (none eligible, or the plan keeps
+them all in bf16), trains in bf16 and says so (``ampguard.guard._fp8``).
 
 The Guard keeps bf16 autocast for everything; this module swaps the chosen ``nn.Linear`` layers
 for torchao's ``Float8Linear`` (``convert_to_float8_training`` with the plan's recipe), with
@@ -19,21 +20,23 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.core.policy import resolve_precision
 from ampguard.fp8._modules import CONV1D_FIX, is_hf_conv1d, unconvertible
 from ampguard.fp8._torchao import TORCHAO_PIN, Fp8UnavailableError, quiet_logs, require_torchao
+
+if TYPE_CHECKING:
+    from ampguard.fp8._rescue import Fp8Rescue
+    from ampguard.fp8._stats import Fp8Log, Fp8Monitor, WindowClock
 
 __all__ = [
     "Fp8UnavailableError",
     "require_torchao",
     "Fp8State",
-    "attach",
     "eligible",
     "has_fp8_matmul",
     "TORCHAO_PIN",
@@ -69,7 +72,7 @@ class Fp8State:
     swaps them (all or nothing) and :meth:`revert` puts the original ``nn.Linear`` modules back.
     """
 
-    def __init__(self, guard: Any, plan: Any) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, plan: Any = None) -> None:
         from ampguard.fp8 import Fp8Plan
 
         if plan is not None and not isinstance(plan, Fp8Plan):
@@ -79,7 +82,7 @@ class Fp8State:
             )
         float8 = require_torchao()
         self._float8 = float8
-        self.model: nn.Module = guard.model
+        self.model: nn.Module = model
         self.plan = plan
         self.recipe = plan.float8_recipe if plan is not None else "tensorwise"
         linears = {n: m for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
@@ -91,29 +94,23 @@ class Fp8State:
                     "are not Linear layers of this model"
                 )
             _check_plan_shapes(plan, linears)
-        self._device = guard.device
-        self.emulated = not has_fp8_matmul(guard.device)
+        self._device = device
+        self.emulated = not has_fp8_matmul(device)
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
         self._config = dataclasses.replace(config, emulate=True) if self.emulated else config
         self._linears = linears
         self._chosen = {n for n, m in linears.items() if self._wanted(m, n, float8)}
-        if not self._chosen:
-            # nothing will compute in fp8: the Guard says what runs (bf16), not what was asked,
-            # before telemetry records the precision
-            guard._policy = resolve_precision("bf16", guard.device)
-            warnings.warn(
-                "precision='fp8': no Linear layer is converted to fp8 (none eligible, "
-                "or the plan keeps them all in bf16); training runs in bf16 "
-                "(guard.precision is 'bf16', guard.requested_precision 'fp8')",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
         self._originals: dict[str, nn.Module] = {}
         self.layers: list[str] = []
         self.kept: list[str] = list(linears)
-        self.monitor: Any = None
-        self.rescue: Any = None  # fp8 -> bf16 moves during training (ampguard.fp8._rescue)
+        self.monitor: Fp8Monitor | None = None
+        self.rescue: Fp8Rescue | None = None  # fp8 -> bf16 moves during training
         self.unconvertible: list[str] = []  # matmuls that are not nn.Linear (set by convert)
+
+    @property
+    def chosen(self) -> bool:
+        """True when at least one Linear layer will be converted (else nothing runs in fp8)."""
+        return bool(self._chosen)
 
     def convert(self) -> None:
         """Swap the chosen Linear layers for ``Float8Linear`` (same parameter tensors); on any
@@ -151,20 +148,21 @@ class Fp8State:
         self.layers = []
         self.kept = list(self._linears)
 
-    def watch(self, guard: Any, *, rescue: bool = False) -> None:
-        """With telemetry (``range_every`` > 0), sample the converted layers while training;
-        with ``rescue`` (``auto_fallback=True``) move a drifting layer back to bf16
+    def watch(self, telemetry: Fp8Log | None, clock: WindowClock, *, rescue: bool = False) -> None:
+        """With telemetry (``range_every`` > 0), sample the converted layers while training
+        (``clock``: the loop's window and micro-batch counters); with ``rescue``
+        (``auto_fallback=True``) move a drifting layer back to bf16
         (:mod:`ampguard.fp8._rescue`)."""
-        if guard._telemetry is None or not guard._telemetry.range_every or not self.layers:
+        if telemetry is None or not telemetry.range_every or not self.layers:
             return
         from ampguard.fp8 import Fp8Thresholds
         from ampguard.fp8._rescue import Fp8Rescue
         from ampguard.fp8._stats import Fp8Monitor
 
         th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
-        self.monitor = Fp8Monitor(guard, self.layers, self.recipe, th)
+        self.monitor = Fp8Monitor(self.model, telemetry, clock, self.layers, self.recipe, th)
         if rescue:
-            self.rescue = Fp8Rescue(self, guard, th)
+            self.rescue = Fp8Rescue(self, telemetry, th)
             self.monitor.on_records = self.rescue.on_samples
 
     def release(self, name: str) -> None:
@@ -204,7 +202,7 @@ class Fp8State:
             )
         return rescued
 
-    def load(self, rescued: list[dict[str, Any]], guard: Any) -> None:
+    def load(self, rescued: list[dict[str, Any]], telemetry: Fp8Log | None) -> None:
         """Redo checked rescues (a resumed run moves the same layers back to bf16)."""
         if not rescued:
             return
@@ -213,7 +211,7 @@ class Fp8State:
             from ampguard.fp8._rescue import Fp8Rescue
 
             th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
-            self.rescue = Fp8Rescue(self, guard, th)
+            self.rescue = Fp8Rescue(self, telemetry, th)
         self.rescue.changes.clear()
         self.rescue.resume(rescued)
 
@@ -297,16 +295,3 @@ def _warn_emulated(device: torch.device) -> None:
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )
-
-
-def attach(guard: Any, plan: Any) -> Fp8State | None:
-    """Check ``fp8_plan`` and pick the Linear layers for ``precision='fp8'`` (the model is not
-    touched yet: :meth:`Fp8State.convert` does it); None otherwise."""
-    if guard._policy.precision != "fp8":
-        if plan is not None:
-            raise ValueError(
-                f"fp8_plan is only used with precision='fp8', got "
-                f"precision={guard._requested_precision!r}"
-            )
-        return None
-    return Fp8State(guard, plan)

@@ -1,0 +1,58 @@
+"""The Guard's precision conversion (fp8): built through the registry entry's hook.
+
+A precision whose registry entry names a conversion hook (``Precision.hook``; fp8's is
+:class:`ampguard.fp8._convert.Fp8State`) gets it here, as ``hook(model, device, plan)``: the plan
+is checked, torchao imported and the layers chosen, without touching the model (the Guard
+converts them last, so a constructor that raises leaves the model as it was). When the
+conversion chose no layer, nothing would compute in fp8: the Guard trains in :data:`UNCONVERTED`
+(bf16) and says so, ``guard.precision == "bf16"`` (the run log records ``precision: "bf16"``,
+``requested_precision: "fp8"``), with a ``RuntimeWarning``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ampguard import precisions
+from ampguard._util.stack import user_stacklevel
+from ampguard.core.policy import PrecisionPolicy, resolve_precision
+from ampguard.fp8._convert import Fp8State
+
+__all__ = ["UNCONVERTED", "attach"]
+
+UNCONVERTED = "bf16"  # what a converting precision trains in when no layer converts
+
+
+def attach(
+    policy: PrecisionPolicy,
+    requested: str,
+    model: torch.nn.Module,
+    device: torch.device,
+    plan: Any,
+) -> tuple[Fp8State | None, PrecisionPolicy]:
+    """The conversion of ``policy``'s precision (None when it has no hook) and the precision the
+    Guard trains in. ``ValueError`` for an ``fp8_plan`` given to a precision without one."""
+    hook = policy.entry.load_hook()
+    if hook is None:
+        if plan is not None:
+            converting = [n for n, p in precisions.REGISTRY.items() if p.hook is not None]
+            raise ValueError(
+                f"fp8_plan is only used with precision={' or '.join(map(repr, converting))}, "
+                f"got precision={requested!r}"
+            )
+        return None, policy
+    conversion: Fp8State = hook(model, device, plan)
+    if conversion.chosen:
+        return conversion, policy
+    # before telemetry records the precision: say what runs, not what was asked
+    warnings.warn(
+        f"precision={policy.precision!r}: no Linear layer is converted (none eligible, or the "
+        f"plan keeps them all in {UNCONVERTED}); training runs in {UNCONVERTED} "
+        f"(guard.precision is {UNCONVERTED!r}, guard.requested_precision {requested!r})",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return conversion, resolve_precision(UNCONVERTED, device)
