@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import ampguard  # noqa: E402  (lazy: importing it imports no torch)
-from ampguard.findings.codes import AREAS, CATALOGUE, Code  # noqa: E402
+from ampguard.findings.codes import AREAS, CATALOGUE, FAMILIES, Code  # noqa: E402
 
 FINDINGS = ROOT / "docs" / "findings.md"
 INIT = ROOT / "src" / "ampguard" / "__init__.py"
@@ -41,7 +41,7 @@ REFERENCE = ROOT / "docs" / "reference.md"
 REF_MARK = "<!-- reference:generated below by tools/gen_docs.py -->"
 
 AREA_TITLES = {
-    "runtime": "Runtime rules over the run log (AG101-AG108)",
+    "runtime": "Runtime rules over the run log",
     "step": "The guarded step",
     "attach": "Attach mode: ag.watch and the integrations",
     "distributed": "Distributed",
@@ -132,9 +132,7 @@ def findings_page() -> str:
         "`ampguard.findings.codes.CATALOGUE` by `tools/gen_docs.py`; the severity shown is "
         "the default (a rule may report a milder case at a lower severity, and says so in the "
         "message).\n",
-        "Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 "
-        "telemetry), AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 "
-        "plan.\n",
+        "Families: " + ", ".join(f"{p}xx {what}" for p, what in FAMILIES.items()) + ".\n",
         "| code | severity | title |",
         "| --- | --- | --- |",
     ]
