@@ -60,3 +60,11 @@ def test_a_code_declared_twice_names_both_modules(package: Path) -> None:
         RuntimeError, match=r"AG209 is declared twice: in extra_rules\.one and extra_rules\.two"
     ):
         discover("extra_rules")
+
+
+def test_the_lint_page_has_a_row_for_every_rule() -> None:
+    import re
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "lint.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| (AG2\d\d)(?: \(\w+\))? \|", page, re.M))
+    assert rows >= set(RULES), sorted(set(RULES) - rows)
