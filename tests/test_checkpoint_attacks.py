@@ -539,6 +539,7 @@ def save_in_subprocess(tmp_path, mode, target) -> str:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow  # saves in a subprocess
 def test_an_unwritable_folder_is_a_checkpoint_error_with_permission_error_as_cause(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
@@ -558,6 +559,7 @@ def test_an_unwritable_folder_is_a_checkpoint_error_with_permission_error_as_cau
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow  # saves in a subprocess
 def test_a_full_disk_is_a_checkpoint_error_and_leaves_the_previous_file(tmp_path):
     target = tmp_path / "c.pt"
     ag.save_checkpoint(target, model=nn.Linear(64, 64), extra={"i": 1})

@@ -156,6 +156,7 @@ def test_out_is_checked_before_any_training(place, capsys):
     assert code == 2 and "--out 'afile' exists and is not a folder" in err
 
 
+@pytest.mark.slow  # the demo end to end
 def test_demo_over_a_broken_meta_json_starts_a_new_log(place, capsys):
     folder = place / "broken"
     folder.mkdir()
@@ -195,6 +196,7 @@ def test_the_users_own_exception_is_shown_as_theirs(place, argv, where, capsys):
     assert "ampguard/" not in "\n".join(rest)  # only the user's frames
 
 
+@pytest.mark.slow  # a fresh interpreter per case
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "argv", [["report", "missing"], ["demo", "--out", "afile"], ["bogus"], ["report", "meta_list"]]

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 import ampguard as ag
@@ -27,6 +28,7 @@ def test_demo_skips_the_outlier_burst_and_learns(tmp_path):
     assert "AG301" in result.report.read_text()
 
 
+@pytest.mark.slow  # the demo end to end, twice
 def test_demo_checkpoint_resumes(tmp_path):
     result = run_demo(steps=30, out=tmp_path, progress=False, quiet=True)
     data = make_data(steps=30)
@@ -39,6 +41,7 @@ def test_demo_checkpoint_resumes(tmp_path):
     assert guard.scale == result.scale_end
 
 
+@pytest.mark.slow  # the demo end to end through the CLI
 def test_cli_demo_prints_summary_ending_with_outputs(tmp_path, capsys):
     assert main(["demo", "--steps", "40", "--out", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out

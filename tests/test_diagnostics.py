@@ -1,30 +1,20 @@
 """Guard.diagnostics(): a cheap summary of scale, skips by cause, history and state."""
 
 import torch
+from _models import small_mlp, train_steps
 
 import ampguard as ag
 
 
 def _guard(**kwargs):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = small_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return model, ag.Guard(model, opt, precision="fp16", **kwargs)
 
 
-def _run(model, guard, steps, bad=()):
-    for i in range(1, steps + 1):
-        with guard.autocast():
-            loss = model(torch.randn(4, 8)).float().pow(2).mean()
-        guard.backward(loss)
-        if i in bad:
-            model[0].weight.grad.view(-1)[0] = float("inf")
-        guard.step()
-
-
 def test_counts_skips_changes_and_history():
     model, guard = _guard(scaler=ag.ScalerConfig(init_scale=1024.0, growth_interval=3))
-    _run(model, guard, 9, bad={2, 3})
+    train_steps(model, guard, 9, bad={2, 3})
     d = guard.diagnostics(last=4)
     assert d["step"] == 9
     assert d["skipped_steps"] == 2
@@ -47,7 +37,7 @@ def test_counts_skips_changes_and_history():
 
 def test_consecutive_skips_now():
     model, guard = _guard(scaler=ag.ScalerConfig(init_scale=1024.0))
-    _run(model, guard, 5, bad={4, 5})
+    train_steps(model, guard, 5, bad={4, 5})
     assert guard.diagnostics()["consecutive_skips"] == 2
 
 
@@ -59,7 +49,7 @@ def test_fallback_is_listed():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _run(model, guard, 3, bad={1, 2})
+        train_steps(model, guard, 3, bad={1, 2})
     d = guard.diagnostics()
     assert d["precision"] == "bf16"
     assert d["fallbacks"] == [{"step": 2, "from": "fp16", "to": "bf16"}]
@@ -74,13 +64,12 @@ def test_fallback_is_listed():
 def test_close_records_diagnostics_for_the_report_header(tmp_path):
     import json
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = small_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with ag.Guard(
         model, opt, precision="fp16", telemetry=tmp_path, scaler=ag.ScalerConfig(init_scale=1024.0)
     ) as guard:
-        _run(model, guard, 6, bad={5, 6})
+        train_steps(model, guard, 6, bad={5, 6})
         expected = guard.diagnostics()
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["diagnostics"]["consecutive_skips"] == expected["consecutive_skips"] == 2

@@ -361,6 +361,7 @@ def test_compare_fp8_verdict_stays_ok_on_a_clean_model():
     assert cmp.variants["fp8"].gap_to_bf16 <= info["tolerance"]
 
 
+@pytest.mark.slow  # a fresh interpreter without torchao
 def test_missing_torchao_is_one_clear_error(tmp_path):
     fac = tmp_path / "fac.py"
     fac.write_text(

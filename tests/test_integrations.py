@@ -105,6 +105,7 @@ def _hf_run(
     return trainer, callback
 
 
+@pytest.mark.slow  # a real transformers Trainer run
 def test_hf_trainer_fp16_records_skips_scale_and_report(tmp_path):
     trainer, callback = _hf_run(tmp_path)
     run = tmp_path / "run"
@@ -121,6 +122,7 @@ def test_hf_trainer_fp16_records_skips_scale_and_report(tmp_path):
     assert trainer.lr_scheduler.last_epoch == STEPS - len(BAD)  # gated on the (right) skip flag
 
 
+@pytest.mark.slow  # a real transformers Trainer run
 def test_hf_trainer_fused_optimizer_skips_reported_as_ag120(tmp_path):
     trainer, callback = _hf_run(tmp_path, optim="adamw_torch_fused")
     assert _skipped(tmp_path / "run") == list(BAD)
@@ -131,6 +133,7 @@ def test_hf_trainer_fused_optimizer_skips_reported_as_ag120(tmp_path):
     assert "AG120" in (tmp_path / "run" / "report.html").read_text()
 
 
+@pytest.mark.slow  # a real transformers Trainer run
 def test_hf_trainer_bf16_records_every_step_without_scaler(tmp_path):
     _, callback = _hf_run(tmp_path, precision="bf16", bad=())
     recs = _records(tmp_path / "run")
@@ -140,6 +143,7 @@ def test_hf_trainer_bf16_records_every_step_without_scaler(tmp_path):
     assert (tmp_path / "run" / "report.html").exists()
 
 
+@pytest.mark.slow  # a real transformers Trainer run
 def test_hf_trainer_fp16_on_cpu_is_fp32_and_says_so(tmp_path):
     _, callback = _hf_run(tmp_path, give_scaler=False, bad=(), default_folder=True)
     run = tmp_path / "out" / "ampguard"  # the default: <output_dir>/ampguard
@@ -498,6 +502,7 @@ def _assert_pre_clip(recorded: dict[int, float], expected: list[float]) -> None:
         assert recorded[step] == pytest.approx(value, rel=1e-4)
 
 
+@pytest.mark.slow  # real transformers Trainer runs
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_hf_trainer_grad_norm_is_the_pre_clip_norm(tmp_path, precision):
     trainer, _ = _hf_run(tmp_path, precision=precision, bad=(), max_grad_norm=CLIP, logging_steps=1)

@@ -32,6 +32,7 @@ def _named_in_a_checkpoint_error(v: dict, bound: float) -> None:
     assert v["seconds"] < bound, v  # peer_timeout + roll call, not the group's 30 s
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(90)
 def test_a_peer_that_dies_before_a_ddp_save_is_a_checkpoint_error_naming_it():
     v = _survivor(P.run_group(2, ["save_with_a_crashed_peer_ddp"])["save_with_a_crashed_peer_ddp"])
@@ -40,6 +41,7 @@ def test_a_peer_that_dies_before_a_ddp_save_is_a_checkpoint_error_naming_it():
     assert not v["exists"]  # nothing written when the audit could not run
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(90)
 def test_a_peer_that_hangs_in_an_fsdp2_save_is_bounded_by_peer_timeout():
     per_rank = P.run_group(2, ["save_with_a_hung_peer_fsdp2"])["save_with_a_hung_peer_fsdp2"]
@@ -51,6 +53,7 @@ def test_a_peer_that_hangs_in_an_fsdp2_save_is_bounded_by_peer_timeout():
     assert late["cause"] == "PeerFailureError"
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
 def test_a_rank_that_never_calls_load_does_not_block_the_others_and_nothing_is_loaded(kind):
@@ -61,6 +64,7 @@ def test_a_rank_that_never_calls_load_does_not_block_the_others_and_nothing_is_l
     assert v["unchanged"]  # the first collective comes before any read: nothing was loaded
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(90)
 def test_a_rank_whose_guard_raised_is_named_after_the_users_group_timeout():
     per_rank = P.run_group(2, ["guard_group_with_an_absent_peer"], pg_timeout=4.0)
@@ -103,6 +107,7 @@ def test_peer_timeout_defaults_to_the_timeout_the_user_gave_the_group(tmp_path, 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(90)
 def test_ranks_that_load_different_checkpoints_are_refused_naming_the_paths():
     per_rank = P.run_group(2, ["load_different_paths_ddp"])["load_different_paths_ddp"]

@@ -5,30 +5,20 @@ import warnings
 
 import pytest
 import torch
+from _models import small_mlp, train_steps
 
 import ampguard as ag
 
 
 def _setup(warmup=None, **kwargs):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = small_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return model, opt, ag.Guard(model, opt, precision="fp16", resume_warmup=warmup, **kwargs)
 
 
-def _train(model, guard, steps, bad=()):
-    for i in range(1, steps + 1):
-        with guard.autocast():
-            loss = model(torch.randn(4, 8)).float().pow(2).mean()
-        guard.backward(loss)
-        if i in bad:
-            model[0].weight.grad.view(-1)[0] = float("inf")
-        guard.step()
-
-
 def test_plain_checkpoint_into_a_trained_guard_restarts_the_scale(tmp_path):
     model, opt, guard = _setup(scaler=ag.ScalerConfig(init_scale=1024.0))
-    _train(model, guard, 3, bad={1, 2})
+    train_steps(model, guard, 3, bad={1, 2})
     assert guard.scale == 256.0
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "p.pt")
     with pytest.warns(RuntimeWarning, match="restarts at init_scale=1024"):
@@ -53,17 +43,17 @@ def test_a_running_warmup_ramp_survives_save_and_resume(tmp_path):
     warmup = ag.ResumeWarmup(steps=6, lr_factor=0.25)
     model, opt, guard = _setup(warmup)
     guard.restart_scale()  # as after a plain checkpoint: the ramp starts
-    _train(model, guard, 2)
+    train_steps(model, guard, 2)
     ag.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, guard=guard)
     seen_uninterrupted = []
     opt.register_step_pre_hook(lambda o, a, k: seen_uninterrupted.append(o.param_groups[0]["lr"]))
-    _train(model, guard, 3)
+    train_steps(model, guard, 3)
 
     model2, opt2, guard2 = _setup(warmup)
     ag.load_checkpoint(tmp_path / "c.pt", model=model2, optimizer=opt2, guard=guard2)
     seen_resumed = []
     opt2.register_step_pre_hook(lambda o, a, k: seen_resumed.append(o.param_groups[0]["lr"]))
-    _train(model2, guard2, 3)
+    train_steps(model2, guard2, 3)
     assert seen_resumed == seen_uninterrupted  # the ramp goes on where it was
     assert seen_resumed[0] < 0.1
 

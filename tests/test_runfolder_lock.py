@@ -75,6 +75,7 @@ _HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a second process holds the lock, then is killed
 def test_another_process_is_refused_and_its_lock_is_taken_over_once_it_died(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(_SRC))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _lint import lint_cli
 
 from ampguard.lint import FIXABLE, fix_paths, fix_source, lint_paths, lint_source, unified_diff
 
@@ -204,22 +205,12 @@ def test_fix_source_rejects_bad_input() -> None:
         fix_source("x = 1\n", select="AG999")
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ampguard", "lint", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_diff_prints_a_unified_diff_and_writes_nothing(tmp_path: Path) -> None:
     _, source, expected, _ = CASES["ag206_call"]
     target = tmp_path / "train.py"
     target.write_bytes(source.encode())
     before = target.stat().st_mtime_ns
-    result = _cli("--diff", ".", cwd=tmp_path)
+    result = lint_cli("--diff", ".", cwd=tmp_path)
     assert result.returncode == 1
     assert target.read_bytes() == source.encode() and target.stat().st_mtime_ns == before
     assert result.stdout.startswith("--- a/train.py\n+++ b/train.py\n@@ ")
@@ -227,7 +218,7 @@ def test_diff_prints_a_unified_diff_and_writes_nothing(tmp_path: Path) -> None:
     assert '+scaler = torch.amp.GradScaler("cuda", enabled=use_amp)' in result.stdout
     assert "would fix 1 finding(s) in 1 file(s)" in result.stderr
     target.write_text(expected)
-    clean = _cli("--diff", ".", cwd=tmp_path)
+    clean = lint_cli("--diff", ".", cwd=tmp_path)
     assert (clean.returncode, clean.stdout) == (0, "")
 
 
@@ -238,7 +229,7 @@ def test_fix_writes_and_reports_what_is_left(tmp_path: Path) -> None:
     )
     target = tmp_path / "train.py"
     target.write_bytes(source.encode("utf-8"))
-    result = _cli("--fix", "train.py", cwd=tmp_path)
+    result = lint_cli("--fix", "train.py", cwd=tmp_path)
     assert result.returncode == 1  # the AG208 warning is left
     assert target.read_bytes() == source.replace(
         "torch.cuda.amp.GradScaler()", "torch.amp.GradScaler('cuda')"

@@ -4,11 +4,10 @@ own variable names in messages, ``--fail-on`` deciding the exit status, dangling
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _lint import lint_cli
 
 from ampguard.findings.codes import EXAMPLES
 from ampguard.lint import failing, format_findings, lint_paths, lint_source, summary_line
@@ -26,16 +25,6 @@ ERROR = (
     "    scaler.step(optimizer)\n"
     "    scaler.update()\n"
 )
-
-
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ampguard", "lint", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_text_shows_severity_and_the_fix_under_each_finding() -> None:
@@ -83,7 +72,7 @@ def test_fail_on_decides_the_exit_status(
 ) -> None:
     (tmp_path / "t.py").write_text(source)
     args = ["t.py"] if fail_on == "warning" else ["t.py", "--fail-on", fail_on]
-    result = run(*args, cwd=tmp_path)
+    result = lint_cli(*args, cwd=tmp_path)
     assert result.returncode == code, result.stdout + result.stderr
     assert result.stdout.strip(), "findings are printed whatever the exit status"
     assert f"at --fail-on {fail_on} or worse" in result.stderr
@@ -91,7 +80,7 @@ def test_fail_on_decides_the_exit_status(
 
 def test_fail_on_rejects_an_unknown_severity(tmp_path: Path) -> None:
     (tmp_path / "t.py").write_text(WARNING)
-    result = run("t.py", "--fail-on", "fatal", cwd=tmp_path)
+    result = lint_cli("t.py", "--fail-on", "fatal", cwd=tmp_path)
     assert result.returncode == 2 and "--fail-on" in result.stderr
 
 

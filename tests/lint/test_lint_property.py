@@ -97,6 +97,7 @@ def _check(findings: list[Finding], n_lines: int) -> None:
         assert finding.col is not None and finding.col >= 1
 
 
+@pytest.mark.slow  # hypothesis: random text
 @SETTINGS
 @given(st.text(max_size=400))
 def test_random_text_never_crashes(text: str) -> None:

@@ -41,6 +41,7 @@ def _keys(findings: list) -> list[tuple]:
     return [(f.path, f.line, f.col, f.code, f.message) for f in findings]
 
 
+@pytest.mark.slow  # lints a 16,000-line tree
 def test_the_tree_is_detection_repository_shaped(yolo: Path) -> None:
     files = list(iter_python_files([yolo]))
     lines = sum(Path(f).read_text().count("\n") for f in files)
@@ -51,6 +52,7 @@ def test_the_tree_is_detection_repository_shaped(yolo: Path) -> None:
     assert {"AG205", "AG206", "AG208"} <= codes  # what a real YOLO-style repository gets
 
 
+@pytest.mark.slow  # lints a 16,000-line tree twice
 def test_inert_helper_shortcut_changes_no_finding(
     yolo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,6 +196,7 @@ def test_a_changed_file_is_parsed_again(tmp_path: Path) -> None:
     assert finding.line == 5 and "weights_only=False" in finding.message
 
 
+@pytest.mark.slow  # times lint over a 16,000-line tree
 def test_project_mode_costs_at_most_3x_single_file(yolo: Path) -> None:
     files = [(p, Path(p).read_bytes()) for p in iter_python_files([yolo])]
     options = make_options()
@@ -221,6 +224,7 @@ def test_relaxed_gc_restores_the_thresholds() -> None:
     assert gc.get_threshold() == before
 
 
+@pytest.mark.slow  # runs the lint benchmark in a subprocess
 def test_bench_reports_project_mode_on_the_tree() -> None:
     out = subprocess.run(
         [sys.executable, str(BENCH / "bench_lint.py"), "--json"],

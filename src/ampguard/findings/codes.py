@@ -5,8 +5,9 @@ emits it, what fires it, the fix and the docs page that explains it. :class:`amp
 refuses a code that is not listed here, the findings page of the docs is generated from this
 table, and a test checks the README's and the docs' code tables against it. Imports no torch.
 
-Ranges: AG1xx runtime (rules over the run log, attach mode, distributed, fp8 telemetry),
-AG2xx lint, AG3xx forensics, coverage, advisor, compare and the fp8 plan.
+The first digit of a code is its family (:data:`FAMILIES`: runtime, lint, the model-level
+tools); the findings page states the families from that table, and nothing else lists codes or
+ranges of codes by hand: a list of codes is read from here (by area or family).
 
 Every emitter takes the title and the severity from here (``ampguard.findings.make``, the lint
 rules' ``Rule.from_code``). Where a finding carries detail in its title (the module, the op, which
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["AREAS", "CATALOGUE", "EXAMPLES", "Code", "lookup"]
+__all__ = ["AREAS", "CATALOGUE", "EXAMPLES", "FAMILIES", "Code", "family", "lookup"]
 
 AREAS = {
     "runtime": "telemetry.md",
@@ -36,6 +37,14 @@ AREAS = {
     "advisor": "compare.md",
     "compare": "compare.md",
 }
+
+
+FAMILIES = {
+    "AG1": "runtime (rules over the run log, attach mode, distributed, fp8 telemetry)",
+    "AG2": "lint",
+    "AG3": "forensics, coverage, advisor, compare and the fp8 plan",
+}
+"""A code's family, by its first digit (``AG1xx`` runtime, ...): what the findings page says."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ def _table(*rows: tuple[str, str, str, str, str, str]) -> dict[str, Code]:
 
 
 CATALOGUE: dict[str, Code] = _table(
-    # -- AG1xx: rules over the run log (telemetry) --------------------------------------------
+    # -- runtime: rules over the run log (telemetry) ------------------------------------------
     (
         "AG101",
         "error",
@@ -184,7 +193,7 @@ CATALOGUE: dict[str, Code] = _table(
         "keep the layer in bf16 from the start: ag.fp8_plan on a batch from that point of "
         "training, then fp8_plan=",
     ),
-    # -- AG170-AG174: silent precision failures at runtime (issue 22) --------------------------
+    # -- runtime: silent precision failures ---------------------------------------------------
     (
         "AG170",
         "warning",
@@ -205,7 +214,7 @@ CATALOGUE: dict[str, Code] = _table(
         "below fp16's smallest normal (subnormal or flushed to zero)",
         "use a loss scaler (Guard(precision='fp16') / torch.amp.GradScaler) or bf16",
     ),
-    # -- AG12x: attach mode (ag.watch and the framework integrations) --------------------------
+    # -- attach mode (ag.watch and the framework integrations) --------------------------------
     (
         "AG120",
         "warning",
@@ -232,7 +241,7 @@ CATALOGUE: dict[str, Code] = _table(
         "on this device (it trains in fp32 or switched to bf16)",
         "ask for the precision the device supports, or run on a device with fp16",
     ),
-    # -- AG140-AG144: the run log's own disk ------------------------------------------------
+    # -- runtime: the run log's own disk ------------------------------------------------------
     (
         "AG140",
         "warning",
@@ -243,7 +252,7 @@ CATALOGUE: dict[str, Code] = _table(
         "give the run folder a disk with room; Telemetry(on_write_error='raise') stops the run "
         "instead of leaving a gap",
     ),
-    # -- AG13x: distributed ---------------------------------------------------------------------
+    # -- distributed ----------------------------------------------------------------------------
     (
         "AG130",
         "error",
@@ -270,7 +279,7 @@ CATALOGUE: dict[str, Code] = _table(
         "the non-finite-safe DDP hook saw non-finite local gradients on the named ranks",
         "inspect the named ranks' data; the hook kept the step by dropping them",
     ),
-    # -- AG2xx: lint ------------------------------------------------------------------------------
+    # -- lint -------------------------------------------------------------------------------------
     (
         "AG200",
         "error",
@@ -402,7 +411,7 @@ CATALOGUE: dict[str, Code] = _table(
         "dedent the backward call out of the with-autocast block: backward ops run in the dtype "
         "their forward chose",
     ),
-    # -- AG175-AG179: update stagnation, restored buffers (issue 22) ----------------------------
+    # -- the guarded step: update stagnation, restored buffers ---------------------------------
     (
         "AG175",
         "warning",
@@ -413,7 +422,7 @@ CATALOGUE: dict[str, Code] = _table(
         "fp32 master weights (model in float32, autocast for the math), or stochastic rounding / "
         "Kahan summation (torchao.optim.AdamW(..., bf16_stochastic_round=True))",
     ),
-    # -- AG30x: forensics ---------------------------------------------------------------------
+    # -- forensics ------------------------------------------------------------------------------
     (
         "AG300",
         "info",
@@ -502,7 +511,7 @@ CATALOGUE: dict[str, Code] = _table(
         "read the per-layer evidence named in the verdict: ag.locate(..., optimizer=opt) and the "
         "Guard's AG175 / AG106 findings",
     ),
-    # -- AG31x: autocast coverage ---------------------------------------------------------------
+    # -- autocast coverage ----------------------------------------------------------------------
     (
         "AG310",
         "warning",
@@ -519,7 +528,7 @@ CATALOGUE: dict[str, Code] = _table(
         "exp/log/pow, softmax or a large reduction ran in fp16/bf16 in the forward pass",
         "compute it in fp32 (autocast does for most of these: check for a manual .half())",
     ),
-    # -- AG32x-AG33x: advisor and compare -------------------------------------------------------
+    # -- advisor and compare --------------------------------------------------------------------
     (
         "AG320",
         "info",
@@ -756,7 +765,7 @@ CATALOGUE: dict[str, Code] = _table(
         "fp8_plan(..., formats=...) measured several formats: the recipe names each layer's format",
         "train each layer in its format: plan.recipe() maps module names to formats",
     ),
-    # -- AG360-AG364: silent precision failures (locate and the advisor, issue 22) ------------
+    # -- silent precision failures: locate and the advisor -------------------------------------
     (
         "AG360",
         "error",
@@ -885,6 +894,15 @@ EXAMPLES: dict[str, str] = {
     ),
 }
 CATALOGUE.update({c: replace(CATALOGUE[c], example=text) for c, text in EXAMPLES.items()})
+
+
+def family(code: str) -> str:
+    """The family (a key of :data:`FAMILIES`, e.g. ``"AG1"``) of ``code``; ``KeyError`` names a
+    code outside every family."""
+    prefix = code[:3]
+    if prefix not in FAMILIES:
+        raise KeyError(f"finding code {code!r} is in no family of {sorted(FAMILIES)}")
+    return prefix
 
 
 def lookup(code: str) -> Code:

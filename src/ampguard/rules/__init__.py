@@ -1,4 +1,4 @@
-"""Runtime rules AG101-AG110: findings over a run log written by :class:`ampguard.Telemetry`.
+"""Runtime rules: findings over a run log written by :class:`ampguard.Telemetry`.
 
 Every threshold is a field of :class:`RuleConfig` (defaults below). Warm-up is excluded where the
 rule is about a steady state: from the run start (and from a resume that reset the scale) until

@@ -10,27 +10,14 @@ import numpy as np
 
 from ampguard._util.checks import check_int
 from ampguard.findings import Finding, make
-from ampguard.findings.codes import lookup
+from ampguard.findings.codes import CATALOGUE, family
 from ampguard.precisions import REGISTRY
 
 __all__ = ["TITLES", "RuleConfig", "make_finding", "fp16_mask"]
 
-# The rules' titles, read from the catalogue (kept as a name: ``ampguard.rules.TITLES``).
-TITLES = {
-    code: lookup(code).title
-    for code in (
-        "AG101",
-        "AG102",
-        "AG103",
-        "AG104",
-        "AG105",
-        "AG106",
-        "AG107",
-        "AG108",
-        "AG109",
-        "AG110",
-    )
-}
+# The runtime codes' titles (the family the rules over the run log belong to), read from the
+# catalogue: a new code is listed by its catalogue entry alone (kept as ``ampguard.rules.TITLES``).
+TITLES = {code: entry.title for code, entry in CATALOGUE.items() if family(code) == "AG1"}
 
 
 @dataclass(frozen=True)
