@@ -18,7 +18,8 @@
   which the rules and the report read), in ampguard's names (``init_scale``,
   ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``, ``hysteresis``).
 
-Implementations: ``torch.amp.GradScaler`` (:mod:`ampguard.integrations._tap`). An integration
+Implementations: ``torch.amp.GradScaler`` (:mod:`ampguard.integrations._tap`), DeepSpeed's loss
+scaler and engine (:mod:`ampguard.integrations.deepspeed`). An integration
 with its own scaler is one new file implementing the protocol: it hands its object to ``Watch``
 directly, or names a factory in :data:`ADAPTERS` (keyed by the top-level package of the
 scaler's class) so that ``ag.watch(its_scaler, ...)`` finds it.
@@ -50,6 +51,7 @@ __all__ = [
 # imported on first use, so an optional framework is imported only for its own objects.
 ADAPTERS: dict[str, str] = {
     "torch": "ampguard.integrations._tap:watchable",
+    "deepspeed": "ampguard.integrations.deepspeed:watchable",
 }
 
 
