@@ -23,10 +23,11 @@ ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
 # (module, name): a private of another library that happens to share an ampguard-private name.
 THIRD_PARTY = {
     ("core/scaler.py", "_values"): "torch.Tensor._values() of a sparse gradient",
-    # the user's torch.amp.GradScaler, which Watch observes: its scale and growth tracker tensors
-    # have no public accessor that does not sync (get_scale() reads the scale to the host)
-    ("integrations/watch.py", "_scale"): "torch.amp.GradScaler._scale",
-    ("integrations/watch.py", "_growth_tracker"): "torch.amp.GradScaler._growth_tracker",
+    # the user's torch.amp.GradScaler, seen through attach mode's GradScaler adapter: its scale
+    # and growth tracker tensors have no public accessor that does not sync (get_scale() reads
+    # the scale to the host)
+    ("integrations/_tap.py", "_scale"): "torch.amp.GradScaler._scale",
+    ("integrations/_tap.py", "_growth_tracker"): "torch.amp.GradScaler._growth_tracker",
 }
 
 # Names still pending removal, per file (empty: the contract is public everywhere).

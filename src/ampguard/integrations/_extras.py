@@ -11,6 +11,7 @@ _EXTRA_OF = {
     "transformers": "integrations",
     "lightning": "integrations",
     "accelerate": "integrations",
+    "deepspeed": "deepspeed",
     "wandb": "wandb",
     "mlflow": "mlflow",
 }

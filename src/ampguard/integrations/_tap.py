@@ -1,41 +1,101 @@
-"""Non-invasive taps on a ``torch.amp.GradScaler`` instance.
+"""``torch.amp.GradScaler`` as a :class:`~ampguard.integrations._seam.WatchableScaler`.
 
-:class:`ScalerTap` shadows the instance's ``scale``, ``unscale_``, ``step`` and ``update`` with thin
-wrappers that call the originals with the same arguments and return their results. Before doing
-so they *read* what the scaler already holds: the loss handed to ``scale``, the gradients before
-``unscale_``/``step`` touch them, and the per-optimizer ``found_inf`` tensors right before
-``update`` consumes them (for fused optimizers these are what the kernel used to skip itself,
-which is why attach mode reports their skips correctly). Nothing the scaler or the optimizer
-computes is changed; ``close`` removes the wrappers.
+:class:`TorchScaler` is the seam's implementation for torch's scaler (and its subclasses: the
+sharded and ``cuda.amp`` ones). Its :class:`ScalerTap` shadows the instance's ``scale``,
+``unscale_``, ``step`` and ``update`` with thin wrappers that call the originals with the same
+arguments and return their results. Before doing so they *read* what the scaler already holds:
+the loss handed to ``scale``, the gradients before ``unscale_``/``step`` touch them, and the
+per-optimizer ``found_inf`` tensors right before ``update`` consumes them (for fused optimizers
+these are what the kernel used to skip itself, which is why attach mode reports their skips
+correctly). Nothing the scaler or the optimizer computes is changed; ``close`` removes the
+wrappers.
+
+The scale and growth tracker are the scaler's private ``_scale`` / ``_growth_tracker`` tensors:
+torch has no public accessor that does not sync (``get_scale()`` reads the scale to the host).
+They are read here and nowhere else in ampguard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["ScalerTap", "TapListener", "is_grad_scaler", "is_watched", "scaler_stage"]
+from ampguard.integrations._seam import NOT_MINE, ScalerListener, StepOutcome
+
+__all__ = [
+    "ScalerTap",
+    "TorchScaler",
+    "is_grad_scaler",
+    "is_watched",
+    "scaler_stage",
+    "watchable",
+]
 
 _METHODS = ("scale", "unscale_", "step", "update")
 _MARK = "__ampguard_tap__"
 
 
-class TapListener(Protocol):
-    """What a tap reports to (the Watch)."""
+def watchable(scaler: Any) -> Any:
+    """The seam's factory for torch objects: a :class:`TorchScaler` for an enabled
+    ``GradScaler``, None for a disabled one (the loop has no loss scale), ``NOT_MINE`` for any
+    other torch object."""
+    methods = all(callable(getattr(scaler, m, None)) for m in (*_METHODS, "is_enabled"))
+    if methods and not scaler.is_enabled():
+        return None  # a disabled GradScaler only calls through: the loop has no loss scale
+    return TorchScaler(scaler) if is_grad_scaler(scaler) else NOT_MINE
 
-    def on_scaler_loss(self, loss: torch.Tensor) -> None: ...
 
-    def on_scaler_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
+class TorchScaler:
+    """A ``torch.amp.GradScaler`` seen through the seam (see the module docstring)."""
 
-    def on_scaler_update(
-        self,
-        found: dict[int, torch.Tensor],
-        found_all: torch.Tensor,
-        scale_before: torch.Tensor,
-        manual: bool,
-    ) -> None: ...
+    correctable = True  # floor, cap and hysteresis correct _scale / _growth_tracker in place
+    scaled = True
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self._tap: ScalerTap | None = None
+
+    @property
+    def name(self) -> str:
+        return type(self.scaler).__name__
+
+    @property
+    def watched(self) -> bool:
+        return is_watched(self.scaler)
+
+    def scale(self) -> torch.Tensor | float:
+        """The live scale tensor (``_init_scale`` before the first ``scale()`` made it). No
+        sync."""
+        scale = self.scaler._scale
+        return float(self.scaler._init_scale) if scale is None else scale
+
+    def grad_params(self) -> Sequence[torch.Tensor] | None:
+        return None  # the optimizers' parameters hold the scaled gradients
+
+    def attach(self, listener: ScalerListener, watched: set[int]) -> None:
+        self._tap = ScalerTap(self.scaler, listener, watched)
+
+    def detach(self) -> None:
+        if self._tap is not None:
+            self._tap.close()
+            self._tap = None
+
+    def describe(self) -> dict[str, Any]:
+        """Settings and the scale at attach. Cost: one host sync (reads the scale)."""
+        scaler = self.scaler
+        scale = scaler._scale
+        return {
+            # the scale at attach time: the run log's first "scale before"
+            "init_scale": float(scale.item()) if scale is not None else float(scaler._init_scale),
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+            "growth_interval": scaler.get_growth_interval(),
+        }
+
+    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scaler._scale, self.scaler._growth_tracker
 
 
 def is_grad_scaler(obj: Any) -> bool:
@@ -63,7 +123,7 @@ class ScalerTap:
     """Wraps one scaler instance's methods; reports to ``listener`` for the optimizers in
     ``watched`` (ids of unwrapped optimizers)."""
 
-    def __init__(self, scaler: Any, listener: TapListener, watched: set[int]) -> None:
+    def __init__(self, scaler: Any, listener: ScalerListener, watched: set[int]) -> None:
         if is_watched(scaler):
             raise ValueError(
                 "scaler is already watched by ampguard; close() the other handle first"
@@ -127,7 +187,9 @@ class ScalerTap:
         result = self._originals["update"](new_scale)
         self._seen.clear()
         found = {k: v for k, v in per_opt.items() if k in self.watched}
-        self.listener.on_scaler_update(found, found_all, before, new_scale is not None)
+        self.listener.on_scaler_update(
+            StepOutcome(found, found_all, before, manual=new_scale is not None)
+        )
         return result
 
     def _observe(self, optimizer: torch.optim.Optimizer) -> None:
@@ -141,7 +203,7 @@ class ScalerTap:
         ):
             return  # already unscaled (or stepped) this iteration: observed then
         self._seen.add(id(optimizer))
-        self.listener.on_scaler_grads(optimizer)  # the gradients still carry the scale
+        self.listener.on_scaler_grads(True)  # the gradients still carry the scale
 
 
 def _marked(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,4 +1,4 @@
-"""Attach mode: ``ag.watch`` observes a training loop that keeps its own ``GradScaler``.
+"""Attach mode: ``ag.watch`` observes a training loop that keeps its own loss scaler.
 
 >>> scaler = torch.amp.GradScaler("cuda")
 >>> with ag.watch(scaler, model, optimizer, telemetry="runs/exp1") as handle:
@@ -22,6 +22,11 @@ Optional attach-mode guard features (``min_scale``, ``max_scale``, ``hysteresis`
 through the scaler's ``update``; they change numbers only in the pathological regime (a scale
 falling below the floor, growing past the cap, or halving on a lone spike). See
 :mod:`ampguard.integrations._policy`.
+
+The Watch talks to its scaler only through the seam (:mod:`ampguard.integrations._seam`): the
+scale, the step's outcome, the moment the gradients are final, and a description for the run
+log. ``torch.amp.GradScaler`` is one implementation (:mod:`ampguard.integrations._tap`); an
+integration with its own scaler implements the protocol in its own file.
 """
 
 from __future__ import annotations
@@ -34,22 +39,22 @@ from typing import Any
 
 import torch
 
-from ampguard import runlog
+from ampguard import precisions, runlog
 from ampguard import telemetry as _telemetry
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.policy import device_of
 from ampguard.core.scaler import ScaleCollapseError
 from ampguard.findings import Finding
-from ampguard.integrations import _findings
+from ampguard.integrations import _findings, _seam
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
-from ampguard.integrations._tap import ScalerTap, is_grad_scaler, is_watched
+from ampguard.integrations._seam import ScalerInfo, ScaleView, StepOutcome, WatchableScaler
 
 __all__ = ["watch", "Watch", "WatchSource", "PRECISIONS"]
 
-PRECISIONS = ("fp16", "bf16", "fp32")
+PRECISIONS = precisions.names(watchable=True)
 
 
 def watch(
@@ -67,8 +72,11 @@ def watch(
 ) -> Watch:
     """Observe a loop that calls ``scaler.scale/step/update`` itself; return a :class:`Watch`.
 
-    ``scaler``: the loop's ``torch.amp.GradScaler`` (or a subclass), or ``None`` for a bf16/fp32
-    loop without one (then give ``precision``; steps are recorded from the optimizer's step hooks).
+    ``scaler``: the loop's ``torch.amp.GradScaler`` (or a subclass), another scaler ampguard has
+    an adapter for (:data:`ampguard.integrations._seam.ADAPTERS`), an object implementing
+    :class:`ampguard.integrations._seam.WatchableScaler`, or ``None`` for
+    a bf16/fp32 loop without one (then give ``precision``; steps are recorded from the
+    optimizer's step hooks).
     ``optimizer``: one optimizer or a list (framework wrappers are unwrapped). ``telemetry``: a run
     folder or an :class:`ampguard.Telemetry`. ``precision``: ``"fp16"`` (the default with an
     enabled scaler), ``"bf16"`` or ``"fp32"``.
@@ -120,28 +128,30 @@ class Watch:
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if scaler is not None and not is_grad_scaler(scaler):
-            raise TypeError(
-                "scaler must be a torch.amp.GradScaler (or subclass) or None, got "
-                f"{type(scaler).__name__}"
-            )
+        watched = _seam.adapt(scaler)
         self.optimizers = as_optimizer_list(optimizer)
         self.policy = policy or AttachPolicy()
         self.framework = framework
-        enabled = scaler is not None and scaler.is_enabled()
+        enabled = watched is not None and watched.scaled
         self.precision = _resolve_precision(precision, enabled, requested_precision is not None)
-        if self.policy.active and not enabled:
-            raise ValueError(
-                "min_scale, max_scale and hysteresis need an enabled GradScaler "
-                "(fp16); this loop has none"
+        if self.policy.active and not (watched is not None and enabled and watched.correctable):
+            what = (
+                "this loop has none"
+                if watched is None or not enabled
+                else (f"{watched.name} keeps its own")
             )
+            raise ValueError(
+                f"min_scale, max_scale and hysteresis need an enabled GradScaler (fp16); {what}"
+            )
+        #: the scaler handed to watch() while it scales the loss (None: no loss scale in use)
         self.scaler = scaler if enabled else None
-        if self.scaler is not None and is_watched(self.scaler):
+        self._scaler: WatchableScaler | None = watched
+        if watched is not None and watched.watched:
             raise ValueError(
                 "scaler is already watched by ampguard; close() the other handle first"
             )
         # Integrations that see the loss and the final gradients in their own hooks turn these off.
-        self._loss_from_scaler = loss_from_scaler and self.scaler is not None
+        self._loss_from_scaler = loss_from_scaler and watched is not None
         self._grads_from_hooks = grads_from_optimizer_hooks
         self._done = 0
         self._closed = False
@@ -150,13 +160,12 @@ class Watch:
         self._collapses_seen = 0
         self._collapsing = False
         self.source = WatchSource(
-            model, self.optimizers, self.scaler, self.precision, self.policy, framework
+            model, self.optimizers, watched, self.precision, self.policy, framework
         )
         if requested_precision is not None:
             self.source.requested_precision = requested_precision
         self.telemetry = _resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
-        self._tap: ScalerTap | None = None
         self._hooks: list[Any] = []
         self._notes: list[Finding] = []  # findings an integration adds (e.g. AG122)
         self._on_close: list[Any] = []  # integrations' undo callbacks (remove their wrappers)
@@ -166,8 +175,8 @@ class Watch:
         self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
         self._first_intervention = torch.zeros(3, dtype=torch.int64, device=dev)
         self._backward_end: BackwardEnd | None = None
-        if self.scaler is not None:
-            self._tap = ScalerTap(self.scaler, self, {id(o) for o in self.optimizers})
+        if watched is not None:
+            watched.attach(self, {id(o) for o in self.optimizers})
         else:
             primary = self.optimizers[0]
             self._hooks = [
@@ -239,8 +248,8 @@ class Watch:
         """
         if self._closed:
             return
-        if self._tap is not None:
-            self._tap.close()
+        if self._scaler is not None:
+            self._scaler.detach()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -296,7 +305,7 @@ class Watch:
     def observe_grads(self) -> None:
         """Sample the (unscaled) gradients of a scaler-free step once (an integration calls it
         where they are final). Cost: no host sync."""
-        if self._tap is None and not self._closed and not self._grads_seen:
+        if self._scaler is None and not self._closed and not self._grads_seen:
             self._grads_seen = True
             self.telemetry.on_grads(self._done + 1, False)
 
@@ -306,40 +315,54 @@ class Watch:
         return self._interventions.tolist(), self._first_intervention.tolist()
 
     # ------------------------------------------------------------------ tap callbacks (hot path)
-    # The TapListener side (ampguard.integrations._tap): the ScalerTap calls these.
+    # The ScalerListener side of the seam (ampguard.integrations._seam): the scaler calls these.
     def on_scaler_loss(self, loss: torch.Tensor) -> None:
         """``scaler.scale(loss)`` was called with this (unscaled) loss."""
         if self._loss_from_scaler:
             self.telemetry.on_backward(loss)
 
-    def on_scaler_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients of ``optimizer`` are final and still scaled (before ``unscale_``)."""
+    def on_scaler_grads(self, scaled: bool) -> None:
+        """The gradients are final and not yet unscaled (``scaled``: they carry the scale)."""
         if self._grads_seen:
-            return  # one gradient sample per step, taken before the first unscale_
+            return  # one gradient sample per step, taken before the first unscale
         self._grads_seen = True
-        self.telemetry.on_grads(self._done + 1, True)
+        self.telemetry.on_grads(self._done + 1, scaled and self.source.loss_scaler is not None)
 
-    def on_scaler_update(
-        self,
-        found: dict[int, torch.Tensor],
-        found_all: torch.Tensor,
-        scale_before: torch.Tensor,
-        manual: bool,
-    ) -> None:
-        """``scaler.update`` is about to consume ``found`` (per optimizer id) and ``found_all``;
-        ``scale_before`` is the scale the step used; ``manual``: update(new_scale)."""
-        scaler = self.scaler
-        assert scaler is not None
+    def on_scaler_update(self, outcome: StepOutcome) -> None:
+        """The step is over: record its flags (and, with guard features, correct the scale)."""
         step = self._done + 1
-        zero = torch.zeros((), dtype=torch.float32, device=scale_before.device)
-        status = results.pack([found.get(id(o), zero) for o in self.optimizers], None)
-        if self._state is not None and scaler is not None and not manual:  # _on_update: a scaler
+        status = self._status(outcome)
+        if self._state is not None and self._scaler is not None and not outcome.manual:
+            scale, tracker = self._scaler.guard_tensors()
+            before = outcome.scale_before
             collapse, kinds = self._state.apply(
-                scaler._scale, scaler._growth_tracker, scale_before, found_all
+                scale,
+                tracker,
+                before if isinstance(before, torch.Tensor) else scale.new_full((), before),
+                _as_tensor(outcome.found_all, scale.device),
             )
-            status = results.add_collapse(status, collapse, len(self.optimizers))
+            status = results.add_collapse(
+                _as_tensor(status, scale.device), collapse, len(self.optimizers)
+            )
             self._count_interventions(kinds, step)
-        self._record_step(status)
+        norm = outcome.grad_norm
+        self._record_step(status, None if norm is None else _as_tensor(norm, self.source.device))
+
+    def _status(self, outcome: StepOutcome) -> torch.Tensor | int:
+        """The packed flags: on the device where the scaler's flags are device tensors, an int
+        where the scaler had read them already. No sync."""
+        n = len(self.optimizers)
+        found = [outcome.found.get(id(o), False) for o in self.optimizers]
+        tensors = [f for f in found if isinstance(f, torch.Tensor)]
+        status: torch.Tensor | int
+        if tensors:
+            dev = tensors[0].device
+            status = results.pack([_as_tensor(f, dev) for f in found], None)
+        else:
+            status = sum(1 << i for i, f in enumerate(found) if f)
+        if outcome.nonfinite is not None:
+            status = results.observed(outcome.nonfinite, n) + status
+        return status
 
     def _count_interventions(self, kinds: torch.Tensor, step: int) -> None:
         kinds = kinds.to(self._interventions.device)
@@ -365,10 +388,12 @@ class Watch:
             found = nonfinite_flag(self.source.params, self.source.device)
             self._record_step(results.observed(found, len(self.optimizers)))
 
-    def _record_step(self, status: torch.Tensor | None) -> None:
+    def _record_step(
+        self, status: torch.Tensor | int | None, grad_norm: torch.Tensor | None = None
+    ) -> None:
         tel = self.telemetry
         flushes = tel.flushes
-        tel.on_step(self._done + 1, status, None)
+        tel.on_step(self._done + 1, status, grad_norm)
         self._done += 1
         self._grads_seen = False
         if tel.flushes != flushes:
@@ -414,46 +439,6 @@ class Watch:
 
 
 # ---------------------------------------------------------------------- the telemetry source
-class _ScaleView:
-    """The scaler's live scale tensor, shaped like :class:`ampguard.LossScaler` for Telemetry."""
-
-    def __init__(self, scaler: Any) -> None:
-        self._scaler = scaler
-
-    @property
-    def scale_tensor(self) -> torch.Tensor:
-        return self._scaler._scale
-
-    def inv_scale(self) -> torch.Tensor:
-        return self._scaler._scale.double().reciprocal().float()
-
-
-class _ScalerInfo:
-    """What the run log says about an attached scaler (meta.json ``scaler``)."""
-
-    def __init__(self, scaler: Any, policy: AttachPolicy, framework: str | None) -> None:
-        self._data: dict[str, Any] = {"mode": "attach", "framework": framework or "plain"}
-        self.init_scale = 1.0
-        if scaler is not None:
-            scale = scaler._scale
-            # the scale at attach time: the run log's first "scale before"
-            self.init_scale = (
-                float(scale.item()) if scale is not None else float(scaler._init_scale)
-            )
-            self._data.update(
-                scaler_class=type(scaler).__name__,
-                init_scale=self.init_scale,
-                growth_factor=scaler.get_growth_factor(),
-                backoff_factor=scaler.get_backoff_factor(),
-                growth_interval=scaler.get_growth_interval(),
-                # unset guard features are left out: the rules then use their defaults
-                **{k: v for k, v in policy.to_dict().items() if v is not None},
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self._data)
-
-
 class WatchSource:
     """The :class:`ampguard.telemetry.source.TelemetrySource` of a watched loop: what
     :class:`ampguard.Telemetry` reads about a loop that ampguard observes but does not run.
@@ -466,18 +451,21 @@ class WatchSource:
         self,
         model: torch.nn.Module,
         optimizers: list[torch.optim.Optimizer],
-        scaler: Any,
+        scaler: WatchableScaler | None,
         precision: str,
         policy: AttachPolicy,
         framework: str | None,
     ) -> None:
         self.model = model
         self.optimizers = optimizers
-        self.params = params_of(optimizers)
+        own = scaler.grad_params() if scaler is not None else None
+        self.params = list(own) if own is not None else params_of(optimizers)
         self.device = device_of(self.params)
         self.precision = self.requested_precision = precision
-        self.loss_scaler = _ScaleView(scaler) if scaler is not None else None
-        self.scaler_config = _ScalerInfo(scaler, policy, framework)
+        self.loss_scaler = (
+            ScaleView(scaler, self.device) if scaler is not None and scaler.scaled else None
+        )
+        self.scaler_config = ScalerInfo(scaler, policy, framework)
         self.accumulation_steps = 1  # the loop's own accumulation is invisible: one per step
         self.clip_grad_norm: float | None = None
         self.contain_nonfinite_microbatches = False
@@ -494,14 +482,21 @@ def _resolve_precision(precision: str | None, scaled: bool, framework_knows: boo
                 "'fp32' (the loop's autocast dtype)"
             )
         return "fp16"
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if scaled and precision != "fp16" and not framework_knows:
+    entry = precisions.get(precision, allowed=PRECISIONS)
+    if scaled and not entry.needs_scaler and not framework_knows:
         raise ValueError(
             f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
             "scaling); pass precision='fp16' or None"
         )
     return precision
+
+
+def _as_tensor(value: torch.Tensor | float | int, device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 tensor on ``device``: a tensor as it is (moved there), a host number by a
+    fill (no sync)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device).float().reshape(())
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def _resolve_telemetry(telemetry: Any) -> Any:

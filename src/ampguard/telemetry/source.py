@@ -36,8 +36,9 @@ __all__ = ["ScaleSource", "ScalerDescription", "TelemetrySource"]
 
 @runtime_checkable
 class ScaleSource(Protocol):
-    """The live loss scale (:class:`ampguard.LossScaler`, or a ``GradScaler`` seen through
-    ``watch``)."""
+    """The live loss scale (:class:`ampguard.LossScaler`, or, in attach mode, the scale of any
+    watched scaler: :class:`ampguard.integrations._seam.ScaleView` hands a tensor scale through
+    and mirrors a host-float scale, such as DeepSpeed's, into a device tensor)."""
 
     @property
     def scale_tensor(self) -> torch.Tensor:
@@ -51,8 +52,9 @@ class ScaleSource(Protocol):
 
 @runtime_checkable
 class ScalerDescription(Protocol):
-    """What the run log records about the scaler (:class:`ampguard.ScalerConfig`, or the
-    attach-mode description of a ``GradScaler``)."""
+    """What the run log records about the scaler (:class:`ampguard.ScalerConfig`, or
+    :class:`ampguard.integrations._seam.ScalerInfo`: the attach-mode description any watched
+    scaler gives, in ampguard's names)."""
 
     @property
     def init_scale(self) -> float:
