@@ -175,7 +175,6 @@ ALLOWED = {
     "cli/__init__.py",
     "experiments/__init__.py",
     "forensics/__init__.py",
-    "integrations/watch.py",
 }
 # lint reads the user's code: its "fp16"/"bf16" are the kinds of the user's torch dtypes and
 # framework flags (``bf16=True``), not ampguard's precisions.
