@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ampguard.fp8._formats import FORMATS, LowpFormat, half_ulp
-from ampguard.fp8._operand import Operand
+from ampguard.fp8._operand import Operand, nonzero_count
 from ampguard.fp8._quant import CASTS, ELEMENTS, Cast
 
 __all__ = ["measure_formats", "LayerMeasure", "ROLES", "nominal", "nominal_db"]
@@ -53,20 +53,23 @@ class _Role:
     def __init__(self, op: Operand, fmt: LowpFormat, role: str) -> None:
         self.op = op
         self.cast = cast = CASTS[fmt.name](op, role)
-        err = (op.x - cast.q).reshape(-1)
+        buf = op.scratch(1)
+        err = torch.sub(op.x, cast.q, out=buf).reshape(-1)
+        noise = torch.dot(err, err)
+        kept = nonzero_count(cast.q, buf)  # after the dot: buf is reused
         # a value above its scale's largest value (plus half an ulp) is clipped: count the
         # blocks whose amax is, and count their values only when there are any (rare)
         self.limit = cast.scale * (ELEMENTS[fmt.element(role)].max * (1 + half_ulp(fmt)))
+        over = (cast.amax > self.limit).sum().float()
         hi, lo = _scale_range(cast) if fmt.block else (_ZERO, _ZERO)
-        self.floats = [op.power, torch.dot(err, err), hi, lo]
         # a zero stays zero in every cast: the flushed values are the nonzero ones lost
-        self.counts = [op.nonzero, torch.count_nonzero(cast.q), (cast.amax > self.limit).sum()]
+        self.values = [op.power, noise, hi, lo, op.nonzero, kept, over]
 
-    def figures(self, floats: list[float], counts: list[int]) -> dict[str, float]:
-        """The role's figures from the synced values (an all-zero tensor flushes nothing; its
-        NVFP4 cast is NaN, as torchao's is)."""
-        power, noise, hi, lo = floats
-        nonzero, kept, over = counts
+    def figures(self, values: list[float]) -> dict[str, float]:
+        """The role's figures from its synced :attr:`values` (an all-zero tensor flushes
+        nothing; its NVFP4 cast is NaN, as torchao's is)."""
+        power, noise, hi, lo, *counts = values
+        nonzero, kept, over = (round(c) if math.isfinite(c) else 0 for c in counts)
         return {
             "sqnr_db": _db(power, noise),
             "saturated": self._saturated() / nonzero if over and nonzero else 0.0,
@@ -142,16 +145,13 @@ class LayerMeasure:
             roles.append(_Role(self.g, fmt, "grad"))
         xq, wq = roles[0].cast.q, roles[1].cast.q
         noise = torch.addmm(self.ref, xq, wq.T, alpha=-1).reshape(-1)  # bf16 out - format out
-        floats = [self.ref_power, torch.dot(noise, noise)]
-        floats += [f for r in roles for f in r.floats]
-        counts = [c for r in roles for c in r.counts]
-        synced = torch.cat([torch.stack(floats).double(), torch.stack(counts).double()])
-        values = synced.tolist()  # the one host sync
-        flo, cnt = values[: len(floats)], [int(v) for v in values[len(floats) :]]
+        parts = [self.ref_power, torch.dot(noise, noise)] + [v for r in roles for v in r.values]
+        values = torch.stack(parts).double().tolist()  # the one host sync
         out: dict[str, float | None] = {f"grad_{k}": None for k in _ROLE_KEYS}
-        out["sqnr_db"] = _db(flo[0], flo[1])
+        out["sqnr_db"] = _db(values[0], values[1])
+        n = len(roles[0].values)
         for i, (r, role) in enumerate(zip(roles, ROLES, strict=False)):
-            figs = r.figures(flo[2 + 4 * i : 6 + 4 * i], cnt[3 * i : 3 * i + 3])
+            figs = r.figures(values[2 + n * i : 2 + n * (i + 1)])
             out.update({f"{role}_{k}": v for k, v in figs.items()})
         return out
 

@@ -19,8 +19,9 @@ passes per cast.
 
 Every cast returns a :class:`Cast`: ``q`` (the dequantised values, float32, shape of the
 tensor), ``scale`` (the dequantisation scale of each block: 0-d per tensor, (rows, 1) per row,
-(rows, blocks, 1) per block) and ``amax`` (what each scale was set from, same shape).
-Cost: no host sync.
+(rows, blocks, 1) per block) and ``amax`` (what each scale was set from, same shape). ``q``
+lives in the operand's scratch buffer 0 until its next cast. Cost: no host sync, no allocation
+of the tensor's size.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class Cast(NamedTuple):
     amax: torch.Tensor
 
 
-def round_to_grid(t: torch.Tensor, element: Element) -> torch.Tensor:
+def round_to_grid(
+    t: torch.Tensor, element: Element, buf: torch.Tensor | None = None
+) -> torch.Tensor:
     """Round ``t`` (float32, ``|t| <= element.max``) to ``element``'s values, to nearest even,
     subnormals included, in place; returned.
 
@@ -72,8 +75,9 @@ def round_to_grid(t: torch.Tensor, element: Element) -> torch.Tensor:
     normal's; ``m`` the mantissa bits) keeps ``c + t`` in one binade whose ulp is the element's
     spacing at ``t``, so ``(t + c) - c`` is ``t`` rounded as the hardware cast rounds it (a
     value that rounds to zero gives +0 where the cast gives -0: equal as numbers). Five passes,
-    no integer shift."""
-    c = (t.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**E: the exponent of |t|
+    no integer shift. ``buf``: float32 scratch of ``t``'s shape (or None)."""
+    out = None if buf is None else buf.view(torch.int32).view(t.shape)
+    c = torch.bitwise_and(t.view(torch.int32), 0x7F800000, out=out).view(torch.float32)  # 2**E
     c.clamp_(min=math.ldexp(1.0, element.min_normal_field - 127))
     c.mul_(1.5 * math.ldexp(1.0, 23 - element.mantissa_bits))
     return t.add_(c).sub_(c)
@@ -93,8 +97,8 @@ def _fp8_scaled(op: Operand, amax: torch.Tensor, el: Element, pow2: bool) -> Cas
     scale = el.max / amax.clamp(min=_EPS)
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    t = (op.x * scale).clamp_(-el.max, el.max)
-    return Cast(round_to_grid(t, el).div_(scale), 1.0 / scale, amax)
+    t = torch.mul(op.x, scale, out=op.scratch(0)).clamp_(-el.max, el.max)
+    return Cast(round_to_grid(t, el, op.scratch(1)).div_(scale), 1.0 / scale, amax)
 
 
 def tensorwise(op: Operand, role: str) -> Cast:
@@ -119,8 +123,9 @@ def mxfp8(op: Operand, role: str) -> Cast:
     scale = torch.pow(
         torch.full_like(amax, 2.0), biased.to(torch.int16) - _E8M0_BIAS
     )  # torchao's get_fp_scale
-    t = (_blocks(op.x, 32) * rcp).clamp_(-el.max, el.max)
-    return Cast(round_to_grid(t, el).mul_(scale).view(op.rows, op.width), scale, amax)
+    t = torch.mul(_blocks(op.x, 32), rcp, out=_blocks(op.scratch(0), 32))
+    q = round_to_grid(t.clamp_(-el.max, el.max), el, op.scratch(1)).mul_(scale)
+    return Cast(q.view(op.rows, op.width), scale, amax)
 
 
 def nvfp4(op: Operand, role: str) -> Cast:
@@ -135,8 +140,9 @@ def nvfp4(op: Operand, role: str) -> Cast:
     block = block.clamp(min=_NVFP4_SCALE_MIN, max=448.0).to(torch.float8_e4m3fn).float()
     rcp = (1.0 / tensor_scale) / block
     scale = tensor_scale * block
-    t = (_blocks(op.x, 16) * rcp).clamp_(-el.max, el.max)
-    return Cast(round_to_grid(t, el).mul_(scale).view(op.rows, op.width), scale, amax)
+    t = torch.mul(_blocks(op.x, 16), rcp, out=_blocks(op.scratch(0), 16))
+    q = round_to_grid(t.clamp_(-el.max, el.max), el, op.scratch(1)).mul_(scale)
+    return Cast(q.view(op.rows, op.width), scale, amax)
 
 
 CASTS: dict[str, Callable[[Operand, str], Cast]] = {
