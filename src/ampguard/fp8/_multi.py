@@ -60,7 +60,7 @@ class _Role:
         # a value above its scale's largest value (plus half an ulp) is clipped: count the
         # blocks whose amax is, and count their values only when there are any (rare)
         self.limit = cast.scale * (ELEMENTS[fmt.element(role)].max * (1 + half_ulp(fmt)))
-        over = (cast.amax > self.limit).sum().float()
+        over = (cast.amax > self.limit).sum()
         hi, lo = _scale_range(cast) if fmt.block else (_ZERO, _ZERO)
         # a zero stays zero in every cast: the flushed values are the nonzero ones lost
         self.values = [op.power, noise, hi, lo, op.nonzero, kept, over]
@@ -91,9 +91,8 @@ _ZERO = torch.zeros(())
 def _scale_range(cast: Cast) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest and smallest scale over the blocks (rows) that hold a nonzero value
     (0 and inf when none does)."""
-    used = cast.amax.reshape(-1) > 0
-    first = cast.scale.expand_as(cast.amax).reshape(-1)  # one scale per block
-    return (first * used).amax(), first.masked_fill(~used, math.inf).amin()
+    used = cast.amax > 0  # scale and amax have one entry per block (row)
+    return (cast.scale * used).amax(), torch.where(used, cast.scale, math.inf).amin()
 
 
 def _db(signal: float, noise: float) -> float:
@@ -146,7 +145,7 @@ class LayerMeasure:
         xq, wq = roles[0].cast.q, roles[1].cast.q
         noise = torch.addmm(self.ref, xq, wq.T, alpha=-1).reshape(-1)  # bf16 out - format out
         parts = [self.ref_power, torch.dot(noise, noise)] + [v for r in roles for v in r.values]
-        values = torch.stack(parts).double().tolist()  # the one host sync
+        values = torch.stack(parts).tolist()  # the one host sync (stack promotes the counts)
         out: dict[str, float | None] = {f"grad_{k}": None for k in _ROLE_KEYS}
         out["sqnr_db"] = _db(values[0], values[1])
         n = len(roles[0].values)

@@ -175,16 +175,18 @@ def fp8_plan(
     ``batch`` (there is nothing to measure: no verdict).
     With ``formats=`` (names from :data:`ampguard.fp8._formats.FORMATS`: ``"tensorwise"``,
     ``"rowwise"``, ``"mxfp8"``, ``"nvfp4"``) every layer is also measured in each format, per
-    tensor role, with torchao's own quantisers for the block-scaled ones:
+    tensor role, cast as torchao's own quantisers cast the block-scaled ones (bitwise; see
+    :mod:`ampguard.fp8._quant`):
     ``layers[name]["formats"][format]`` holds the figures, ``ready`` and ``reason``, and
     :meth:`Fp8Plan.recipe` picks a format per layer.
 
     Cost: one host sync per floating tensor of ``batch`` (the finiteness check), one forward
     in bf16 autocast and a backward to the Linear outputs only (no weight gradient), one copy
-    of at most 256 evenly spaced rows of each Linear's input, weight and output gradient
-    (:mod:`ampguard.fp8._operand`), one matmul and two host syncs per layer for the recipe's
-    verdict; per extra format, three casts, one matmul and one host sync per layer (a format
-    equal to the recipe reuses its figures). A plan costs about the same whatever the batch.
+    of at least 128 evenly spaced rows and 2**15 values (or all) of each Linear's input,
+    weight and output gradient (:mod:`ampguard.fp8._operand`), one matmul and two host syncs
+    per layer for the recipe's verdict; per extra format, three casts, one matmul and one host
+    sync per layer (a format equal to the recipe reuses its figures). A plan costs about the
+    same whatever the batch size.
     """
     _check(model, loss_fn, recipe, thresholds)
     check_batch(batch)

@@ -115,14 +115,10 @@ def mxfp8(op: Operand, role: str) -> Cast:
     dequantised times ``2**e`` (computed as torchao does)."""
     el = _element(role, "e4m3", "e5m2")
     amax = op.block_amax(32).unsqueeze(-1)
-    descale = amax / el.max
-    biased = (torch.ceil(torch.log2(descale)).clamp_(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS).to(
-        torch.uint8
-    )
-    rcp = torch.where(biased == 0, 1.0, torch.exp2(_E8M0_BIAS - biased.to(torch.float32)))
-    scale = torch.pow(
-        torch.full_like(amax, 2.0), biased.to(torch.int16) - _E8M0_BIAS
-    )  # torchao's get_fp_scale
+    # the unbiased e8m0 exponent, an integer in float32 (torchao stores it biased, in uint8)
+    e = torch.ceil(torch.log2(amax / el.max)).clamp_(-_E8M0_BIAS, _E8M0_BIAS)
+    rcp = torch.where(e == -_E8M0_BIAS, 1.0, torch.exp2(-e))
+    scale = torch.pow(torch.full_like(e, 2.0), e)  # torchao's get_fp_scale
     t = torch.mul(_blocks(op.x, 32), rcp, out=_blocks(op.scratch(0), 32))
     q = round_to_grid(t.clamp_(-el.max, el.max), el, op.scratch(1)).mul_(scale)
     return Cast(q.view(op.rows, op.width), scale, amax)
