@@ -59,7 +59,7 @@ def assess(
         return info
     info.update(_figures(layer, rec))
     with torch.no_grad():
-        gamax = layer.g.amax if layer.g is not None else torch.zeros(())
+        gamax = layer.g.amax if layer.g is not None else layer.x.amax.new_zeros(())
         amax, median, grad_amax = torch.stack(
             [layer.x.amax, layer.x.median_nonzero, gamax]
         ).tolist()

@@ -61,7 +61,8 @@ class _Role:
         # blocks whose amax is, and count their values only when there are any (rare)
         self.limit = cast.scale * (ELEMENTS[fmt.element(role)].max * (1 + half_ulp(fmt)))
         over = (cast.amax > self.limit).sum()
-        hi, lo = _scale_range(cast) if fmt.block else (_ZERO, _ZERO)
+        zero = op.power.new_zeros(())
+        hi, lo = _scale_range(cast) if fmt.block else (zero, zero)
         # a zero stays zero in every cast: the flushed values are the nonzero ones lost
         self.values = [op.power, noise, hi, lo, op.nonzero, kept, over]
 
@@ -83,9 +84,6 @@ class _Role:
         if self.limit.dim() == 3:
             a = a.view(self.op.rows, self.limit.shape[1], -1)
         return int((a > self.limit).sum())
-
-
-_ZERO = torch.zeros(())
 
 
 def _scale_range(cast: Cast) -> tuple[torch.Tensor, torch.Tensor]:

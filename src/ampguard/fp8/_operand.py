@@ -116,7 +116,7 @@ class Operand:
         int16 codes): exact, and one pass instead of a selection."""
         if self.source.dtype != torch.bfloat16:
             nz = self.abs[self.abs > 0]
-            return nz.median() if nz.numel() else torch.tensor(float("nan"))
+            return nz.median() if nz.numel() else self.x.new_full((), float("nan"))
         codes = self.source.abs().contiguous().view(torch.int16).reshape(-1)
         counts = torch.bincount(codes.long(), minlength=1 << 15)
         counts[0] = 0  # zeros (abs turns -0 into +0) are not counted
