@@ -89,8 +89,6 @@ class Operand:
     @functools.cached_property
     def row_amax(self) -> torch.Tensor:
         """The amax of each row, shape (rows, 1)."""
-        if self.width % 16 == 0 and "_blocks16" in self.__dict__:
-            return self.block_amax(16).amax(dim=-1, keepdim=True)
         return self.abs.amax(dim=-1, keepdim=True)
 
     @functools.cached_property

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._operand import Operand
 
 __all__ = ["Cast", "ELEMENTS", "round_to_grid", "CASTS"]
@@ -87,8 +88,9 @@ def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
     return t.view(t.shape[0], -1, block)
 
 
-def _element(role: str, forward: str, gradient: str) -> Element:
-    return ELEMENTS[gradient if role == "grad" else forward]
+def _element(name: str, role: str) -> Element:
+    """The element type format ``name`` stores a tensor of ``role`` in (the registry's)."""
+    return ELEMENTS[FORMATS[name].element(role)]
 
 
 def _fp8_scaled(op: Operand, amax: torch.Tensor, el: Element, pow2: bool) -> Cast:
@@ -102,18 +104,18 @@ def _fp8_scaled(op: Operand, amax: torch.Tensor, el: Element, pow2: bool) -> Cas
 
 
 def tensorwise(op: Operand, role: str) -> Cast:
-    return _fp8_scaled(op, op.amax, _element(role, "e4m3", "e5m2"), pow2=False)
+    return _fp8_scaled(op, op.amax, _element("tensorwise", role), pow2=False)
 
 
 def rowwise(op: Operand, role: str) -> Cast:
-    return _fp8_scaled(op, op.row_amax, ELEMENTS["e4m3"], pow2=True)
+    return _fp8_scaled(op, op.row_amax, _element("rowwise", role), pow2=True)
 
 
 def mxfp8(op: Operand, role: str) -> Cast:
     """``MXTensor.to_mx(x, e4m3 | e5m2, 32, RCEIL)``: ``e = clamp(ceil(log2(amax / max)),
     -127, 127)``, values times ``2**-e`` (1 when the biased exponent is 0), clamped and cast;
     dequantised times ``2**e`` (computed as torchao does)."""
-    el = _element(role, "e4m3", "e5m2")
+    el = _element("mxfp8", role)
     amax = op.block_amax(32).unsqueeze(-1)
     # the unbiased e8m0 exponent, an integer in float32 (torchao stores it biased, in uint8)
     e = torch.ceil(torch.log2(amax / el.max)).clamp_(-_E8M0_BIAS, _E8M0_BIAS)
@@ -129,7 +131,7 @@ def nvfp4(op: Operand, role: str) -> Cast:
     ``amax_block / 6 / per_tensor_scale`` clamped to [e4m3 tiny, 448] and cast to e4m3, values
     times ``(1 / per_tensor_scale) / block_scale``, clamped to 6 and rounded to e2m1;
     dequantised times ``per_tensor_scale * block_scale``."""
-    el = ELEMENTS["e2m1"]
+    el = _element("nvfp4", role)
     tensor_scale = op.amax.to(torch.float32) / (448.0 * 6.0)
     amax = op.block_amax(16).unsqueeze(-1)
     block = (amax / 6.0) / tensor_scale
