@@ -5,9 +5,9 @@ to one bare-torch bf16 training step of the same model (autocast, backward, Adam
 Run: ``python benchmarks/bench_lowp.py [--rounds 5] [--width 256] [--batch 256]``. The model is
 ``ampguard.demo.fp8_model.OutlierNet`` (its ``head``'s input carries an outlier feature). Plans
 and steps alternate (interleaved rounds; the median of each is reported) on the same batch; the
-first plan of a process also imports torchao's quantisers (about 2-7 s here, once), which is
-excluded by a warm-up plan. The MXFP8 and NVFP4 figures use torchao's own quantisers
-(``MXTensor.to_mx``, ``NVFP4Tensor.to_nvfp4``) on the CPU.
+first plan of a process also computes each format's nominal figures (once), which is excluded by
+a warm-up plan. The MXFP8 and NVFP4 figures come from the plan's own casts
+(:mod:`ampguard.fp8._quant`, bitwise torchao's ``MXTensor.to_mx`` and ``NVFP4Tensor.to_nvfp4``).
 """
 
 from __future__ import annotations

@@ -435,3 +435,29 @@ def test_importing_the_module_keeps_ag_fp8_plan_a_function():
     import ampguard.fp8  # noqa: F401  (a submodule import sets a package attribute)
 
     assert callable(ag.fp8_plan) and ag.fp8_plan.__name__ == "fp8_plan"
+
+
+def test_the_trace_sees_each_output_gradient_and_computes_no_weight_gradient():
+    """The plan's backward stops at the Linear outputs: no weight gradient is computed (a hook
+    on the weight never fires), and an output modified in place afterwards (ReLU(inplace=True))
+    gives the gradient the layer saw, as the out-of-place model does."""
+
+    def net(inplace: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=inplace), nn.Linear(64, 16))
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).float().pow(2).mean()
+
+    x = torch.randn(64, 32)
+    plain, inplace = net(False), net(True)
+    fired: list[int] = []
+    for m in (plain, inplace):
+        for p in m.parameters():
+            p.register_hook(lambda g: fired.append(1))
+    a, b = ag.fp8_plan(plain, loss, x), ag.fp8_plan(inplace, loss, x)
+    assert fired == [] and all(p.grad is None for p in plain.parameters())
+    for key in ("grad_flushed", "grad_amax", "sqnr_db", "input_flushed"):
+        assert a.layers["0"][key] is not None
+        assert a.layers["0"][key] == b.layers["0"][key], key
+    assert a.layers["0"]["grad_amax"] > 0

@@ -19,8 +19,10 @@ format         values (forward / gradient)  block    scale
 
 ``tensorwise`` and ``rowwise`` are cast in plain torch (:mod:`ampguard.fp8._cast`, what torchao's
 float8 training does); ``mxfp8`` and ``nvfp4`` use torchao's own quantisers
-(``MXTensor.to_mx``, ``NVFP4Tensor.to_nvfp4``), which run on any device. Adding a format is one
-entry here (and, for training, one in :mod:`ampguard.fp8._emulate`).
+(``MXTensor.to_mx``, ``NVFP4Tensor.to_nvfp4``), which run on any device: ``quantize`` is the
+reference, and what training by emulation (:mod:`ampguard.fp8._emulate`) casts with. The plan
+measures with :data:`ampguard.fp8._quant.CASTS`, the same casts written for a CPU and tested
+bitwise equal to these. Adding a format is one entry here and one cast there.
 """
 
 from __future__ import annotations

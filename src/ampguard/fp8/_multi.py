@@ -22,89 +22,135 @@ format's nominal share on the Gaussian layer (``nominal_input_flushed``, ...), s
 when the shape fits, no such excess crosses the plan's limits and
 ``sqnr_loss_db <= max_sqnr_loss_db``; ``reason`` names the first limit crossed with its figure.
 
-Cost: per layer and format three quantisations and one small matmul, one host sync per layer
-and format; the nominal figures are computed once per format and process.
+Every figure is measured from the format's exact cast (:mod:`ampguard.fp8._quant`, bitwise
+torchao's), on the rows :mod:`ampguard.fp8._operand` samples (the same for every format).
+Cost: per layer and format three casts and one small matmul, one host sync per layer and
+format (:class:`LayerMeasure`); the nominal figures are computed once per format and process.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 
-from ampguard.fp8._cast import sqnr_db
 from ampguard.fp8._formats import FORMATS, LowpFormat, half_ulp
+from ampguard.fp8._operand import Operand, nonzero_count
+from ampguard.fp8._quant import CASTS, ELEMENTS, Cast
 
-__all__ = ["measure_formats", "ROLES", "nominal", "nominal_db"]
+__all__ = ["measure_formats", "LayerMeasure", "ROLES", "nominal", "nominal_db"]
 
 ROLES = ("input", "weight", "grad")
+_ROLE_KEYS = ("sqnr_db", "saturated", "flushed", "scale_spread_bits")
 _NOMINAL_SHAPE = (256, 256, 256)  # rows, in, out of the Gaussian reference layer
 
 
-def _role_figures(
-    x: torch.Tensor, fmt: LowpFormat, role: str
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the quantised tensor, [sqnr_db, saturated, flushed, scale_spread_bits]) of one tensor;
-    0-d tensors, no host sync."""
-    xf = x.float()
-    q, scale = fmt.quantize(xf, role)
-    mags = xf.abs()
-    nonzero = mags > 0
-    count = nonzero.sum().clamp(min=1).float()
-    limit = scale * (_max_value(fmt, role) * (1 + half_ulp(fmt)))
-    saturated = (mags > limit).sum().float() / count
-    flushed = (nonzero & (q == 0)).sum().float() / count
-    err = xf - q
-    sqnr = 10 * torch.log10(mags.pow(2).sum() / err.pow(2).sum())
-    return q, [sqnr, saturated, flushed, _spread(mags, scale, fmt)]
+class _Role:
+    """One tensor's figures in one format: device tensors to read in the layer's one sync."""
+
+    def __init__(self, op: Operand, fmt: LowpFormat, role: str) -> None:
+        self.op = op
+        self.cast = cast = CASTS[fmt.name](op, role)
+        buf = op.scratch(1)
+        err = torch.sub(op.x, cast.q, out=buf).reshape(-1)
+        noise = torch.dot(err, err)
+        kept = nonzero_count(cast.q, buf)  # after the dot: buf is reused
+        # a value above its scale's largest value (plus half an ulp) is clipped: count the
+        # blocks whose amax is, and count their values only when there are any (rare)
+        self.limit = cast.scale * (ELEMENTS[fmt.element(role)].max * (1 + half_ulp(fmt)))
+        over = (cast.amax > self.limit).sum()
+        zero = op.power.new_zeros(())
+        hi, lo = _scale_range(cast) if fmt.block else (zero, zero)
+        # a zero stays zero in every cast: the flushed values are the nonzero ones lost
+        self.values = [op.power, noise, hi, lo, op.nonzero, kept, over]
+
+    def figures(self, values: list[float]) -> dict[str, float]:
+        """The role's figures from its synced :attr:`values` (an all-zero tensor flushes
+        nothing; its NVFP4 cast is NaN, as torchao's is)."""
+        power, noise, hi, lo, *counts = values
+        nonzero, kept, over = (round(c) if math.isfinite(c) else 0 for c in counts)
+        return {
+            "sqnr_db": _db(power, noise),
+            "saturated": self._saturated() / nonzero if over and nonzero else 0.0,
+            "flushed": (nonzero - kept) / nonzero if nonzero else 0.0,
+            "scale_spread_bits": math.log2(hi / lo) if hi > 0 else 0.0,
+        }
+
+    def _saturated(self) -> int:
+        """Values above the limit, counted one by one (one pass and a host sync)."""
+        a = self.op.abs
+        if self.limit.dim() == 3:
+            a = a.view(self.op.rows, self.limit.shape[1], -1)
+        return int((a > self.limit).sum())
 
 
-def _spread(mags: torch.Tensor, scale: torch.Tensor, fmt: LowpFormat) -> torch.Tensor:
-    """log2(largest / smallest scale) over the blocks (rows) that hold a nonzero value."""
-    if not fmt.block:
-        return torch.zeros(())
-    width = mags.shape[-1] if fmt.block < 0 else fmt.block
-    used = mags.reshape(-1, width).amax(dim=-1) > 0
-    first = scale.reshape(-1, width)[:, 0]  # one scale per block (no mask indexing: no sync)
-    hi = torch.where(used, first, 0.0).amax()
-    lo = torch.where(used, first, torch.inf).amin()
-    return torch.where(used.any(), torch.log2(hi / lo), 0.0)
+def _scale_range(cast: Cast) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest and smallest scale over the blocks (rows) that hold a nonzero value
+    (0 and inf when none does)."""
+    used = cast.amax > 0  # scale and amax have one entry per block (row)
+    return (cast.scale * used).amax(), torch.where(used, cast.scale, math.inf).amin()
 
 
-@functools.cache
-def _elem_max(element: str) -> float:
-    if element == "e2m1":
-        return 6.0
-    return float(torch.finfo(torch.float8_e5m2 if element == "e5m2" else torch.float8_e4m3fn).max)
+def _db(signal: float, noise: float) -> float:
+    """``10 * log10(signal / noise)`` with torch's answers at 0 and NaN."""
+    if math.isnan(signal) or math.isnan(noise) or (signal == 0 and noise == 0):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    return -math.inf if signal == 0 else 10 * math.log10(signal / noise)
 
 
-def _max_value(fmt: LowpFormat, role: str) -> float:
-    return _elem_max(fmt.element(role))
+class LayerMeasure:
+    """A Linear's traced input ``x``, weight ``w`` and output gradient ``g`` (bf16, 2-D, rows
+    sampled by :func:`ampguard.fp8._operand.sample_rows`), measured in any format on demand.
 
+    The float32 values and the statistics every format shares are computed once
+    (:class:`~ampguard.fp8._operand.Operand`), as is the bf16 output ``x @ w.T``; the figures of
+    a format are computed once and shared by the fp8 plan's own verdict and by ``formats=``.
+    Cost of :meth:`figures`: per format three casts, one matmul, one host sync (two when a block
+    saturates).
+    """
 
-def _measure(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    g: torch.Tensor | None,
-    fmt: LowpFormat,
-    ref: torch.Tensor | None = None,
-) -> dict[str, float | None]:
-    xq, x_figs = _role_figures(x, fmt, "input")
-    wq, w_figs = _role_figures(w, fmt, "weight")
-    ref = x.float() @ w.float().T if ref is None else ref  # the bf16 output, shared by formats
-    figures = [sqnr_db(ref, xq @ wq.T), *x_figs, *w_figs]
-    names = ["sqnr_db", *(f"{r}_{k}" for r in ("input", "weight") for k in _ROLE_KEYS)]
-    if g is not None:
-        figures += _role_figures(g, fmt, "grad")[1]
-        names += [f"grad_{k}" for k in _ROLE_KEYS]
-    values = torch.stack([f.reshape(()).double() for f in figures]).tolist()  # one sync
-    out: dict[str, float | None] = {f"grad_{k}": None for k in _ROLE_KEYS}
-    out.update(zip(names, values, strict=True))
-    return out
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor | None) -> None:
+        self.x, self.w = Operand(x), Operand(w)
+        self.g = None if g is None else Operand(g)
+        self._figures: dict[str, dict[str, float | None]] = {}
 
+    @functools.cached_property
+    def ref(self) -> torch.Tensor:
+        """The layer's output (no bias) from the bf16 input and weight, in float32."""
+        return self.x.x @ self.w.x.T
 
-_ROLE_KEYS = ("sqnr_db", "saturated", "flushed", "scale_spread_bits")
+    @functools.cached_property
+    def ref_power(self) -> torch.Tensor:
+        flat = self.ref.reshape(-1)
+        return torch.dot(flat, flat)
+
+    def figures(self, name: str) -> dict[str, float | None]:
+        """``sqnr_db`` (the output's) and per role ``sqnr_db``, ``saturated``, ``flushed``,
+        ``scale_spread_bits`` in format ``name`` (grad figures None without a gradient)."""
+        if name not in self._figures:
+            with torch.no_grad():
+                self._figures[name] = self._measure(FORMATS[name])
+        return dict(self._figures[name])
+
+    def _measure(self, fmt: LowpFormat) -> dict[str, float | None]:
+        roles = [_Role(self.x, fmt, "input"), _Role(self.w, fmt, "weight")]
+        if self.g is not None:
+            roles.append(_Role(self.g, fmt, "grad"))
+        xq, wq = roles[0].cast.q, roles[1].cast.q
+        noise = torch.addmm(self.ref, xq, wq.T, alpha=-1).reshape(-1)  # bf16 out - format out
+        parts = [self.ref_power, torch.dot(noise, noise)] + [v for r in roles for v in r.values]
+        values = torch.stack(parts).tolist()  # the one host sync (stack promotes the counts)
+        out: dict[str, float | None] = {f"grad_{k}": None for k in _ROLE_KEYS}
+        out["sqnr_db"] = _db(values[0], values[1])
+        n = len(roles[0].values)
+        for i, (r, role) in enumerate(zip(roles, ROLES, strict=False)):
+            figs = r.figures(values[2 + n * i : 2 + n * (i + 1)])
+            out.update({f"{role}_{k}": v for k, v in figs.items()})
+        return out
 
 
 @functools.cache
@@ -115,8 +161,7 @@ def nominal(name: str) -> dict[str, float | None]:
     x = torch.randn(rows, fin, generator=gen).to(torch.bfloat16)
     w = (torch.randn(fout, fin, generator=gen) / fin**0.5).to(torch.bfloat16)
     g = (torch.randn(rows, fout, generator=gen) * 1e-3).to(torch.bfloat16)
-    with torch.no_grad():
-        return _measure(x, w, g, FORMATS[name])
+    return LayerMeasure(x, w, g).figures(name)
 
 
 def nominal_db(name: str) -> float:
@@ -128,15 +173,13 @@ def nominal_db(name: str) -> float:
 
 def measure_formats(
     shape: tuple[int, int],
-    x: torch.Tensor | None,
-    w: torch.Tensor,
-    g: torch.Tensor | None,
+    layer: LayerMeasure | None,
     formats: tuple[str, ...],
     th: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Per format: the figures above, ``eligible``, ``ready`` and ``reason``."""
+    """Per format: the figures above, ``eligible``, ``ready`` and ``reason`` (``layer`` None:
+    the Linear was not called in the traced forward)."""
     out: dict[str, dict[str, Any]] = {}
-    ref = None if x is None else x.float() @ w.float().T
     for name in formats:
         fmt = FORMATS[name]
         info: dict[str, Any] = {"ready": False, "eligible": fmt.shape_ok(*shape)}
@@ -145,11 +188,10 @@ def measure_formats(
                 f"shape {shape[0]}x{shape[1]}: {name} needs in and out features that are "
                 f"multiples of {fmt.multiple}"
             )
-        elif x is None:
+        elif layer is None:
             info["reason"] = "not called in the traced forward: nothing to measure"
         else:
-            with torch.no_grad():
-                info.update(_measure(x, w, g, fmt, ref))
+            info.update(layer.figures(name))
             base = nominal(name)
             info["nominal_db"] = base["sqnr_db"]
             info["sqnr_loss_db"] = info["nominal_db"] - info["sqnr_db"]
