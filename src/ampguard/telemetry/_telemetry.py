@@ -354,18 +354,7 @@ class Telemetry:
             else:  # a device: the step's one device op
                 self._cells.scale_cells[len(pending)].copy_(tensor)
         # the flags, loss and norm are new tensors of this step: gathered at the flush
-        pending.append(
-            StepRow(
-                step,
-                self._micro,
-                scaler is not None,
-                scale,
-                self._this_step,
-                self._precision,
-                status,
-                grad_norm,
-            )
-        )
+        pending.append(StepRow(step, self._micro, scale, self._this_step, status, grad_norm))
         self._this_step = NO_SAMPLE
         self._micro = 0
         absorbed = self._absorbed
@@ -552,19 +541,18 @@ class Telemetry:
             self._write_ready(wait=False)
         pending, self._pending = self._pending, []
         if pending:
-            steps, micro, scaled, scale, samples, precision, statuses, norms = zip(
-                *pending, strict=True
-            )
+            steps, micro, scale, samples, statuses, norms = zip(*pending, strict=True)
             stats_slots, range_slots, sampled_scaled = zip(*samples, strict=True)
+            rows = len(pending)  # a fallback or resume flushes first: one precision per flush
             facts = Facts(
                 steps,
                 micro,
-                scaled,
+                (self._scaler is not None,) * rows,
                 scale,
                 stats_slots,
                 range_slots,
                 sampled_scaled,
-                precision,
+                (self._precision,) * rows,
                 tuple(None if isinstance(s, torch.Tensor) else s or 0 for s in statuses),
                 tuple(g is not None for g in norms),
             )
