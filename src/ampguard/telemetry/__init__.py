@@ -15,8 +15,8 @@ written out at the next flush. The host formats the run-log lines from the copie
 
 Modules (the recorder on top, the pieces it drives below):
 
-- ``_telemetry``: :class:`Telemetry`, the producer hooks, the flush and the run-folder writes;
-- ``_attach``: :func:`attach` / :func:`check_argument`, a producer's ``telemetry=`` argument;
+- ``_telemetry``: :class:`Telemetry` (the producer hooks, the flush, the run-folder writes) and
+  :func:`attach` / :func:`check_argument` (a producer's ``telemetry=`` argument);
 - ``source``: :class:`TelemetrySource`, the producer side of the contract (a Guard, a watch);
 - ``_rows``: the named records a step leaves until the flush (``StepRow``, ``Sample``);
 - ``_device``: the preallocated device buffer and the host view of the scale;
@@ -37,9 +37,8 @@ Modules (the recorder on top, the pieces it drives below):
 >>> path = ag.report("runs/exp1")   # runs/exp1/report.html
 """
 
-from ampguard.telemetry._attach import attach, check_argument
 from ampguard.telemetry._rows import Resumed
-from ampguard.telemetry._telemetry import Telemetry, TelemetryError
+from ampguard.telemetry._telemetry import Telemetry, TelemetryError, attach, check_argument
 from ampguard.telemetry.source import TelemetrySource
 
 __all__ = [

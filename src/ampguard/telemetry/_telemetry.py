@@ -1,4 +1,4 @@
-"""The :class:`Telemetry` recorder: the producer hooks, the flush and the run-folder writes.
+"""The :class:`Telemetry` recorder (producer hooks, flush, run-folder writes) and its attach.
 
 What it records and when is described in :mod:`ampguard.telemetry` (the package docstring); the
 records a step leaves behind until the flush are the named records of
@@ -33,7 +33,7 @@ from ampguard.telemetry.source import TelemetrySource
 
 TelemetryError = runlog.TelemetryError  # public: ag.TelemetryError (defined torch-free in runlog)
 
-__all__ = ["DENSE_LAYER_STEPS", "Telemetry", "TelemetryError"]
+__all__ = ["DENSE_LAYER_STEPS", "Telemetry", "TelemetryError", "attach", "check_argument"]
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -741,6 +741,32 @@ class Telemetry:
             self._lock = None
         if not self._closed:
             self._source = None
+
+
+def check_argument(telemetry: Any) -> None:
+    """``TypeError`` unless ``telemetry`` is None, a run folder path or a Telemetry (a Guard
+    checks it before it changes anything)."""
+    if telemetry is not None and not isinstance(telemetry, (str, os.PathLike, Telemetry)):
+        raise TypeError(
+            "telemetry must be None, a run folder path or an ampguard.Telemetry, got "
+            f"{type(telemetry).__name__}"
+        )
+
+
+def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
+    """Resolve a Guard's ``telemetry=`` argument (None, a run folder, or a Telemetry) and attach
+    it to ``source`` (the Guard, or a watched loop)."""
+    if telemetry is None:
+        return None
+    if isinstance(telemetry, (str, os.PathLike)):
+        telemetry = Telemetry(telemetry)
+    elif not isinstance(telemetry, Telemetry):
+        raise TypeError(
+            "telemetry must be None, a run folder path or an ampguard.Telemetry, got "
+            f"{type(telemetry).__name__}"
+        )
+    telemetry._attach(source)
+    return telemetry
 
 
 def _cannot_continue(meta_path: Path, layers: list[str]) -> str | None:
