@@ -1,144 +1,31 @@
-"""The Guard under torch.distributed: setup detection, found_inf consensus, accumulation, audit.
+"""What a Guard keeps under torch.distributed: the consensus, the audit and the rank counters.
 
-Detected from the model, no flags needed: ``DistributedDataParallel`` ("ddp"), FSDP2
-``fully_shard`` modules with DTensor parameters ("fsdp2"), or a plain model while a process group
-with more than one rank is initialised ("process_group").
-
-- **Consensus.** Each window, every rank writes its per-optimizer overflow flags (and, with
-  containment, its dropped micro-batch count) into its own row of a small ``(world, n + 1)``
-  tensor; ONE asynchronous ``all_reduce(MAX)`` gives every rank every row. The skip decision uses
-  the column maxima, so all ranks skip or step together, and the rows say which rank overflowed
-  (the overflow origin). Nothing is read on the host: the Guard reads its packed status exactly
-  where torch's GradScaler would.
-- **No consensus where it is redundant.** Under plain DDP (no comm hook, no containment, every
-  optimized parameter reduced by DDP over the Guard's group) every rank steps on the same averaged
-  gradients, and a non-finite value on one rank is non-finite in the average on all: each rank's
-  own check already agrees, so no collective runs. The overflow origin then comes from each
-  rank's own loss (non-finite or not; device flags, no sync), gathered by the next audit.
-- **Peers.** ampguard's collectives run on a group of their own with ``timeout=peer_timeout``;
-  a failed collective (ampguard's, or DDP's/FSDP2's inside the Guard's calls) raises
-  :class:`PeerFailureError` naming the ranks that did not answer
-  (:mod:`ampguard.distributed._peers`).
-- **Accumulation.** Non-final micro-batches run under DDP's ``no_sync()`` or with FSDP2's
-  ``set_requires_gradient_sync(False)``.
-- **Audit.** Every ``audit_every`` windows (and at checkpoint time) one small all-reduce compares
-  scale, growth/hysteresis trackers, step counts, precision and a parameter checksum across ranks;
-  a mismatch raises :class:`DesyncError`, warns, or repairs from rank 0 (``on_desync``).
-
-The DDP communication hook lives in :mod:`ampguard.distributed.hooks`, checkpoints in
-:mod:`ampguard.checkpoint.distributed`.
+The package docstring (:mod:`ampguard.distributed`) describes the protocol; this module is the
+:class:`DistributedState` that runs it for one Guard.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ampguard._util.checks import check_int
-from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._counters import RankCounters
-from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX  # noqa: F401 - tests read it here
-from ampguard.distributed._errors import DesyncError, PeerFailureError
+from ampguard.distributed._errors import PeerFailureError
 from ampguard.distributed._peers import Peers, failed_ranks, is_comm_error
+from ampguard.distributed._topology import (
+    Topology,
+    consensus_redundant,
+    fsdp_modules,
+    has_dtensors,
+)
 from ampguard.distributed.hooks import hook_state
 from ampguard.findings import Finding, make
 
-__all__ = [
-    "ON_DESYNC",
-    "DesyncError",
-    "PeerFailureError",
-    "Topology",
-    "detect",
-    "DistributedState",
-    "attach",
-    "check_distributed_options",
-    "param_checksum",
-    "rank_telemetry",
-    "fsdp_modules",
-]
-
-ON_DESYNC = ("raise", "warn", "repair")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """How the model is distributed: ``kind`` ("ddp" | "fsdp2" | "process_group") and its group.
-
-    ``rank``/``world_size`` are within ``group``; ``ranks`` maps group rank -> global rank.
-    """
-
-    kind: str
-    group: Any
-    rank: int
-    world_size: int
-    ranks: tuple[int, ...]
-
-    @property
-    def replicated(self) -> bool:
-        """Parameters are full copies on every rank (everything but FSDP2 shards)."""
-        return self.kind != "fsdp2"
-
-    @property
-    def global_rank(self) -> int:
-        return self.ranks[self.rank]
-
-
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The FSDP2 (``fully_shard``) modules inside ``model``, outermost first."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def detect(model: torch.nn.Module, process_group: Any = None) -> Topology | None:
-    """The :class:`Topology` of ``model``, or None for single-process training.
-
-    A plain model counts as distributed only when a process group with more than one rank is
-    initialised; ``process_group`` overrides the group found (DDP's own, FSDP2's 1-D mesh, else
-    WORLD); ``process_group="local"`` means rank-local training (e.g. an eval or EMA model on
-    one rank): no consensus, no audit. Cost: no host sync.
-    """
-    if isinstance(process_group, str) and process_group != "local":
-        raise ValueError(
-            f"process_group must be None, 'local' or a ProcessGroup, got {process_group!r}"
-        )
-    if process_group == "local" or not (dist.is_available() and dist.is_initialized()):
-        return None
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        kind, group = "ddp", model.process_group
-    elif fsdp_modules(model):
-        kind, group = "fsdp2", _mesh_group(model)
-    else:
-        # WORLD is typed Optional: it is set once is_initialized() (checked above)
-        kind, group = "process_group", cast(dist.ProcessGroup, dist.group.WORLD)
-        if dist.get_world_size(process_group or group) < 2:
-            return None
-    group = process_group if process_group is not None else group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    return Topology(kind, group, dist.get_rank(group), len(ranks), ranks)
-
-
-def _has_dtensors(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _mesh_group(model: torch.nn.Module) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    for p in model.parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
-            return p.device_mesh.get_group()
-    return dist.group.WORLD  # HSDP / 2-D meshes: every rank of the job takes part
+__all__ = ["DistributedState"]
 
 
 class _Pending:
@@ -192,14 +79,14 @@ class DistributedState:
         self.peers = peers
         # ampguard's own collectives: on the group with timeout=peer_timeout when there is one
         self.group = peers.group if peers is not None else topology.group
-        self._redundant = _consensus_redundant(model, topology, containment, params)
+        self._redundant = consensus_redundant(model, topology, containment, params)
         self.origin_audit_step: int | None = None  # last audit that gathered the local origin
         self.model = model
         self.audit_every = audit_every
         self.on_desync = on_desync
         self.device = device
         self._fsdp = fsdp_modules(model) if topology.kind == "fsdp2" else []
-        self._dtensors = _has_dtensors(model)
+        self._dtensors = has_dtensors(model)
         self._sync_flag: bool | None = None
         self.counters = RankCounters(topology.world_size, topology.rank, device)  # origin
         self.last_rows: torch.Tensor | None = None
@@ -467,85 +354,3 @@ class DistributedState:
                 ),
             )
         ]
-
-
-def _consensus_redundant(
-    model: torch.nn.Module, topology: Topology, containment: bool, params: Sequence[torch.Tensor]
-) -> bool:
-    """True under plain DDP: every optimized parameter is reduced by DDP over the Guard's group.
-
-    Then every rank steps on bitwise-equal averaged gradients (a non-finite value anywhere is
-    non-finite in the average everywhere), so each rank's own found_inf is the agreed one.
-    """
-    if topology.kind != "ddp" or containment or not params:
-        return False
-    if topology.group is not getattr(model, "process_group", None):
-        return False  # process_group= names another group than the one DDP reduces over
-    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
-    reduced = {
-        id(p)
-        for name, p in model.module.named_parameters()  # type: ignore[union-attr]
-        if name not in ignored
-    }
-    return all(id(p) in reduced for p in params)
-
-
-def attach(
-    model: torch.nn.Module,
-    device: torch.device,
-    *,
-    audit_every: int | None = 100,
-    on_desync: str = "raise",
-    process_group: Any = None,
-    containment: bool = False,
-    params: Sequence[torch.Tensor] = (),
-    peer_timeout: float | None = None,
-) -> DistributedState | None:
-    """Validate the options and return the :class:`DistributedState`, or None (single process).
-
-    Raises ``ValueError`` on a bad ``audit_every``/``on_desync`` even without a process group.
-    """
-    check_distributed_options(audit_every, on_desync)
-    topology = detect(model, process_group)
-    if topology is None:
-        return None
-    if topology.kind == "fsdp2" and containment:
-        raise ValueError(
-            "contain_nonfinite_microbatches=True is not supported with FSDP2 (each rank sees only "
-            "its gradient shard, so ranks would drop different micro-batches); use DDP, or rely "
-            "on the skipped step"
-        )
-    peers = None
-    if peer_timeout is not None:
-        peers = Peers(topology.ranks, topology.global_rank, topology.group, peer_timeout)
-    return DistributedState(
-        model,
-        topology,
-        device,
-        audit_every,
-        on_desync,
-        peers=peers,
-        containment=containment,
-        params=params,
-    )
-
-
-def check_distributed_options(audit_every: Any, on_desync: Any) -> None:
-    """``audit_every`` (an int >= 1 or None) and ``on_desync`` (one of :data:`ON_DESYNC`)."""
-    check_int("audit_every", audit_every, optional=True)
-    if on_desync not in ON_DESYNC:
-        raise ValueError(f"on_desync must be one of {ON_DESYNC}, got {on_desync!r}")
-
-
-def rank_telemetry(state: DistributedState | None, telemetry: Any) -> Any:
-    """The ``telemetry=`` argument this rank keeps: rank 0 writes the run log, others nothing.
-
-    A run-folder path containing ``{rank}`` is formatted per rank and kept on every rank (each
-    rank writes its own log: "unless asked"). Under FSDP2 the per-layer statistics are those of
-    the recording rank's gradient shards (telemetry runs no collective).
-    """
-    if state is None or telemetry is None:
-        return telemetry
-    if isinstance(telemetry, (str, os.PathLike)) and "{rank}" in os.fspath(telemetry):
-        return os.fspath(telemetry).replace("{rank}", str(state.topology.global_rank))
-    return telemetry if state.is_writer else None
