@@ -1,4 +1,4 @@
-"""A skipped step leaves no trace in the buffers (issue 22 item 4): a BatchNorm whose fp16 forward
+"""A skipped step leaves no trace in the buffers: a BatchNorm whose fp16 forward
 overflowed keeps the statistics it had before the window; an applied window keeps its update.
 Real fp16 autocast on CPU, real BatchNorm, real optimizers (fused and not)."""
 

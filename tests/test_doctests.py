@@ -34,7 +34,7 @@ SKIP = {
     "ampguard.integrations.lightning": "needs a Lightning Trainer run",
     "ampguard.integrations.transformers": "needs a Hugging Face Trainer run",
     "ampguard.integrations.sinks": "needs W&B / MLflow accounts",
-    # the fp8 branch (issue 17): its summary prints timings; give it an expected output, then drop
+    # the fp8 branch: its summary prints timings; give it an expected output, then drop
     "ampguard.fp8": "prints a plan with timings (no expected output yet)",
 }
 

@@ -1,4 +1,4 @@
-"""A Guard whose constructor raises changes nothing (issue 23, item 1).
+"""A Guard whose constructor raises changes nothing.
 
 Every argument is validated and every resource (run folder, peer group) is created before the
 model is touched (fp8 conversion, keep_fp32 hooks); a constructor that raises leaves the model's

@@ -1,4 +1,4 @@
-"""The API reference documents every Guard argument (issue 24 item 12): a Google-style Args
+"""The API reference documents every Guard argument: a Google-style Args
 section that mkdocstrings renders as a parameter table, no raw reST roles, no private module
 names, no files that are not in the repository; the fp8 page's example names the default recipe."""
 

@@ -1,6 +1,6 @@
 """The loss-scale state machine: config validation, hand-written scale sequences, torch parity.
 
-Expected sequences are written by hand from the semantics in issue 2 and the pseudocode in
+Expected sequences are written by hand from torch.amp.GradScaler's semantics and the pseudocode in
 ``LossScaler``'s docstring ("o" = an overflowing step, "." = a clean step; each list holds the
 scale after every step).
 """

@@ -1,4 +1,4 @@
-"""Skip causes use the loss (issue 24 item 3): a skipped step whose loss was NaN/inf is a
+"""Skip causes use the loss: a skipped step whose loss was NaN/inf is a
 non-finite forward, never a warm-up overflow or a gradient overflow, in ``Guard.diagnostics()``,
 the rules (AG101, AG103) and the report."""
 
