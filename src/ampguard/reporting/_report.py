@@ -1,9 +1,4 @@
-"""``ampguard.reporting``: the offline HTML report and the terminal summary of a run folder.
-
->>> path = ampguard.report("runs/exp1")      # writes runs/exp1/report.html and findings.json
->>> print(ampguard.reporting.summary("runs/exp1"))
-ampguard report: runs/exp1 ...
-"""
+"""The report and summary of a run folder: the rules over its log, the HTML page, the text."""
 
 from __future__ import annotations
 
