@@ -1,13 +1,4 @@
-"""``ampguard lint``: a static checker for AMP mistakes in PyTorch training scripts.
-
-The rules (:data:`RULES`, one per AG2xx code) read the source with the stdlib :mod:`ast` only;
-this package never imports torch, so it runs in pre-commit in a fraction of a second.
-
->>> from ampguard.lint import lint_source
->>> src = "import torch\\nscaler = torch.cuda.amp.GradScaler()\\n"
->>> [f.code for f in lint_source(src)]
-['AG206']
-"""
+"""The entry points of ``ampguard lint``: lint or fix a source string, files and folders."""
 
 from __future__ import annotations
 
