@@ -391,11 +391,6 @@ def test_every_precision_hook_is_importable_by_the_guard():
 PENDING_INIT: dict[str, str] = {
     "fp8": "the low-precision plan's code, moved by its owner",
     "lint.rules": "the RULES registry (moves with the lint rule registration)",
-    "demo": "not moved yet",
-    "lint": "not moved yet",
-    "cli": "not moved yet",
-    "findings": "not moved yet",
-    "reporting": "not moved yet",
 }
 
 

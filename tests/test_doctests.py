@@ -25,7 +25,7 @@ import ampguard as ag
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampguard"
 # Docstrings (doctest names) whose examples need what a doctest cannot build here.
 SKIP = {
-    "ampguard.forensics.locate": "needs a model that overflows in fp16 (see tests/test_forensics)",
+    "ampguard.forensics._locate.locate": "needs a model that overflows in fp16 (tests/test_forensics)",
     "ampguard.forensics.autocast_coverage.coverage": "needs a model with an escaped module",
     "ampguard.checkpoint.distributed": "needs a torch.distributed process group",
     "ampguard.distributed.hooks": "needs a DDP model in a process group",
@@ -111,7 +111,7 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch):
     except ImportError as exc:  # an optional extra is not installed
         pytest.skip(f"{name}: {exc}")
     ns = _namespace()
-    if name == "ampguard.reporting":  # its example reads a run folder
+    if name.startswith("ampguard.reporting"):  # its examples read a run folder
         pytest.importorskip("matplotlib")
         _a_run(ns["model"], ns["optimizer"], ns["data"])  # type: ignore[arg-type]
     finder = doctest.DocTestFinder(exclude_empty=True)

@@ -1,8 +1,4 @@
-"""Command-line front end: argument parsing and dispatch only, no logic of its own.
-
-Heavy modules (torch, matplotlib) are imported inside the handlers, so ``ampguard lint`` starts
-without importing torch.
-"""
+"""The ``ampguard`` command: its parser, its subcommands and ``main``."""
 
 from __future__ import annotations
 
