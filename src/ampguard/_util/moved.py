@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from types import FrameType
 
 from ampguard._util.stack import _PACKAGE
 
@@ -39,7 +40,7 @@ def _importer_stacklevel() -> int:
 
     ``warnings.warn`` skips the frozen ``importlib._bootstrap`` frames by itself, so they are
     not counted; ``importlib.import_module``'s own frame is."""
-    frame = sys._getframe(2)  # the shim that called warn_moved (warn_moved is level 1)
+    frame: FrameType | None = sys._getframe(2)  # the shim that called warn_moved (level 2)
     level = 1
     while frame is not None:
         name = frame.f_code.co_filename

@@ -45,7 +45,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 def _demo_run(args: argparse.Namespace) -> int:
     from ampguard.runlog import RunFolderError, TelemetryError
 
-    if args.precision == "fp8":  # ampguard.demo.fp8: one process, needs torchao
+    entry = precisions.REGISTRY.get(args.precision)  # None: "auto"
+    if entry is not None and entry.hook is not None:  # a converted model: the plan demo (fp8)
         from ampguard.cli._fp8 import demo_fp8
 
         return demo_fp8(args)

@@ -17,11 +17,12 @@ __all__ = ["FULL", "LOW_DTYPES", "MAX", "REPLAYABLE", "TINY"]
 
 
 def _finfo(attribute: str) -> dict[str, float]:
-    return {
-        name: float(getattr(torch.finfo(dtype_of(entry.low_dtype)), attribute))
-        for name, entry in REGISTRY.items()
-        if entry.low_dtype is not None
-    }
+    out = {}
+    for name, entry in REGISTRY.items():
+        dtype = dtype_of(entry.low_dtype)
+        if dtype is not None:
+            out[name] = float(getattr(torch.finfo(dtype), attribute))
+    return out
 
 
 MAX = _finfo("max")
