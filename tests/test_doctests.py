@@ -25,7 +25,7 @@ import ampguard as ag
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampguard"
 # Docstrings (doctest names) whose examples need what a doctest cannot build here.
 SKIP = {
-    "ampguard.forensics._locate.locate": "needs a model that overflows in fp16 (tests/test_forensics)",
+    "ampguard.forensics._locate.locate": "needs a model that overflows in fp16",
     "ampguard.forensics.autocast_coverage.coverage": "needs a model with an escaped module",
     "ampguard.checkpoint.distributed": "needs a torch.distributed process group",
     "ampguard.distributed.hooks": "needs a DDP model in a process group",
