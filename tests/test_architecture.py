@@ -37,12 +37,12 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"__main__"},  # and the old-path shims (see is_shim)
 ]
-SHIM_DOC = "kept because the README documented it"  # tools/restructure.py writes it
+SHIM_DOC = "Deprecated old import path"  # the first words of an old-path shim's docstring
 # Units that must not import torch, directly or through anything they import.
 TORCH_FREE = {"_util", "findings", "precisions", "runlog", "lint", "rules", "reporting"}
 LINT_MAY_IMPORT = {"_util", "findings", "lint"}
 # Cycles between modules of one package, each hidden behind an import inside a function.
-# Known debt (issue 14): break them, then delete the line. A cycle that contains none of these
+# Known debt: break them, then delete the line. A cycle that contains none of these
 # fails (one that grows a known cycle is the same debt, and passes).
 KNOWN_MODULE_CYCLES: list[set[str]] = []
 
@@ -357,9 +357,12 @@ def test_type_checking_block_names_every_export():
 )
 def test_import_paths_the_readme_documents_still_work(path, name):
     import importlib
+    import warnings
 
     try:
-        module = importlib.import_module(path)
+        with warnings.catch_warnings():  # the old-path shims warn (tests/test_old_paths.py)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = importlib.import_module(path)
     except ImportError as exc:  # an optional framework (the extra) is not installed
         pytest.skip(str(exc))
     assert callable(getattr(module, name))
@@ -380,3 +383,80 @@ def test_every_precision_hook_is_importable_by_the_guard():
         hook_rank = rank(unit(module) or "")
         assert hook_rank is not None and hook_rank < guard_rank, f"{entry.name}: {entry.hook}"
         assert callable(entry.load_hook()), entry.hook
+
+
+# ---- package __init__ files hold imports only -------------------------------------------------
+
+# Package __init__ files that still hold code, with who moves it; delete the line when it moved.
+PENDING_INIT: dict[str, str] = {
+    "fp8": "the low-precision plan's code, moved by its owner",
+    "lint.rules": "the RULES registry (moves with the lint rule registration)",
+}
+
+
+def init_violations(source: str, *, facade: bool = False) -> list[str]:
+    """Statements of an ``__init__.py`` other than its docstring, imports and ``__all__``.
+
+    The top ``ampguard/__init__.py`` (``facade``) may also hold ``if TYPE_CHECKING:`` import
+    blocks, the lazy ``__getattr__`` / ``__dir__`` and the ``_EXPORTS`` / ``__version__`` they read.
+    """
+    facade_names = {"_EXPORTS", "__version__"}
+    bad = []
+    for i, node in enumerate(ast.parse(source).body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the module docstring
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign | ast.AugAssign)
+            else []
+        )
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
+        if targets and names == {"__all__"}:
+            continue
+        if facade and targets and names <= facade_names:
+            continue
+        if (
+            facade
+            and isinstance(node, ast.If)
+            and getattr(node.test, "id", None) == "TYPE_CHECKING"
+            and all(isinstance(n, ast.Import | ast.ImportFrom) for n in node.body)
+            and not node.orelse
+        ):
+            continue
+        if facade and isinstance(node, ast.FunctionDef) and node.name in {"__getattr__", "__dir__"}:
+            continue
+        bad.append(f"line {node.lineno}: {type(node).__name__}")
+    return bad
+
+
+def test_a_synthetic_init_with_code_fails():
+    clean = '"""Doc."""\nfrom a import b\nimport c\n__all__ = ["b"]\n__all__ += ["c"]\n'
+    assert init_violations(clean) == []
+    assert init_violations(clean + "X = 1\n") == ["line 6: Assign"]
+    assert init_violations(clean + "def f():\n    pass\n") == ["line 6: FunctionDef"]
+    assert init_violations(clean + "class C:\n    pass\n") == ["line 6: ClassDef"]
+    lazy = (
+        "from typing import TYPE_CHECKING\n_EXPORTS = {}\n"
+        "if TYPE_CHECKING:\n    from a import b as b\n"
+        "def __getattr__(name):\n    return name\n"
+    )
+    assert init_violations(lazy, facade=True) == []
+    # only the top facade may be lazy, and its TYPE_CHECKING block holds imports only
+    assert init_violations(lazy) == ["line 2: Assign", "line 3: If", "line 5: FunctionDef"]
+    assert init_violations("if TYPE_CHECKING:\n    X = 1\n", facade=True) == ["line 1: If"]
+
+
+def test_every_package_init_holds_only_imports():
+    found = {}
+    for path in sorted(SRC.rglob("__init__.py")):
+        package = ".".join(path.parent.relative_to(SRC).parts)
+        bad = init_violations(path.read_text(encoding="utf-8"), facade=package == "")
+        if bad:
+            found[package or "ampguard"] = bad
+    assert {p: b for p, b in found.items() if p not in PENDING_INIT} == {}
+    # a package that was moved leaves the pending list
+    assert sorted(set(PENDING_INIT) - set(found)) == []

@@ -1,5 +1,5 @@
-"""Every CLI user error is one line on stderr and exit status 2, never a traceback (issue 13,
-item 3); an exception raised by the user's own factory is shown as theirs, marked, exit 1."""
+"""Every CLI user error is one line on stderr and exit status 2, never a traceback; an
+exception raised by the user's own factory is shown as theirs, marked, exit 1."""
 
 from __future__ import annotations
 

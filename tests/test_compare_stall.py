@@ -1,4 +1,4 @@
-"""compare's silent_stall verdict (issue 22 item 7): fp16 finite throughout, its loss far above
+"""compare's silent_stall verdict: fp16 finite throughout, its loss far above
 fp32's at the same applied steps, the per-layer evidence from locate; healthy and loud runs keep
 their verdicts. Real training runs with real fp16 autocast on CPU."""
 

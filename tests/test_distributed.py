@@ -592,7 +592,8 @@ def test_consensus_adds_no_host_sync(world_of_one, fused):
 
 
 def test_desync_finding_states_the_fix_once():
-    from ampguard.distributed import _DESYNC_FIX, DesyncError
+    from ampguard.distributed import DesyncError
+    from ampguard.distributed._errors import DESYNC_FIX as _DESYNC_FIX
 
     err = DesyncError(
         f"audit at step 3: rank 1 differs. scale: 0=1.0, 1=2.0. Fix: {_DESYNC_FIX}",

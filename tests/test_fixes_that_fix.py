@@ -1,4 +1,4 @@
-"""Fixes that fix (issue 24 item 4): locate checks the keep_fp32 it advises, names an eps that
+"""Fixes that fix: locate checks the keep_fp32 it advises, names an eps that
 fp16 cannot hold, and the advisor claims only what it probed."""
 
 from __future__ import annotations

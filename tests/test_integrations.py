@@ -486,7 +486,7 @@ def test_mlflow_sink_takes_a_path_and_leaves_a_users_setting_alone(tmp_path, mon
         MlflowSink(tracking_uri=tmp_path / "other")
 
 
-# ---------------------------------------------------------------------- issue 12: grad norm
+# ---------------------------------------------------------------------- attach mode: grad norm
 CLIP = 0.01  # well below every norm here: a post-clip record would sit at 0.01
 
 
@@ -607,7 +607,7 @@ def test_guard_grad_norm_and_record_are_the_pre_clip_norm(tmp_path):
     _assert_pre_clip(_recorded_norms(tmp_path), [float(n) for n in expected])
 
 
-# ---------------------------------------------------------------------- issue 12: AG122, AG110
+# ---------------------------------------------------------------------- attach mode: AG122, AG110
 @pytest.mark.filterwarnings("ignore:You passed `Trainer:UserWarning")  # Lightning's own notice
 def test_lightning_16_mixed_switched_to_bf16_on_cpu_reports_ag122(tmp_path):
     pytest.importorskip("lightning")

@@ -1,5 +1,5 @@
 """keep_fp32 takes module classes as well as name globs, and AG320's advice uses them, so it
-covers every BatchNorm of a resnet-like model instead of listing 8 of 20 (issue 24 item 7)."""
+covers every BatchNorm of a resnet-like model instead of listing 8 of 20."""
 
 from __future__ import annotations
 

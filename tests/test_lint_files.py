@@ -1,4 +1,4 @@
-"""Lint reads regular files only (issue 13, item 4): a FIFO named x.py never blocks, a symlink to
+"""Lint reads regular files only: a FIFO named x.py never blocks, a symlink to
 /dev/zero is never read, symlink loops end, and a file over the size cap is an AG200 finding."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""locate's optimizer phase and poisoned buffers (issue 22 items 3 and 4): a .half() model whose
+"""locate's optimizer phase and poisoned buffers: a .half() model whose
 Adam eps underflows, bf16 weights whose updates round away, BatchNorm statistics poisoned by
 this batch's fp16 forward vs state broken before the step. Real fp16/bf16 weights, real Adam,
 real BatchNorm, CPU autocast."""

@@ -1,4 +1,4 @@
-"""Forensics replays the step that failed (issue 24 item 2): the RNG state is captured when the
+"""Forensics replays the step that failed: the RNG state is captured when the
 forward starts and the replay starts from it, so dropout draws the failing step's mask; a replay
 that does not reproduce the logged non-finite loss says so."""
 

@@ -1,4 +1,4 @@
-"""The report at scale (issue 13, item 7) and verbatim layer names (item 2): the log is streamed
+"""The report at scale and verbatim layer names (item 2): the log is streamed
 into compact columns, the plots draw a bounded number of points, spikes stay visible, and a
 '$...$' in a layer name is text, not math."""
 

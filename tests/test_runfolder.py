@@ -1,4 +1,4 @@
-"""The run-folder schema (issue 13, item 1): a malformed line is skipped with one warning naming
+"""The run-folder schema: a malformed line is skipped with one warning naming
 file, line and field; an unusable meta.json / findings.json is one clear error naming the file;
 no reader raises a raw KeyError / TypeError / ValueError / RecursionError."""
 

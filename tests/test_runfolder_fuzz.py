@@ -1,4 +1,4 @@
-"""Fuzz (issue 13, item 1): random and mutated records through the readers, the rules, the
+"""Fuzz: random and mutated records through the readers, the rules, the
 summary and the report. The only exception allowed is RunFolderError (an unusable meta.json);
 a bad line is a warning, never a KeyError / TypeError / ValueError / RecursionError."""
 

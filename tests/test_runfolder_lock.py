@@ -1,4 +1,4 @@
-"""One run folder, one writer (issue 23, item 8): a lock file with the pid, stale locks taken
+"""One run folder, one writer: a lock file with the pid, stale locks taken
 over, a clear error for a second writer, released on close."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ag.inspect_model looks inside modules (issue 22 item 6): an fp16 op that overflows inside a
+"""ag.inspect_model looks inside modules: an fp16 op that overflows inside a
 module whose output is in range (AG361), and a sigmoid feeding a BCE whose probabilities round
 to exactly 0/1 in fp16 (AG362). Real fp16 autocast on the CPU; a firing and a silent case each.
 """

@@ -1,4 +1,4 @@
-"""Update stagnation at runtime (issue 22 item 3): bf16 weights whose Adam updates are below half
+"""Update stagnation at runtime: bf16 weights whose Adam updates are below half
 an ulp get AG175 naming the layers; bf16 weights with updates that fit, fp32 master weights and
 skipped windows do not. Real bf16 weights, real Adam/SGD, real autocast on CPU."""
 

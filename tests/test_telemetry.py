@@ -491,7 +491,7 @@ def test_a_telemetry_serves_one_guard(tmp_path):
 
 
 def test_findings_without_telemetry_say_the_rules_need_it():
-    model, opt, guard = make_guard(None)  # issue 24: no error, an empty list and a warning
+    model, opt, guard = make_guard(None)  # without telemetry: no error, an empty list and a warning
     with pytest.warns(RuntimeWarning, match="telemetry=RUN_DIR"):
         assert guard.findings() == []
 

@@ -1,4 +1,4 @@
-"""The run log on a full or read-only disk, and checkpoints beside it (issue 23, items 2-3).
+"""The run log on a full or read-only disk, and checkpoints beside it.
 
 Real small tmpfs mounts (the machine runs tests as root); skipped cleanly where mount fails.
 """

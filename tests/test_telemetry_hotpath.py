@@ -109,7 +109,7 @@ def test_a_plain_cpu_step_moves_no_data(tmp_path):
 
 def test_a_plain_device_step_costs_one_copy(tmp_path, monkeypatch):
     # where the scale lives on a device (no host view), the step copies it: one op
-    monkeypatch.setattr("ampguard.telemetry.host_view", lambda t: None)
+    monkeypatch.setattr("ampguard.telemetry._telemetry.host_view", lambda t: None)
     assert _plain_step_ops(tmp_path) == ["aten.detach.default", "aten.copy_.default"]
 
 

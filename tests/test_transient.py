@@ -1,5 +1,5 @@
 """A confirmed overflow on a few isolated steps that never recurs is a warning that explains
-itself, not an error demanding a change (issue 24 item 8)."""
+itself, not an error demanding a change."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """docs/troubleshooting.md walks the planted-eps case (a hand-written norm whose eps underflows
 in fp16) from the symptom to a fix that removes every skip: run its code blocks as written and
-check what the page says they do (issue 24, "Done when")."""
+check what the page says they do."""
 
 from __future__ import annotations
 

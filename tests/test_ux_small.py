@@ -1,4 +1,4 @@
-"""Small UX items of issue 24 (item 12): --version, a missing run folder, warnings that point
+"""Small UX items: --version, a missing run folder, warnings that point
 at the user's line, findings() without telemetry, a short run's heatmap, integer step ticks."""
 
 from __future__ import annotations

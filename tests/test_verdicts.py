@@ -1,4 +1,4 @@
-"""Verdicts that agree (issue 22 item 5): a ScaleCollapseError after forensics found the value
+"""Verdicts that agree: a ScaleCollapseError after forensics found the value
 non-finite in fp32 too advises no bf16 / keep_fp32; a real fp16 overflow names its module; the
 run-log rules' fix follows the recorded verdict; an absorbed overflow never advises raising the
 loss scale. Real fp16 autocast on CPU, real Guard runs."""
@@ -142,7 +142,7 @@ def test_a_model_bug_verdict_rewrites_the_gradient_advice_too():
 def test_an_absorbed_overflow_verdict_never_advises_a_larger_loss_scale():
     under = make("AG106", "layer 'fc' underflows", step=3)
     absorbed = make(
-        "AG" + "360",  # issue 22 item 1's code (spelled so the catalogue check skips it here)
+        "AG" + "360",  # the absorbed-overflow code (spelled so the catalogue check skips it here)
         "absorbed",
         step=2,
         evidence={"kind": "fp16_overflow_absorbed", "module": "norm", "phase": "forward"},

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampguard.checkpoint import _validate as _v
+from ampguard.checkpoint import _validate
 from ampguard.checkpoint._files import CheckpointError
 
 __all__ = ["check_sharded", "digests", "verify_files", "check_rng_info"]
@@ -171,4 +171,4 @@ def check_rng_info(info: Any, group: Any, target: Path) -> None:
             "tensor; nothing was loaded"
         )
     cuda = state.get("cuda")
-    _v.check_rng({"cpu": state["cpu"], "cuda": None if cuda is None else [cuda]}, target)
+    _validate.check_rng({"cpu": state["cpu"], "cuda": None if cuda is None else [cuda]}, target)

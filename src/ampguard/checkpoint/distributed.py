@@ -40,11 +40,9 @@ import torch.distributed as dist
 
 from ampguard._util.atomic import fsync_dir
 from ampguard._util.stack import user_stacklevel
-from ampguard.checkpoint import _dist_checks as _dc
-from ampguard.checkpoint import _dist_peers as _dp
-from ampguard.checkpoint import _load, _save_with_crc, save_checkpoint
-from ampguard.checkpoint import _validate as _v
+from ampguard.checkpoint import _dist_checks, _dist_peers, _validate
 from ampguard.checkpoint._files import CheckpointError, atomic_write, verify_zip
+from ampguard.checkpoint._single import _load, _save_with_crc, save_checkpoint
 from ampguard.distributed import fsdp_modules
 from ampguard.distributed._peers import is_comm_error
 
@@ -68,9 +66,9 @@ def save_distributed_checkpoint(
     ranks if the write failed on any, or if a peer failed (its ``__cause__`` is the
     :class:`~ampguard.distributed.PeerFailureError` naming the ranks; every wait is at most
     ``peer_timeout``). Cost: the audit's host sync, one gather of RNG states, and the writes."""
-    group = _dp.group_of(guard)
+    group = _dist_peers.group_of(guard)
     target = Path(path)
-    with _dp.bounded(guard, target, "saving the distributed checkpoint"):
+    with _dist_peers.bounded(guard, target, "saving the distributed checkpoint"):
         _audit(guard, "checkpoint")
         rngs = _gather_rng(group)
         if fsdp_modules(model):
@@ -114,10 +112,10 @@ def load_distributed_checkpoint(
     Cost: one gather of the path, reading the checkpoint, one CRC-32 pass over it shared among
     the ranks, then the audit's host sync.
     """
-    group = _dp.group_of(guard)
+    group = _dist_peers.group_of(guard)
     target = Path(path)
-    with _dp.bounded(guard, target, "loading the distributed checkpoint"):
-        _dp.same_path(group, target)  # first, before any read: every rank is here
+    with _dist_peers.bounded(guard, target, "loading the distributed checkpoint"):
+        _dist_peers.same_path(group, target)  # first, before any read: every rank is here
         if fsdp_modules(model):
             extra, info = _load_sharded(
                 _resolve(target), model, _opts(optimizer), guard, scheduler, group
@@ -131,7 +129,7 @@ def load_distributed_checkpoint(
                     guard=guard,
                     scheduler=scheduler,
                     rng=False,
-                    check_extra=lambda e: _dc.check_rng_info(e.get(_KEY), group, target),
+                    check_extra=lambda e: _dist_checks.check_rng_info(e.get(_KEY), group, target),
                 )
             )
             info = extra.pop(_KEY, None)
@@ -172,7 +170,8 @@ def _save_sharded(
         raise CheckpointError(f"{target}: sharded write failed: {exc}") from exc
 
     def finish() -> None:
-        meta["files"] = _dc.digests(tmp)  # every rank's shards are written: dcp.save synced
+        # every rank's shards are written: dcp.save synced
+        meta["files"] = _dist_checks.digests(tmp)
         atomic_write(tmp / _META, lambda f: _save_with_crc(meta, f))
         _swap_in(tmp, target)
 
@@ -195,14 +194,14 @@ def _load_sharded(
         metadata, meta = _check_metadata(target), _read_meta(target)
     except CheckpointError as exc:  # raised on every rank by verify_files: none is left waiting
         local, meta = exc, {}
-    _dc.verify_files(target, meta.get("files"), group, local)
+    _dist_checks.verify_files(target, meta.get("files"), group, local)
     msd, osd = _state(model, opts)
     tensors, plain = _split(msd, osd)
     # ---- check everything before DCP reads into the live tensors
-    _dc.check_sharded(target, metadata, meta, tensors, plain, bool(opts))
+    _dist_checks.check_sharded(target, metadata, meta, tensors, plain, bool(opts))
     sched_state = meta.get("scheduler") if scheduler is not None else None
     if sched_state is not None:
-        _v.check_scheduler(scheduler, sched_state, target)
+        _validate.check_scheduler(scheduler, sched_state, target)
     plan = None
     if guard is not None and meta.get("guard") is not None:
         try:
@@ -211,8 +210,8 @@ def _load_sharded(
             raise CheckpointError(
                 f"{target}: its Guard state does not fit this Guard: {exc}; nothing was loaded"
             ) from exc
-    extra = _v.check_extra(meta.get("extra"), target)
-    _dc.check_rng_info(meta.get(_KEY), group, target)
+    extra = _validate.check_extra(meta.get("extra"), target)
+    _dist_checks.check_rng_info(meta.get(_KEY), group, target)
     # ---- commit
     try:
         dcp.load(tensors, checkpoint_id=str(target), process_group=group)

@@ -23,7 +23,7 @@ def report_args(p: argparse.ArgumentParser) -> None:
 
 
 def report_run(args: argparse.Namespace) -> int:
-    from ampguard.reporting import _analyse, _need_matplotlib, _write, summary_text
+    from ampguard.reporting._report import _analyse, _need_matplotlib, _write, summary_text
 
     try:
         if not args.no_html:

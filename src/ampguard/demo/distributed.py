@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ampguard._util.checks import check_int
 from ampguard.checkpoint.distributed import save_distributed_checkpoint
 from ampguard.core.scaler import ScalerConfig
-from ampguard.demo import build_model
+from ampguard.demo._run import build_model
 from ampguard.demo.data import DemoData, make_data
 from ampguard.distributed.hooks import register_nonfinite_safe_hook
 from ampguard.guard import Guard

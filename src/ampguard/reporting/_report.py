@@ -1,0 +1,84 @@
+"""The report and summary of a run folder: the rules over its log, the HTML page, the text."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from ampguard import rules, runlog
+from ampguard._util.atomic import write_text
+from ampguard.findings import Finding
+from ampguard.reporting.html import render
+from ampguard.reporting.summary import run_facts, summary_text
+
+__all__ = ["report", "summary", "print_summary"]
+
+
+def _analyse(
+    run_dir: str | os.PathLike,
+    config: rules.RuleConfig | None,
+) -> tuple[runlog.RunLog, list[Finding], dict[str, list[int]], dict[str, Any]]:
+    run = runlog.load_run(run_dir)
+    found = rules.evaluate(run, config)
+    causes = rules.skip_causes(run, config)
+    return run, found, causes, run_facts(run, causes)
+
+
+def _save_findings(run: runlog.RunLog, found: list[Finding]) -> None:
+    runlog.write_json_atomic(run.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
+
+
+def report(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None) -> Path:
+    """Write ``run_dir/report.html`` (self-contained, opens offline) and ``findings.json``.
+
+    ``config`` overrides the rule thresholds. Returns the report's path. Raises ``ValueError``
+    (``ampguard.runlog.RunFolderError``, naming the file) when ``run_dir`` is not a usable run
+    folder. Needs matplotlib (``pip install 'ampguard[report]'``).
+    """
+    _need_matplotlib()
+    return _write(*_analyse(run_dir, config))
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "ampguard.reporting needs matplotlib: pip install 'ampguard[report]'"
+        ) from exc
+
+
+def _write(
+    run: runlog.RunLog, found: list[Finding], causes: dict[str, list[int]], facts: dict[str, object]
+) -> Path:
+    """findings.json and report.html of an analysed run (what :func:`report` does after the
+    analysis; the CLI calls it to read the log once for the summary and the page)."""
+    import matplotlib
+
+    from ampguard.reporting.plots import FIGURES
+
+    _save_findings(run, found)
+    with matplotlib.rc_context({"text.usetex": False}):  # user text is never LaTeX
+        figures = [(title, make(run)) for _, title, make in FIGURES]
+    page = render(run, found, facts, causes, figures)
+    target = run.run_dir / runlog.REPORT
+    write_text(target, page)
+    return target
+
+
+def summary(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None) -> str:
+    """The terminal summary of ``run_dir``: findings with fixes first, then skips and scale."""
+    run, found, _causes, facts = _analyse(run_dir, config)
+    return summary_text(run, found, facts)
+
+
+def print_summary(
+    run_dir: str | os.PathLike,
+    file: TextIO | None = None,
+    *,
+    config: rules.RuleConfig | None = None,
+) -> None:
+    """Print :func:`summary` to ``file`` (stdout by default)."""
+    print(summary(run_dir, config=config), file=file or sys.stdout)
