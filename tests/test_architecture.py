@@ -388,10 +388,7 @@ def test_every_precision_hook_is_importable_by_the_guard():
 # ---- package __init__ files hold imports only -------------------------------------------------
 
 # Package __init__ files that still hold code, with who moves it; delete the line when it moved.
-PENDING_INIT: dict[str, str] = {
-    "fp8": "the low-precision plan's code, moved by its owner",
-    "lint.rules": "the RULES registry (moves with the lint rule registration)",
-}
+PENDING_INIT: dict[str, str] = {}
 
 
 def init_violations(source: str, *, facade: bool = False) -> list[str]:

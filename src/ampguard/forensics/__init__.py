@@ -37,7 +37,6 @@ the op; in backward, the module whose forward created the autograd node that pro
 """
 
 from ampguard.forensics._diagnosis import CODES, KINDS, Diagnosis
-from ampguard.forensics._limits import MAX as _MAX  # noqa: F401  (read by the Guard's scans)
 from ampguard.forensics._locate import locate
 
 __all__ = ["Diagnosis", "locate", "KINDS", "CODES"]

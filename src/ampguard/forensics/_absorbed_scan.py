@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampguard.forensics import _MAX, Diagnosis
+from ampguard.forensics._diagnosis import Diagnosis
+from ampguard.forensics._limits import MAX
 from ampguard.forensics._optrace import LOW, OpTrace, is_new, op_info
 
 __all__ = ["SCAN_EVERY", "scan_every", "diagnose_absorbed"]
@@ -55,7 +56,7 @@ def diagnose_absorbed(trace: OpTrace, precision: str, scale: float) -> Diagnosis
             ),
             None,
         )
-        limit = _MAX.get(precision, math.inf)
+        limit = MAX.get(precision, math.inf)
         source = "scanned training step (fp32 rerun of this op only)"
         info = op_info(e, row, shadow, scale=scale, precision=precision, limit=limit, source=source)
         info["absorbed_by"] = (

@@ -12,7 +12,8 @@ import torch
 
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding, make
-from ampguard.forensics import _MAX, Diagnosis
+from ampguard.forensics._diagnosis import Diagnosis
+from ampguard.forensics._limits import MAX
 from ampguard.forensics._optrace import LOW, OpEvent, OpTrace, is_new, op_info
 from ampguard.forensics.islands import match_modules
 
@@ -81,7 +82,7 @@ def diagnose_trace(
     )
     if e is None or row is None:
         return _untraced(rows, precision, scale)
-    limit = _MAX.get(precision, math.inf)
+    limit = MAX.get(precision, math.inf)
     shadow = trace.shadow.get(e.index)
     source = "armed training step (fp32 rerun of this op only)"
     info = op_info(e, row, shadow, scale=scale, precision=precision, limit=limit, source=source)

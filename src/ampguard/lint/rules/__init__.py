@@ -5,9 +5,6 @@ here."""
 from __future__ import annotations
 
 from ampguard.lint.rules._base import Context, Rule
-from ampguard.lint.rules._registry import discover
+from ampguard.lint.rules._registry import RULES
 
 __all__ = ["RULES", "Context", "Rule"]
-
-RULES: dict[str, Rule] = discover()
-"""Every lint rule by code (``AG200``, ``AG201``, ...), in code order."""

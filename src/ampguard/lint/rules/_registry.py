@@ -14,7 +14,7 @@ import pkgutil
 
 from ampguard.lint.rules._base import Rule
 
-__all__ = ["discover"]
+__all__ = ["RULES", "discover"]
 
 
 def discover(package: str = __package__ or "ampguard.lint.rules") -> dict[str, Rule]:
@@ -42,3 +42,7 @@ def discover(package: str = __package__ or "ampguard.lint.rules") -> dict[str, R
             found[rule.code] = rule
             where[rule.code] = module.__name__
     return dict(sorted(found.items()))
+
+
+RULES: dict[str, Rule] = discover()
+"""Every lint rule by code (``AG200``, ``AG201``, ...), in code order."""
