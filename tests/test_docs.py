@@ -110,10 +110,11 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_command_as_written()
     assert test_command.startswith("python -m pytest")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert f"\n{test_command}\n" in ci  # CI runs it exactly as the README writes it
-    quick = re.search(r'`(python -m pytest -q -m "not slow")`', setup)
+    quick = re.search(r'`(python -m pytest -q -m "not slow" -n 2)`', setup)
     assert quick is not None  # the quick tier is offered, and the marker it names is registered
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert '"slow: ' in pyproject and "--strict-markers" in pyproject
+    assert '"pytest-xdist==' in pyproject  # what -n needs is in the dev extra
 
 
 def test_readme_run_folders_match_the_demo_default():

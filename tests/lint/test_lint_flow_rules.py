@@ -163,6 +163,41 @@ def test_unrelated_flags_never_change_the_order_findings(parts: list, flags: lis
     assert found(_program(parts, sorted(flags))) == found(_program(parts, []))
 
 
+# A path set holding both ``{}`` (the loop's first iteration: nothing ran yet) and
+# ``{use_fp16: False}`` (later iterations, after the ``else`` branch's steps) reaches the same
+# ``if use_fp16:`` test: splitting ``{}`` on it lands on ``{use_fp16: False}`` too, and both states
+# must be joined there. Overwriting one with the other drops the first iteration's path, which is
+# what an unrelated ``if cfg.flag:`` (whose merge joins the two states first) used to reveal.
+_FIRST_ITERATION = """
+import torch
+scaler = torch.amp.GradScaler()
+
+def train(cfg, use_fp16):
+    for x in loader:
+{flag}        if use_fp16:
+            pass
+        else:
+            scaler.step(opt)
+            scaler.scale(loss).backward()
+        opt.step()
+"""
+
+
+def test_a_test_seen_with_and_without_its_assumption_keeps_both_paths() -> None:
+    def found(flag: str) -> list[tuple[str, str, int]]:
+        source = _FIRST_ITERATION.format(flag=flag)
+        return sorted(
+            (f.code, f.message, f.line - flag.count("\n"))
+            for f in lint_source(source, "train.py", select="AG201,AG202,AG204,AG200")
+        )
+
+    plain = found("")
+    assert plain == found("        if cfg.flag:\n            x = x.flip(0)\n")
+    # the first iteration reaches ``scaler.step(opt)`` before any ``opt.step()``; every later
+    # one right after the previous iteration's ``opt.step()``, with no backward in between
+    assert [(code, line) for code, _, line in plain] == [("AG202", 10), ("AG204", 10)]
+
+
 def test_ag213_says_when_a_per_step_sync_is_logged_only_every_n_steps() -> None:
     [found] = [f for f in _lint("ag213_real_fire.py") if f.evidence["unit"] == "train_gpt"]
     assert "on every training step" in found.message

@@ -248,17 +248,28 @@ class Interpreter:
         )
 
     def _split(self, state: Paths, fixed: tuple[str, bool]) -> tuple[Paths | None, Paths | None]:
+        """The paths that enter each branch of a fixed test, each set holding its assumption.
+
+        Sets that differ only in this test land on one set: ``{A}`` (a path that has not read the
+        test yet, as on a loop's first iteration) and ``{A, x}`` both enter the ``x`` branch as
+        ``{A, x}``, so their states are joined there, never one put in place of the other (that
+        would drop a path that reaches the branch).
+        """
         key, value = fixed
         yes: Paths = {}
         no: Paths = {}
+
+        def add(side: Paths, facts: frozenset, analysis_state: Any) -> None:
+            side[facts] = self._merge(side.get(facts), analysis_state)
+
         for facts, analysis_state in state.items():
             if (key, value) in facts:
-                yes[facts] = analysis_state
+                add(yes, facts, analysis_state)
             elif (key, not value) in facts:
-                no[facts] = analysis_state
+                add(no, facts, analysis_state)
             else:
-                yes[facts | {(key, value)}] = analysis_state
-                no[facts | {(key, not value)}] = analysis_state
+                add(yes, facts | {(key, value)}, analysis_state)
+                add(no, facts | {(key, not value)}, analysis_state)
         return self._pjoin(yes), self._pjoin(no)
 
     def _loop(self, stmt: Any, state: Paths | None, env: Env) -> _Out:

@@ -45,3 +45,12 @@ def correlated(loss, use_amp):
         optimizer.step()
     if use_amp:
         scaler.update()
+
+
+def deferred_step(loader):
+    for i, x in enumerate(loader):
+        if i > 0:  # the previous batch's gradients, stepped once
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        scaler.scale(g(x).sum()).backward()

@@ -60,7 +60,9 @@ class _DoubleStepAnalysis:
     A second step fires when the first one ran on every path (must), or on some path while the
     second is no more conditional than the first (its ``if`` conditions are a prefix of the
     first's), as in ``if amp: scaler.step(opt) ... opt.step()``. Steps in correlated or exclusive
-    branches (``if amp: scaler.step(opt)`` / ``if not amp: opt.step()``) never fire.
+    branches (``if amp: scaler.step(opt)`` / ``if not amp: opt.step()``) never fire. A loop's
+    body is judged once more from what an iteration leaves, so a step that follows the previous
+    iteration's with no backward in between fires even where the first iteration skips it.
     """
 
     def __init__(self, ctx: Context) -> None:
@@ -121,13 +123,23 @@ class _DoubleStepAnalysis:
 
 
 def _run(
-    ctx: Context, analysis: _ClipAnalysis | _DoubleStepAnalysis, start: object
+    ctx: Context,
+    analysis: _ClipAnalysis | _DoubleStepAnalysis,
+    start: object,
+    carried: bool = False,
 ) -> Iterator[Finding]:
+    """Each unit from ``start``; with ``carried``, each of its loops' bodies again from the state
+    one iteration leaves (what the next one starts with: the first iteration's state is not
+    joined in, so a step that follows the previous iteration's is judged on those paths alone)."""
     extractor = events(ctx)
+    model = ctx.model
     for unit in flow_units(ctx):
         before = set(analysis.found)
         try:
             Interpreter(extractor, analysis).body(unit.body, start, record=True)
+            for loop in model.loops if carried else ():
+                if (model.function_of(loop) or model.tree) is unit:
+                    _next_iteration(Interpreter(extractor, analysis), loop, start)
         except OutOfBudget as error:
             for key in set(analysis.found) - before:
                 del analysis.found[key]
@@ -135,12 +147,22 @@ def _run(
     yield from analysis.found.values()
 
 
+def _next_iteration(
+    interp: Interpreter, loop: ast.For | ast.AsyncFor | ast.While, start: object
+) -> None:
+    """Judge ``loop``'s body once more, entered with what one iteration leaves (its own budget:
+    the body was already interpreted within the unit's, from more paths)."""
+    back = interp.join(*interp.body(loop.body, start, record=False))
+    if back is not None:
+        interp.body(loop.body, back, record=True)
+
+
 def _check_clip(ctx: Context) -> Iterator[Finding]:
     return _run(ctx, _ClipAnalysis(ctx), frozenset())
 
 
 def _check_double(ctx: Context) -> Iterator[Finding]:
-    return _run(ctx, _DoubleStepAnalysis(ctx), (frozenset(), frozenset()))
+    return _run(ctx, _DoubleStepAnalysis(ctx), (frozenset(), frozenset()), carried=True)
 
 
 AG201 = Rule.from_code(
