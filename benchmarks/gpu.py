@@ -154,7 +154,7 @@ def guard_loop(
 
     def step() -> None:
         if armed:
-            guard._forensics._armed = ARM_STEPS
+            guard._state.forensics.arm(ARM_STEPS)  # the Guard's own forensics, kept armed
         with guard.autocast():
             loss = lm_loss(model(x), y)
         guard.backward(loss)

@@ -125,6 +125,11 @@ class GuardForensics:
         self._rng: dict[str, Any] | None = None  # RNG as the latest forward started (replays)
 
     # ------------------------------------------------------------------ Guard hooks
+    def arm(self, steps: int = ARM_STEPS) -> None:
+        """Trace the next ``steps`` windows op by op, as after an overflow (benchmarks use it to
+        measure armed forensics). No host sync."""
+        self._armed = max(self._armed, steps)
+
     def check_replay(self, batch: Any, loss_fn: Any) -> None:
         """``Guard.step(batch=, loss_fn=)``: both or neither, and a callable loss_fn."""
         if (batch is None) != (loss_fn is None) or (loss_fn is not None and not callable(loss_fn)):
