@@ -17,7 +17,7 @@ from ampguard.precisions import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "ampguard"
-NAMES = frozenset({"fp16", "bf16", "fp32", "fp8"})
+NAMES = frozenset(REGISTRY)  # every registered name: a comparison with any is caught
 
 
 # ---------------------------------------------------------------------- the registry's facts
@@ -47,7 +47,9 @@ def test_audit_codes_are_unique_and_stable():
 
 
 def test_requests_are_auto_then_every_entry():
-    assert precisions.requests() == ("auto", "fp16", "bf16", "fp32", "fp8")
+    # the first entries keep their order; a new precision is appended
+    assert precisions.requests()[:5] == ("auto", "fp16", "bf16", "fp32", "fp8")
+    assert precisions.requests() == ("auto", *REGISTRY)
     assert precisions.names(watchable=True) == ("fp16", "bf16", "fp32")
 
 
@@ -61,7 +63,9 @@ def test_entry_facts():
 
 
 def test_watched_as_and_labels():
-    assert [precisions.watched_as(n) for n in REGISTRY] == ["fp16", "bf16", "fp32", "bf16"]
+    watched = {n: precisions.watched_as(n) for n in ("fp16", "bf16", "fp32", "fp8")}
+    assert watched == {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp8": "bf16"}
+    assert all(precisions.watched_as(n) in precisions.names(watchable=True) for n in REGISTRY)
     assert [precisions.label(d) for d in ("float16", "bfloat16", "float32", "float64")] == [
         "fp16",
         "bf16",

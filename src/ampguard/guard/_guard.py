@@ -48,7 +48,7 @@ from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding
 from ampguard.forensics._live import check as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
-from ampguard.fp8._convert import Fp8State
+from ampguard.fp8._conversion import Conversion
 from ampguard.guard import _flags, _fp8, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
@@ -266,7 +266,7 @@ class Guard:
         return self._state.policy.precision
 
     @property
-    def fp8(self) -> Fp8State | None:
+    def fp8(self) -> Conversion | None:
         """Under precision="fp8": ``.layers`` (converted to fp8), ``.kept`` (left in bf16),
         ``.recipe``, ``.emulated``, ``.plan``; else None."""
         return self._state.fp8
