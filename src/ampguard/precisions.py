@@ -162,6 +162,17 @@ REGISTRY: dict[str, Precision] = {
             watchable=False,
             hook="ampguard.fp8._block:Mxfp8",
         ),
+        Precision(
+            name="nvfp4",
+            summary="bf16 autocast; the Linear layers that fit train in NVFP4 (emulated)",
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",  # a scale per block of 16 and one per tensor
+            needs_bf16=True,
+            audit_code=5,
+            watchable=False,
+            hook="ampguard.fp8._block:Nvfp4",
+        ),
     )
 }
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ampguard.fp8._conversion import Conversion, Rescues
     from ampguard.fp8._stats import Fp8Log, WindowClock
 
-__all__ = ["BlockScaled", "Mxfp8"]
+__all__ = ["BlockScaled", "Mxfp8", "Nvfp4"]
 
 _warned: set[str] = set()  # formats whose emulation was announced in this process
 
@@ -197,6 +197,12 @@ class Mxfp8(BlockScaled):
     """MXFP8: e4m3 values (e5m2 gradients), an e8m0 scale per 32 along the reduction."""
 
     format = "mxfp8"
+
+
+class Nvfp4(BlockScaled):
+    """NVFP4: e2m1 values, an e4m3 scale per 16 and an fp32 scale per tensor."""
+
+    format = "nvfp4"
 
 
 def _checked_plan(plan: Any, fmt: str, model: nn.Module) -> Any:
