@@ -78,7 +78,8 @@ class EmulatedLinear(nn.Linear):
     lowp_format: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else x.dtype
+        device = x.device.type  # is_autocast_enabled() without it asks about CUDA only
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
             y = _LowpMatmul.apply(x, self.weight, self.lowp_format)
             if self.bias is not None:
