@@ -17,7 +17,7 @@ from ampguard.precisions import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "ampguard"
-NAMES = frozenset({"fp16", "bf16", "fp32", "fp8"})
+NAMES = frozenset(REGISTRY)  # every registered name: a comparison with any is caught
 
 
 # ---------------------------------------------------------------------- the registry's facts
@@ -47,7 +47,9 @@ def test_audit_codes_are_unique_and_stable():
 
 
 def test_requests_are_auto_then_every_entry():
-    assert precisions.requests() == ("auto", "fp16", "bf16", "fp32", "fp8")
+    # the first entries keep their order; a new precision is appended
+    assert precisions.requests()[:5] == ("auto", "fp16", "bf16", "fp32", "fp8")
+    assert precisions.requests() == ("auto", *REGISTRY)
     assert precisions.names(watchable=True) == ("fp16", "bf16", "fp32")
 
 
@@ -61,7 +63,9 @@ def test_entry_facts():
 
 
 def test_watched_as_and_labels():
-    assert [precisions.watched_as(n) for n in REGISTRY] == ["fp16", "bf16", "fp32", "bf16"]
+    watched = {n: precisions.watched_as(n) for n in ("fp16", "bf16", "fp32", "fp8")}
+    assert watched == {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp8": "bf16"}
+    assert all(precisions.watched_as(n) in precisions.names(watchable=True) for n in REGISTRY)
     assert [precisions.label(d) for d in ("float16", "bfloat16", "float32", "float64")] == [
         "fp16",
         "bf16",
@@ -169,13 +173,9 @@ def test_the_fp16_range_rules_judge_an_entry_by_its_dtype(monkeypatch):
 
 
 # ---------------------------------------------------------------------- no string comparisons
-# Files that still compare with a precision name; their owners are moving them onto the
-# registry, and each entry goes when that lands (the test below fails on a stale entry too).
-ALLOWED = {
-    "cli/__init__.py",
-    "experiments/__init__.py",
-    "forensics/__init__.py",
-}
+# Files allowed to compare with a precision name (none: every comparison reads the registry; an
+# entry added while code moves must go when it lands, the test below fails on a stale entry).
+ALLOWED: set[str] = set()
 # lint reads the user's code: its "fp16"/"bf16" are the kinds of the user's torch dtypes and
 # framework flags (``bf16=True``), not ampguard's precisions.
 NOT_PRECISIONS = ("lint/",)

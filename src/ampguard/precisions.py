@@ -151,6 +151,28 @@ REGISTRY: dict[str, Precision] = {
             hook="ampguard.fp8._convert:Fp8State",
             extra="fp8",
         ),
+        Precision(
+            name="mxfp8",
+            summary="bf16 autocast; the Linear layers that fit train in MXFP8 (emulated)",
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",  # a scale per block of 32
+            needs_bf16=True,
+            audit_code=4,
+            watchable=False,
+            hook="ampguard.fp8._block:Mxfp8",
+        ),
+        Precision(
+            name="nvfp4",
+            summary="bf16 autocast; the Linear layers that fit train in NVFP4 (emulated)",
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",  # a scale per block of 16 and one per tensor
+            needs_bf16=True,
+            audit_code=5,
+            watchable=False,
+            hook="ampguard.fp8._block:Nvfp4",
+        ),
     )
 }
 

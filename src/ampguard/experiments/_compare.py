@@ -19,6 +19,7 @@ from ampguard.experiments._results import Comparison, Experiment, VariantResult
 from ampguard.experiments._variants import (
     BASELINE,
     FIXED_SCALE,
+    LOWP_REFERENCE,
     PRECISION_OF,
     VARIANTS,
     fresh,
@@ -115,7 +116,7 @@ def _check_args(factory: Any, steps: Any, variants: Any, scaler: Any) -> list[st
     if unknown:
         raise ValueError(f"variants must be names from {known}, got unknown {unknown}")
     fp8 = any(v in _fp8.FP8_VARIANTS or v in _lowp.LOWP_VARIANTS for v in variants)  # bf16: ref
-    chosen = [n for n in known if n == BASELINE or n in variants or (fp8 and n == "bf16")]
+    chosen = [n for n in known if n == BASELINE or n in variants or (fp8 and n == LOWP_REFERENCE)]
     if len(chosen) < 2:
         raise ValueError("variants must name at least one variant besides the fp32 baseline")
     return chosen
@@ -133,8 +134,6 @@ def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) ->
     """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
     from ampguard.fp8._torchao import require_torchao
 
-    if any(n in _lowp.LOWP_VARIANTS for n in names):
-        require_torchao()  # missing torchao: one clear error before any variant runs
     if not any(n in _fp8.FP8_VARIANTS for n in names):
         return None
     require_torchao()

@@ -26,6 +26,7 @@ from ampguard.precisions import REGISTRY
 __all__ = [
     "BASELINE",
     "FIXED_SCALE",
+    "LOWP_REFERENCE",
     "PRECISION_OF",
     "VARIANTS",
     "fresh",
@@ -50,6 +51,12 @@ PRECISION_OF: dict[str, str] = {
 }
 """The registered precision each of :data:`VARIANTS` trains in (its facts decide the Guard)."""
 BASELINE = next(n for n, p in PRECISION_OF.items() if REGISTRY[p].is_full)  # "fp32"
+# the variant the fp8 and block-scaled variants are judged against: plain bf16 autocast
+LOWP_REFERENCE = next(
+    n
+    for n, p in PRECISION_OF.items()
+    if REGISTRY[p].autocast_only and REGISTRY[p].autocast_dtype == "bfloat16"
+)
 NO_SCALER = "fp16_noscaler"  # the plain loop: autocast without a Guard or a loss scaler
 _PLAIN_DTYPE = dtype_of(REGISTRY[PRECISION_OF[NO_SCALER]].autocast_dtype)
 FIXED_SCALE = 64.0

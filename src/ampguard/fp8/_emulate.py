@@ -1,8 +1,11 @@
 """Train ``nn.Linear`` layers in a block-scaled format (MXFP8, NVFP4) by emulation, on any device.
 
 Every matmul of the layer sees its operands as the format stores them, quantised along the
-matmul's reduction dimension with torchao's own quantisers (:mod:`ampguard.fp8._formats`), and
-runs in float32 on the dequantised values: the numerics of training in the format, not its speed.
+matmul's reduction dimension, and runs in float32 on the dequantised values: the numerics of
+training in the format, not its speed. The casts are the plan's (:data:`ampguard.fp8._quant.CASTS`,
+plain torch, tested bitwise equal to torchao's ``MXTensor.to_mx`` / ``NVFP4Tensor.to_nvfp4``),
+so emulation needs no torchao; one difference: a tensor that is all zeros (an operand whose
+per-tensor NVFP4 scale would be 0, and torchao's cast NaN) quantises to zeros.
 
 ==========  ==============================  =========================================
 matmul      operands                        quantised along (block of the format)
@@ -14,7 +17,9 @@ weight grad ``g``, ``x``                    the rows of the batch (zero-padded t
 
 :func:`emulate` changes the class of the chosen layers (the module objects, their parameters and
 the optimizer state stay), so :func:`restore` undoes it exactly. ``ag.compare`` variants
-``mxfp8`` / ``nvfp4`` train with it under bf16 autocast.
+``mxfp8`` / ``nvfp4`` train with it under bf16 autocast, and so do the Guard's precisions of the
+same names (:mod:`ampguard.fp8._block`). Cost per matmul: about ten elementwise passes per
+operand cast, no host sync.
 """
 
 from __future__ import annotations
@@ -27,18 +32,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampguard.fp8._formats import FORMATS, LowpFormat
+from ampguard.fp8._operand import Operand
+from ampguard.fp8._quant import CASTS
 
 __all__ = ["EmulatedLinear", "emulate", "restore"]
 
 
 def _q(t: torch.Tensor, fmt: LowpFormat, role: str) -> torch.Tensor:
-    """``t`` (2-D, float32) quantised along its last dimension, padded to whole blocks."""
+    """``t`` (2-D, float32) quantised along its last dimension, padded to whole blocks; an
+    all-zero ``t`` gives zeros (a NaN in ``t`` stays NaN). No host sync."""
     width = t.shape[-1]
     block = max(fmt.block, fmt.multiple)
     pad = -width % block
     if pad:
         t = F.pad(t, (0, pad))
-    return fmt.quantize(t.contiguous(), role)[0][..., :width]
+    op = Operand(t)
+    q = CASTS[fmt.name](op, role).q  # in op's own scratch buffer: not shared with anything
+    return q.masked_fill_(op.amax == 0, 0.0)[..., :width]
 
 
 class _LowpMatmul(torch.autograd.Function):
@@ -68,7 +78,8 @@ class EmulatedLinear(nn.Linear):
     lowp_format: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else x.dtype
+        device = x.device.type  # is_autocast_enabled() without it asks about CUDA only
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(x.device.type, enabled=False):
             y = _LowpMatmul.apply(x, self.weight, self.lowp_format)
             if self.bias is not None:
@@ -84,7 +95,6 @@ def emulate(
     if fmt not in FORMATS:
         raise ValueError(f"unknown low-precision format {fmt!r}: one of {tuple(FORMATS)}")
     spec = FORMATS[fmt]
-    spec.quantize(torch.zeros(1, max(spec.block, spec.multiple)), "input")  # torchao present?
     chosen = []
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear or not spec.shape_ok(mod.in_features, mod.out_features):

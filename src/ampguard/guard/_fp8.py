@@ -1,11 +1,13 @@
-"""The Guard's precision conversion (fp8): built through the registry entry's hook.
+"""The Guard's precision conversion: built through the registry entry's hook.
 
 A precision whose registry entry names a conversion hook (``Precision.hook``; fp8's is
-:class:`ampguard.fp8._convert.Fp8State`) gets it here, as ``hook(model, device, plan)``: the plan
-is checked, torchao imported and the layers chosen, without touching the model (the Guard
-converts them last, so a constructor that raises leaves the model as it was). When the
-conversion chose no layer, nothing would compute in fp8: the Guard trains in :data:`UNCONVERTED`
-(bf16) and says so, ``guard.precision == "bf16"`` (the run log records ``precision: "bf16"``,
+:class:`ampguard.fp8._convert.Fp8State`, mxfp8's and nvfp4's
+:class:`ampguard.fp8._block.BlockScaled`) gets it here, as ``hook(model, device, plan)``, typed
+as :class:`ampguard.fp8._conversion.Conversion` (what the Guard uses of it): the plan is
+checked and the layers chosen, without touching the model (the Guard converts them last, so a
+constructor that raises leaves the model as it was). When the conversion chose no layer,
+nothing would compute in the format: the Guard trains in :data:`UNCONVERTED` (bf16) and says
+so, ``guard.precision == "bf16"`` (the run log records ``precision: "bf16"``,
 ``requested_precision: "fp8"``), with a ``RuntimeWarning``.
 """
 
@@ -19,7 +21,7 @@ import torch
 from ampguard import precisions
 from ampguard._util.stack import user_stacklevel
 from ampguard.core.policy import PrecisionPolicy, resolve_precision
-from ampguard.fp8._convert import Fp8State
+from ampguard.fp8._conversion import Conversion
 
 __all__ = ["UNCONVERTED", "attach"]
 
@@ -32,7 +34,7 @@ def attach(
     model: torch.nn.Module,
     device: torch.device,
     plan: Any,
-) -> tuple[Fp8State | None, PrecisionPolicy]:
+) -> tuple[Conversion | None, PrecisionPolicy]:
     """The conversion of ``policy``'s precision (None when it has no hook) and the precision the
     Guard trains in. ``ValueError`` for an ``fp8_plan`` given to a precision without one."""
     hook = policy.entry.load_hook()
@@ -44,7 +46,7 @@ def attach(
                 f"got precision={requested!r}"
             )
         return None, policy
-    conversion: Fp8State = hook(model, device, plan)
+    conversion: Conversion = hook(model, device, plan)
     if conversion.chosen:
         return conversion, policy
     # before telemetry records the precision: say what runs, not what was asked

@@ -48,7 +48,7 @@ from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding
 from ampguard.forensics._live import check as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
-from ampguard.fp8._convert import Fp8State
+from ampguard.fp8._conversion import Conversion
 from ampguard.guard import _flags, _fp8, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
@@ -87,9 +87,11 @@ class Guard:
     Args:
         model: The ``torch.nn.Module`` being trained; its parameters must be the optimizers'.
         optimizer: One ``torch.optim.Optimizer`` or a list of them (one step flag each).
-        precision: ``"auto"`` (bf16 where the device supports it, else fp16), ``"fp16"``
-            (with a dynamic loss scaler), ``"bf16"``, ``"fp32"`` or ``"fp8"`` (torchao float8
-            linears, see ``fp8_plan``).
+        precision: ``"auto"`` (bf16 where the device supports it, else fp16) or a name in
+            ``ampguard.precisions.REGISTRY``: ``"fp16"`` (with a dynamic loss scaler),
+            ``"bf16"``, ``"fp32"``, ``"fp8"`` (torchao float8 linears, see ``fp8_plan``),
+            ``"mxfp8"`` or ``"nvfp4"`` (block-scaled linears, emulated: their numerics, not
+            their speed).
         scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
             ``on_collapse``); used only when the precision resolves to fp16.
         accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
@@ -261,12 +263,12 @@ class Guard:
     # ------------------------------------------------------------------ public properties
     @property
     def precision(self) -> str:
-        """The resolved precision now ("fp16" | "bf16" | "fp32" | "fp8"); changes after a
+        """The resolved precision now (a name in ``ampguard.precisions.REGISTRY``); changes after a
         fallback."""
         return self._state.policy.precision
 
     @property
-    def fp8(self) -> Fp8State | None:
+    def fp8(self) -> Conversion | None:
         """Under precision="fp8": ``.layers`` (converted to fp8), ``.kept`` (left in bf16),
         ``.recipe``, ``.emulated``, ``.plan``; else None."""
         return self._state.fp8

@@ -21,7 +21,7 @@ from ampguard.core.results import Counters, StepResult
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import ScalerConfig
 from ampguard.distributed import DistributedState
-from ampguard.fp8._convert import Fp8State
+from ampguard.fp8._conversion import Conversion
 from ampguard.guard._forensics import GuardForensics
 from ampguard.telemetry import Telemetry
 
@@ -51,7 +51,7 @@ class StepState:
     telemetry: Telemetry | None = None
     dist: DistributedState | None = None
     forensics: GuardForensics | None = None
-    fp8: Fp8State | None = None
+    fp8: Conversion | None = None
     # the counters
     steps: int = 0  # windows completed
     micro: int = 0  # micro-batches into the window in progress

@@ -97,8 +97,8 @@ class TelemetrySource(Protocol):
 
     @property
     def precision(self) -> str:
-        """The precision now ("fp16" | "bf16" | "fp32" | "fp8"). Read at attach, on_fallback
-        and on_resume."""
+        """The precision now (a name in ``ampguard.precisions.REGISTRY``). Read at attach,
+        on_fallback and on_resume."""
         ...
 
     @property
