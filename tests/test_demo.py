@@ -58,3 +58,38 @@ def test_cli_demo_rejects_a_bad_step_count_as_a_usage_error(capsys):
         main(["demo", "--steps", "0"])
     assert exit_info.value.code == 2
     assert "--steps: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_precision_without_a_loss_scale_prints_no_scale_history(tmp_path):
+    # bf16 (and mxfp8, nvfp4) have no loss scale: the summary says so instead of "1 -> 1" and an
+    # empty list of recent scales, and a skip is not "scale backed off"
+    from ampguard.demo._run import DemoResult, summary
+
+    common = dict(
+        steps=10,
+        spike_steps=(4,),
+        scale_start=1.0,
+        scale_end=1.0,
+        scale_min=1.0,
+        loss_before=1.0,
+        loss_after=0.5,
+        seconds=1.0,
+        run_dir=tmp_path,
+        checkpoint=tmp_path / "c.pt",
+        diagnostics={
+            "scale_changes": 0,
+            "consecutive_skips": 0,
+            "microbatches_dropped": 0,
+            "fallbacks": [],
+            "last_scales": [],
+        },
+    )
+    text = summary(DemoResult(precision="bf16", skipped=[4], **common))
+    assert "loss scale:        none (bf16 needs no loss scale)" in text
+    assert (
+        "step 4: outlier batch (inputs x4096): non-finite gradients in bf16; step skipped\n" in text
+    )
+    assert "last scales" not in text and "backed off" not in text and "1 -> 1" not in text
+    scaled = summary(DemoResult(precision="fp16", skipped=[4], **common))
+    assert "loss scale:        1 -> 1 (lowest after a skip: 1)" in scaled
+    assert "last scales (step: scale)" in scaled and "scale backed off" in scaled

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ampguard import precisions
 from ampguard._util.checks import check_int
 from ampguard.checkpoint import save_checkpoint
 from ampguard.core.scaler import ScalerConfig
@@ -166,20 +167,33 @@ def summary(r: DemoResult) -> str:
         f"  eval loss (fp32):  {r.loss_before:.4f} -> {r.loss_after:.4f}",
         f"  skipped steps:     {len(r.skipped)} of {r.steps}",
     ]
+    scaled = precisions.REGISTRY[r.precision].needs_scaler
     for first, last in _runs(r.skipped):
         span = f"step {first}" if first == last else f"steps {first}-{last}"
+        if not scaled:
+            where = "outlier batch (inputs x4096): " if first in r.spike_steps else ""
+            lines.append(f"    {span}: {where}non-finite gradients in {r.precision}; step skipped")
+            continue
         cause = (
-            "outlier batch (inputs x4096): non-finite gradients in fp16"
+            f"outlier batch (inputs x4096): non-finite gradients in {r.precision}"
             if first in r.spike_steps
             else "gradients overflowed at the current loss scale"
         )
         lines.append(f"    {span}: {cause}; step skipped, scale backed off")
-    lines.append(
-        f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
-        f"(lowest after a skip: {r.scale_min:g})"
-    )
+    if scaled:
+        lines.append(
+            f"  loss scale:        {r.scale_start:g} -> {r.scale_end:g} "
+            f"(lowest after a skip: {r.scale_min:g})"
+        )
+    else:
+        lines.append(f"  loss scale:        none ({r.precision} needs no loss scale)")
     d = r.diagnostics
-    if d:
+    if d and not scaled:
+        lines.append(
+            f"  diagnostics:       {d['consecutive_skips']} consecutive skips now, "
+            f"{d['microbatches_dropped']} micro-batches dropped"
+        )
+    elif d:
         recent = ", ".join(f"{e['step']}: {e['scale']:g}" for e in d["last_scales"][-4:])
         fallbacks = (
             "; ".join(f"{f['from']} -> {f['to']} at step {f['step']}" for f in d["fallbacks"])
