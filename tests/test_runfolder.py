@@ -5,6 +5,7 @@ no reader raises a raw KeyError / TypeError / ValueError / RecursionError."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -313,3 +314,17 @@ def test_deeply_nested_evidence_or_meta_fields_are_dropped_not_recursed(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         assert ag.report(folder).exists()
+
+
+def test_the_resume_read_refuses_a_fifo_in_place_of_the_event_log(tmp_path):
+    # a resuming run reads the last step record from the end of the log: a FIFO there must be one
+    # error naming the file, not a read that waits for a writer forever
+    from ampguard.runlog import RunFolderError, last_step_record
+
+    fifo = tmp_path / "steps.jsonl"
+    try:
+        os.mkfifo(fifo)
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"no FIFO here: {exc}")
+    with pytest.raises(RunFolderError, match=r"steps\.jsonl is a FIFO \(named pipe\)"):
+        last_step_record(fifo)

@@ -22,7 +22,14 @@ from ampguard.runlog._schema import (
     coverage_ok,
 )
 
-__all__ = ["iter_lines", "read_json_file", "read_meta", "read_findings", "read_coverage"]
+__all__ = [
+    "iter_lines",
+    "open_regular",
+    "read_json_file",
+    "read_meta",
+    "read_findings",
+    "read_coverage",
+]
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
@@ -31,7 +38,7 @@ def iter_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
     ``complete`` is False for a last line without its newline (a writer killed mid-append).
     Raises :class:`RunFolderError` when the file cannot be opened as a regular file.
     """
-    fh = _open_regular(path)
+    fh = open_regular(path)
     with fh:
         for number, line in enumerate(fh, start=1):
             complete = line.endswith(b"\n")
@@ -39,7 +46,7 @@ def iter_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
                 yield number, line, complete
 
 
-def _open_regular(path: str | os.PathLike, buffering: int = 1 << 20) -> Any:
+def open_regular(path: str | os.PathLike, buffering: int = 1 << 20) -> Any:
     """``path`` opened for reading in binary mode, if it is a regular file.
 
     Opened non-blocking (as lint's sources are: a FIFO in place of the file must not stall the
@@ -82,7 +89,7 @@ def read_json_file(path: str | os.PathLike) -> Any:
     if path.is_dir():
         raise RunFolderError(f"{path} is a folder, not a JSON file")
     try:
-        with _open_regular(path, buffering=-1) as fh:
+        with open_regular(path, buffering=-1) as fh:
             return json.loads(fh.read())
     except RunFolderError:
         raise

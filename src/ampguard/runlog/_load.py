@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ampguard.runlog._files import read_json_file, read_meta
+from ampguard.runlog._files import open_regular, read_json_file, read_meta
 from ampguard.runlog._names import EVENTS, META
 from ampguard.runlog._read import read_columns
 from ampguard.runlog._schema import RunFolderError, check_record, parse_line
@@ -30,12 +30,13 @@ def read_json(path: str | os.PathLike) -> Any:
 def last_step_record(path: str | os.PathLike, at_most: int | None = None) -> dict[str, Any] | None:
     """The last complete step record of an event log (reads from the end), or ``None``.
 
-    With ``at_most``, the last one whose step is ``<= at_most``.
+    With ``at_most``, the last one whose step is ``<= at_most``. A log that is not a regular file
+    (a FIFO in its place must not stall a resuming run) is a :class:`RunFolderError` naming it.
     """
     path = Path(path)
     if not path.exists():
         return None
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         size = fh.seek(0, os.SEEK_END)
         block = 65536
         while True:
