@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.fp8._convert import _check_plan_shapes
+from ampguard.fp8._convert import check_plan_shapes
 from ampguard.fp8._emulate import EmulatedLinear, emulate, restore
 from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._modules import unconvertible
@@ -228,7 +228,7 @@ def _checked_plan(plan: Any, fmt: str, model: nn.Module) -> Any:
             f"fp8_plan was made for another model: its layers {unknown[:5]} "
             "are not Linear layers of this model"
         )
-    _check_plan_shapes(plan, linears)
+    check_plan_shapes(plan, linears)
     return plan
 
 

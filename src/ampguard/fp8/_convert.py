@@ -39,6 +39,7 @@ __all__ = [
     "Fp8State",
     "eligible",
     "has_fp8_matmul",
+    "check_plan_shapes",
     "TORCHAO_PIN",
 ]
 
@@ -93,7 +94,7 @@ class Fp8State:
                     f"fp8_plan was made for another model: its layers {unknown[:5]} "
                     "are not Linear layers of this model"
                 )
-            _check_plan_shapes(plan, linears)
+            check_plan_shapes(plan, linears)
         self._device = device
         self.emulated = not has_fp8_matmul(device)
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
@@ -253,7 +254,7 @@ class Fp8State:
         return found
 
 
-def _check_plan_shapes(plan: Any, linears: dict[str, nn.Linear]) -> None:
+def check_plan_shapes(plan: Any, linears: dict[str, nn.Linear]) -> None:
     """``ValueError`` when a layer of the plan has another (in, out) shape in this model: the
     plan measured another model whose layer names happen to overlap."""
     differ = []
