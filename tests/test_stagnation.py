@@ -95,3 +95,60 @@ def test_lost_updates_counts_exactly_on_real_bf16_rounding():
     assert lost_updates([p], [before], [grad]).tolist() == [[1, 3]]
     probe = StagnationProbe(nn.Linear(2, 2), [p])
     assert probe.layers == ["(not in model)"]
+
+
+# ---------------------------------------------------------------- attach mode (ag.watch)
+def watched_loop(tmp_path, lr: float, steps: int = 3, scaler=None, fused: bool = False):
+    """A plain bf16-weight loop observed by ag.watch: the probe hooks the optimizer's step."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=lr, fused=fused)
+    gen = torch.Generator().manual_seed(1)
+    with ag.watch(scaler, model, opt, telemetry=tmp_path / "run", precision="bf16") as w:
+        for _ in range(steps):
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
+            loss = F.mse_loss(model(x.bfloat16()).float(), y)
+            w.record_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        found = w.findings()
+    return w, found
+
+
+def test_watch_names_bf16_weights_whose_updates_round_away(tmp_path):
+    watch, found = watched_loop(tmp_path, lr=1e-5)
+    (finding,) = [f for f in found if f.code == "AG175"]
+    assert finding.evidence["samples"] == 1  # the first window is sampled, the next two are not
+    assert finding.evidence["layers"]["0"]["share"] >= 0.9
+    assert watch.stagnation is not None and watch.stagnation.layers[0] == "0"
+    # and it reached findings.json, so `ampguard report` shows it
+    assert "AG175" in (tmp_path / "run" / "findings.json").read_text()
+
+
+def test_watch_is_silent_on_bf16_updates_that_fit_and_on_fp32_weights(tmp_path):
+    _, found = watched_loop(tmp_path, lr=5e-2)
+    assert "AG175" not in [f.code for f in found]
+    model = mlp(torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    with ag.watch(None, model, opt, telemetry=tmp_path / "fp32", precision="fp32") as w:
+        assert w.stagnation is None  # fp32 master weights: nothing is sampled, nothing costs
+
+
+@pytest.mark.parametrize("overflow", [True, False])
+def test_watch_counts_no_update_for_a_step_a_fused_optimizer_skipped(tmp_path, overflow):
+    # GradScaler steps a fused optimizer even on an overflow (the kernel skips): the found_inf
+    # flag it lends the optimizer keeps the untouched weights from reading as rounded away
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    with ag.watch(scaler, model, opt, telemetry=tmp_path / "run") as w:
+        loss = model(torch.randn(16, 32).bfloat16()).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if overflow:
+            model[2].weight.grad.view(-1)[0] = float("nan")  # the one sampled window overflows
+        scaler.step(opt)
+        scaler.update()
+        assert w.stagnation is not None
+        intended = sum(s.moving for s in w.stagnation.shares())
+        assert (intended == 0) == overflow  # the applied window is counted, the skipped is not
+        assert ("AG175" in [f.code for f in w.findings()]) == (not overflow)

@@ -29,6 +29,8 @@ def attach_findings(watch: Any) -> list[Finding]:
         out.extend(_skip_flag_mismatch(watch, flags))
     if watch.policy.active:
         out.extend(_interventions(watch))
+    if watch.stagnation is not None:  # AG175: bf16/fp16 weights whose updates round away
+        out.extend(watch.stagnation.findings())
     return out
 
 

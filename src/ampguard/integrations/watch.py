@@ -45,6 +45,7 @@ from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.policy import device_of
 from ampguard.core.scaler import ScaleCollapseError
+from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
 from ampguard.integrations import _findings, _seam
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
@@ -185,6 +186,8 @@ class Watch:
             ]
             # the gradient sample is taken when backward ends: before the loop clips them
             self._backward_end = BackwardEnd(self.source.params, self._sample_after_backward)
+        self._update_window = 0  # the window of the optimizer step in progress
+        self._stagnation = self._watch_stagnation(model)
 
     # ------------------------------------------------------------------ public
     @property
@@ -207,6 +210,12 @@ class Watch:
         """Steps skipped for overflow so far. Cost: one host sync (flushes the telemetry)."""
         self.telemetry.flush()
         return sum(self.telemetry.skip_counts().values())
+
+    @property
+    def stagnation(self) -> StagnationProbe | None:
+        """The probe of bf16/fp16 weights whose updates round away (AG175), over the first
+        optimizer's parameters; ``None`` when they are all fp32 (then it costs nothing)."""
+        return self._stagnation
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this micro-batch's loss in a loop without a scaler. Cost: no host sync.
@@ -369,6 +378,34 @@ class Watch:
         self._interventions.add_(kinds.long())
         first = self._first_intervention
         first.copy_(torch.where(kinds & (first == 0), step, first))
+
+    def _watch_stagnation(self, model: torch.nn.Module) -> StagnationProbe | None:
+        """Sample the first optimizer's low-precision weights around its step (AG175, as the
+        Guard does). Only that optimizer's: the window is its step, and another optimizer's
+        weights would not have moved yet. Cost: nothing unless its weights are bf16/fp16; then
+        a copy of them before a sampled step and a count after it, no host sync."""
+        primary = self.optimizers[0]
+        probe = StagnationProbe.of(model, params_of([primary]))
+        if probe is not None:
+            self._hooks += [
+                primary.register_step_pre_hook(self._before_update),
+                primary.register_step_post_hook(self._after_update),
+            ]
+        return probe
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # the window is fixed here: the step may be recorded (and counted) before _after_update
+        self._update_window = self._done + 1
+        if self._stagnation is not None and not self._closed:
+            self._stagnation.before(self._update_window)
+
+    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        probe, window = self._stagnation, self._update_window
+        if probe is not None and probe.sampling(window):
+            # a fused optimizer stepped by a GradScaler skips inside its kernel: GradScaler lends
+            # it its found_inf flag for the step (a skipped window adds nothing; no sync)
+            found = getattr(optimizer, "found_inf", None)
+            probe.after(window, found.bool() if isinstance(found, torch.Tensor) else False)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._grads_from_hooks:
