@@ -754,7 +754,7 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
 }
 
 
-# ---------------------------------------------------------------------- issue 12 (step)
+# ---------------------------------------------------------------------- non-finite gradients (step)
 def fsdp2_bf16_nonfinite(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """FSDP2 in bf16; at window 2 one rank's local gradient shard gets a NaN: every rank must
     skip that window (the check is rank-local, the consensus makes it global)."""

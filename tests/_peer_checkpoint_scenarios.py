@@ -1,5 +1,5 @@
 """What each rank runs in tests/test_peer_checkpoints.py: failing peers around distributed
-checkpoints and around building the Guard's own group (issue 23, items 4 and 5).
+checkpoints and around building the Guard's own group.
 
 The scenarios are registered into :data:`_distributed_scenarios.SCENARIOS`; :func:`run_group`
 spawns ranks whose entry point is this module's, so they import these scenarios too.

@@ -1,4 +1,4 @@
-"""Issue 11's eight attacks on checkpoints, each asserting that a failure changes nothing.
+"""Eight attacks on checkpoints, each asserting that a failure changes nothing.
 
 Every load that raises must leave the model, the optimizer (state included), the scheduler, the
 Guard and the torch RNG bitwise as they were; every save that raises must leave the previous file

@@ -1,4 +1,4 @@
-"""Issue 11 for distributed checkpoints: a failed load changes nothing, a damaged shard never loads.
+"""Distributed checkpoints attacked: a failed load changes nothing, a damaged shard never loads.
 
 One gloo rank (a world of one) is enough: the checks run before any collective read, the same
 on every rank.

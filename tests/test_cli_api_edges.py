@@ -1,4 +1,4 @@
-"""Issue 23, item 9: CLI and API edges of fp8 (one clear error each, never a traceback or a
+"""CLI and API edges of fp8 (one clear error each, never a traceback or a
 verdict on nothing)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 23, item 10: the non-finite-skip bound with fused optimizers (its message, and its lazy
+"""The non-finite-skip bound with fused optimizers (its message, and its lazy
 read after a fallback), and two Guards on one model with overlapping windows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Low precision, round two: every format in the plan (tensorwise, rowwise, MXFP8, NVFP4 with
+"""The multi-format plan: every format in it (tensorwise, rowwise, MXFP8, NVFP4 with
 torchao's own quantisers), the per-layer recipe and its findings, on layers with planted
 outliers: an outlier feature channel, a heavy-tailed weight, a gradient spanning a huge range."""
 

@@ -1,4 +1,4 @@
-"""Issue 12, items 1-5 and 7: non-finite gradients never reach the weights in any precision, the
+"""Non-finite gradients never reach the weights in any precision, the
 bound on non-finite skips, misuse errors, ScalerConfig validation, non-finite loss records.
 Real bf16/fp16 autocast on CPU, real AdamW (plain and fused), real run folders."""
 

@@ -1,5 +1,5 @@
-"""Issue 12 under FSDP2 (2 real gloo ranks): a non-finite bf16 gradient shard on one rank makes
-every rank skip the window; the parameters stay finite and identical across ranks."""
+"""Non-finite gradients under FSDP2 (2 real gloo ranks): a non-finite bf16 gradient shard on
+one rank makes every rank skip the window; the parameters stay finite and identical across ranks."""
 
 import _distributed_scenarios as S
 import pytest

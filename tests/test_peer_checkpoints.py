@@ -1,4 +1,4 @@
-"""Issue 23, items 4-5: distributed checkpoints and the Guard's own group under failing peers.
+"""Distributed checkpoints and the Guard's own group under failing peers.
 
 Real gloo groups of 2 CPU ranks (tests/_peer_checkpoint_scenarios.py). Every wait is bounded by
 ``peer_timeout`` (1.5 s here) or, when it is not given, by the group's own timeout; a failure is

@@ -1,4 +1,4 @@
-"""Issue 23, items 6-7: the report reads fp8 records and ``meta.json["fp8"]`` through the schema,
+"""The report reads fp8 records and ``meta.json["fp8"]`` through the schema,
 and never blocks on a run folder whose files are FIFOs.
 
 One real fp8 run (torchao, emulated on CPU) is written once; each test copies it and damages one

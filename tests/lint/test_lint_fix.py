@@ -1,4 +1,4 @@
-"""``ampguard lint --fix`` / ``--diff`` (issue 25, item 10): every fixable rule by round trip (fix,
+"""``ampguard lint --fix`` / ``--diff``: every fixable rule by round trip (fix,
 re-lint, no finding of that rule, the rest of the file byte-identical), idempotence, what is left
 alone, and ``--diff`` writing nothing."""
 

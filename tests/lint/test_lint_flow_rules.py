@@ -1,4 +1,4 @@
-"""The flow rules on real-code shapes (issue 25): the path budget's note, AG213's frequency and
+"""The flow rules on real-code shapes: the path budget's note, AG213's frequency and
 helpers, AG206 fallbacks, AG205 per-dict findings, AG207 under a condition."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Output people can act on (issue 25, item 9): severity and fix in the text output, the code's
+"""Output people can act on: severity and fix in the text output, the code's
 own variable names in messages, ``--fail-on`` deciding the exit status, dangling symlinks named."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Project mode at speed (issue 25, item 8): over a detection repository's tree, project mode parses
+"""Project mode at speed: over a detection repository's tree, project mode parses
 each file once, costs at most 3x linting each file alone, and its shortcuts change no finding."""
 
 from __future__ import annotations

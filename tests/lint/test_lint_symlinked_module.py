@@ -1,4 +1,4 @@
-"""Issue 23, item 9: a symlink to a module that sorts before it does not take the module's name
+"""A symlink to a module that sorts before it does not take the module's name
 away: the file is linted once, under its real name, and project mode still resolves imports of it.
 """
 
