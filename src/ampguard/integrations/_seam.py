@@ -141,9 +141,10 @@ class WatchableScaler(Protocol):
         Called once at attach; may sync once."""
         ...
 
-    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(scale, growth tracker)``: the scaler's own device tensors that the guard features
-        correct in place after its update (only where :attr:`correctable`)."""
+        correct in place after its update; ``None`` for a scaler that keeps its own floor and
+        hysteresis (not :attr:`correctable`)."""
         ...
 
 

@@ -94,7 +94,7 @@ class TorchScaler:
             "growth_interval": scaler.get_growth_interval(),
         }
 
-    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.scaler._scale, self.scaler._growth_tracker
 
 

@@ -194,8 +194,8 @@ class LossScalerWatch:
     def describe(self) -> dict[str, Any]:
         return _describe(self.loss_scaler, self.scale())
 
-    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("DeepSpeed's loss scaler keeps its own floor and hysteresis")
+    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # DeepSpeed's loss scaler keeps its own floor and hysteresis
 
     def attach(self, listener: ScalerListener, watched: set[int]) -> None:
         def scale_loss(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -279,8 +279,8 @@ class EngineScaler:
             )
         return out
 
-    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("DeepSpeed keeps its own floor and hysteresis")
+    def guard_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # DeepSpeed keeps its own floor and hysteresis
 
     def attach(self, listener: ScalerListener, watched: set[int]) -> None:
         engine = self.engine

@@ -341,8 +341,11 @@ class Watch:
         """The step is over: record its flags (and, with guard features, correct the scale)."""
         step = self._done + 1
         status = self._status(outcome)
+        tensors = None
         if self._state is not None and self._scaler is not None and not outcome.manual:
-            scale, tracker = self._scaler.guard_tensors()
+            tensors = self._scaler.guard_tensors()  # None: the scaler keeps its own floor
+        if self._state is not None and tensors is not None:
+            scale, tracker = tensors
             before = outcome.scale_before
             collapse, kinds = self._state.apply(
                 scale,

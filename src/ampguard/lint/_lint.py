@@ -9,47 +9,18 @@ from functools import partial
 from ampguard._util.checks import check_bool
 from ampguard.findings import Finding
 from ampguard.lint._engine import (
-    DEFAULT_EXCLUDES,
     Options,
     iter_python_files,
     lint_bytes,
     make_options,
-    parse_codes,
     relaxed_gc,
 )
-from ampguard.lint._fix import FIXABLE, Fixed, decode, fix_text, unified_diff
-from ampguard.lint._output import (
-    FORMATS,
-    SEVERITIES,
-    failing,
-    format_findings,
-    sort_findings,
-    summary_line,
-)
+from ampguard.lint._fix import Fixed, decode, fix_text
+from ampguard.lint._output import sort_findings
 from ampguard.lint._project import Project
-from ampguard.lint._source import MAX_FILE_BYTES, read_source
-from ampguard.lint.rules import RULES, Rule
+from ampguard.lint._source import read_source
 
-__all__ = [
-    "DEFAULT_EXCLUDES",
-    "FIXABLE",
-    "FORMATS",
-    "Fixed",
-    "MAX_FILE_BYTES",
-    "RULES",
-    "SEVERITIES",
-    "Rule",
-    "failing",
-    "fix_paths",
-    "fix_source",
-    "format_findings",
-    "iter_python_files",
-    "lint_paths",
-    "lint_source",
-    "parse_codes",
-    "summary_line",
-    "unified_diff",
-]
+__all__ = ["fix_paths", "fix_source", "lint_paths", "lint_source"]
 
 Codes = str | Iterable[str] | None
 
