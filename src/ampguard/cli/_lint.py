@@ -74,22 +74,35 @@ def _codes(values: list[str] | None) -> list[str] | None:
     return [code for value in values for code in value.split(",")]
 
 
-def _diff(fixed: list) -> int:
-    from ampguard.lint import unified_diff
-
+def _not_fixed(fixed: list) -> list:
+    """One line per file that needs fixing but was not written; the ones that were."""
     for item in fixed:
-        sys.stdout.write(unified_diff(item))
-    count = sum(len(f.fixed) for f in fixed)
-    print(f"would fix {count} finding(s) in {len(fixed)} file(s)", file=sys.stderr)
+        if item.error is not None:
+            print(f"{item.path}: not fixed: {item.error} (the file is unchanged)", file=sys.stderr)
+    return [item for item in fixed if item.error is None]
+
+
+def _diff(fixed: list) -> int:
+    from ampguard.lint import unified_diff_bytes
+
+    shown = _not_fixed(fixed)
+    sys.stdout.flush()
+    for item in shown:  # the file's own bytes: a latin-1 file's diff applies to it
+        sys.stdout.buffer.write(unified_diff_bytes(item))
+    sys.stdout.buffer.flush()
+    count = sum(len(f.fixed) for f in shown)
+    print(f"would fix {count} finding(s) in {len(shown)} file(s)", file=sys.stderr)
     return 1 if fixed else 0
 
 
 def lint_run(args: argparse.Namespace) -> int:
     """Exit code 0: nothing at ``--fail-on`` severity or worse; 1: such findings; 2: usage error
-    (bad code, missing path). ``--fix`` writes the fixes first and judges what is left;
+    (bad code, missing path). ``--fix`` writes the fixes first and judges what is left (a file
+    it could not write is one ``path: not fixed: reason`` line on stderr and exit 1);
     ``--diff`` prints them and exits 1 when there is something to fix."""
     from ampguard.lint import failing, fix_paths, format_findings, lint_paths, summary_line
 
+    unfixed = 0  # files --fix had to leave unchanged: never exit 0 over them
     try:
         if args.fix or args.diff:
             fixed = fix_paths(
@@ -102,8 +115,10 @@ def lint_run(args: argparse.Namespace) -> int:
             )
             if args.diff:
                 return _diff(fixed)
-            count = sum(len(f.fixed) for f in fixed)
-            print(f"fixed {count} finding(s) in {len(fixed)} file(s)", file=sys.stderr)
+            written = _not_fixed(fixed)
+            count = sum(len(f.fixed) for f in written)
+            print(f"fixed {count} finding(s) in {len(written)} file(s)", file=sys.stderr)
+            unfixed = len(fixed) - len(written)
         findings = lint_paths(
             args.paths,
             select=_codes(args.select),
@@ -119,4 +134,4 @@ def lint_run(args: argparse.Namespace) -> int:
         sys.stdout.write(output)
     if findings and args.format == "text":
         print(summary_line(findings, args.fail_on), file=sys.stderr)
-    return 1 if failing(findings, args.fail_on) else 0
+    return 1 if failing(findings, args.fail_on) or unfixed else 0

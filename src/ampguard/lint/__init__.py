@@ -9,8 +9,9 @@ this package never imports torch, so it runs in pre-commit in a fraction of a se
 ['AG206']
 """
 
+from ampguard.lint._diff import unified_diff, unified_diff_bytes
 from ampguard.lint._engine import DEFAULT_EXCLUDES, iter_python_files, parse_codes
-from ampguard.lint._fix import FIXABLE, Fixed, unified_diff
+from ampguard.lint._fix import FIXABLE, Fixed
 from ampguard.lint._lint import fix_paths, fix_source, lint_paths, lint_source
 from ampguard.lint._output import FORMATS, SEVERITIES, failing, format_findings, summary_line
 from ampguard.lint._source import MAX_FILE_BYTES
@@ -35,4 +36,5 @@ __all__ = [
     "parse_codes",
     "summary_line",
     "unified_diff",
+    "unified_diff_bytes",
 ]

@@ -15,7 +15,7 @@ from functools import lru_cache
 from ampguard.findings import Finding
 from ampguard.lint._model import FileModel
 from ampguard.lint._project import Project
-from ampguard.lint._source import Parsed, noqa_codes, parse, syntax_finding
+from ampguard.lint._source import Parsed, noqa_codes, parse, physical_lines, syntax_finding
 from ampguard.lint.rules import RULES, Context
 
 __all__ = [
@@ -186,7 +186,7 @@ def _mentions(source: str | bytes, texts: tuple[tuple[str, ...], tuple[bytes, ..
 def _finish(findings: list[Finding], parsed: Parsed) -> list[Finding]:
     if not findings:
         return []
-    lines = parsed.text.splitlines()
+    lines = [line.rstrip("\r\n") for line in physical_lines(parsed.text)]
     out: dict[tuple, Finding] = {}
     for finding in findings:
         line = finding.line or 1

@@ -30,7 +30,6 @@ that does not overlap another, the next round picks up the rest).
 from __future__ import annotations
 
 import ast
-import difflib
 import io
 import re
 import tokenize
@@ -41,8 +40,9 @@ from ampguard.findings import Finding
 from ampguard.lint._engine import Options, lint_bytes
 from ampguard.lint._model import FileModel
 from ampguard.lint._names import CLIPS, DEPRECATED, dotted
+from ampguard.lint._source import physical_lines
 
-__all__ = ["FIXABLE", "MAX_ROUNDS", "Fixed", "decode", "fix_text", "unified_diff"]
+__all__ = ["FIXABLE", "MAX_ROUNDS", "Fixed", "decode", "fix_text"]
 
 FIXABLE = frozenset({"AG201", "AG204", "AG206", "AG208"})
 MAX_ROUNDS = 4
@@ -59,16 +59,34 @@ class _Edit:
 
 @dataclass
 class Fixed:
-    """The result of fixing one file: the new text and the findings the edits removed."""
+    """The result of fixing one file: the new text and the findings the edits removed.
+
+    ``encoding`` is the file's (``utf-8-sig`` keeps a BOM): :attr:`data` is what ``--fix``
+    writes. ``error`` is set, by :func:`~ampguard.lint.fix_paths`, for a file that needs fixing
+    but was not written (``"a symlink ..."``, ``"No space left on device"``, ``"it changed
+    while --fix ran ..."``): the file on disk is then unchanged.
+    """
 
     path: str
     original: str
     text: str
     fixed: list[Finding] = field(default_factory=list)
+    encoding: str = "utf-8"
+    error: str | None = None
 
     @property
     def changed(self) -> bool:
         return self.text != self.original
+
+    @property
+    def original_data(self) -> bytes:
+        """The file's bytes before the fix (``original`` in its own encoding)."""
+        return self.original.encode(self.encoding)
+
+    @property
+    def data(self) -> bytes:
+        """The bytes ``--fix`` writes (``text`` in the file's own encoding)."""
+        return self.text.encode(self.encoding)
 
 
 class _Source:
@@ -76,7 +94,7 @@ class _Source:
 
     def __init__(self, text: str) -> None:
         self.text = text
-        self.lines = text.splitlines(keepends=True)
+        self.lines = physical_lines(text)
         self.starts = [0]
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
@@ -106,8 +124,11 @@ class _Source:
         return not tail.strip() or tail.strip().startswith("#")
 
     def indent(self, stmt: ast.stmt) -> str:
+        """The statement's indentation, as a new line can repeat it: a form feed resets the
+        tokenizer's column, so only the blanks after the last one count."""
         line = self.lines[stmt.lineno - 1]
-        return line[: len(line) - len(line.lstrip())]
+        head = line[: self.offset(stmt.lineno, stmt.col_offset) - self.starts[stmt.lineno - 1]]
+        return head.rpartition("\x0c")[2]
 
 
 def fix_text(
@@ -123,9 +144,20 @@ def fix_text(
         edits, done = _edits(result.text, findings)
         if not edits:
             break
-        result.text = _apply(result.text, edits)
+        text = _apply(result.text, edits)
+        if not _parses(text):  # never hand back a file that no longer parses
+            break
+        result.text = text
         result.fixed.extend(done)
     return result
+
+
+def _parses(text: str) -> bool:
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
 
 
 def _apply(text: str, edits: list[_Edit]) -> str:
@@ -524,17 +556,3 @@ def decode(data: bytes) -> tuple[str, str]:
     ``utf-8-sig``, so encoding the fixed text back writes it again)."""
     encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
     return data.decode(encoding), encoding
-
-
-def unified_diff(fixed: Fixed) -> str:
-    """``--- path`` / ``+++ path`` unified diff of one fixed file ('' when unchanged)."""
-    if not fixed.changed:
-        return ""
-    return "".join(
-        difflib.unified_diff(
-            fixed.original.splitlines(keepends=True),
-            fixed.text.splitlines(keepends=True),
-            fromfile=f"a/{fixed.path}",
-            tofile=f"b/{fixed.path}",
-        )
-    )

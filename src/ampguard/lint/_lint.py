@@ -19,6 +19,7 @@ from ampguard.lint._fix import Fixed, decode, fix_text
 from ampguard.lint._output import sort_findings
 from ampguard.lint._project import Project
 from ampguard.lint._source import read_source
+from ampguard.lint._write import Snapshot, link_refusal, replace
 
 __all__ = ["fix_paths", "fix_source", "lint_paths", "lint_source"]
 
@@ -86,10 +87,18 @@ def fix_paths(
     project: bool = True,
 ) -> list[Fixed]:
     """Fix the files under ``paths`` (as :func:`lint_paths` finds them); returns one
-    :class:`Fixed` per file that changed. ``write=False`` changes nothing on disk (``--diff``).
+    :class:`Fixed` per file that needs fixing. ``write=False`` changes nothing on disk
+    (``--diff``).
 
-    A file is written back in its own encoding (a BOM stays) and newline style; files that
-    cannot be read or decoded are skipped (:func:`lint_paths` reports them as AG200).
+    A file is written back in its own encoding (a BOM stays) and newline style, through a
+    temporary file in its folder, fsync and ``os.replace``, keeping its mode and (where this
+    user may) its owner: it is either fully fixed or unchanged. A file that was not written
+    has ``Fixed.error`` set, and the others are still fixed: a symlink (never written through:
+    it may lead outside ``paths``), a read-only file (no write bit, or a read-only
+    filesystem), a full disk, or a file that changed since it was read (size, mtime, inode and
+    content hash are checked just before the rename). Files that cannot be read or decoded, or
+    whose bytes would not survive a decode and encode unchanged, are skipped
+    (:func:`lint_paths` reports the first two as AG200).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -104,22 +113,35 @@ def fix_paths(
     out: list[Fixed] = []
     with relaxed_gc():
         for path in files:
-            data = read_source(path)
-            if isinstance(data, Finding):
-                continue
-            try:
-                text, encoding = decode(data)
-            except (SyntaxError, UnicodeDecodeError, LookupError):
-                continue
-            fixed = fix_text(
-                text, path, options, partial(_lint_in, path=path, options=options, tree=tree)
-            )
-            if fixed.changed:
-                if write:
-                    with open(path, "wb") as handle:
-                        handle.write(fixed.text.encode(encoding))
+            fixed = _fix_one(path, write, options, tree)
+            if fixed is not None:
                 out.append(fixed)
     return out
+
+
+def _fix_one(path: str, write: bool, options: Options, tree: Project | None) -> Fixed | None:
+    data = read_source(path)
+    if isinstance(data, Finding):
+        return None
+    try:
+        snapshot = Snapshot.of(path, data)
+        text, encoding = decode(data)
+        if text.encode(encoding) != data:
+            return None  # the codec would not give the same bytes back: never rewrite it
+    except (OSError, SyntaxError, UnicodeError, LookupError):
+        return None
+    fixed = fix_text(text, path, options, partial(_lint_in, path=path, options=options, tree=tree))
+    if not fixed.changed:
+        return None
+    fixed.encoding = encoding
+    try:
+        new = fixed.data
+    except UnicodeError as err:  # the file's codec cannot hold the fix's text
+        fixed.error = f"the fix cannot be written in the file's encoding ({encoding}): {err}"
+        return fixed
+    # --diff leaves out only what --fix never writes (a link); a read-only file is shown
+    fixed.error = replace(path, new, snapshot) if write else link_refusal(path)
+    return fixed
 
 
 def _lint_in(text: str, *, path: str, options: Options, tree: Project | None) -> list[Finding]:

@@ -20,9 +20,27 @@ from typing import Literal
 
 from ampguard.findings import Finding, make
 
-__all__ = ["Parsed", "MAX_FILE_BYTES", "noqa_codes", "parse", "read_source", "syntax_finding"]
+__all__ = [
+    "Parsed",
+    "MAX_FILE_BYTES",
+    "noqa_codes",
+    "parse",
+    "physical_lines",
+    "read_source",
+    "syntax_finding",
+]
 
 MAX_FILE_BYTES = 10 * 2**20  # 10 MiB: far above hand-written code, below a generated data dump
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def physical_lines(text: str) -> list[str]:
+    """``text`` split into lines as Python's tokenizer counts them (at ``\\n``, ``\\r\\n``
+    and ``\\r`` only, ends kept): never ``str.splitlines()``, which also splits at a form feed,
+    ``\\x1c``-``\\x1e``, ``\\x85`` and U+2028/U+2029 and so moves every edit after them."""
+    return _LINE.findall(text)
+
 
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.I)
 
@@ -115,7 +133,17 @@ def _kind(mode: int) -> str:
 
 
 def parse(source: str | bytes, path: str) -> Parsed | Finding:
-    """Parse ``source``; returns :class:`Parsed` or the AG200 finding that explains why not."""
+    """Parse ``source``; returns :class:`Parsed` or the AG200 finding that explains why not.
+
+    Bytes are held to what Python itself accepts: a non-ASCII file must decode in its declared
+    encoding (UTF-8 when no coding comment declares one), even where ``ast.parse`` would let
+    the bad bytes pass in a comment (a latin-1 file without a cookie: ``python`` refuses it).
+    Cost: one decode of a file that is not pure ASCII.
+    """
+    if isinstance(source, bytes) and not source.isascii():
+        bad = _encoding_problem(source, path)
+        if bad is not None:
+            return bad
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # invalid escapes etc. are not ours to report
@@ -154,9 +182,25 @@ def _encoding_problem(data: bytes, path: str) -> Finding | None:
         data.decode(encoding)
     except (UnicodeDecodeError, LookupError) as err:
         start = getattr(err, "start", 0)
-        line = data.count(b"\n", 0, start) + 1
-        return syntax_finding(path, f"file is not valid {encoding}: {err}", line)
+        line = len(physical_lines(data[:start].decode("latin-1")))  # the bad byte's line
+        if _declared(data):
+            return syntax_finding(path, f"file is not valid {encoding}: {err}", line)
+        return syntax_finding(
+            path,
+            f"file is not valid utf-8 and no coding comment declares another encoding "
+            f"(Python refuses it): {err}",
+            line,
+        )
     return None
+
+
+_COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*[-\w.]+", re.M)
+
+
+def _declared(data: bytes) -> bool:
+    """A coding comment on one of the first two lines (PEP 263)."""
+    head = b"".join(re.findall(rb"[^\r\n]*(?:\r\n|\r|\n)?", data[:1024])[:2])
+    return _COOKIE.search(head) is not None
 
 
 def _is_utf8(data: bytes) -> bool:
