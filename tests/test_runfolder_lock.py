@@ -105,3 +105,34 @@ def test_another_process_is_refused_and_its_lock_is_taken_over_once_it_died(tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_left_alone(tmp_path):
+    from ampguard.runlog._lock import RunFolderLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (run / LOCK).symlink_to(victim)
+    with pytest.raises(ag.TelemetryError, match="symlink") as info:
+        RunFolderLock(run)
+    assert LOCK in str(info.value) and str(victim) in str(info.value)
+    assert victim.read_text() == "precious\n"
+    assert (run / LOCK).is_symlink()
+
+
+def test_a_dangling_lock_link_creates_nothing_outside_the_run_folder(tmp_path):
+    from ampguard.runlog._lock import RunFolderLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    outside = tmp_path / "elsewhere" / "created.txt"
+    outside.parent.mkdir()
+    (run / LOCK).symlink_to(outside)
+    with pytest.raises(ag.TelemetryError, match="symlink"):
+        RunFolderLock(run)
+    assert not outside.exists() and os.listdir(outside.parent) == []
+    with pytest.raises(ag.TelemetryError, match="symlink"):
+        _guard(run)  # through the Guard: the same refusal, nothing created
+    assert not outside.exists()

@@ -2,7 +2,9 @@
 
 A writer (:class:`ampguard.Telemetry` attached to a Guard or a watched loop) takes the lock when
 it opens the folder and releases it on ``close()``. The file holds the holder's pid, host and
-start time (JSON), for the message a second writer gets. The lock itself is an exclusive
+start time (JSON), for the message a second writer gets. It is opened with ``O_NOFOLLOW``: a
+symlink at its name is refused with an error naming it (never truncating the link's target, nor
+creating a file outside the run folder through a dangling link). The lock itself is an exclusive
 ``flock`` on the file where the OS has it (POSIX): the kernel drops it when the holder dies, so a
 lock file left by a dead process (a crash, ``SIGKILL``) is taken over, as stale checkpoint
 temporaries are. Where there is no ``flock`` the file is created exclusively and a lock naming a
@@ -21,6 +23,7 @@ import gc
 import json
 import os
 import socket
+import stat
 import time
 import weakref
 from pathlib import Path
@@ -36,6 +39,7 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = ["LOCK", "RunFolderLock", "holder_of"]
 
 LOCK = ".ampguard.lock"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _HELD: dict[str, weakref.ref[RunFolderLock]] = {}  # real folder path -> lock held in this process
 
 
@@ -43,7 +47,9 @@ def holder_of(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """What the lock file of ``run_dir`` says about its holder (``pid``, ``host``, ``since``),
     or None when there is none or it cannot be read. Cost: one small read."""
     try:
-        data = json.loads((Path(run_dir) / LOCK).read_bytes() or b"null")
+        fd = os.open(Path(run_dir) / LOCK, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as fh:
+            data = json.loads(fh.read(4096) or b"null")
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -78,20 +84,46 @@ class RunFolderLock:
         raise self._busy(holder_of(self.run_dir), in_process=False)
 
     def _open(self) -> int:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        # O_NOFOLLOW: a symlink at the lock's name is refused, never followed (it would
+        # truncate its target, or create a file outside the run folder when dangling)
+        flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         if fcntl is None:
             flags |= os.O_EXCL
             self._drop_stale()
+        self._refuse_link()
         try:
-            return os.open(self.path, flags, 0o644)
+            fd = os.open(self.path, flags, 0o644)
         except FileExistsError:
             raise self._busy(holder_of(self.run_dir), in_process=False) from None
         except OSError as exc:
+            self._refuse_link()  # ELOOP: a link made between the check and the open
             raise TelemetryError(
                 f"run folder {self.run_dir} is not writable: cannot create its lock file "
                 f"{self.path.name}: {exc.strerror or exc}",
                 str(self.run_dir),
             ) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise TelemetryError(
+                f"run folder {self.run_dir}: its lock file {self.path.name} is not a regular "
+                "file; remove it",
+                str(self.run_dir),
+            )
+        return fd
+
+    def _refuse_link(self) -> None:
+        if not os.path.islink(self.path):
+            return
+        try:
+            target = os.readlink(self.path)
+        except OSError:
+            target = "?"
+        raise TelemetryError(
+            f"run folder {self.run_dir}: its lock file {self.path} is a symlink (to {target!r}); "
+            "ampguard never follows it (it would overwrite or create a file outside the run "
+            "folder). Remove the link.",
+            str(self.run_dir),
+        )
 
     def _lock(self, fd: int) -> bool:
         """True when ``fd`` now holds the lock on the file that is at :attr:`path`."""
@@ -102,7 +134,7 @@ class RunFolderLock:
         except BlockingIOError:
             return False
         try:  # the holder may have unlinked the file we opened before releasing it
-            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            return os.fstat(fd).st_ino == os.lstat(self.path).st_ino
         except FileNotFoundError:
             return False
 
