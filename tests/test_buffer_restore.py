@@ -142,3 +142,59 @@ def test_a_dropped_microbatch_forward_is_undone_under_containment():
     assert result.applied and result.dropped_microbatches == 1
     for key, value in bn_state(reference).items():
         assert torch.equal(bn_state(model)[key], value), key
+
+
+def _nan_window(guard: ag.Guard, model: nn.Module) -> ag.StepResult:
+    x, y = batch(3)
+    with guard.autocast():
+        loss = F.mse_loss(model(x.fill_(float("nan"))).float(), y)
+    guard.backward(loss)
+    return guard.step()
+
+
+def test_buffers_replaced_after_the_guard_was_built_are_followed():
+    model = bn_model()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), "bf16")
+    run_step(guard, model, 0)
+    model[1].running_mean = torch.full((16,), 0.5)  # a new tensor object under the same name
+    model[1].running_var = torch.full((16,), 2.0)
+    before = bn_state(model)
+    assert not _nan_window(guard, model).applied
+    for key, value in before.items():
+        assert torch.equal(bn_state(model)[key], value), key
+
+
+def test_model_double_then_float_after_the_guard_is_followed():
+    model = bn_model()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), "bf16")
+    run_step(guard, model, 0)
+    model.double().float()  # every buffer is a new tensor now
+    before = bn_state(model)
+    assert not _nan_window(guard, model).applied
+    for key, value in before.items():
+        assert torch.equal(bn_state(model)[key], value), key
+    assert torch.isfinite(model[1].running_var).all()
+
+
+def test_a_buffer_registered_on_a_model_that_had_none_is_followed():
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x):
+            out = self.lin(x)
+            if hasattr(self, "ema"):
+                self.ema.mul_(0.9).add_(out.detach().float().mean() * 0.1)
+            return out
+
+    torch.manual_seed(0)
+    model = Ema()
+    guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), "bf16")
+    run_step(guard, model, 0)
+    model.register_buffer("ema", torch.zeros(()).reshape(1))
+    run_step(guard, model, 1)
+    before = model.ema.clone()
+    assert torch.isfinite(before).all() and before.item() != 0
+    assert not _nan_window(guard, model).applied
+    assert torch.equal(model.ema, before)

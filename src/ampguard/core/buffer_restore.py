@@ -17,18 +17,24 @@ train-mode forward uses the batch statistics), but every later eval is NaN.
 Every (contiguous) buffer with elements is kept, whatever its dtype (floating and integer
 buffers alike), so no forward's in-place update escapes; parameters are not buffers and are
 never touched (a skipped step does not change them). Buffers are collected when the Guard is
-built; a buffer that a module later *replaces* by a new tensor object (instead of updating it in
-place, as BatchNorm does) is not followed. ``Guard(restore_buffers_on_skip=False)`` turns this off.
+built and checked again at the first forward of every window (an identity check of
+``model.buffers()``: the same tensor objects on the same storage): a buffer registered or
+replaced by a new tensor after the Guard was built, or every buffer after ``model.double()`` /
+``model.to(...)``, is re-collected then, so the promise holds from that window on (a buffer
+replaced in the middle of a window is followed from the next one).
+``Guard(restore_buffers_on_skip=False)`` turns this off.
 
-Cost: per window one multi-tensor copy of the buffers (BatchNorm statistics are a few floats
-per channel: far below one step's work); on a host-known skip one more copy. With fused
-optimizers, whose skip is known only on the device, every window also runs the lazy restore: a
-``cat``, a ``where`` and a multi-tensor copy per dtype group (about 30 us on a CPU, where each
-op costs several microseconds; asynchronous launches on a GPU). No host sync.
+Cost: per window one pass over ``model.buffers()`` (Python only, no device work) and one
+multi-tensor copy of the buffers (BatchNorm statistics are a few floats per channel: far below
+one step's work); a re-collection allocates the copy again; on a host-known skip one more
+copy. With fused optimizers, whose skip is known only on the device, every window also runs the
+lazy restore: a ``cat``, a ``where`` and a multi-tensor copy per dtype group (about 30 us on a
+CPU, where each op costs several microseconds; asynchronous launches on a GPU). No host sync.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -59,8 +65,16 @@ class BufferSnapshot:
     Cost: see the module docstring.
     """
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], model: torch.nn.Module | None = None) -> None:
+        self._model = weakref.ref(model) if model is not None else None
+        self.recollected = 0  # times the buffers were collected again (see refresh)
+        self._window: int | None = None
+        self.restored = 0
+        self._build(buffers)
+
+    def _build(self, buffers: list[torch.Tensor]) -> None:
         self.buffers = buffers
+        self._ptrs = [b.data_ptr() for b in buffers]
         # one flat copy per (device, dtype) group: the lazy restore is then a constant number of
         # ops per group (cat, where, one multi-tensor copy) whatever the number of buffers;
         # ``_copies[i]`` is buffer i's view into its group's flat storage
@@ -76,14 +90,29 @@ class BufferSnapshot:
                 self._copies[i] = part.view(buffers[i].shape)
             flats = [buffers[i].view(-1) for i in idx]  # contiguous (checked in collect)
             self._groups.append(_Group(flat, flats, sizes))
-        self._window: int | None = None
-        self.restored = 0
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> BufferSnapshot | None:
-        """A snapshot of ``model``'s buffers, or None when it has none (then nothing costs)."""
-        buffers = collect_buffers(model)
-        return cls(buffers) if buffers else None
+    def of(cls, model: torch.nn.Module) -> BufferSnapshot:
+        """A snapshot of ``model``'s buffers that follows the model (:meth:`refresh`); a model
+        without buffers costs one pass over ``model.buffers()`` per window until it has one."""
+        return cls(collect_buffers(model), model)
+
+    def refresh(self) -> bool:
+        """Collect the model's buffers again when they are not the ones held (registered,
+        replaced, moved or cast since): True when it did. Cost: one pass over
+        ``model.buffers()``; a re-collection allocates the copy again. No host sync."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return False
+        current = collect_buffers(model)
+        if len(current) == len(self.buffers) and all(
+            a is b and a.data_ptr() == p
+            for a, b, p in zip(current, self.buffers, self._ptrs, strict=True)
+        ):
+            return False
+        self._build(current)
+        self.recollected += 1
+        return True
 
     @property
     def window(self) -> int | None:
@@ -94,15 +123,17 @@ class BufferSnapshot:
         """Copy the buffers for ``window`` unless already done. Cost: one multi-tensor copy."""
         if self._window == window:
             return
-        with torch.no_grad():
-            torch._foreach_copy_(self._copies, self.buffers)
+        self.refresh()
+        if self.buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies, self.buffers)
         self._window = window
 
     def restore(self, window: int) -> None:
         """Put the copy back: ``window`` was skipped. A copy of another window (its forward ran
         outside ``Guard.autocast``, so no copy was taken) is never put back. Cost: one
         multi-tensor copy."""
-        if self._window != window:
+        if self._window != window or not self.buffers:
             return
         with torch.no_grad():
             torch._foreach_copy_(self.buffers, self._copies)
