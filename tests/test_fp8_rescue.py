@@ -121,3 +121,22 @@ def test_a_state_naming_unknown_fp8_layers_is_refused_and_changes_nothing(tmp_pa
         with pytest.raises(ValueError, match="nope"):
             guard.load_state_dict(state)
         assert type(model.b).__name__ == "Float8Linear" and guard.fp8.layers == ["a", "b"]
+
+
+def test_auto_fallback_without_telemetry_rescues_on_its_own_schedule():
+    from ampguard.fp8._convert import OWN_SAMPLE_EVERY
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # emulated fp8 on CPU
+        guard = ag.Guard(model, opt, precision="fp8", auto_fallback=True)  # no telemetry
+    with guard:
+        _train(guard, model, OWN_SAMPLE_EVERY * 9, drift=True)
+        fallbacks = guard.diagnostics()["fallbacks"]
+        found = guard.findings()
+    assert type(model.b) is nn.Linear and guard.fp8.layers == ["a"]
+    rescue = [f for f in fallbacks if f.get("reason") == "fp8_rescue"]
+    assert len(rescue) == 1 and rescue[0]["module"] == "b"
+    assert any(f.code == "AG113" for f in found)
+    assert len(guard.fp8.monitor.samples) <= guard.fp8.monitor.max_samples

@@ -41,6 +41,8 @@ __all__ = [
     "has_fp8_matmul",
     "check_plan_shapes",
     "TORCHAO_PIN",
+    "OWN_SAMPLE_EVERY",
+    "OWN_SAMPLES_KEPT",
 ]
 
 _MULTIPLE = 16
@@ -153,15 +155,25 @@ class Fp8State:
         """With telemetry (``range_every`` > 0), sample the converted layers while training
         (``clock``: the loop's window and micro-batch counters); with ``rescue``
         (``auto_fallback=True``) move a drifting layer back to bf16
-        (:mod:`ampguard.fp8._rescue`)."""
-        if telemetry is None or not telemetry.range_every or not self.layers:
+        (:mod:`ampguard.fp8._rescue`). A rescue without telemetry (or with ``range_every=0``)
+        samples on its own schedule, every :data:`OWN_SAMPLE_EVERY` steps, keeping only the last
+        :data:`OWN_SAMPLES_KEPT` samples in memory (nothing is written)."""
+        if not self.layers:
+            return
+        own = telemetry is None or not telemetry.range_every
+        if own and not rescue:
             return
         from ampguard.fp8 import Fp8Thresholds
         from ampguard.fp8._rescue import Fp8Rescue
         from ampguard.fp8._stats import Fp8Monitor
 
+        if own:
+            telemetry = _OwnSchedule(OWN_SAMPLE_EVERY)
+        assert telemetry is not None
         th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()
         self.monitor = Fp8Monitor(self.model, telemetry, clock, self.layers, self.recipe, th)
+        if own:
+            self.monitor.max_samples = OWN_SAMPLES_KEPT
         if rescue:
             self.rescue = Fp8Rescue(self, telemetry, th)
             self.monitor.on_records = self.rescue.on_samples
@@ -296,3 +308,23 @@ def _warn_emulated(device: torch.device) -> None:
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+OWN_SAMPLE_EVERY = 10  # steps between samples of a rescue that has no run log to follow
+OWN_SAMPLES_KEPT = 64  # samples such a rescue keeps in memory (the findings read them)
+
+
+class _OwnSchedule:
+    """The fp8 monitor's log when there is no telemetry: a fixed sampling period and nowhere
+    to write (the samples stay in the monitor, the rescues in ``diagnostics()``)."""
+
+    closed = False
+
+    def __init__(self, every: int) -> None:
+        self.range_every = every
+
+    def append_events(self, records: list[dict[str, Any]]) -> None:
+        del records  # no run log: nothing is written
+
+    def annotate(self, key: str, value: Any) -> None:
+        del key, value

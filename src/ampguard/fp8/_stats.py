@@ -82,6 +82,7 @@ class Fp8Monitor:
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._current: tuple[int, dict[str, torch.Tensor]] | None = None
         self.on_records: Any = None  # called with each batch of written records (fp8 rescue)
+        self.max_samples: int | None = None  # keep only the last N host records (None: all)
         modules = dict(model.named_modules())
         self._handles = {n: modules[n].register_forward_hook(self._hook(n)) for n in self.layers}
 
@@ -152,6 +153,8 @@ class Fp8Monitor:
                 k += 1
             records.append({"kind": "fp8", "step": step, "layers": layers})
         self.samples.extend(records)
+        if self.max_samples is not None:
+            del self.samples[: -self.max_samples]
         self.telemetry.append_events(records)
         if self.on_records is not None:
             self.on_records(records)
