@@ -81,6 +81,52 @@ def _bf16_engine(root: Path) -> dict:
     }
 
 
+def _zero3_engine(root: Path) -> dict:
+    import deepspeed
+
+    import ampguard as ag
+    import ampguard.integrations.deepspeed as agds
+
+    torch.manual_seed(0)
+    model = _model()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    refused = []
+    for args in ((engine, engine.module, opt), (None, engine, opt)):
+        try:
+            ag.watch(*args, telemetry=root / "refused", precision="bf16")
+        except TypeError as err:
+            refused.append(str(err))
+    norms, applied = {}, []
+    tel = ag.Telemetry(root / "zero3", layer_stats=False)
+    with agds.watch(engine, telemetry=tel) as handle:
+        for i in range(BF16_STEPS):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+            if i == BF16_NAN_AT:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            applied.append(bool(engine.was_step_applied()))
+            if applied[-1]:
+                norms[i + 1] = float(engine.get_global_grad_norm())
+        skipped = handle.skipped_steps
+    return {
+        "records": _records(root / "zero3"),
+        "engine_norms": norms,
+        "engine_applied": applied,
+        "watch_skipped": skipped,
+        "refused": refused,
+    }
+
+
 def _fp16_loss_scaler(root: Path) -> dict:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.utils import has_inf_or_nan
@@ -147,7 +193,11 @@ def _child(out: Path) -> None:
     # process never uses it
     ds_comm.build_shm_op = lambda: None
     root = out.parent
-    result = {"bf16": _bf16_engine(root), "fp16": _fp16_loss_scaler(root)}
+    result = {
+        "bf16": _bf16_engine(root),
+        "fp16": _fp16_loss_scaler(root),
+        "zero3": _zero3_engine(root),
+    }
     out.write_text(json.dumps(result))
 
 
@@ -241,6 +291,42 @@ def test_fp16_loss_scaler_settings_reach_the_run_log_in_ampguards_names(child):
     assert scaler["init_scale"] == INIT and scaler["growth_interval"] == 1000
     assert scaler["backoff_factor"] == 0.5 and scaler["min_scale"] == 1.0
     assert scaler["hysteresis"] == 1
+
+
+@pytest.mark.slow
+def test_zero3_engine_records_scale_skips_and_the_engines_grad_norm(child):
+    run = child["zero3"]
+    recs = run["records"]
+    assert [r["step"] for r in recs] == list(range(1, BF16_STEPS + 1))
+    assert [r["applied"] for r in recs] == run["engine_applied"]
+    assert run["watch_skipped"] == run["engine_applied"].count(False)
+    assert {r["scale"] for r in recs} == {1.0} and "layers" not in recs[0]
+    for rec in recs:
+        if rec["applied"]:
+            assert rec["grad_norm"] == pytest.approx(run["engine_norms"][str(rec["step"])], 1e-4)
+
+
+@pytest.mark.slow
+def test_ag_watch_given_an_engine_points_to_the_deepspeed_watch(child):
+    refused = child["zero3"]["refused"]
+    assert len(refused) == 2
+    assert all("ampguard.integrations.deepspeed.watch(engine" in m for m in refused)
+
+
+def test_the_cpu_jit_warning_names_the_build_folder_and_its_lock(tmp_path, monkeypatch):
+    from ampguard.integrations import _deepspeed_jit as jit
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = tmp_path / jit.SHM_OP
+    assert jit.shm_build_folder(torch) == str(folder)
+    message = jit.shm_op_warning()
+    assert message is not None and "JIT-compiles" in message and str(folder / "lock") in message
+    folder.mkdir()
+    (folder / "lock").write_text("")
+    assert "left by a killed build" in jit.shm_op_warning()
+    (folder / "lock").unlink()
+    (folder / f"{jit.SHM_OP}.so").write_bytes(b"")
+    assert jit.shm_op_warning() is None  # built already: nothing to say
 
 
 # ---------------------------------------------------------------------- no process group needed

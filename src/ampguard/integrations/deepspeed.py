@@ -28,10 +28,17 @@ Nothing DeepSpeed computes is changed (methods are wrapped on the instance and c
 ``close`` removes the wrappers). DeepSpeed keeps its own floor and hysteresis (``min_loss_scale``,
 ``hysteresis``): ampguard's attach-mode guard features are refused here. Cost: no host sync per
 step beyond DeepSpeed's own (it reads the overflow flag and the grad norm to the host itself).
+
+ZeRO stage 3 partitions the parameters themselves: the model's tensors are empty outside the
+forward, so there is no per-layer gradient to sample; the scale, the skips, the loss and the
+engine's grad norm are recorded as at every stage. On a CPU, ``deepspeed.initialize``
+JIT-compiles a C++ op (:mod:`ampguard.integrations._deepspeed_jit`): importing this module
+before it warns, with what to do.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +55,12 @@ require("deepspeed", "ampguard.integrations.deepspeed")
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from deepspeed.runtime.fp16.loss_scaler import LossScalerBase  # noqa: E402
 
+from ampguard.integrations._deepspeed_jit import shm_op_warning  # noqa: E402
+
+_JIT = shm_op_warning()  # DeepSpeed on CPU: the C++ op deepspeed.initialize would build
+if _JIT is not None:
+    warnings.warn(_JIT, RuntimeWarning, stacklevel=2)
+
 __all__ = ["watch", "EngineScaler", "LossScalerWatch", "engine_precision", "watchable"]
 
 _MARK = "__ampguard_deepspeed__"
@@ -60,9 +73,10 @@ def watch(engine: Any, telemetry: Any) -> Watch:
     ``engine``: what ``deepspeed.initialize`` returned first (with an optimizer).
     ``telemetry``: a run folder or an :class:`ampguard.Telemetry`. The precision is the engine's
     (``fp16``, ``bf16`` or fp32). Per-layer statistics need the model's gradients in
-    ``param.grad`` when backward ends: ZeRO stages 0 and 1 (stages 2 and 3 partition them away
-    during backward; the scale, skips and the engine's grad norm are still recorded). Cost: as
-    :func:`ampguard.watch`.
+    ``param.grad`` when backward ends: ZeRO stages 0 and 1, and stage 2 where DeepSpeed leaves
+    them there; stage 3 partitions the parameters themselves, so it records no per-layer
+    statistics. At every stage the scale, the skips, the loss and the engine's grad norm are
+    recorded. Cost: as :func:`ampguard.watch`.
     """
     if not isinstance(engine, DeepSpeedEngine):
         raise TypeError(
@@ -239,6 +253,8 @@ class EngineScaler:
         self.engine = engine
         self._wrappers = _Wrappers(engine, ("backward", "step"))
         self._backward_end: BackwardEnd | None = None
+        # under ZeRO-3 these are empty outside the forward (the data lives in ds_tensor
+        # partitions): telemetry then finds no gradient to sample and records the rest
         self._params = [p for p in engine.module.parameters() if p.requires_grad]
         self._nonfinite: torch.Tensor | None = None
 

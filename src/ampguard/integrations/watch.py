@@ -96,6 +96,7 @@ def watch(
     except the telemetry flush every ``flush_every`` steps. Without a scaler: one multi-tensor
     finiteness check per step and a cheap hook call per parameter per backward pass.
     """
+    _refuse_engine(scaler, model, optimizer)
     return Watch(
         scaler,
         model,
@@ -104,6 +105,21 @@ def watch(
         precision=precision,
         policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
     )
+
+
+def _refuse_engine(*given: Any) -> None:
+    """A DeepSpeed engine has its own entry point: it reads the engine's precision, scale and
+    skips (checked by class name: this module never imports DeepSpeed)."""
+    for obj in given:
+        if any(
+            c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
+            for c in type(obj).__mro__
+        ):
+            raise TypeError(
+                "ag.watch was given a DeepSpeedEngine: use "
+                "ampguard.integrations.deepspeed.watch(engine, telemetry=...), which reads the "
+                "engine's precision, loss scale, skips and grad norm"
+            )
 
 
 class Watch:

@@ -192,9 +192,11 @@ class Telemetry:
             self._device,
         )
         ends = np.flatnonzero(np.diff(layout.layer_of, append=-1)) + 1  # tensors in layer order
+        # no layer at all (ZeRO-3: the optimizer's flat partitions belong to no module)
+        starts = [0, *ends[:-1].tolist()] if len(ends) else []
         self._shape = Shape(
             self._n_optimizers,
-            tuple(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)),
+            tuple(zip(starts, ends.tolist(), strict=True)),
             self.layer_stats,
         )
         self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
@@ -317,6 +319,8 @@ class Telemetry:
             self._flush(wait=False)  # every slot taken (a safety net: they are sized for this)
             stats_slot, range_slot, _ = self._this_step
         grads = self._grads()
+        if not grads:  # no gradient tensor to sample (ZeRO-3 partitions them away)
+            return
         if layers:
             if stats_slot < 0:
                 stats_slot, self._stats_used = self._stats_used, self._stats_used + 1
