@@ -461,3 +461,23 @@ def test_the_trace_sees_each_output_gradient_and_computes_no_weight_gradient():
         assert a.layers["0"][key] is not None
         assert a.layers["0"][key] == b.layers["0"][key], key
     assert a.layers["0"]["grad_amax"] > 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_weight_that_is_not_finite_is_said_to_be_so(bad):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 16))
+    with torch.no_grad():
+        model[2].weight[0, 0] = bad
+    before = model[2].weight.clone()
+    plan = ag.fp8_plan(
+        model, lambda m, x: m(x).float().pow(2).mean(), torch.randn(32, 32), formats=("mxfp8",)
+    )
+    info = plan.layers["2"]
+    assert not info["ready"] and info["fix"] == "keep_bf16"
+    assert "not finite" in info["reason"] and "flush" not in info["reason"]
+    assert "not finite" in info["formats"]["mxfp8"]["reason"]
+    assert not info["formats"]["mxfp8"]["ready"]
+    assert plan.recipe(keep_first_last=False, min_features=0)["2"] == "bf16"
+    assert "not finite" not in plan.layers["0"]["reason"]
+    assert torch.equal(model[2].weight.isnan(), before.isnan())  # the model is unchanged

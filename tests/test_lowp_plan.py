@@ -258,3 +258,15 @@ def test_sampled_figures_match_the_full_tensors(monkeypatch):
                 assert abs(ours[key] - value) <= limit, (name, fmt, key, ours[key], value)
                 compared += 1
     assert compared > 200
+
+
+def test_recipe_arguments_of_the_wrong_type_are_refused_naming_them(plan):
+    for bad in ("3", True, float("nan")):
+        with pytest.raises(ValueError, match="max_sqnr_loss_db must be a number >= 0"):
+            plan.recipe(bad)
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="keep_first_last must be True or False"):
+            plan.recipe(keep_first_last=bad)
+    with pytest.raises(ValueError, match="min_features"):
+        plan.recipe(min_features=True)
+    assert plan.recipe(3) == plan.recipe(3.0)  # an int is a number

@@ -184,7 +184,8 @@ def fp8_plan(
     in bf16 autocast and a backward to the Linear outputs only (no weight gradient), one copy
     of at least 128 evenly spaced rows and 2**15 values (or all) of each Linear's input,
     weight and output gradient (:mod:`ampguard.fp8._operand`), one matmul and two host syncs
-    per layer for the recipe's verdict; per extra format, three casts, one matmul and one host
+    per layer for the recipe's verdict (and one for all the weights' finiteness: a layer whose
+    weight holds NaN or inf is not ready, its reason says it is not finite); per extra format, three casts, one matmul and one host
     sync per layer (a format equal to the recipe reuses its figures). A plan costs about the
     same whatever the batch size.
     """
@@ -213,12 +214,15 @@ def fp8_plan(
     rec = RECIPES[recipe]
     alt = RECIPES["rowwise"] if recipe == "tensorwise" else None
     layers = {}
+    broken = _nonfinite_weights(linears)
     for n, m in linears.items():
         measured = _measured(m, captured.pop(n, None))
         layers[n] = assess(m, measured, rec, alt, th)
         if names:
             shape = (m.in_features, m.out_features)
             layers[n]["formats"] = measure_formats(shape, measured, names, th)
+        if n in broken:
+            _not_finite(layers[n])
     return Fp8Plan(
         recipe,
         th,
@@ -228,6 +232,30 @@ def fp8_plan(
         order=order,
         unconvertible=others,
     )
+
+
+_NOT_FINITE = (
+    "the weight is not finite (it holds NaN or inf): no format can be judged on it; fix the "
+    "weights (a diverged step, a bad checkpoint) and plan again"
+)
+
+
+def _nonfinite_weights(linears: dict[str, nn.Linear]) -> set[str]:
+    """Names of the Linear layers whose weight holds NaN or inf. Cost: one host sync."""
+    if not linears:
+        return set()
+    with torch.no_grad():
+        flags = torch.stack(
+            [torch.isfinite(m.weight).all().to(torch.device("cpu")) for m in linears.values()]
+        ).tolist()
+    return {n for n, ok in zip(linears, flags, strict=True) if not ok}
+
+
+def _not_finite(info: dict[str, Any]) -> None:
+    """A layer whose weight is not finite: not ready in any format, and said why."""
+    info.update(ready=False, fix="keep_bf16", problem="weight", reason=_NOT_FINITE)
+    for fig in info.get("formats", {}).values():
+        fig.update(ready=False, reason=_NOT_FINITE)
 
 
 def _measured(mod: nn.Linear, cap: dict[str, torch.Tensor] | None) -> LayerMeasure | None:

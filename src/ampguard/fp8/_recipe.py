@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ampguard._util.checks import check_bool, is_int, is_number
 from ampguard.findings import Finding, make
 from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._multi import _problem
@@ -42,9 +43,14 @@ def recipe_reasons(
     plan: Any, max_sqnr_loss_db: float | None, keep_first_last: bool, min_features: int
 ) -> dict[str, tuple[str, str]]:
     """``{layer: (format, why)}``: the choice and the reason in words."""
-    if max_sqnr_loss_db is not None and not max_sqnr_loss_db >= 0:
-        raise ValueError(f"max_sqnr_loss_db must be a number >= 0, got {max_sqnr_loss_db!r}")
-    if not isinstance(min_features, int) or min_features < 0:
+    if max_sqnr_loss_db is not None and not (
+        is_number(max_sqnr_loss_db) and max_sqnr_loss_db >= 0
+    ):  # a string, a bool (True is not 1 dB) or NaN
+        raise ValueError(
+            f"max_sqnr_loss_db must be a number >= 0 (dB) or None, got {max_sqnr_loss_db!r}"
+        )
+    check_bool("keep_first_last", keep_first_last)
+    if not is_int(min_features) or min_features < 0:
         raise ValueError(f"min_features must be an int >= 0, got {min_features!r}")
     th = plan.thresholds
     if max_sqnr_loss_db is not None:
