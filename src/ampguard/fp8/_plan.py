@@ -186,8 +186,8 @@ def fp8_plan(
     weight and output gradient (:mod:`ampguard.fp8._operand`), one matmul and two host syncs
     per layer for the recipe's verdict (and one for all the weights' finiteness: a layer whose
     weight holds NaN or inf is not ready, its reason says it is not finite); per extra format,
-    three casts, one matmul and one host sync per layer (a format equal to the recipe reuses its figures). A plan costs about the
-    same whatever the batch size.
+    three casts, one matmul and one host sync per layer (a format equal to the recipe reuses its
+    figures). A plan costs about the same whatever the batch size.
     """
     _check(model, loss_fn, recipe, thresholds)
     check_batch(batch)
