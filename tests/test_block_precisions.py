@@ -248,3 +248,22 @@ def test_the_demo_trains_in_nvfp4(tmp_path, capsys):
     assert cli.main(argv) == 0
     assert "3 steps in nvfp4" in capsys.readouterr().out
     assert (out / "checkpoint.pt").exists()
+
+
+def test_a_block_state_given_to_an_fp8_guard_names_the_precision_to_create():
+    pytest.importorskip("torchao")
+    model = _model()
+    guard = _guard(model, "mxfp8")
+    _steps(guard, model, 1)
+    state = guard.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # emulated fp8 on CPU
+        fp8 = _guard(_model(), "fp8")
+        with pytest.raises(ValueError, match="create the Guard with precision='mxfp8'") as info:
+            fp8.load_state_dict(state)
+        assert "malformed" not in str(info.value)
+        saved = fp8.state_dict()
+    saved["fp8"] = {"rescued": []}  # an fp8 state, as an fp8 Guard with rescues saves it
+    with pytest.raises(ValueError, match="create the Guard with precision='fp8'") as info:
+        _guard(_model(), "nvfp4").load_state_dict(saved)
+    assert "malformed" not in str(info.value)

@@ -137,6 +137,11 @@ class BlockScaled:
             return []
         saved = value.get("format") if isinstance(value, dict) else None
         layers = value.get("converted") if isinstance(value, dict) else None
+        if isinstance(value, dict) and "rescued" in value and saved is None:
+            raise ValueError(  # an fp8 (torchao) Guard's state
+                f"the Guard state trained its Linear layers in 'fp8' but this Guard uses "
+                f"precision={self.format!r}; create the Guard with precision='fp8' to resume it"
+            )
         if saved in FORMATS and saved != self.format:
             raise ValueError(
                 f"the Guard state trained its Linear layers in {saved!r} but this Guard uses "

@@ -198,6 +198,12 @@ class Fp8State:
         """Validate a saved ``"fp8"`` state against this Guard's layers; the rescues to redo."""
         if value is None:
             return []
+        saved = value.get("format") if isinstance(value, dict) else None
+        if isinstance(saved, str) and saved != "fp8" and "rescued" not in value:
+            raise ValueError(  # a block-scaled Guard's state (mxfp8, nvfp4)
+                f"the Guard state trained its Linear layers in {saved!r} but this Guard uses "
+                f"precision='fp8'; create the Guard with precision={saved!r} to resume it"
+            )
         rescued = value.get("rescued") if isinstance(value, dict) else None
         if not isinstance(rescued, list) or not all(
             isinstance(c, dict) and isinstance(c.get("module"), str) for c in rescued
