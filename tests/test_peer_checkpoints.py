@@ -107,6 +107,25 @@ def test_peer_timeout_defaults_to_the_timeout_the_user_gave_the_group(tmp_path, 
         dist.destroy_process_group()
 
 
+def test_a_group_timeout_above_one_day_is_kept_at_the_cap_and_said_so(tmp_path):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(days=3),
+    )
+    try:
+        with pytest.warns(RuntimeWarning, match="above peer_timeout's cap of 86400 s"):
+            assert resolve_peer_timeout(None) == 86400.0  # not 10 minutes
+        model = torch.nn.Linear(4, 4)
+        with pytest.warns(RuntimeWarning, match="259200"):
+            guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert guard.peer_timeout == 86400.0
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow  # multi-process (gloo)
 @pytest.mark.timeout(90)
 def test_ranks_that_load_different_checkpoints_are_refused_naming_the_paths():

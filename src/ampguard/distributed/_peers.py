@@ -9,7 +9,8 @@ by ``peer_timeout`` too: every rank first checks in under a store key of its own
 never arrives (it died, or its own ``Guard()`` raised, before building its group) is named in a
 :class:`~ampguard.distributed.PeerFailureError` after ``peer_timeout`` seconds.
 ``peer_timeout`` left unset defaults to the process group's own timeout when the user set one
-(``init_process_group(timeout=...)``), else to 10 minutes (:func:`resolve_peer_timeout`).
+(``init_process_group(timeout=...)``), else to 10 minutes (:func:`resolve_peer_timeout`); a
+group timeout above one day is kept at the one-day cap, with a ``RuntimeWarning``.
 A communication error raised anywhere in the Guard's step (also from DDP's or FSDP2's own
 collectives in ``Guard.autocast()`` / ``Guard.backward()``) becomes a
 :class:`~ampguard.distributed.PeerFailureError`; before raising, every surviving rank writes its
@@ -23,6 +24,7 @@ import atexit
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
@@ -32,10 +34,12 @@ import torch
 import torch.distributed as dist
 
 from ampguard._util.checks import is_number
+from ampguard._util.stack import user_stacklevel
 from ampguard.distributed._errors import PeerFailureError
 
 __all__ = [
     "DEFAULT_PEER_TIMEOUT",
+    "MAX_PEER_TIMEOUT",
     "ROLL_CALL_CAP",
     "check_peer_timeout",
     "resolve_peer_timeout",
@@ -46,6 +50,7 @@ __all__ = [
 ]
 
 DEFAULT_PEER_TIMEOUT = 600.0  # seconds; the contract says "at most 10 minutes"
+MAX_PEER_TIMEOUT = 86400.0  # one day: the longest peer_timeout (a group's longer one is capped)
 _ARRIVE_POLL = 0.05  # seconds between a rank's checks that the others arrived at group creation
 ROLL_CALL_CAP = 10.0  # seconds a survivor waits for the others' names, at most
 _POLL = 1.0  # seconds between a responder thread's checks of the store
@@ -65,9 +70,10 @@ _MARKERS = (
 
 def check_peer_timeout(value: Any) -> float:
     """``peer_timeout`` as float seconds; ``ValueError`` naming the argument otherwise."""
-    if not is_number(value) or not 0 < value <= 86400:
+    if not is_number(value) or not 0 < value <= MAX_PEER_TIMEOUT:
         raise ValueError(
-            f"peer_timeout must be a number of seconds > 0 and <= 86400, got {value!r}"
+            f"peer_timeout must be a number of seconds > 0 and <= {MAX_PEER_TIMEOUT:g}, "
+            f"got {value!r}"
         )
     return float(value)
 
@@ -91,8 +97,17 @@ def resolve_peer_timeout(value: Any, process_group: Any = None) -> float:
     if value is not None:
         return check_peer_timeout(value)
     user = group_timeout(process_group)
-    if user is None or not 0 < user <= 86400:
+    if user is None or not user > 0:
         return DEFAULT_PEER_TIMEOUT
+    if user > MAX_PEER_TIMEOUT:  # the user wants long waits: the longest allowed, said so
+        warnings.warn(
+            f"the process group's timeout ({user:g} s) is above peer_timeout's cap of "
+            f"{MAX_PEER_TIMEOUT:g} s (one day): ampguard's collectives time out after "
+            f"{MAX_PEER_TIMEOUT:g} s; pass peer_timeout= to choose",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return MAX_PEER_TIMEOUT
     return user
 
 
