@@ -486,6 +486,46 @@ def test_mlflow_sink_takes_a_path_and_leaves_a_users_setting_alone(tmp_path, mon
         MlflowSink(tracking_uri=tmp_path / "other")
 
 
+def _logged_steps(uri: str, experiment: str) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the test's own reader
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment)
+        [run] = client.search_runs([exp.experiment_id])
+        return sorted(m.step for m in client.get_metric_history(run.info.run_id, "ampguard/scale"))
+
+
+def test_mlflow_sink_with_no_tracking_uri_works_with_the_extra(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from ampguard.integrations.sinks import MlflowSink
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    sink = MlflowSink(experiment="e")  # the form in the docs
+    recs = _watched_loop(tmp_path / "run", sink)
+    if sink.tracking_uri.startswith("sqlite:"):  # full mlflow (SQLAlchemy): MLflow's default
+        return
+    assert sink.tracking_uri == (tmp_path / "mlruns").as_uri()
+    assert _logged_steps(sink.tracking_uri, "e") == [r["step"] for r in recs]
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+
+
+def test_mlflow_sink_follows_a_file_tracking_uri_in_the_environment(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from ampguard.integrations.sinks import MlflowSink
+
+    uri = (tmp_path / "store").as_uri()
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    sink = MlflowSink(experiment="env")
+    recs = _watched_loop(tmp_path / "run", sink)
+    assert sink.tracking_uri == uri
+    assert _logged_steps(uri, "env") == [r["step"] for r in recs]
+
+
 # ---------------------------------------------------------------------- attach mode: grad norm
 CLIP = 0.01  # well below every norm here: a post-clip record would sit at 0.01
 

@@ -22,10 +22,12 @@ Each sink imports its package when constructed and raises ``ImportError`` naming
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -101,9 +103,13 @@ class MlflowSink:
 
     ``run_id``: log into this run; else the active run (``mlflow.active_run()``); else a new run
     in ``experiment`` (default "ampguard"), ended on close. ``tracking_uri``: where to log
-    (default: MLflow's own setting); a local folder (a path, ``os.PathLike`` or ``file:`` URI) is
+    (default: MLflow's own setting, ``mlflow.set_tracking_uri`` or ``MLFLOW_TRACKING_URI``;
+    where neither is set and MLflow's default is a ``sqlite:`` store that cannot open without
+    SQLAlchemy, as with the ``[mlflow]`` extra's mlflow-skinny, the folder ``./mlruns``); a
+    local folder (a path, ``os.PathLike`` or ``file:`` URI, given or from the environment) is
     opened with ``MLFLOW_ALLOW_FILE_STORE=true`` set for the moment the store is made (MLflow 3
-    refuses file stores otherwise), unless that variable is already set.
+    refuses file stores otherwise), unless that variable is already set. ``tracking_uri`` (the
+    attribute) is the store in use.
     """
 
     def __init__(
@@ -117,6 +123,8 @@ class MlflowSink:
         from mlflow.tracking import MlflowClient
 
         uri = os.fspath(tracking_uri) if isinstance(tracking_uri, os.PathLike) else tracking_uri
+        uri = _resolve_uri(self._mlflow, uri)
+        self.tracking_uri = uri
         with _file_store_allowed(uri):
             self._client = MlflowClient(tracking_uri=uri)
         self._given = run_id
@@ -160,6 +168,28 @@ class MlflowSink:
         if self._owned and self.run_id is not None:
             self._client.set_terminated(self.run_id)
         self.run_id = None
+
+
+def _resolve_uri(mlflow: Any, given: str | None) -> str:
+    """The store the sink opens: ``given``; else MLflow's setting; else (MLflow's default is a
+    ``sqlite:`` store and SQLAlchemy is missing: mlflow-skinny) ``./mlruns`` as a ``file:``
+    URI, the folder MLflow used by default before 3.0."""
+    if given is not None:
+        return given
+    uri = str(mlflow.get_tracking_uri())
+    user_set = bool(os.environ.get("MLFLOW_TRACKING_URI")) or _set_in_code()
+    if user_set or not uri.startswith("sqlite:") or importlib.util.find_spec("sqlalchemy"):
+        return uri
+    return Path(os.path.abspath("mlruns")).as_uri()
+
+
+def _set_in_code() -> bool:
+    """``mlflow.set_tracking_uri(...)`` was called (MLflow's own check; False where absent)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+    except ImportError:
+        return False
+    return bool(is_tracking_uri_set())
 
 
 def is_local_store(uri: str | None) -> bool:
