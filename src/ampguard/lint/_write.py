@@ -6,7 +6,8 @@ The new bytes go to a temporary file in the file's own folder, are fsynced, get 
 mtime, inode and a hash of its content): the file is then either fully fixed or unchanged. A
 file is never written through a symlink (the link may lead outside the paths given), and a
 file with no write permission bit (``chmod 444``) is the user's "do not touch" and is left
-alone. Each refusal is one short reason; the caller names the file.
+alone. Replacing gives the file a new inode: a hard link elsewhere keeps the old content (it is
+never written). Each refusal is one short reason; the caller names the file.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def replace(path: str, data: bytes, snapshot: Snapshot) -> str | None:
         try:
             _write_all(fd, data)
             _keep_owner(fd, st)
-            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            _keep_mode(fd, tmp, st)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -141,13 +142,27 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _keep_owner(fd: int, st: os.stat_result) -> None:
-    """The file's owner and group on the new file, as far as this user may set them."""
+    """The file's owner and group on the new file, as far as this user may set them (nothing
+    where the OS has no ``fchown``)."""
+    fchown = getattr(os, "fchown", None)
+    if fchown is None:
+        return
     for uid in (st.st_uid, -1):
         try:
-            os.fchown(fd, uid, st.st_gid)
+            fchown(fd, uid, st.st_gid)
             return
         except OSError:
             continue
+
+
+def _keep_mode(fd: int, tmp: str, st: os.stat_result) -> None:
+    """The file's permission bits on the new file (after the owner: a chown clears setuid)."""
+    mode = stat.S_IMODE(st.st_mode)
+    fchmod = getattr(os, "fchmod", None)
+    if fchmod is not None:
+        fchmod(fd, mode)
+    else:  # pragma: no cover - Windows before Python 3.13
+        os.chmod(tmp, mode)
 
 
 def _sync_folder(folder: str) -> None:
