@@ -226,3 +226,11 @@ def test_latin1_without_a_coding_comment_is_ag200(tmp_path: Path) -> None:
     assert "x.py:2:1: AG200" in result.stdout and result.returncode == 1
     declared = b"# -*- coding: latin-1 -*-\n" + data
     assert {f.code for f in lint_source(declared, "y.py")} == {"AG206"}
+
+
+@pytest.mark.parametrize("char", ["\x0c", "\x85", "\u2028"])
+def test_noqa_and_columns_are_read_on_the_tokenizers_lines(char: str) -> None:
+    source = f"import torch\n# a{char}b\ns = torch.cuda.amp.GradScaler()  # noqa: AG206\n"
+    assert [f.code for f in lint_source(source)] == []
+    [finding] = lint_source(source.replace("  # noqa: AG206", ""))
+    assert (finding.line, finding.col) == (3, 5)
