@@ -234,3 +234,28 @@ def test_noqa_and_columns_are_read_on_the_tokenizers_lines(char: str) -> None:
     assert [f.code for f in lint_source(source)] == []
     [finding] = lint_source(source.replace("  # noqa: AG206", ""))
     assert (finding.line, finding.col) == (3, 5)
+
+
+@pytest.mark.slow  # subprocesses killed mid-run
+@pytest.mark.parametrize("delay", [0.4, 0.7, 1.0, 1.4])
+def test_a_killed_fix_leaves_every_file_whole(tmp_path: Path, delay: float) -> None:
+    import signal
+    import sys
+    import time
+
+    body = "".join(f"# line {i} " + "x" * 60 + "\n" for i in range(2000))
+    original = f"import torch\n{body}{FIX_ME}"
+    for i in range(40):
+        (tmp_path / f"m{i:02d}.py").write_text(original)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampguard", "lint", "--fix", "--select", "AG206", "."],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    fixed = original.replace(FIX_ME, FIXED)
+    for path in sorted(tmp_path.glob("*.py")):
+        assert path.read_text() in (original, fixed), path.name  # never half-written
