@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from _precisions import plain
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard as ag
@@ -125,7 +126,7 @@ def test_a_precision_added_as_one_registry_entry_trains_with_its_loss_scale(monk
     assert resumed.steps == 5 and resumed.scale == 64.0
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 def test_without_a_scale_the_guard_holds_the_no_op_scale(precision):
     model = torch.nn.Linear(8, 4)
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), precision=precision)

@@ -88,10 +88,9 @@ class Guard:
         model: The ``torch.nn.Module`` being trained; its parameters must be the optimizers'.
         optimizer: One ``torch.optim.Optimizer`` or a list of them (one step flag each).
         precision: ``"auto"`` (bf16 where the device supports it, else fp16) or a name in
-            ``ampguard.precisions.REGISTRY``: ``"fp16"`` (with a dynamic loss scaler),
-            ``"bf16"``, ``"fp32"``, ``"fp8"`` (torchao float8 linears, see ``fp8_plan``),
-            ``"mxfp8"`` or ``"nvfp4"`` (block-scaled linears, emulated: their numerics, not
-            their speed).
+            ``ampguard.precisions.REGISTRY`` (``ampguard.precisions.names()``; the precision
+            table of the docs says what each runs and needs: fp16 has a dynamic loss scaler,
+            fp8 converts the linears planned by ``fp8_plan``).
         scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
             ``on_collapse``); used only when the precision resolves to fp16.
         accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
