@@ -132,7 +132,7 @@ def _progress(enabled: bool, total: int) -> Any:
 
 def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) -> Any:
     """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
-    from ampguard.fp8._torchao import require_torchao
+    from ampguard.fp8 import require_torchao
 
     if not any(n in _fp8.FP8_VARIANTS for n in names):
         return None

@@ -21,7 +21,7 @@ LOWP_VARIANTS = {
 
 def prepare(name: str, model: Any) -> list[str]:
     """Convert ``model`` for variant ``name``; the names of the converted layers."""
-    from ampguard.fp8._emulate import emulate
+    from ampguard.fp8 import emulate
 
     return emulate(model, name)
 

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.core import results
-from ampguard.core._args import (
+from ampguard.core import (
     as_optimizers,
     check_backward,
     check_flag,
     check_grads_present,
     check_model,
     check_window,
+    results,
     scheduler_callback,
 )
 from ampguard.core.buffer_restore import BufferSnapshot
@@ -42,18 +42,22 @@ from ampguard.core.resume import ResumeTracker, ResumeWarmup
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig
 from ampguard.core.stagnation import StagnationProbe
-from ampguard.distributed import DistributedState, check_distributed_options, rank_telemetry
+from ampguard.distributed import (
+    DistributedState,
+    check_distributed_options,
+    rank_telemetry,
+    resolve_peer_timeout,
+)
 from ampguard.distributed import attach as attach_distributed
-from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding
-from ampguard.forensics._live import check as check_forensics_arguments
+from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
-from ampguard.fp8._conversion import Conversion
+from ampguard.fp8 import Conversion
 from ampguard.guard import _flags, _fp8, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
-from ampguard.reporting._on_close import write_report
+from ampguard.reporting import write_report
 from ampguard.telemetry import Telemetry
 from ampguard.telemetry import attach as attach_telemetry
 from ampguard.telemetry import check_argument as check_telemetry_argument

@@ -45,6 +45,19 @@ AG171     fp16 without a scaler  no loss scaler, and a layer's gradients underfl
 
 from ampguard.rules._base import TITLES, RuleConfig
 from ampguard.rules._evaluate import evaluate
+from ampguard.rules._ranges import BINS as RANGE_BINS
+from ampguard.rules._ranges import E_MIN as RANGE_E_MIN
+from ampguard.rules._ranges import summarize as summarize_ranges
 from ampguard.rules._warmup import NONFINITE_FORWARD, skip_causes, warmup_mask
 
-__all__ = ["RuleConfig", "evaluate", "warmup_mask", "skip_causes", "NONFINITE_FORWARD", "TITLES"]
+__all__ = [
+    "RuleConfig",
+    "evaluate",
+    "warmup_mask",
+    "skip_causes",
+    "NONFINITE_FORWARD",
+    "TITLES",
+    "RANGE_BINS",
+    "RANGE_E_MIN",
+    "summarize_ranges",
+]
