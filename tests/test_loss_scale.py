@@ -18,7 +18,7 @@ from ampguard.core.loss_scale import (
     check_grads,
     make_loss_scale,
 )
-from ampguard.core.scaler import LossScaler, ScalerConfig
+from ampguard.core.scaler import LossScaler, ScaledLossScale, ScalerConfig
 
 CPU = torch.device("cpu")
 
@@ -74,6 +74,14 @@ def test_the_static_scale_never_moves_and_saves_the_dynamic_fields():
     state = scale.state_dict()
     assert state is not None and state["scale"] == 256.0
     assert set(state) == set(LossScaler(ScalerConfig(), CPU).state_dict())
+
+
+def test_the_static_and_dynamic_scales_are_siblings():
+    # as jmp's: both multiply the loss and keep the same state; neither is a kind of the other
+    assert not issubclass(StaticLossScale, LossScaler)
+    assert not issubclass(LossScaler, StaticLossScale)
+    assert issubclass(StaticLossScale, ScaledLossScale) and issubclass(LossScaler, ScaledLossScale)
+    assert not hasattr(StaticLossScale, "update")  # nothing moves a fixed scale
 
 
 def _train(guard: ag.Guard, model: torch.nn.Module, poison: set[int], steps: int) -> list[bool]:

@@ -40,7 +40,7 @@ from ampguard.core.policy import PrecisionPolicy, check_parameters, device_of, r
 from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeTracker, ResumeWarmup
 from ampguard.core.scale_history import ScaleHistory
-from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig
+from ampguard.core.scaler import ScaleCollapseError, ScaledLossScale, ScalerConfig
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import (
     DistributedState,
@@ -332,11 +332,12 @@ class Guard:
         return self._state.requested_precision
 
     @property
-    def loss_scaler(self) -> LossScaler | None:
-        """The live ``LossScaler`` (its ``scale_tensor`` and ``inv_scale()`` read without a
-        sync), or None when no scaler is in use (bf16/fp32, or after a fallback)."""
+    def loss_scaler(self) -> ScaledLossScale | None:
+        """The live loss scale (an ``ag.LossScaler``, or the fixed ``StaticLossScale``: its
+        ``scale_tensor`` and ``inv_scale()`` read without a sync), or None when no scaler is in
+        use (bf16/fp32, or after a fallback)."""
         scale = self._state.loss_scale
-        return scale if isinstance(scale, LossScaler) else None
+        return scale if isinstance(scale, ScaledLossScale) else None
 
     # the constructor's arguments, as checked (read-only)
     @property
