@@ -114,6 +114,24 @@ def test_checked_refuses_a_map_to_an_unregistered_precision():
         precisions.checked({"4-true": "fp4", "32": "fp32"}, source="Lightning's map")
 
 
+# ---------------------------------------------------------------------- one vocabulary
+def test_formats_compare_and_the_registry_share_one_vocabulary():
+    from ampguard.experiments._lowp import LOWP_VARIANTS
+    from ampguard.experiments._variants import PRECISION_OF
+    from ampguard.fp8 import FORMATS
+
+    for name, entry in REGISTRY.items():
+        assert set(entry.formats) <= set(FORMATS), name  # the plan's format names
+        if name in FORMATS:  # a precision named as a format trains in that format alone
+            assert entry.formats == (name,)
+    assert set(precisions.single_format()) == {n for n in REGISTRY if n in FORMATS}
+    # every compare variant names the precision it trains in: its name, or name_qualifier
+    assert set(PRECISION_OF.values()) <= set(REGISTRY)
+    for variant, precision in PRECISION_OF.items():
+        assert variant == precision or variant.startswith(f"{precision}_"), variant
+    assert set(LOWP_VARIANTS) == set(precisions.single_format())
+
+
 # ---------------------------------------------------------------------- prose that lists them
 def test_the_guard_docstring_points_to_the_registry_and_lists_no_precision_by_hand():
     import inspect

@@ -843,3 +843,6 @@ class Guard:
 # ---------------------------------------------------------------------- helpers
 def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+Guard.__module__ = "ampguard.guard"  # its public home: repr and pickles name that path

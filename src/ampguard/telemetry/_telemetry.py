@@ -598,3 +598,6 @@ def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
         )
     telemetry._attach(source)
     return telemetry
+
+
+Telemetry.__module__ = "ampguard.telemetry"  # its public home: repr and pickles name that path
