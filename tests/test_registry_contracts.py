@@ -96,12 +96,18 @@ def test_every_precision_trains_a_step(name):
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("name", precisions.names())
-def test_every_precision_saves_and_resumes_bitwise(name, tmp_path):
+def _saved(name: str, path: Any) -> tuple[nn.Module, Any, ag.Guard]:
+    """A run in precision ``name`` after one step, checkpointed to ``path``."""
     model, opt, guard = _trained(name)
     _step(model, guard, 0)
-    path = tmp_path / "c.pt"
     ag.save_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    return model, opt, guard
+
+
+@pytest.mark.parametrize("name", precisions.names())
+def test_every_precision_saves_and_resumes_bitwise(name, tmp_path):
+    path = tmp_path / "c.pt"
+    model, opt, guard = _saved(name, path)
     _step(model, guard, 1)
 
     live, live_opt, live_guard = _trained(name, seed=5)
@@ -115,10 +121,8 @@ def test_every_precision_saves_and_resumes_bitwise(name, tmp_path):
 
 @pytest.mark.parametrize("name", precisions.names())
 def test_every_precision_refuses_a_resume_that_does_not_fit(name, tmp_path):
-    model, opt, guard = _trained(name)
-    _step(model, guard, 0)
     path = tmp_path / "c.pt"
-    ag.save_checkpoint(path, model=model, optimizer=opt, guard=guard)
+    _saved(name, path)
 
     # another model: refused, and nothing changed
     live, live_opt, live_guard = _trained(name, seed=5, extra_layer=True)
