@@ -33,10 +33,6 @@ TelemetryError = runlog.TelemetryError  # public: ag.TelemetryError (defined tor
 __all__ = ["DENSE_LAYER_STEPS", "Telemetry", "TelemetryError", "attach", "check_argument"]
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    return check_int(f"Telemetry {name}", value, minimum)
-
-
 DENSE_LAYER_STEPS = 32
 """With the default ``layer_every`` (None), steps 1..32 of a run sample the gradient norms every
 step and later steps every 10th: a short run (a smoke test, a 20-step repro) gets a heatmap with
@@ -109,11 +105,12 @@ class Telemetry:
         ):
             check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
-        self.flush_every = _positive_int("flush_every", flush_every)
+        self.flush_every = check_int("Telemetry flush_every", flush_every)
         # None: every 10 steps, and each of the first DENSE_LAYER_STEPS (a short run's heatmap)
         self._dense = DENSE_LAYER_STEPS if layer_every is None else 0
-        self.layer_every = 10 if layer_every is None else _positive_int("layer_every", layer_every)
-        self.range_every = _positive_int("range_every", range_every, minimum=0)
+        every = 10 if layer_every is None else layer_every
+        self.layer_every = check_int("Telemetry layer_every", every)
+        self.range_every = check_int("Telemetry range_every", range_every, 0)
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
         # the run folder, its log and sinks, and the write-error policy (on_write_error)
         self._writer = RunWriter(
