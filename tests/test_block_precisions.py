@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from _precisions import block_scaled
 from torch import nn
 
 import ampguard as ag
@@ -17,7 +18,7 @@ from ampguard.fp8._emulate import EmulatedLinear
 from ampguard.fp8._operand import Operand
 from ampguard.fp8._quant import CASTS
 
-FORMATS = ["mxfp8", "nvfp4"]
+FORMATS = block_scaled()
 pytestmark = pytest.mark.filterwarnings("ignore:precision='(mxfp8|nvfp4)' is emulated")
 
 
@@ -150,7 +151,7 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def plan():
     pytest.importorskip("torchao")  # ag.fp8_plan's fp8 verdict is torchao's recipe
-    return ag.fp8_plan(_deep(), _loss, torch.randn(64, 64), formats=("mxfp8", "nvfp4"))
+    return ag.fp8_plan(_deep(), _loss, torch.randn(64, 64), formats=tuple(FORMATS))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -22,6 +22,7 @@ import torch
 import ampguard as ag
 from ampguard.checkpoint import CheckpointError
 from ampguard.distributed import param_checksum
+from ampguard.precisions import traced
 from ampguard.testing import SyncCounter
 
 TWO = [
@@ -635,7 +636,7 @@ def test_consensus_is_needed_exactly_where_ranks_can_see_different_gradients(wor
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", traced(with_auto=False))
 def test_plain_ddp_keeps_no_growing_per_window_state(world_of_one, precision):
     model = torch.nn.parallel.DistributedDataParallel(S.make_model())
     guard = ag.Guard(

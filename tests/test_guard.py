@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import batch, make_model
+from _precisions import plain
 from torch import nn
 
 import ampguard as ag
+from ampguard.precisions import REGISTRY
 from ampguard.testing import count_syncs
 
 INF, NAN = float("inf"), float("nan")
@@ -684,10 +686,8 @@ def test_step_before_backward_is_a_runtime_error():
 @pytest.mark.parametrize(
     ("request_", "resolved", "scaler"),
     [
-        ("auto", "bf16", False),
-        ("fp16", "fp16", True),
-        ("bf16", "bf16", False),
-        ("fp32", "fp32", False),
+        ("auto", "bf16", False),  # the CPU has bf16 autocast
+        *((n, n, REGISTRY[n].needs_scaler) for n in plain()),
     ],
 )
 def test_precision_resolution_and_scaler_use(request_, resolved, scaler):
@@ -696,7 +696,7 @@ def test_precision_resolution_and_scaler_use(request_, resolved, scaler):
     assert (guard.precision, guard.uses_scaler) == (resolved, scaler)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 def test_unscaled_precisions_step_and_report_scale_one(precision):
     model = make_model()
     guard = ag.Guard(model, sgd(model), precision=precision)
@@ -762,7 +762,7 @@ def test_bf16_steps_without_the_nonfinite_check_never_sync():
     assert guard_steps("sgd", 1.0, 5, precision="bf16", skip_nonfinite=False) == 0
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 @pytest.mark.parametrize(("opt_name", "per_step"), [("sgd", 1), ("adamw", 1), ("adamw_fused", 0)])
 def test_nonfinite_check_costs_one_sync_per_window_none_when_fused(precision, opt_name, per_step):
     # measured against the unchecked path: plain AdamW on CPU syncs on its own step count

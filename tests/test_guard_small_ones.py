@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _precisions import plain
 from torch import nn
 
 import ampguard as ag
@@ -81,7 +82,7 @@ def test_the_unfused_bound_still_fires_at_the_crossing_step():
 
 
 # ---------------------------------------------------------------------- two Guards, one model
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("precision", plain())
 def test_a_second_guard_whose_window_overlaps_never_reports_an_update_it_did_not_make(precision):
     torch.manual_seed(0)
     model = nn.Linear(8, 8)

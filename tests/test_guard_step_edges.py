@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import batch, make_model
+from _precisions import plain
 from torch import nn
 
 import ampguard as ag
@@ -25,7 +26,7 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- containment, no scaler
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 def test_containment_without_scaler_skips_a_window_whose_microbatches_all_dropped(precision):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -47,7 +48,7 @@ def test_containment_without_scaler_skips_a_window_whose_microbatches_all_droppe
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 def test_containment_without_scaler_counts_dropped_microbatches(precision):
     model = make_model()
     guard = ag.Guard(
@@ -90,7 +91,7 @@ def failed_window(precision: str) -> tuple[ag.Guard, nn.Module]:
     return guard, model
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain())
 def test_an_exception_inside_optimizer_step_leaves_no_gradients_behind(precision):
     _, model = failed_window(precision)
     assert all(p.grad is None for p in model.parameters())

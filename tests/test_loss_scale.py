@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from _precisions import plain
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard as ag
@@ -17,7 +18,7 @@ from ampguard.core.loss_scale import (
     check_grads,
     make_loss_scale,
 )
-from ampguard.core.scaler import LossScaler, ScalerConfig
+from ampguard.core.scaler import LossScaler, ScaledLossScale, ScalerConfig
 
 CPU = torch.device("cpu")
 
@@ -75,6 +76,14 @@ def test_the_static_scale_never_moves_and_saves_the_dynamic_fields():
     assert set(state) == set(LossScaler(ScalerConfig(), CPU).state_dict())
 
 
+def test_the_static_and_dynamic_scales_are_siblings():
+    # as jmp's: both multiply the loss and keep the same state; neither is a kind of the other
+    assert not issubclass(StaticLossScale, LossScaler)
+    assert not issubclass(LossScaler, StaticLossScale)
+    assert issubclass(StaticLossScale, ScaledLossScale) and issubclass(LossScaler, ScaledLossScale)
+    assert not hasattr(StaticLossScale, "update")  # nothing moves a fixed scale
+
+
 def _train(guard: ag.Guard, model: torch.nn.Module, poison: set[int], steps: int) -> list[bool]:
     applied = []
     for step in range(1, steps + 1):
@@ -125,7 +134,7 @@ def test_a_precision_added_as_one_registry_entry_trains_with_its_loss_scale(monk
     assert resumed.steps == 5 and resumed.scale == 64.0
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 def test_without_a_scale_the_guard_holds_the_no_op_scale(precision):
     model = torch.nn.Linear(8, 4)
     guard = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), precision=precision)

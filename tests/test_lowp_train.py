@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from _precisions import block_scaled
 from torch import nn
 
 import ampguard as ag
@@ -22,7 +23,7 @@ def _layer(seed: int = 0) -> nn.Linear:
     return nn.Linear(64, 32)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", block_scaled())
 def test_emulated_forward_and_gradients_are_the_quantised_matmuls(fmt):
     ref, lin = _layer(), _layer()
     x = torch.randn(48, 64, requires_grad=True)

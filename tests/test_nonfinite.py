@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _precisions import plain
 from torch import nn
 
 import ampguard as ag
@@ -56,7 +57,7 @@ def finite(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------- item 2: bf16 / fp32 skip
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 @pytest.mark.parametrize("opt_name", ["adamw", "adamw_fused"])
 def test_a_nonfinite_window_is_skipped_and_matches_a_loop_without_that_batch(precision, opt_name):
     ref_model = make_model()

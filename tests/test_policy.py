@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _precisions import plain
 
 from ampguard.core.policy import (
     PRECISIONS,
@@ -23,7 +24,7 @@ def test_auto_resolves_to_fp16_where_bf16_is_unsupported():
     assert resolve_precision("auto", "meta").precision == "fp16"
 
 
-@pytest.mark.parametrize("request_", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("request_", plain())
 def test_explicit_request_is_kept(request_):
     policy = resolve_precision(request_, torch.device("cpu"))
     assert (policy.precision, policy.device_type) == (request_, "cpu")
@@ -102,7 +103,7 @@ def test_check_parameters_explains_half_models_under_fp16():
     assert ".half()" in str(info.value)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", plain(scaled=False))
 def test_half_parameters_are_allowed_without_a_scaler(precision):
     params = list(torch.nn.Linear(2, 2).half().parameters())
     check_parameters(params, PrecisionPolicy(precision, "cpu"), argument="optimizer")

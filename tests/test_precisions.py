@@ -21,57 +21,74 @@ NAMES = frozenset(REGISTRY)  # every registered name: a comparison with any is c
 
 
 # ---------------------------------------------------------------------- the registry's facts
-def test_fp16_is_the_only_precision_with_a_loss_scale():
-    assert [n for n, p in REGISTRY.items() if p.needs_scaler] == ["fp16"]
-    assert precisions.scaled() == "fp16"
+# Every check here holds for every entry, read from the registry: none pins its contents, so a
+# new entry is checked without an edit (tests/test_registry_contracts.py trains every entry).
+# The audit codes of released entries: ranks exchange them, so a renumbering would make ranks
+# of two versions disagree. A new entry appends its own code; this map does not grow.
+RELEASED_AUDIT_CODES = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3, "mxfp8": 4, "nvfp4": 5}
+KINDS = ("dynamic", "static", "none")  # ampguard.core.loss_scale.KINDS (checked there)
 
 
-def test_fp32_is_the_only_full_precision_and_the_reference():
-    assert [n for n, p in REGISTRY.items() if p.is_full] == ["fp32"]
-    assert precisions.full() == "fp32"
-    assert REGISTRY["fp32"].low_dtype is None and REGISTRY["fp32"].autocast_dtype is None
+def test_one_full_precision_is_the_reference():
+    full = [n for n, p in REGISTRY.items() if p.is_full]
+    assert full == [precisions.full()]
+    entry = REGISTRY[precisions.full()]
+    assert entry.low_dtype is None and entry.autocast_dtype is None and not entry.needs_scaler
 
 
-def test_audit_codes_are_unique_and_stable():
-    # ranks exchange these codes: a renumbering would make mixed-version ranks disagree
+def test_scaled_is_the_first_entry_with_a_loss_scale():
+    assert precisions.scaled() == next(n for n, p in REGISTRY.items() if p.needs_scaler)
+
+
+def test_audit_codes_are_unique_append_only_and_round_trip():
     codes = {n: p.audit_code for n, p in REGISTRY.items()}
-    assert {n: codes[n] for n in ("fp32", "bf16", "fp16", "fp8")} == {
-        "fp32": 0,
-        "bf16": 1,
-        "fp16": 2,
-        "fp8": 3,
-    }
     assert len(set(codes.values())) == len(codes)
-    assert [precisions.by_audit_code(c) for c in range(4)] == ["fp32", "bf16", "fp16", "fp8"]
-    assert precisions.by_audit_code(99) == "unknown(99)"
+    released = {n: c for n, c in RELEASED_AUDIT_CODES.items() if n in codes}
+    assert {n: codes[n] for n in released} == released
+    assert all(precisions.by_audit_code(c) == n for n, c in codes.items())
+    assert precisions.by_audit_code(max(codes.values()) + 1).startswith("unknown(")
 
 
-def test_requests_are_auto_then_every_entry():
-    # the first entries keep their order; a new precision is appended
-    assert precisions.requests()[:5] == ("auto", "fp16", "bf16", "fp32", "fp8")
-    assert precisions.requests() == ("auto", *REGISTRY)
-    assert precisions.names(watchable=True) == ("fp16", "bf16", "fp32")
+def test_requests_are_auto_then_every_entry_in_order():
+    assert precisions.requests() == (precisions.AUTO, *REGISTRY)
+    watchable = tuple(n for n, p in REGISTRY.items() if p.watchable)
+    assert precisions.names(watchable=True) == watchable
 
 
-def test_entry_facts():
-    fp16, bf16, fp8 = REGISTRY["fp16"], REGISTRY["bf16"], REGISTRY["fp8"]
-    assert (fp16.autocast_dtype, fp16.low_dtype, fp16.refused_params) == ("float16",) * 3
-    assert bf16.needs_bf16 and not fp16.needs_bf16 and fp8.needs_bf16
-    assert (fp8.hook, fp8.extra, fp8.watchable) == ("ampguard.fp8._convert:Fp8State", "fp8", False)
-    assert [n for n, p in REGISTRY.items() if p.autocast_only] == ["fp16", "bf16"]
-    assert precisions.traced() == ("auto", "fp16", "bf16")
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_entry_is_well_formed(name):
+    p = REGISTRY[name]
+    assert p.name == name and p.summary
+    assert p.loss_scale in KINDS and p.needs_scaler == (p.loss_scale != "none")
+    assert p.autocast_only == (not p.is_full and p.hook is None)
+    assert (p.name in precisions.traced()) == p.autocast_only
+    assert (p.refused_params is None) == (not p.param_advice)
+    if p.hook is not None:  # a "module:attribute" under ampguard, imported on first use
+        module, _, attribute = p.hook.partition(":")
+        assert module.startswith("ampguard.") and attribute
+    if p.extra is not None:
+        assert p.hook is not None  # an extra is what a hook needs
 
 
-def test_watched_as_and_labels():
-    watched = {n: precisions.watched_as(n) for n in ("fp16", "bf16", "fp32", "fp8")}
-    assert watched == {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "fp8": "bf16"}
-    assert all(precisions.watched_as(n) in precisions.names(watchable=True) for n in REGISTRY)
-    assert [precisions.label(d) for d in ("float16", "bfloat16", "float32", "float64")] == [
-        "fp16",
-        "bf16",
-        "fp32",
-        "float64",
-    ]
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_watched_as_is_a_watchable_entry_with_the_same_autocast_and_scale(name):
+    seen = REGISTRY[precisions.watched_as(name)]
+    assert seen.watchable
+    if REGISTRY[name].watchable:
+        assert seen.name == name
+    assert (seen.autocast_dtype, seen.loss_scale) == (
+        REGISTRY[name].autocast_dtype,
+        REGISTRY[name].loss_scale,
+    )
+
+
+def test_labels_are_the_first_entry_without_a_hook_that_rounds_to_the_dtype():
+    for name in REGISTRY:
+        dtype = REGISTRY[name].low_dtype or "float32"
+        plain = (n for n, p in REGISTRY.items() if p.hook is None)
+        first = next((n for n in plain if (REGISTRY[n].low_dtype or "float32") == dtype), dtype)
+        assert precisions.label(dtype) == first
+    assert precisions.label("float64") == "float64"
 
 
 @pytest.mark.parametrize("bad", ["fp4", "FP16", "", "auto"])
@@ -95,6 +112,52 @@ def test_checked_refuses_a_map_to_an_unregistered_precision():
         ValueError, match=r"Lightning's map maps to unregistered precisions \['fp4'\]"
     ):
         precisions.checked({"4-true": "fp4", "32": "fp32"}, source="Lightning's map")
+
+
+# ---------------------------------------------------------------------- one vocabulary
+def test_formats_compare_and_the_registry_share_one_vocabulary():
+    from ampguard.experiments._lowp import LOWP_VARIANTS
+    from ampguard.experiments._variants import PRECISION_OF
+    from ampguard.fp8 import FORMATS
+
+    for name, entry in REGISTRY.items():
+        assert set(entry.formats) <= set(FORMATS), name  # the plan's format names
+        if name in FORMATS:  # a precision named as a format trains in that format alone
+            assert entry.formats == (name,)
+    assert set(precisions.single_format()) == {n for n in REGISTRY if n in FORMATS}
+    # every compare variant names the precision it trains in: its name, or name_qualifier
+    assert set(PRECISION_OF.values()) <= set(REGISTRY)
+    for variant, precision in PRECISION_OF.items():
+        assert variant == precision or variant.startswith(f"{precision}_"), variant
+    assert set(LOWP_VARIANTS) == set(precisions.single_format())
+
+
+# ---------------------------------------------------------------------- prose that lists them
+def test_the_guard_docstring_points_to_the_registry_and_lists_no_precision_by_hand():
+    import inspect
+    import re
+
+    from ampguard.guard import Guard
+
+    doc = inspect.getdoc(Guard) or ""
+    paragraph = re.search(r"\n    precision: (.*?)\n    \w+:", doc, re.S)
+    assert paragraph, "the Guard docstring documents precision="
+    text = paragraph.group(1)
+    assert "ampguard.precisions.REGISTRY" in text
+    quoted = set(re.findall(r'``"([^"]+)"``', text))
+    assert quoted <= {precisions.AUTO}, f"a hand-written list of precisions goes stale: {quoted}"
+
+
+def test_the_cli_offers_every_request_from_the_registry():
+    import argparse
+
+    from ampguard.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    demo = commands.choices["demo"]
+    option = next(a for a in demo._actions if "--precision" in a.option_strings)
+    assert tuple(option.choices) == precisions.requests()  # argparse lists them in the help
 
 
 # ---------------------------------------------------------------------- one entry is enough
@@ -167,8 +230,10 @@ def test_the_fp16_range_rules_judge_an_entry_by_its_dtype(monkeypatch):
     monkeypatch.setitem(
         REGISTRY, "fp16-test", dataclasses.replace(REGISTRY["fp16"], name="fp16-test")
     )
-    mask = fp16_mask(["fp16", "bf16", "fp16-test", "fp32", "fp8", "unknown"])
-    assert mask.tolist() == [True, False, True, False, False, False]
+    names = [*REGISTRY, "unknown"]
+    mask = fp16_mask(names)
+    assert mask.tolist() == [n in REGISTRY and REGISTRY[n].low_dtype == "float16" for n in names]
+    assert mask[names.index("fp16-test")]
     assert mask.dtype == np.bool_
 
 

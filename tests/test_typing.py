@@ -8,6 +8,7 @@ with ``mypy`` at the repository root (same config, same folder), so a warm run t
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -60,8 +61,10 @@ def _mypy(tmp_path: Path, source: str) -> list[str]:
 
 
 def _qualname(cls: type) -> str:
-    """How mypy names a class: where it is defined (``ampguard.core.results.StepResult``)."""
-    return f"{cls.__module__}.{cls.__qualname__}"
+    """How mypy names a class: where it is defined (``ampguard.core.results.StepResult``), read
+    from a function of its body (a public class's ``__module__`` names its public home)."""
+    defined = next(v.__module__ for v in vars(cls).values() if inspect.isfunction(v))
+    return f"{defined}.{cls.__qualname__}"
 
 
 @pytest.mark.slow  # runs mypy in a subprocess
@@ -82,3 +85,17 @@ def test_public_api_is_typed(tmp_path: Path) -> None:
     # the class is real to the checker, so a misspelt attribute is an error (with Any it passes)
     errors = [line for line in lines if ": error:" in line]
     assert len(errors) == 1 and '"Guard" has no attribute "no_such_attribute"' in errors[0], lines
+
+
+def test_public_classes_show_their_public_path():
+    # repr(ampguard.Guard) names where a user imports it, not the private module that defines it
+    import importlib
+
+    names = [n for n in ampguard.__all__ if isinstance(getattr(ampguard, n, None), type)]
+    classes = [getattr(ampguard, n) for n in names]
+    assert classes
+    for cls in classes:
+        home = cls.__module__
+        assert not any(p.startswith("_") for p in home.split(".")), repr(cls)
+        assert repr(cls) == f"<class '{home}.{cls.__qualname__}'>"
+        assert getattr(importlib.import_module(home), cls.__qualname__) is cls, repr(cls)

@@ -5,7 +5,7 @@ Steps (each one fails the run with a one-line reason):
 1. ``python -m build`` makes an sdist and a wheel in a fresh temporary folder.
 2. ``twine check`` accepts both.
 3. The wheel holds the package with ``py.typed`` and no tests, and its version is
-   ``ampguard.__version__`` (the single source of the version).
+   ``ampguard._version.__version__`` (the single source of the version).
 4. A fresh virtual environment gets ``torch==<pinned>`` (the CPU build on local disk) and the
    wheel with its ``[report]`` extra, and runs ``ampguard demo`` and ``ampguard lint`` from
    a folder outside the source tree, so nothing can come from the checkout.
@@ -35,13 +35,13 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
 
 
 def _source_version() -> str:
-    tree = ast.parse((ROOT / "src" / "ampguard" / "__init__.py").read_text())
+    tree = ast.parse((ROOT / "src" / "ampguard" / "_version.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__version__":
             value = node.value
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 return value.value
-    sys.exit("check_release: src/ampguard/__init__.py defines no __version__ string")
+    sys.exit("check_release: src/ampguard/_version.py defines no __version__ string")
 
 
 def _check_wheel(wheel: Path, version: str) -> None:

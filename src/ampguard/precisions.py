@@ -39,6 +39,7 @@ __all__ = [
     "requests",
     "by_audit_code",
     "full",
+    "single_format",
     "scaled",
     "traced",
     "watched_as",
@@ -61,7 +62,11 @@ class Precision:
     parameter dtype the precision cannot train (fp16's scaler needs fp32 master weights),
     ``param_advice`` says why and what to do instead. ``hook`` names the model conversion run
     when a Guard is built (``None``: no conversion); ``extra`` is the pip extra that hook needs.
-    ``audit_code`` is append-only: ranks exchange it.
+    ``audit_code`` is append-only: ranks exchange it. ``formats`` names the low-precision
+    formats its conversion trains Linear layers in, in the plan's vocabulary
+    (``ampguard.fp8.FORMATS``, what ``ag.fp8_plan(formats=...)`` measures): a precision that is
+    one format carries that format's name (``mxfp8``), so compare's variants, the plan and the
+    Guard say the same word.
     """
 
     name: str
@@ -76,6 +81,7 @@ class Precision:
     param_advice: str = ""
     hook: str | None = None
     extra: str | None = None
+    formats: tuple[str, ...] = ()
 
     @property
     def needs_scaler(self) -> bool:
@@ -150,6 +156,7 @@ REGISTRY: dict[str, Precision] = {
             watchable=False,
             hook="ampguard.fp8._convert:Fp8State",
             extra="fp8",
+            formats=("tensorwise", "rowwise"),  # the plan's recipes
         ),
         Precision(
             name="mxfp8",
@@ -161,6 +168,7 @@ REGISTRY: dict[str, Precision] = {
             audit_code=4,
             watchable=False,
             hook="ampguard.fp8._block:Mxfp8",
+            formats=("mxfp8",),
         ),
         Precision(
             name="nvfp4",
@@ -172,6 +180,7 @@ REGISTRY: dict[str, Precision] = {
             audit_code=5,
             watchable=False,
             hook="ampguard.fp8._block:Nvfp4",
+            formats=("nvfp4",),
         ),
     )
 }
@@ -204,6 +213,12 @@ def by_audit_code(code: int) -> str:
         if p.audit_code == code:
             return p.name
     return f"unknown({code})"
+
+
+def single_format() -> tuple[str, ...]:
+    """The precisions that are one plan format, named as the format (``mxfp8``, ``nvfp4``):
+    what compare trains as its block-scaled variants."""
+    return tuple(n for n, p in REGISTRY.items() if p.formats == (n,))
 
 
 def full() -> str:

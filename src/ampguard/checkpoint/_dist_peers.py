@@ -19,8 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ampguard.checkpoint._files import CheckpointError
-from ampguard.distributed._errors import PeerFailureError
-from ampguard.distributed._peers import is_comm_error
+from ampguard.distributed import PeerFailureError, is_comm_error
 
 __all__ = ["group_of", "bounded", "same_path"]
 

@@ -43,8 +43,7 @@ from ampguard._util.stack import user_stacklevel
 from ampguard.checkpoint import _dist_checks, _dist_peers, _validate
 from ampguard.checkpoint._files import CheckpointError, atomic_write, verify_zip
 from ampguard.checkpoint._single import _load, _save_with_crc, save_checkpoint
-from ampguard.distributed import fsdp_modules
-from ampguard.distributed._peers import is_comm_error
+from ampguard.distributed import fsdp_modules, is_comm_error
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint"]
 

@@ -27,7 +27,7 @@ def failure(command: str, ref: str, raw: Any, exc: Exception) -> int:
     """Exit status for ``exc``: the user's code raised (1, their traceback), a usage error
     (2, one line); anything else is ampguard's own bug and is raised with its traceback."""
     from ampguard.cli._loader import UserCodeError, raised_in_module_of
-    from ampguard.fp8._torchao import Fp8UnavailableError
+    from ampguard.fp8 import Fp8UnavailableError
 
     if isinstance(exc, Fp8UnavailableError):  # says what to install
         return fail(command, exc)

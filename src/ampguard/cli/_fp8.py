@@ -80,7 +80,7 @@ def demo_fp8(args: argparse.Namespace) -> int:
     ``--distributed`` is given, or ``--out`` cannot be a run folder (checked before any work, as
     the fp16 demo does)."""
     from ampguard.cli._types import fail, usable_out
-    from ampguard.fp8._torchao import Fp8UnavailableError
+    from ampguard.fp8 import Fp8UnavailableError
     from ampguard.runlog import RunFolderError
 
     if args.distributed:

@@ -138,7 +138,7 @@ _DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ampguard`` argument parser with every subcommand."""
-    from ampguard import __version__  # the package's own: no torch, no metadata lookup
+    from ampguard._version import __version__  # the ground floor: no torch, no metadata lookup
 
     parser = Parser(prog="ampguard", description=_DESCRIPTION)
     parser.add_argument(

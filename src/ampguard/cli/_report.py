@@ -23,15 +23,16 @@ def report_args(p: argparse.ArgumentParser) -> None:
 
 
 def report_run(args: argparse.Namespace) -> int:
-    from ampguard.reporting._report import _analyse, _need_matplotlib, _write, summary_text
+    from ampguard.reporting import analyse, need_matplotlib
 
     try:
         if not args.no_html:
-            _need_matplotlib()  # before the analysis: fail fast, and in one line
-        run, found, causes, facts = _analyse(args.run_dir, None)  # read the log once
-        print(summary_text(run, found, facts))
+            need_matplotlib()  # before the analysis: fail fast, and in one line
+        analysis = analyse(args.run_dir)  # read the log once
+        found = analysis.found
+        print(analysis.summary())
         if not args.no_html:
-            print(f"report: {_write(run, found, causes, facts)}")
+            print(f"report: {analysis.write()}")
     except (ValueError, ImportError) as exc:
         return fail("report", exc)
     except OSError as exc:  # e.g. a read-only run folder: report.html cannot be written

@@ -2,6 +2,15 @@
 micro-batch containment, resume warm-up and step results. Imports no other ampguard package.
 """
 
+from ampguard.core._args import (
+    as_optimizers,
+    check_backward,
+    check_flag,
+    check_grads_present,
+    check_model,
+    check_window,
+    scheduler_callback,
+)
 from ampguard.core.containment import MicrobatchBuffer
 from ampguard.core.policy import (
     PRECISIONS,
@@ -55,4 +64,11 @@ __all__ = [
     "observed",
     "add_collapse",
     "decode",
+    "as_optimizers",
+    "check_backward",
+    "check_flag",
+    "check_grads_present",
+    "check_model",
+    "check_window",
+    "scheduler_callback",
 ]

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ampguard.core.scaler import LossScaler, ScalerConfig
+from ampguard.core.scaler import LossScaler, ScaledLossScale, ScalerConfig
 
 __all__ = [
     "LossScale",
@@ -164,10 +164,11 @@ class NoOpLossScale:
         return None
 
 
-class StaticLossScale(LossScaler):
+class StaticLossScale(ScaledLossScale):
     """A fixed loss scale: ``init_scale`` multiplies the loss, an overflowing window skips, and
-    the scale never moves (nothing is updated, no collapse). Its state has the same fields as
-    the dynamic scaler's. Cost: as :class:`~ampguard.LossScaler`, minus the update kernels."""
+    the scale never moves (nothing is updated, no collapse). A sibling of the dynamic
+    :class:`~ampguard.LossScaler` (both are :class:`~ampguard.core.scaler.ScaledLossScale`): its
+    state has the same fields. Cost: as the dynamic scale, minus the update kernels."""
 
     def update_window(
         self, found: Sequence[torch.Tensor], dropped: torch.Tensor | None

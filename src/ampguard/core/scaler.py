@@ -17,7 +17,14 @@ import torch
 
 from ampguard._util.checks import is_int
 
-__all__ = ["ScalerConfig", "LossScaler", "ScaleCollapseError", "COLLAPSE_POLICIES", "collect_grads"]
+__all__ = [
+    "ScalerConfig",
+    "ScaledLossScale",
+    "LossScaler",
+    "ScaleCollapseError",
+    "COLLAPSE_POLICIES",
+    "collect_grads",
+]
 
 COLLAPSE_POLICIES = ("raise", "warn", "fallback")
 
@@ -142,30 +149,13 @@ def _check(ok: bool, name: str, rule: str, value: Any) -> None:
         raise ValueError(f"ScalerConfig.{name} {rule}, got {value!r}")
 
 
-class LossScaler:
-    """Device-resident dynamic loss scale.
-
-    Algorithm of :meth:`update` (per optimizer step, ``found`` = any non-finite gradient)::
-
-        if found:
-            growth_tracker = 0                      # every overflow skips and resets growth
-            budget = max(budget - 1, 0)
-            if budget == 0:                          # hysteresis used up: back off
-                if scale <= min_scale: collapse      # already at the floor
-                scale = max(scale * backoff_factor, min_scale)
-        else:
-            growth_tracker += 1
-            if consecutive_hysteresis: budget = hysteresis
-            if growth_tracker == growth_interval:
-                growth_tracker = 0
-                budget = hysteresis                  # refilled when the scale grows
-                if isfinite(scale * growth_factor):
-                    scale = min(scale * growth_factor, max_scale)
-
-    The backoff/growth arithmetic is torch's own ``_amp_update_scale_`` kernel, so the scale is
-    bitwise identical to ``torch.amp.GradScaler`` while it stays inside the floor and cap.
-    Cost: no host sync (all device ops); ``update`` runs 2 small kernels with ``hysteresis=1``
-    and about 8 with ``hysteresis>1``.
+class ScaledLossScale:
+    """What every loss scale that multiplies the loss keeps: the fp32 scale, the growth and
+    hysteresis trackers (device tensors), the unscale, and a state dict with the same fields
+    whatever the kind. :class:`LossScaler` (dynamic) and
+    :class:`~ampguard.core.loss_scale.StaticLossScale` (fixed) are its two siblings; each
+    says how the scale moves after a window (``update_window``).
+    Cost: no host sync except :meth:`scale` and :meth:`state_dict`.
     """
 
     scaled = True  # the loss is multiplied by a scale: gradients need unscaling
@@ -214,6 +204,63 @@ class LossScaler:
     def check_(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
         """Non-finite flag of ``grads`` without changing them. Cost: no host sync."""
         return self.unscale_(grads, torch.ones((), dtype=torch.float32, device=self.device))
+
+    def fill_(self, scale: float) -> None:
+        """Set the scale (used on fallback/restore). Cost: no host sync."""
+        self._scale.fill_(scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scale and trackers as Python numbers. Cost: one host sync (three scalars)."""
+        values = torch.stack(
+            [self._scale.double(), self._growth_tracker.double(), self._budget.double()]
+        ).tolist()
+        return {
+            "scale": values[0],
+            "growth_tracker": int(values[1]),
+            "hysteresis_tracker": int(values[2]),
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` produced (the config is the caller's concern)."""
+        try:
+            scale = float(state["scale"])
+            tracker = int(state["growth_tracker"])
+            budget = int(state.get("hysteresis_tracker", self.config.hysteresis))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid scaler state: {exc!r}") from exc
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"invalid scaler state: scale must be finite and > 0, got {scale}")
+        self._scale.fill_(scale)
+        self._growth_tracker.fill_(tracker)
+        self._budget.fill_(budget)
+
+
+class LossScaler(ScaledLossScale):
+    """Device-resident dynamic loss scale.
+
+    Algorithm of :meth:`update` (per optimizer step, ``found`` = any non-finite gradient)::
+
+        if found:
+            growth_tracker = 0                      # every overflow skips and resets growth
+            budget = max(budget - 1, 0)
+            if budget == 0:                          # hysteresis used up: back off
+                if scale <= min_scale: collapse      # already at the floor
+                scale = max(scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if consecutive_hysteresis: budget = hysteresis
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                budget = hysteresis                  # refilled when the scale grows
+                if isfinite(scale * growth_factor):
+                    scale = min(scale * growth_factor, max_scale)
+
+    The backoff/growth arithmetic is torch's own ``_amp_update_scale_`` kernel, so the scale is
+    bitwise identical to ``torch.amp.GradScaler`` while it stays inside the floor and cap.
+    Cost: no host sync (all device ops); ``update`` runs 2 small kernels with ``hysteresis=1``
+    and about 8 with ``hysteresis>1``.
+    """
 
     def update(self, found_inf: torch.Tensor, skipped: torch.Tensor | None = None) -> torch.Tensor:
         """Advance the state machine by one optimizer step; return the 0-dim bool collapse flag.
@@ -280,36 +327,6 @@ class LossScaler:
         if not self.config.consecutive_hysteresis:
             refill = refill & (self._growth_tracker == 0)  # growth happened this step
         self._budget.copy_(torch.where(refill, self.config.hysteresis, self._budget))
-
-    def fill_(self, scale: float) -> None:
-        """Set the scale (used on fallback/restore). Cost: no host sync."""
-        self._scale.fill_(scale)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Scale and trackers as Python numbers. Cost: one host sync (three scalars)."""
-        values = torch.stack(
-            [self._scale.double(), self._growth_tracker.double(), self._budget.double()]
-        ).tolist()
-        return {
-            "scale": values[0],
-            "growth_tracker": int(values[1]),
-            "hysteresis_tracker": int(values[2]),
-            "config": self.config.to_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` produced (the config is the caller's concern)."""
-        try:
-            scale = float(state["scale"])
-            tracker = int(state["growth_tracker"])
-            budget = int(state.get("hysteresis_tracker", self.config.hysteresis))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"invalid scaler state: {exc!r}") from exc
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"invalid scaler state: scale must be finite and > 0, got {scale}")
-        self._scale.fill_(scale)
-        self._growth_tracker.fill_(tracker)
-        self._budget.fill_(budget)
 
 
 def _group_by_device_dtype(

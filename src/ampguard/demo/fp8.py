@@ -18,8 +18,7 @@ import torch
 from ampguard._util.checks import check_int
 from ampguard.checkpoint import save_checkpoint
 from ampguard.demo.fp8_model import OUTLIER_LAYER, OutlierNet, OutlierTask, loss_fn, make_task
-from ampguard.fp8 import Fp8Plan, fp8_plan
-from ampguard.fp8._torchao import require_torchao
+from ampguard.fp8 import Fp8Plan, fp8_plan, require_torchao
 from ampguard.guard import Guard
 from ampguard.reporting import report
 from ampguard.telemetry import Telemetry
@@ -161,7 +160,7 @@ def summary(r: Fp8DemoResult) -> str:
 
 
 def _report_lines(run_dir: Path) -> list[str]:
-    from ampguard.reporting._fp8 import text_lines
+    from ampguard.reporting import fp8_text_lines as text_lines
     from ampguard.runlog import load_run
 
     return text_lines(load_run(run_dir))

@@ -37,6 +37,7 @@ from ampguard.distributed._attach import (
 )
 from ampguard.distributed._checksum import param_checksum
 from ampguard.distributed._errors import DesyncError, PeerFailureError
+from ampguard.distributed._peers import is_comm_error, resolve_peer_timeout
 from ampguard.distributed._state import DistributedState
 from ampguard.distributed._topology import Topology, detect, fsdp_modules
 
@@ -52,4 +53,6 @@ __all__ = [
     "param_checksum",
     "rank_telemetry",
     "fsdp_modules",
+    "is_comm_error",
+    "resolve_peer_timeout",
 ]

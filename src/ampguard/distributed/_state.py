@@ -59,8 +59,7 @@ class DistributedState:
     ``rank_overflows`` (windows in which each rank's own gradients were non-finite),
     ``rank_dropped`` (micro-batches each rank dropped), ``last_rows`` (the last consensus
     window's per-rank rows: the overflow origin), the first window each rank overflowed in.
-    Read them with :meth:`summary` (one sync) or
-    record :meth:`telemetry_fields` (device tensors, no sync).
+    Read them with :meth:`summary` (one sync).
     """
 
     def __init__(
@@ -280,21 +279,6 @@ class DistributedState:
     def is_writer(self) -> bool:
         """True on the rank that writes run logs (global rank 0 of the group)."""
         return self.topology.rank == 0
-
-    def telemetry_fields(self) -> dict[str, Any]:
-        """Per-window fields for the run log (device tensors; no host sync).
-
-        ``overflow_ranks``: 1.0 where that rank's own gradients overflowed in the last window
-        (None under plain DDP, which runs no consensus: see :meth:`summary`'s ``origin``);
-        ``hook_nonfinite_ranks``: ranks left out by the non-finite-safe DDP hook (last bucket).
-        """
-        rows, hook = self.last_rows, hook_state(self.model)
-        return {
-            "rank": self.topology.global_rank,
-            "world_size": self.topology.world_size,
-            "overflow_ranks": None if rows is None else rows[:, :-1].amax(dim=1),
-            "hook_nonfinite_ranks": None if hook is None else hook.last_flags,
-        }
 
     def summary(self) -> dict[str, Any]:
         """Rank-aware counters as plain values. Cost: one host sync."""

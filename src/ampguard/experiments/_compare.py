@@ -7,8 +7,6 @@ The variants run in :mod:`ampguard.experiments._variants`; the verdict is
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,7 +130,7 @@ def _progress(enabled: bool, total: int) -> Any:
 
 def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) -> Any:
     """The fp8 plan on the first batch of a fresh experiment when an fp8 variant runs."""
-    from ampguard.fp8._torchao import require_torchao
+    from ampguard.fp8 import require_torchao
 
     if not any(n in _fp8.FP8_VARIANTS for n in names):
         return None
@@ -145,19 +143,16 @@ def _fp8_plan(factory: Callable[[], Experiment], seed: int, names: list[str]) ->
 def _locate(
     cmp: Comparison, factory: Callable[[], Experiment], seed: int, capture: dict[str, Any]
 ) -> None:
-    """Run ``ampguard.locate`` on the first failing batch, if forensics is installed."""
-    try:
-        locate = importlib.import_module("ampguard.forensics").locate
-    except (ImportError, AttributeError) as exc:
-        cmp.locate_error = f"ampguard.forensics.locate is unavailable ({exc})"
-        return
+    """Run ``ampguard.locate`` on the first failing batch, at the fixed variant's scale."""
+    from ampguard.forensics import locate
+
     exp = fresh(factory, seed)
     exp.model.load_state_dict(capture["state"])
-    kwargs: dict[str, Any] = {"precision": PRECISION_OF["fp16_fixed"]}
-    if "scale" in inspect.signature(locate).parameters:
-        kwargs["scale"] = FIXED_SCALE
+    precision = PRECISION_OF["fp16_fixed"]
     try:
-        cmp.diagnosis = locate(exp.model, exp.loss_fn, capture["batch"], **kwargs)
+        cmp.diagnosis = locate(
+            exp.model, exp.loss_fn, capture["batch"], precision=precision, scale=FIXED_SCALE
+        )
     except Exception as exc:  # noqa: BLE001 - the comparison stands without a diagnosis
         cmp.locate_error = f"locate failed: {type(exc).__name__}: {exc}"
         return

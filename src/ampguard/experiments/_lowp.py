@@ -11,17 +11,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampguard import precisions
+from ampguard.fp8 import FORMATS
+
 __all__ = ["LOWP_VARIANTS", "prepare", "judge_lowp", "lowp_lines"]
 
+# one variant per precision that is one plan format, named as both (the registry's vocabulary)
 LOWP_VARIANTS = {
-    "mxfp8": "MXFP8 (e4m3, a scale per 32) for every fitting Linear, emulated; bf16 around it",
-    "nvfp4": "NVFP4 (e2m1, scales per 16 and per tensor) for every fitting Linear, emulated",
+    name: f"{FORMATS[name].description}; every fitting Linear, emulated, bf16 around it"
+    for name in precisions.single_format()
 }
 
 
 def prepare(name: str, model: Any) -> list[str]:
     """Convert ``model`` for variant ``name``; the names of the converted layers."""
-    from ampguard.fp8._emulate import emulate
+    from ampguard.fp8 import emulate
 
     return emulate(model, name)
 

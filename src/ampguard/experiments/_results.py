@@ -154,3 +154,7 @@ class Comparison:
         from ampguard.experiments._html import write_report
 
         return write_report(self, Path(directory))
+
+
+Experiment.__module__ = "ampguard.experiments"  # its public home: repr and pickles name that path
+Comparison.__module__ = "ampguard.experiments"  # its public home: repr and pickles name that path

@@ -14,8 +14,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
+from ampguard import precisions
 from ampguard.core.policy import dtype_of
 from ampguard.core.scaler import ScalerConfig
 from ampguard.experiments import _fp8, _lowp, _stall, _verdict
@@ -42,14 +44,20 @@ VARIANTS: dict[str, str] = {
     "bf16": "bf16 autocast, no loss scaler",
     "fp16_noscaler": "fp16 autocast, no loss scaler (plain loop)",
 }
-PRECISION_OF: dict[str, str] = {
-    "fp32": "fp32",
-    "fp16_dynamic": "fp16",
-    "fp16_fixed": "fp16",
-    "bf16": "bf16",
-    "fp16_noscaler": "fp16",
-}
-"""The registered precision each of :data:`VARIANTS` trains in (its facts decide the Guard)."""
+PRECISION_OF: dict[str, str] = precisions.checked(
+    {
+        "fp32": "fp32",
+        "fp16_dynamic": "fp16",
+        "fp16_fixed": "fp16",
+        "bf16": "bf16",
+        "fp16_noscaler": "fp16",
+        **dict.fromkeys(_fp8.FP8_VARIANTS, "fp8"),
+        **{n: n for n in _lowp.LOWP_VARIANTS},  # a precision that is one format: its name
+    },
+    source="compare's variants",
+)
+"""The registered precision each variant trains in (its facts decide the Guard): a variant is
+a precision's name, or the name with what it varies (``fp16_fixed``, ``fp8_planned``)."""
 BASELINE = next(n for n, p in PRECISION_OF.items() if REGISTRY[p].is_full)  # "fp32"
 # the variant the fp8 and block-scaled variants are judged against: plain bf16 autocast
 LOWP_REFERENCE = next(
@@ -66,12 +74,7 @@ def seed_all(seed: int) -> None:
     """Seed Python's, torch's and numpy's RNGs (what compare does before each variant)."""
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # numpy is optional for seeding purposes
-        pass
+    np.random.seed(seed)
 
 
 def fresh(factory: Callable[[], Experiment], seed: int) -> Experiment:
@@ -106,7 +109,7 @@ def _make_guard(name: str, exp: Experiment, scaler: ScalerConfig | None, plan: A
         return Guard(
             exp.model,
             exp.optimizer,
-            precision="fp8",
+            precision=PRECISION_OF[name],
             fp8_plan=plan if name == "fp8_planned" else None,
         )
     if name in _lowp.LOWP_VARIANTS:  # the layers are emulated in the format (see run_variant)
@@ -157,7 +160,7 @@ def run_variant(
     res.seconds, res.timed_steps, res.step_seconds = clock.stop()
     res.losses = torch.stack(losses).tolist() if losses else []
     res.params_finite = all(bool(torch.isfinite(p).all()) for p in exp.model.parameters())
-    if guard is not None and REGISTRY[PRECISION_OF.get(name, "bf16")].needs_scaler:
+    if guard is not None and REGISTRY[PRECISION_OF[name]].needs_scaler:
         res.final_scale = guard.scale
     if name in _stall.STALL_ORDER and last is not None and res.error is None:
         # a silent stall is judged later: keep what locate needs to name its layer

@@ -102,3 +102,6 @@ def make(
         line=line,
         col=col,
     )
+
+
+Finding.__module__ = "ampguard.findings"  # its public home: repr and pickles name that path

@@ -36,7 +36,30 @@ the op; in backward, the module whose forward created the autograd node that pro
 (a gradient cast down to an fp16 activation belongs to the module that produced the activation).
 """
 
+from ampguard.forensics._absorbed_scan import diagnose_absorbed, scan_every
 from ampguard.forensics._diagnosis import CODES, KINDS, Diagnosis
+from ampguard.forensics._live import check as check_arguments
+from ampguard.forensics._live import diagnose_trace, fallback_finding, reproduced
 from ampguard.forensics._locate import locate
+from ampguard.forensics._optrace import OpTrace, flatten_tensors, op_name
+from ampguard.forensics._transient import soften
+from ampguard.forensics._verdicts import advice, verdict
 
-__all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
+__all__ = [
+    "Diagnosis",
+    "locate",
+    "KINDS",
+    "CODES",
+    "diagnose_absorbed",
+    "scan_every",
+    "check_arguments",
+    "diagnose_trace",
+    "fallback_finding",
+    "reproduced",
+    "OpTrace",
+    "flatten_tensors",
+    "op_name",
+    "soften",
+    "advice",
+    "verdict",
+]

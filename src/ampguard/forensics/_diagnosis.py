@@ -128,3 +128,6 @@ def _json_restore(value: Any) -> Any:
     if isinstance(value, list):
         return [_json_restore(v) for v in value]
     return value
+
+
+Diagnosis.__module__ = "ampguard.forensics"  # its public home: repr and pickles name that path

@@ -26,8 +26,22 @@ A layer is *ready* when it is eligible and no figure crosses its :class:`Fp8Thre
 >>> guard = ag.Guard(model, opt, precision="fp8", fp8_plan=plan)
 """
 
+from ampguard.fp8._conversion import Conversion
+from ampguard.fp8._emulate import emulate
 from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._modules import conv1d_to_linear
 from ampguard.fp8._plan import FIXES, Fp8Plan, Fp8Thresholds, fp8_plan
+from ampguard.fp8._torchao import Fp8UnavailableError, require_torchao
 
-__all__ = ["Fp8Plan", "Fp8Thresholds", "fp8_plan", "FIXES", "FORMATS", "conv1d_to_linear"]
+__all__ = [
+    "Fp8Plan",
+    "Fp8Thresholds",
+    "fp8_plan",
+    "FIXES",
+    "FORMATS",
+    "conv1d_to_linear",
+    "Conversion",
+    "emulate",
+    "Fp8UnavailableError",
+    "require_torchao",
+]

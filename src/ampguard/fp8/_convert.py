@@ -76,7 +76,7 @@ class Fp8State:
     """
 
     def __init__(self, model: nn.Module, device: torch.device, plan: Any = None) -> None:
-        from ampguard.fp8 import Fp8Plan
+        from ampguard.fp8._plan import Fp8Plan
 
         if plan is not None and not isinstance(plan, Fp8Plan):
             raise TypeError(
@@ -163,7 +163,7 @@ class Fp8State:
         own = telemetry is None or not telemetry.range_every
         if own and not rescue:
             return
-        from ampguard.fp8 import Fp8Thresholds
+        from ampguard.fp8._plan import Fp8Thresholds
         from ampguard.fp8._rescue import Fp8Rescue
         from ampguard.fp8._stats import Fp8Monitor
 
@@ -226,7 +226,7 @@ class Fp8State:
         if not rescued:
             return
         if self.rescue is None:
-            from ampguard.fp8 import Fp8Thresholds
+            from ampguard.fp8._plan import Fp8Thresholds
             from ampguard.fp8._rescue import Fp8Rescue
 
             th = self.plan.thresholds if self.plan is not None else Fp8Thresholds()

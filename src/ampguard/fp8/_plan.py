@@ -280,3 +280,7 @@ def _check(model: Any, loss_fn: Any, recipe: Any, thresholds: Any) -> None:
         raise TypeError(
             f"thresholds must be an ampguard.Fp8Thresholds or None, got {type(thresholds).__name__}"
         )
+
+
+Fp8Plan.__module__ = "ampguard.fp8"  # its public home: repr and pickles name that path
+Fp8Thresholds.__module__ = "ampguard.fp8"  # its public home: repr and pickles name that path

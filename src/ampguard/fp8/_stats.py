@@ -23,7 +23,7 @@ from torch import nn
 from ampguard._util.jsonnum import finite_or_none
 from ampguard.findings import Finding, make
 from ampguard.fp8._cast import E4M3, RECIPES, flushed_share, quantize
-from ampguard.runlog._schema import FP8_FIELDS
+from ampguard.runlog import FP8_FIELDS
 
 __all__ = ["Fp8Monitor", "Fp8Log", "WindowClock", "FIELDS"]
 
@@ -71,7 +71,7 @@ class Fp8Monitor:
         recipe: str,
         thresholds: Any,
     ) -> None:
-        from ampguard.fp8 import Fp8Thresholds
+        from ampguard.fp8._plan import Fp8Thresholds
 
         self.clock = clock
         self.telemetry = telemetry

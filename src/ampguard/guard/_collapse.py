@@ -16,7 +16,8 @@ from ampguard._util.stack import user_stacklevel
 from ampguard.core.policy import resolve_precision, supports_bf16
 from ampguard.core.scaler import ScaleCollapseError, collect_grads
 from ampguard.findings import count
-from ampguard.forensics import _verdicts as verdicts
+from ampguard.forensics import advice as forensics_advice
+from ampguard.forensics import verdict
 from ampguard.guard import _nonfinite
 from ampguard.guard._step_state import StepState
 
@@ -30,9 +31,7 @@ def on_collapse(state: StepState, step: int, run: int | None = None) -> None:
         return _nonfinite.on_bound(state, step, run)
     policy = state.config.on_collapse
     if policy == "raise":
-        raise ScaleCollapseError(
-            collapse_message(state, step), verdict=verdicts.verdict(state.forensics)
-        )
+        raise ScaleCollapseError(collapse_message(state, step), verdict=verdict(state.forensics))
     if policy == "warn":
         if not state.collapsing:
             warnings.warn(
@@ -52,7 +51,7 @@ def collapse_message(state: StepState, step: int) -> str:
         f"{count(state.steps, 'step')} "
         f"skipped. Scale history (step: scale): {hist}. "
         + (
-            verdicts.advice(state.forensics)  # what forensics concluded, if it did
+            forensics_advice(state.forensics)  # what forensics concluded, if it did
             or "Try: precision='bf16' (same range as fp32); keep the overflowing module in "
             "fp32 (ampguard.locate names it); a lower learning rate; or "
             "ScalerConfig(on_collapse='fallback') to switch automatically."
@@ -80,7 +79,7 @@ def fall_back(state: StepState, step: int) -> None:
     warnings.warn(
         f"loss scale collapsed at step {step}; ampguard switched precision {old} -> {target} "
         "(ScalerConfig.on_collapse='fallback') and continues without a loss scaler."
-        + (f" {advice}" if (advice := verdicts.advice(state.forensics)) else ""),
+        + (f" {advice}" if (advice := forensics_advice(state.forensics)) else ""),
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )

@@ -35,12 +35,22 @@ from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import StepResult
 from ampguard.core.scaler import ScalerConfig
 from ampguard.findings import Finding
-from ampguard.forensics import Diagnosis, locate
-from ampguard.forensics._absorbed_scan import diagnose_absorbed, scan_every
-from ampguard.forensics._live import check, diagnose_trace, fallback_finding, reproduced
-from ampguard.forensics._optrace import OpTrace
+from ampguard.forensics import (
+    Diagnosis,
+    OpTrace,
+    diagnose_absorbed,
+    diagnose_trace,
+    fallback_finding,
+    locate,
+    reproduced,
+    scan_every,
+    soften,
+)
+from ampguard.forensics import check_arguments as check
+
+# private: forensics' replay moves to the replay/ package (its own engineer builds it); the
+# import follows it there rather than making the old module's helper public on the way out
 from ampguard.forensics._replay import rng_state
-from ampguard.forensics._transient import soften
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
 from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32
 from ampguard.telemetry import Telemetry

@@ -21,7 +21,7 @@ import torch
 from ampguard import precisions
 from ampguard._util.stack import user_stacklevel
 from ampguard.core.policy import PrecisionPolicy, resolve_precision
-from ampguard.fp8._conversion import Conversion
+from ampguard.fp8 import Conversion
 
 __all__ = ["UNCONVERTED", "attach"]
 

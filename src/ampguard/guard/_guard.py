@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.core import results
-from ampguard.core._args import (
+from ampguard.core import (
     as_optimizers,
     check_backward,
     check_flag,
     check_grads_present,
     check_model,
     check_window,
+    results,
     scheduler_callback,
 )
 from ampguard.core.buffer_restore import BufferSnapshot
@@ -40,20 +40,24 @@ from ampguard.core.policy import PrecisionPolicy, check_parameters, device_of, r
 from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeTracker, ResumeWarmup
 from ampguard.core.scale_history import ScaleHistory
-from ampguard.core.scaler import LossScaler, ScaleCollapseError, ScalerConfig
+from ampguard.core.scaler import ScaleCollapseError, ScaledLossScale, ScalerConfig
 from ampguard.core.stagnation import StagnationProbe
-from ampguard.distributed import DistributedState, check_distributed_options, rank_telemetry
+from ampguard.distributed import (
+    DistributedState,
+    check_distributed_options,
+    rank_telemetry,
+    resolve_peer_timeout,
+)
 from ampguard.distributed import attach as attach_distributed
-from ampguard.distributed._peers import resolve_peer_timeout
 from ampguard.findings import Finding
-from ampguard.forensics._live import check as check_forensics_arguments
+from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
-from ampguard.fp8._conversion import Conversion
+from ampguard.fp8 import Conversion
 from ampguard.guard import _flags, _fp8, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
-from ampguard.reporting._on_close import write_report
+from ampguard.reporting import write_report
 from ampguard.telemetry import Telemetry
 from ampguard.telemetry import attach as attach_telemetry
 from ampguard.telemetry import check_argument as check_telemetry_argument
@@ -88,10 +92,9 @@ class Guard:
         model: The ``torch.nn.Module`` being trained; its parameters must be the optimizers'.
         optimizer: One ``torch.optim.Optimizer`` or a list of them (one step flag each).
         precision: ``"auto"`` (bf16 where the device supports it, else fp16) or a name in
-            ``ampguard.precisions.REGISTRY``: ``"fp16"`` (with a dynamic loss scaler),
-            ``"bf16"``, ``"fp32"``, ``"fp8"`` (torchao float8 linears, see ``fp8_plan``),
-            ``"mxfp8"`` or ``"nvfp4"`` (block-scaled linears, emulated: their numerics, not
-            their speed).
+            ``ampguard.precisions.REGISTRY`` (``ampguard.precisions.names()``; the precision
+            table of the docs says what each runs and needs: fp16 has a dynamic loss scaler,
+            fp8 converts the linears planned by ``fp8_plan``).
         scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
             ``on_collapse``); used only when the precision resolves to fp16.
         accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
@@ -329,11 +332,12 @@ class Guard:
         return self._state.requested_precision
 
     @property
-    def loss_scaler(self) -> LossScaler | None:
-        """The live ``LossScaler`` (its ``scale_tensor`` and ``inv_scale()`` read without a
-        sync), or None when no scaler is in use (bf16/fp32, or after a fallback)."""
+    def loss_scaler(self) -> ScaledLossScale | None:
+        """The live loss scale (an ``ag.LossScaler``, or the fixed ``StaticLossScale``: its
+        ``scale_tensor`` and ``inv_scale()`` read without a sync), or None when no scaler is in
+        use (bf16/fp32, or after a fallback)."""
         scale = self._state.loss_scale
-        return scale if isinstance(scale, LossScaler) else None
+        return scale if isinstance(scale, ScaledLossScale) else None
 
     # the constructor's arguments, as checked (read-only)
     @property
@@ -839,3 +843,6 @@ class Guard:
 # ---------------------------------------------------------------------- helpers
 def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+Guard.__module__ = "ampguard.guard"  # its public home: repr and pickles name that path

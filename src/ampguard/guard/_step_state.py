@@ -21,7 +21,7 @@ from ampguard.core.results import Counters, StepResult
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import ScalerConfig
 from ampguard.distributed import DistributedState
-from ampguard.fp8._conversion import Conversion
+from ampguard.fp8 import Conversion
 from ampguard.guard._forensics import GuardForensics
 from ampguard.telemetry import Telemetry
 

@@ -75,7 +75,7 @@ def _uri(path: str | None) -> str:
 
 
 def _sarif(findings: list[Finding]) -> dict:
-    from ampguard import __version__
+    from ampguard._version import __version__
 
     codes = sorted(RULES)
     rules = [

@@ -5,6 +5,24 @@
 ampguard report: runs/exp1 ...
 """
 
-from ampguard.reporting._report import print_summary, report, summary
+from ampguard.reporting._fp8 import text_lines as fp8_text_lines
+from ampguard.reporting._on_close import write_report
+from ampguard.reporting._report import (
+    Analysis,
+    analyse,
+    need_matplotlib,
+    print_summary,
+    report,
+    summary,
+)
 
-__all__ = ["report", "summary", "print_summary"]
+__all__ = [
+    "report",
+    "summary",
+    "print_summary",
+    "Analysis",
+    "analyse",
+    "need_matplotlib",
+    "fp8_text_lines",
+    "write_report",
+]

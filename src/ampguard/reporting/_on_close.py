@@ -25,7 +25,7 @@ def write_report(run_dir: str | os.PathLike) -> Path | None:
     if not (Path(run_dir) / runlog.META).exists():
         return None  # no run log here (the telemetry never started one)
     try:
-        from ampguard.reporting import report
+        from ampguard.reporting._report import report
 
         return report(run_dir)
     except ImportError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -13,17 +14,38 @@ from ampguard.findings import Finding
 from ampguard.reporting.html import render
 from ampguard.reporting.summary import run_facts, summary_text
 
-__all__ = ["report", "summary", "print_summary"]
+__all__ = ["Analysis", "analyse", "need_matplotlib", "report", "summary", "print_summary"]
 
 
-def _analyse(
-    run_dir: str | os.PathLike,
-    config: rules.RuleConfig | None,
-) -> tuple[runlog.RunLog, list[Finding], dict[str, list[int]], dict[str, Any]]:
+@dataclass(frozen=True)
+class Analysis:
+    """A run folder read once: its log, the findings of the rules, the skipped steps by cause
+    and the facts the summary and the page print (what :func:`analyse` returns; the CLI prints
+    the summary and writes the page from one reading)."""
+
+    run: runlog.RunLog
+    found: list[Finding]
+    causes: dict[str, list[int]]
+    facts: dict[str, Any]
+
+    def summary(self) -> str:
+        """The terminal summary (as :func:`summary`). Cost: none beyond formatting."""
+        return summary_text(self.run, self.found, self.facts)
+
+    def write(self) -> Path:
+        """Write ``findings.json`` and ``report.html``; return the page's path. Needs
+        matplotlib (call :func:`need_matplotlib` first to fail before the analysis)."""
+        return _write(self.run, self.found, self.causes, self.facts)
+
+
+def analyse(run_dir: str | os.PathLike, config: rules.RuleConfig | None = None) -> Analysis:
+    """Read ``run_dir`` and apply the rules (``config`` overrides their thresholds). Raises
+    ``ValueError`` (``ampguard.runlog.RunFolderError``, naming the file) for a folder that is
+    not a usable run folder. Cost: one read of the run log."""
     run = runlog.load_run(run_dir)
     found = rules.evaluate(run, config)
     causes = rules.skip_causes(run, config)
-    return run, found, causes, run_facts(run, causes)
+    return Analysis(run, found, causes, run_facts(run, causes))
 
 
 def _save_findings(run: runlog.RunLog, found: list[Finding]) -> None:
@@ -37,11 +59,12 @@ def report(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None
     (``ampguard.runlog.RunFolderError``, naming the file) when ``run_dir`` is not a usable run
     folder. Needs matplotlib (``pip install 'ampguard[report]'``).
     """
-    _need_matplotlib()
-    return _write(*_analyse(run_dir, config))
+    need_matplotlib()
+    return analyse(run_dir, config).write()
 
 
-def _need_matplotlib() -> None:
+def need_matplotlib() -> None:
+    """``ImportError`` saying what to install unless matplotlib (the report's figures) imports."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
@@ -70,8 +93,7 @@ def _write(
 
 def summary(run_dir: str | os.PathLike, *, config: rules.RuleConfig | None = None) -> str:
     """The terminal summary of ``run_dir``: findings with fixes first, then skips and scale."""
-    run, found, _causes, facts = _analyse(run_dir, config)
-    return summary_text(run, found, facts)
+    return analyse(run_dir, config).summary()
 
 
 def print_summary(

@@ -9,8 +9,7 @@ from typing import Any
 
 from ampguard.findings import Finding
 from ampguard.reporting._fp8 import html_section
-from ampguard.runlog import COVERAGE, RunLog
-from ampguard.runlog._files import read_coverage
+from ampguard.runlog import COVERAGE, RunLog, read_coverage
 
 __all__ = ["render"]
 

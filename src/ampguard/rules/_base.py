@@ -94,3 +94,6 @@ def fp16_mask(precisions: list[str]) -> np.ndarray:
 def _rounds_to_fp16(name: str) -> bool:
     entry = REGISTRY.get(name)
     return entry is not None and entry.low_dtype == "float16"
+
+
+RuleConfig.__module__ = "ampguard.rules"  # its public home: repr and pickles name that path

@@ -17,7 +17,7 @@ naming the file. This module imports no torch.
 """
 
 from ampguard.runlog._errors import TelemetryError
-from ampguard.runlog._files import read_findings, read_meta
+from ampguard.runlog._files import read_coverage, read_findings, read_meta
 from ampguard.runlog._load import RunLog, last_step_record, load_run, read_json
 from ampguard.runlog._lock import RunFolderLock
 from ampguard.runlog._log import EventLog, append_findings, json_line, write_json_atomic
@@ -31,7 +31,7 @@ from ampguard.runlog._names import (
     TB_DIR,
 )
 from ampguard.runlog._numbers import floats, num, number_texts
-from ampguard.runlog._schema import RunFolderError
+from ampguard.runlog._schema import FP8_FIELDS, RunFolderError
 
 __all__ = [
     "EVENTS",
@@ -57,4 +57,6 @@ __all__ = [
     "RunFolderLock",
     "read_meta",
     "read_findings",
+    "FP8_FIELDS",
+    "read_coverage",
 ]

@@ -16,3 +16,6 @@ class TelemetryError(RuntimeError):
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+TelemetryError.__module__ = "ampguard.runlog"  # its public home: repr and pickles name that path

@@ -15,8 +15,10 @@ written out at the next flush. The host formats the run-log lines from the copie
 
 Modules (the recorder on top, the pieces it drives below):
 
-- ``_telemetry``: :class:`Telemetry` (the producer hooks, the flush, the run-folder writes) and
+- ``_telemetry``: :class:`Telemetry` (the producer hooks, the sampling, the flush) and
   :func:`attach` / :func:`check_argument` (a producer's ``telemetry=`` argument);
+- ``_run_writer``: the run folder's one writer (lock, log, ``meta.json``, ``findings.json``,
+  the sinks), each write under the write-error policy;
 - ``source``: :class:`TelemetrySource`, the producer side of the contract (a Guard, a watch);
 - ``_rows``: the named records a step leaves until the flush (``StepRow``, ``Sample``);
 - ``_device``: the preallocated device buffer and the host view of the scale;

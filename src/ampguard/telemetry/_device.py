@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampguard.rules import _ranges
+from ampguard.rules import RANGE_BINS
 from ampguard.telemetry._records import FIXED, LOSS, NORM, SCALE, STATUS, Values
 
 __all__ = ["DeviceBuffer", "host_view", "stack_values"]
@@ -46,7 +46,7 @@ class DeviceBuffer:
         # slots: at most one sample per window; the window in progress may hold one more
         self.stats_slots = math.ceil(f / stats_every) + 1
         self.range_slots = math.ceil(f / range_every) + 1 if range_every else 0
-        self.range_width = layers * (1 + _ranges.BINS)
+        self.range_width = layers * (1 + RANGE_BINS)
         self._stats_at = FIXED * f
         self._ranges_at = self._stats_at + self.stats_slots * tensors
         total = self._ranges_at + self.range_slots * self.range_width

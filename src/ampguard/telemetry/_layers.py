@@ -119,7 +119,7 @@ def run_meta(
     source: TelemetrySource, layout: Layout, telemetry_config: dict[str, Any]
 ) -> dict[str, Any]:
     """The ``meta.json`` content of a new run of ``source`` (a Guard or a watched loop)."""
-    from ampguard import __version__
+    from ampguard._version import __version__
 
     model = source.model
     n_params = sum(p.numel() for p in model.parameters())

@@ -2,16 +2,16 @@
 base-2 exponents of the gradients, from the fp32 bits of the flattened gradients.
 
 Telemetry takes one sample every ``range_every`` steps; the host turns the histogram into
-headroom, underflow and the safe scale window (:mod:`ampguard.rules._ranges`). The gradients
-are flattened in chunks of at most :data:`CHUNK` elements (planned once, at attach), so a sample
-is a fixed number of ops per chunk whatever the number of parameter tensors.
+headroom, underflow and the safe scale window (:func:`ampguard.rules.summarize_ranges`). The
+gradients are flattened in chunks of at most :data:`CHUNK` elements (planned once, at attach),
+so a sample is a fixed number of ops per chunk whatever the number of parameter tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampguard.rules import _ranges
+from ampguard.rules import RANGE_BINS, RANGE_E_MIN
 from ampguard.telemetry import _layers
 
 __all__ = ["CHUNK", "RangeSampler", "range_keys"]
@@ -29,7 +29,7 @@ class RangeSampler:
     def __init__(self, layout: _layers.Layout, device: torch.device) -> None:
         self._chunks = _layers.plan_chunks(layout, device, CHUNK)
         # histogram row start of each chunk item (int32: the histogram keys are int32)
-        self._offsets = [(ch.layer * _ranges.BINS).to(torch.int32) for ch in self._chunks]
+        self._offsets = [(ch.layer * RANGE_BINS).to(torch.int32) for ch in self._chunks]
         self._sizes = [[b - a for _, a, b in ch.items] for ch in self._chunks]
         self._one = torch.ones(1, dtype=torch.float32, device=device)
 
@@ -76,6 +76,6 @@ def range_keys(bits: torch.Tensor, offsets: torch.Tensor, ch: _layers.Chunk) -> 
     rules and the report skip, in the top bin). ``min(key, bits)`` is 0 only for an exact zero:
     any nonzero value has bits >= 1, and a key above 1 needs bits far above BINS.
     """
-    key = bits.bitwise_right_shift(23).sub_(126 + _ranges.E_MIN).clamp_(1, _ranges.BINS - 1)
+    key = bits.bitwise_right_shift(23).sub_(126 + RANGE_E_MIN).clamp_(1, RANGE_BINS - 1)
     torch.minimum(key, bits, out=key)
     return key.add_(torch.repeat_interleave(offsets, ch.lengths, output_size=ch.total))

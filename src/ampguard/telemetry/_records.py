@@ -18,7 +18,7 @@ import numpy as np
 
 from ampguard.core import results
 from ampguard.core.results import Decoded
-from ampguard.rules import _ranges
+from ampguard.rules import RANGE_BINS, summarize_ranges
 from ampguard.runlog import number_texts
 
 __all__ = [
@@ -206,12 +206,12 @@ _RANGE_FIELDS = ("zero_frac", "amax", "headroom_bits", "underflow", "safe_lo", "
 
 def _range_text(row: np.ndarray, n_layers: int, scale: float) -> str:
     """The ``range`` object of a step's line from its device row (per-layer amax, then the
-    exponent histograms): the per-layer figures of :func:`ampguard.rules._ranges.summarize`
+    exponent histograms): the per-layer figures of :func:`ampguard.rules.summarize_ranges`
     and the share of exact zeros, all formatted in one pass."""
     values = row.tolist()
-    bins = _ranges.BINS
+    bins = RANGE_BINS
     hist = [values[n_layers + k * bins : n_layers + (k + 1) * bins] for k in range(n_layers)]
-    s = _ranges.summarize(hist, values[:n_layers], scale)
+    s = summarize_ranges(hist, values[:n_layers], scale)
     zero_frac = [counts[0] / max(sum(counts), 1.0) for counts in hist]
     texts = number_texts(
         [x for column in (zero_frac, *(s[k] for k in _RANGE_FIELDS[1:])) for x in column]

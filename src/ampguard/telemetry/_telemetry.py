@@ -1,16 +1,14 @@
-"""The :class:`Telemetry` recorder (producer hooks, flush, run-folder writes) and its attach.
+"""The :class:`Telemetry` recorder (producer hooks, sampling, flush) and its attach.
 
 What it records and when is described in :mod:`ampguard.telemetry` (the package docstring); the
 records a step leaves behind until the flush are the named records of
-:mod:`ampguard.telemetry._rows`.
+:mod:`ampguard.telemetry._rows`; the run folder (its lock, log, ``meta.json``, sinks and the
+write-error policy) is the :class:`~ampguard.telemetry._run_writer.RunWriter` it drives.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +17,20 @@ import torch
 
 from ampguard import runlog
 from ampguard._util.checks import check_bool, check_int
-from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
 from ampguard.telemetry._absorbed import AbsorbedCounter
 from ampguard.telemetry._device import DeviceBuffer, host_view
-from ampguard.telemetry._disk import WriteFailures
 from ampguard.telemetry._range_sample import RangeSampler
 from ampguard.telemetry._records import Facts, RunTally, Shape, build_lines
 from ampguard.telemetry._rows import NO_SAMPLE, Resumed, Sample, StepRow
+from ampguard.telemetry._run_writer import RunWriter
 from ampguard.telemetry._staging import HostStaging
 from ampguard.telemetry.source import TelemetrySource
 
 TelemetryError = runlog.TelemetryError  # public: ag.TelemetryError (defined torch-free in runlog)
 
 __all__ = ["DENSE_LAYER_STEPS", "Telemetry", "TelemetryError", "attach", "check_argument"]
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    return check_int(f"Telemetry {name}", value, minimum)
 
 
 DENSE_LAYER_STEPS = 32
@@ -112,36 +105,35 @@ class Telemetry:
         ):
             check_bool(f"Telemetry {name}", value)
         self.run_dir = Path(run_dir)
-        self.flush_every = _positive_int("flush_every", flush_every)
+        self.flush_every = check_int("Telemetry flush_every", flush_every)
         # None: every 10 steps, and each of the first DENSE_LAYER_STEPS (a short run's heatmap)
         self._dense = DENSE_LAYER_STEPS if layer_every is None else 0
-        self.layer_every = 10 if layer_every is None else _positive_int("layer_every", layer_every)
-        self.range_every = _positive_int("range_every", range_every, minimum=0)
+        every = 10 if layer_every is None else layer_every
+        self.layer_every = check_int("Telemetry layer_every", every)
+        self.range_every = check_int("Telemetry range_every", range_every, 0)
         self.layer_stats, self.tensorboard, self.resume = layer_stats, tensorboard, resume
-        self._failures = WriteFailures(self.run_dir, on_write_error)
+        # the run folder, its log and sinks, and the write-error policy (on_write_error)
+        self._writer = RunWriter(
+            self.run_dir, on_write_error, resume=resume, tensorboard=tensorboard, sinks=sinks
+        )
         self.on_write_error = on_write_error
-        self.flush_due = False  # raise mode: a full buffer waits for before_update()
-        self._lock: runlog.RunFolderLock | None = None
+        self.sinks = self._writer.sinks  # extra sinks (ampguard.integrations.sinks)
         self.absorbed = absorbed
         # the first step whose gradients are sampled: a producer may skip on_grads before it
         self.next_sample = self._due_after(0)
-        if tensorboard:
-            from ampguard.telemetry._tensorboard import require_tensorboard
-
-            require_tensorboard()
         self._source: TelemetrySource | None = None
         self._closed = False
-        self._recorded: set[str] = set()  # findings already in the run log
         self.flushes = 0
-        # --- extra sinks (ampguard.integrations.sinks): start/write/close protocol ---
-        self.sinks = tuple(sinks)
-        for sink in self.sinks:
-            if not all(callable(getattr(sink, m, None)) for m in ("start", "write", "close")):
-                raise TypeError(
-                    "Telemetry sinks must have start(run_dir, layers), "
-                    f"write(records, skip_rate) and close(); got {type(sink).__name__}"
-                )
-        # --- end of extra sinks ---
+
+    @property
+    def flush_due(self) -> bool:
+        """True while a write waits for :meth:`before_update` (``on_write_error="raise"``: a full
+        buffer, or lines whose write failed). Cost: none."""
+        return self._writer.flush_due
+
+    @flush_due.setter
+    def flush_due(self, value: bool) -> None:
+        self._writer.flush_due = value
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments as a plain dict (recorded in ``meta.json``)."""
@@ -213,73 +205,14 @@ class Telemetry:
             float(source.scaler_config.init_scale) if source.loss_scaler is not None else 1.0
         )
         self._tally = RunTally(source.accumulation_steps)
-        self._open_folder(source)
+        meta = _layers.run_meta(source, layout, self.config())
+        self._writer.open(meta, self.layers)
 
     def _read_source(self) -> None:
         """Take the source's precision and loss scaler (at attach, and when the producer reports
         a change through on_fallback or on_resume): the hot path reads neither property."""
         assert self._source is not None
         self._precision, self._scaler = self._source.precision, self._source.loss_scaler
-
-    def _open_folder(self, source: TelemetrySource) -> None:
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TelemetryError(
-                f"telemetry run folder {self.run_dir} cannot be created: {exc.strerror or exc}",
-                str(self.run_dir),
-            ) from exc
-        self._lock = runlog.RunFolderLock(self.run_dir)  # TelemetryError if another writer holds it
-        try:
-            self._open_log(source)
-        except BaseException as exc:
-            self.release()
-            if isinstance(exc, OSError):
-                raise TelemetryError(
-                    f"telemetry run folder {self.run_dir} cannot be written: {exc.strerror or exc}",
-                    str(self.run_dir),
-                ) from exc
-            raise
-
-    def _open_log(self, source: TelemetrySource) -> None:
-        self._meta = _layers.run_meta(source, self._layout, self.config())
-        self._log: runlog.EventLog | None = None
-        # An existing log is continued only if the Guard resumes from a checkpoint before its
-        # first step (see on_resume); a run that just starts in the folder starts a new log.
-        self._log_pending = self.resume and self._events.exists() and self._meta_path.exists()
-        if self._log_pending:
-            why = _cannot_continue(self._meta_path, self.layers)
-            if why:
-                warnings.warn(
-                    f"{self.run_dir}: {why}; starting a new log",
-                    RuntimeWarning,
-                    stacklevel=user_stacklevel(),
-                )
-                self._log_pending = False
-        if not self._log_pending:
-            self._start_log()
-        self._sink = None
-        if self.tensorboard:
-            from ampguard.telemetry._tensorboard import TensorBoardSink
-
-            self._sink = TensorBoardSink(self.run_dir / runlog.TB_DIR, self.layers)
-        for sink in self.sinks:  # extra sinks
-            sink.start(self.run_dir, list(self.layers))
-
-    @property
-    def _events(self) -> Path:
-        return self.run_dir / runlog.EVENTS
-
-    @property
-    def _meta_path(self) -> Path:
-        return self.run_dir / runlog.META
-
-    def _start_log(self) -> None:
-        self._log_pending = False
-        if self._events.exists() and self._events.stat().st_size:
-            os.replace(self._events, self._events.with_name(runlog.EVENTS + ".prev"))
-        self._log = runlog.EventLog(self._events, fresh=True)
-        runlog.write_json_atomic(self._meta_path, self._meta)
 
     # ------------------------------------------------------------------ producer hooks (hot path)
     # The producer side of the contract (ampguard.telemetry.source): a Guard or a Watch calls
@@ -302,8 +235,8 @@ class Telemetry:
         on statistics steps."""
         if self._closed:
             return
-        if self._log_pending:  # the first step came without a resume: a new run
-            self._begin_log()
+        if self._writer.pending:  # the first step came without a resume: a new run
+            self._writer.begin()
         layers = step % self.layer_every == 0 or step <= self._dense
         ranged = self.range_every and step % self.range_every == 0
         if not (layers or ranged):
@@ -342,8 +275,8 @@ class Telemetry:
         memory), elsewhere one (its copy); no host sync."""
         if self._closed:
             return
-        if self._log_pending:  # no gradient sample opened the log yet: this is a new run
-            self._begin_log()
+        if self._writer.pending:  # no gradient sample opened the log yet: this is a new run
+            self._writer.begin()
         if self.flush_due:  # raise mode, a producer that does not call before_update()
             self._flush(wait=False)
         pending = self._pending
@@ -371,7 +304,7 @@ class Telemetry:
         if step >= self.next_sample:
             self.next_sample = self._due_after(step)
         if len(pending) == self.flush_every:
-            if self._failures.mode == "raise":  # written before the next update (a Guard)
+            if self._writer.failures.mode == "raise":  # written before the next update (a Guard)
                 self.flush_due = True
             else:
                 self._flush(wait=False)
@@ -383,13 +316,6 @@ class Telemetry:
         Cost: a flush (as the automatic one)."""
         if self.flush_due:
             self._flush(wait=False)
-
-    def _begin_log(self) -> None:
-        try:
-            self._start_log()
-        except OSError as exc:  # started at the first write that succeeds (_open_events)
-            self._log_pending = False
-            self._failures.failed(self._events, exc)
 
     def _due_after(self, step: int) -> int:
         """The first step after ``step`` whose gradients are sampled."""
@@ -457,16 +383,7 @@ class Telemetry:
         self.flush()
         self._read_source()  # a load may change the precision or replace the scaler
         source = self._source
-        if self._log_pending:
-            self._log_pending = False
-            self._meta = runlog.read_meta(self._meta_path)
-            self._log = runlog.EventLog(self._events, fresh=False)
-            if step == 0:
-                last = runlog.last_step_record(self._events)
-                step = int(last["step"]) if last else 0
-        assert self._log is not None
-        before = runlog.last_step_record(self._events, at_most=step)
-        previous = before.get("scale") if before else None
+        step = self._writer.continue_log(step)
         if source.loss_scaler is None:
             scale = 1.0
         else:
@@ -481,19 +398,7 @@ class Telemetry:
             self._absorbed.forget()
             if not (step + 1) % self.range_every:
                 self._absorbed.arm(step + 1)
-        event = {
-            "kind": "resume",
-            "step": step,
-            "scale": runlog.num(scale),
-            "previous_scale": previous,
-            "scale_reset": scale_reset,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        self._append([event])
-        self._meta.setdefault("resumes", []).append(event)
-        self._write_json(self._meta_path, self._meta)
-        self._raise_error()
-        return Resumed(step, previous)
+        return Resumed(step, self._writer.mark_resume(step, scale, scale_reset))
 
     def on_fallback(self, step: int, old: str, new: str) -> None:
         """The producer switched precision ``old`` -> ``new`` at ``step`` (a collapse fallback;
@@ -502,9 +407,7 @@ class Telemetry:
             return
         self.flush()
         self._read_source()
-        if self._log is not None:
-            self._append([{"kind": "fallback", "step": step, "from": old, "to": new}])
-            self._raise_error()
+        self._writer.append_events([{"kind": "fallback", "step": step, "from": old, "to": new}])
 
     def append_events(self, records: list[dict[str, Any]]) -> None:
         """Append non-step records (e.g. ``{"kind": "fp8", ...}``) to the run log after the steps
@@ -513,9 +416,7 @@ class Telemetry:
         if self._closed:
             return
         self.flush()
-        if self._log is not None:
-            self._append(records)
-            self._raise_error()
+        self._writer.append_events(records)
 
     # ------------------------------------------------------------------ flush
     def flush(self) -> None:
@@ -584,57 +485,26 @@ class Telemetry:
             lines, outcome, self._scale_carry = build_lines(
                 facts, values, carry=self._scale_carry, shape=self._shape
             )
-            written = self._write(lines, tuple(facts.step))
-            sinks = self._sink is not None or bool(self.sinks)
+            written = self._writer.write(lines, tuple(facts.step))
+            sinks = self._writer.has_sinks
             rates = self._tally.add(outcome, rates=sinks)
             if sinks and written:
-                records = [json.loads(line) for line in lines]
-                for sink in (self._sink, *self.sinks):  # TensorBoard, then the extra sinks
-                    if sink is None:
-                        continue
-                    try:
-                        sink.write(records, rates)
-                    except OSError as exc:  # tb/ on the same full disk: the same policy
-                        where = self.run_dir / runlog.TB_DIR if sink is self._sink else self.run_dir
-                        self._failures.failed(where, exc)
+                self._writer.to_sinks(lines, rates)
             self.flushes += 1
         if self._absorbed is not None:
             absorbed = self._absorbed.records(wait)
             if absorbed:
-                self._append(absorbed)
-        if self._failures.retry_due and not tried:  # what failed at an earlier flush, again
-            self._write([])
-        self._raise_error()
-
-    # ------------------------------------------------------------------ writes (full disks)
-    # every write goes through the policy of ampguard.telemetry._disk (on_write_error)
-    def _write(self, lines: list[str], steps: tuple[int, ...] = (), events: int = 0) -> bool:
-        written = self._failures.write(self._open_events, self._events, lines, steps, events)
-        if self._failures.unwritten:  # raise mode: retried before the next update
-            self.flush_due = True
-        return written
-
-    def _open_events(self) -> runlog.EventLog:
-        if self._log is None:  # the new log's start failed on a full disk: start it now
-            self._start_log()
-        assert self._log is not None
-        return self._log
-
-    def _append(self, records: list[dict[str, Any]]) -> None:
-        self._write([runlog.json_line(r) for r in records], events=len(records))
-
-    def _write_json(self, path: Path, obj: Any) -> bool:
-        return self._failures.write_json(path, obj)
-
-    def _raise_error(self) -> None:
-        self._failures.raise_pending()
+                self._writer.append(absorbed)
+        if not tried:  # what failed at an earlier flush, again
+            self._writer.retry()
+        self._writer.raise_error()
 
     @property
     def unrecorded(self) -> dict[str, Any]:
         """What a full or read-only disk kept out of the run log: ``gaps`` (each with its first
         ``step``, ``last`` step, ``records``, ``reason``), ``records`` and ``events`` (counts),
         and ``suspended`` (True while writes fail). Cost: none."""
-        return {**self._failures.summary(), "suspended": self._failures.suspended}
+        return self._writer.unrecorded()
 
     # ------------------------------------------------------------------ cheap accessors
     def recent_scales(self, k: int = 32) -> list[tuple[int, float | None]]:
@@ -657,19 +527,8 @@ class Telemetry:
 
         Cost: one sync (the flush) and a read of the run log.
         """
-        from ampguard import rules
-
         self.flush()
-        if self._log is None:  # nothing recorded yet
-            return []
-        try:
-            self._log.sync()
-        except OSError as exc:  # EIO on a failing disk
-            self._failures.failed(self._events, exc)
-        found = rules.evaluate(runlog.load_run(self.run_dir))
-        self._write_json(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
-        self._raise_error()
-        return found
+        return self._writer.findings()
 
     @property
     def closed(self) -> bool:
@@ -678,24 +537,16 @@ class Telemetry:
 
     def annotate(self, key: str, value: Any) -> None:
         """Add a JSON-ready ``value`` under ``key`` to ``meta.json`` (written at close)."""
-        self._meta[key] = value
+        self._writer.meta[key] = value
 
     def record_findings(self, found: list[Finding]) -> None:
         """Record findings made during the run (not by the rules) in the run log, so that
         ``findings.json`` and the report include them. Cost: one sync (the flush)."""
-        fresh = [f for f in found if repr(f.to_dict()) not in self._recorded]
+        fresh = self._writer.fresh(found)
         if not fresh or self._closed:
             return
         self.flush()
-        if self._log is not None:
-            self._append(
-                [
-                    {"kind": runlog.FINDING_EVENT, "step": f.step, "finding": f.to_dict()}
-                    for f in fresh
-                ]
-            )
-            self._raise_error()
-            self._recorded.update(repr(f.to_dict()) for f in fresh)
+        self._writer.record_findings(fresh)
 
     def close(self) -> None:
         """Flush, write ``findings.json``, close the sinks and release the run folder.
@@ -711,25 +562,7 @@ class Telemetry:
             error = exc
         finally:
             self._closed = True
-            try:
-                if self._sink is not None:
-                    self._sink.close()
-                for sink in self.sinks:  # extra sinks
-                    sink.close()
-                if self._log is not None:
-                    try:
-                        self._log.close()
-                    except OSError as exc:
-                        self._log = None
-                        self._failures.failed(self._events, exc)
-                    self._meta["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-                    if self._failures.gaps or self._failures.lost_events:
-                        self._meta["unrecorded"] = self._failures.summary()
-                    self._write_json(self._meta_path, self._meta)
-            finally:
-                self.release()
-        if error is None:
-            error, self._failures.pending_error = self._failures.pending_error, None
+            error = self._writer.close(error)  # sinks, log, meta.json's end, the lock
         if error is not None:
             raise error
 
@@ -737,12 +570,7 @@ class Telemetry:
         """Give the run folder up without writing anything more: close the log file, release
         the lock and detach (a Guard whose constructor failed calls it). Idempotent; never
         raises. :meth:`close` calls it last."""
-        log, self._log = getattr(self, "_log", None), None
-        if log is not None and not self._closed:
-            log.abandon()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        self._writer.release(abandon=not self._closed)
         if not self._closed:
             self._source = None
 
@@ -773,12 +601,4 @@ def attach(telemetry: Any, source: TelemetrySource) -> Telemetry | None:
     return telemetry
 
 
-def _cannot_continue(meta_path: Path, layers: list[str]) -> str | None:
-    """Why the run log in the folder cannot be continued by this model, or None."""
-    try:
-        meta = runlog.read_meta(meta_path)
-    except runlog.RunFolderError as exc:
-        return f"the existing run log cannot be continued ({exc})"
-    if (meta.get("layers") or {}).get("names") != layers:
-        return "the existing run log was written for a model with other layers"
-    return None
+Telemetry.__module__ = "ampguard.telemetry"  # its public home: repr and pickles name that path
