@@ -199,7 +199,7 @@ class Fp8State:
         if value is None:
             return []
         saved = value.get("format") if isinstance(value, dict) else None
-        if isinstance(saved, str) and saved != "fp8" and "rescued" not in value:
+        if isinstance(saved, str) and "rescued" not in value:  # fp8 states carry no "format"
             raise ValueError(  # a block-scaled Guard's state (mxfp8, nvfp4)
                 f"the Guard state trained its Linear layers in {saved!r} but this Guard uses "
                 f"precision='fp8'; create the Guard with precision={saved!r} to resume it"

@@ -184,8 +184,7 @@ class Telemetry:
             self._device,
         )
         ends = np.flatnonzero(np.diff(layout.layer_of, append=-1)) + 1  # tensors in layer order
-        # no layer at all (ZeRO-3: the optimizer's flat partitions belong to no module)
-        starts = [0, *ends[:-1].tolist()] if len(ends) else []
+        starts = [0, *ends[:-1].tolist()][: len(ends)]  # none under ZeRO-3's flat partitions
         self._shape = Shape(
             self._n_optimizers,
             tuple(zip(starts, ends.tolist(), strict=True)),
