@@ -153,14 +153,21 @@ class StagnationProbe:
             row[2] += moving
         return [LayerShare(layer, d, lost, moving) for layer, (d, lost, moving) in out.items()]
 
-    def stagnant(self, threshold: float = STAGNATION_SHARE) -> list[LayerShare]:
-        """Layers whose lost share is at least ``threshold``, worst first. Cost: one sync."""
-        rows = [s for s in self.shares() if s.moving and s.share >= threshold]
+    def stagnant(
+        self, threshold: float = STAGNATION_SHARE, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[LayerShare]:
+        """Layers whose lost share is at least ``threshold``, worst first, but those named in
+        ``exclude`` (layers a stagnation rescue covers). Cost: one sync."""
+        rows = [
+            s for s in self.shares() if s.moving and s.share >= threshold and s.layer not in exclude
+        ]
         return sorted(rows, key=lambda s: -s.share)
 
-    def findings(self, threshold: float = STAGNATION_SHARE) -> list[Finding]:
-        """AG175 naming the stagnating layers, or ``[]``. Cost: one host sync."""
-        rows = self.stagnant(threshold)
+    def findings(
+        self, threshold: float = STAGNATION_SHARE, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[Finding]:
+        """AG175 naming the stagnating layers (but ``exclude``), or ``[]``. Cost: one sync."""
+        rows = self.stagnant(threshold, exclude)
         if not rows:
             return []
         names = ", ".join(f"{r.layer!r} ({r.share:.0%})" for r in rows[:6])

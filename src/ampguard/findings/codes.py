@@ -422,6 +422,24 @@ CATALOGUE: dict[str, Code] = _table(
         "fp32 master weights (model in float32, autocast for the math), or stochastic rounding / "
         "Kahan summation (torchao.optim.AdamW(..., bf16_stochastic_round=True))",
     ),
+    (
+        "AG176",
+        "warning",
+        "optimizer states in low precision",
+        "step",
+        "an optimizer keeps tensor states (exp_avg, exp_avg_sq, ...) of bf16/fp16 parameters in "
+        "bf16/fp16: their running averages round away like the weights' updates",
+        "Guard(..., fp32_optimizer_states=True) keeps them in fp32",
+    ),
+    (
+        "AG177",
+        "info",
+        "stagnation rescue in use",
+        "step",
+        "Guard(stagnation_rescue=...) writes the fp32 update of these layers back through Kahan "
+        "compensation or stochastic rounding; the lost share before and the applied share after",
+        "nothing to fix: the rescue is working; compare the applied share with 100%",
+    ),
     # -- forensics ------------------------------------------------------------------------------
     (
         "AG300",
