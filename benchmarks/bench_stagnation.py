@@ -1,0 +1,238 @@
+"""Stagnation rescue: pure low-precision weights against the rescue and fp32 master weights.
+
+Models: a pure-bf16 MLP, a pure-bf16 GPT-tiny (2 blocks, width 32, next-token loss on a fixed
+random Markov chain) and a ``.half()`` MLP. Optimizers: SGD + momentum, AdamW, torch's Adafactor
+and a Lion written here. Methods (every one through ``ampguard.Guard``, ``precision="bf16"``):
+
+- ``bf16``: the weights and states in the model's dtype, nothing rescued;
+- ``torchao-sr``: torchao's ``_AdamW(bf16_stochastic_round=True)`` (AdamW on bf16 models only);
+- ``kahan``: ``stagnation_rescue="kahan"`` (every layer);
+- ``auto``: ``stagnation_rescue="auto"`` (the layers the probe finds, Kahan within the budget);
+- ``fp32``: fp32 master weights (the model in float32, autocast for the math).
+
+Columns: the final loss (mean of the last 10% of steps), the persistent bytes per parameter beyond
+the low-precision weights and states (fp32 master weights: a 4-byte copy), the step time over the
+``bf16`` row of the same model and optimizer, the share of the loss gap between ``bf16`` and
+``fp32`` that the method closes, and the share of AdamW's decoupled weight decay applied (a
+decay-only run: zero gradients, ``lr=1e-3``, ``weight_decay=1e-2``, 200 steps, the stored weight
+plus its Kahan buffer; ``auto`` with the layers it chose in training).
+
+    python benchmarks/bench_stagnation.py --steps 2000      # the issue's length
+    python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampguard as ag
+
+VOCAB, SEQ, WIDTH = 32, 16, 32
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, ``m = b2*m + (1-b2)*g``."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
+                m.lerp_(p.grad, 1 - b2)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTTiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.tok(idx) + self.pos))
+
+
+def make_model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPTTiny()
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)
+    )
+
+
+def data(name: str, steps: int):
+    gen = torch.Generator().manual_seed(1)
+    if name == "gpt":
+        trans = torch.softmax(torch.randn(VOCAB, VOCAB, generator=gen) * 3, -1)
+        for _ in range(steps):
+            seq = [torch.randint(VOCAB, (16,), generator=gen)]
+            for _ in range(SEQ):
+                seq.append(torch.multinomial(trans[seq[-1]], 1, generator=gen).squeeze(1))
+            s = torch.stack(seq, 1)
+            yield s[:, :-1], s[:, 1:]
+    else:
+        teacher = torch.randn(32, 8, generator=gen) / 4
+        for _ in range(steps):
+            x = torch.randn(64, 32, generator=gen)
+            yield x, torch.tanh(x @ teacher * 2)
+
+
+def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype) -> torch.Tensor:
+    if name == "gpt":
+        return F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+    return F.mse_loss(model(x.to(dtype)).float(), y)
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=3e-3),
+    "lion": lambda ps: Lion(ps, lr=2e-5, weight_decay=0.1),
+}
+LOW = {"mlp": torch.bfloat16, "gpt": torch.bfloat16, "half": torch.float16}
+
+
+def train(model_name: str, opt_name: str, method: str, steps: int) -> dict | None:
+    low = LOW[model_name]
+    model = make_model(model_name)
+    dtype = torch.float32 if method == "fp32" else low
+    model = model.to(dtype)
+    if method == "torchao-sr":
+        if opt_name != "adamw" or low != torch.bfloat16:
+            return None
+        try:
+            from torchao.optim import _AdamW
+        except ImportError:
+            return None
+        opt = _AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, bf16_stochastic_round=True)
+    else:
+        opt = OPTIMIZERS[opt_name](model.parameters())
+    rescue = method if method in ("kahan", "auto") else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guard = ag.Guard(model, opt, precision="bf16", stagnation_rescue=rescue)
+    losses, times = [], []
+    for x, y in data(model_name, steps):
+        t0 = time.perf_counter()
+        with guard.autocast():
+            loss = loss_of(model_name, model, x, y, dtype)
+        guard.backward(loss)
+        guard.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach())
+    tail = max(1, steps // 10)
+    final = float(torch.stack(losses[-tail:]).mean())
+    step_time = sorted(times[5:])[len(times[5:]) // 2] if len(times) > 10 else sum(times)
+    extra = 4.0 if method == "fp32" else guard.rescue.bytes_per_param() if guard.rescue else 0.0
+    decisions = dict(guard.rescue.decisions) if guard.rescue else {}
+    return {"loss": final, "time": step_time, "bytes": extra, "decisions": decisions}
+
+
+def decay_share(model_name: str, method: str, decisions: dict) -> float:
+    """Share of AdamW's decoupled decay applied over 200 zero-gradient steps."""
+    low = LOW[model_name]
+    model = make_model(model_name).to(torch.float32 if method == "fp32" else low)
+    start = [p.detach().float().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    rescue = "kahan" if method == "kahan" else "auto" if method == "auto" else None
+    guard = ag.Guard(model, opt, precision="bf16", stagnation_rescue=rescue)
+    if method == "auto" and guard.rescue is not None:  # the layers auto chose in training
+        for layer, d in decisions.items():
+            idx = [i for i, n in enumerate(guard.rescue.layers) if n == layer]
+            guard.rescue.rescue.cover(idx, d["method"])
+        guard.rescue.mode = None  # no new decisions on zero gradients
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    steps = 200
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    comp = guard.rescue.rescue.comp if guard.rescue else {}
+    index = {id(p): i for i, p in enumerate(guard.rescue.rescue.params)} if guard.rescue else {}
+    done = want = 0.0
+    for p, s in zip(model.parameters(), start, strict=True):
+        value = p.detach().float()
+        i = index.get(id(p))
+        if i is not None and i in comp:
+            value = value + comp[i].float()
+        done += float((s - value).abs().sum())
+        want += float(s.abs().sum()) * (1 - (1 - 1e-5) ** steps)
+    return done / want if want else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--models", default="mlp,gpt,half")
+    ap.add_argument("--optimizers", default="sgd,adamw,adafactor,lion")
+    args = ap.parse_args()
+    methods = ["bf16", "torchao-sr", "kahan", "auto", "fp32"]
+    print(f"steps={args.steps}")
+    print(
+        "| model | optimizer | method | final loss | gap closed | bytes/param | step time | WD applied |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    wd_cache: dict = {}
+    for model_name in args.models.split(","):
+        for opt_name in args.optimizers.split(","):
+            rows = {m: train(model_name, opt_name, m, args.steps) for m in methods}
+            base, ref = rows["bf16"], rows["fp32"]
+            assert base is not None and ref is not None
+            for m in methods:
+                r = rows[m]
+                if r is None:
+                    continue
+                gap = base["loss"] - ref["loss"]
+                closed = (base["loss"] - r["loss"]) / gap if abs(gap) > 1e-9 else math.nan
+                wd = ""
+                if opt_name == "adamw" and m != "torchao-sr":
+                    key = (model_name, m)
+                    if key not in wd_cache or m == "auto":
+                        wd_cache[key] = decay_share(model_name, m, r["decisions"])
+                    wd = f"{wd_cache[key]:.0%}"
+                print(
+                    f"| {model_name} | {opt_name} | {m} | {r['loss']:.4f} | "
+                    f"{closed:.0%} | {r['bytes']:.2f} | {r['time'] / base['time']:.2f}x | {wd} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
