@@ -38,7 +38,8 @@ VOCAB, SEQ, WIDTH = 32, 16, 32
 
 
 class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, ``m = b2*m + (1-b2)*g``."""
+    """Lion (Chen et al. 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``,
+    ``m = b2*m + (1-b2)*g``."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
@@ -206,7 +207,8 @@ def main() -> None:
     methods = ["bf16", "torchao-sr", "kahan", "auto", "fp32"]
     print(f"steps={args.steps}")
     print(
-        "| model | optimizer | method | final loss | gap closed | bytes/param | step time | WD applied |"
+        "| model | optimizer | method | final loss | gap closed | bytes/param | step time "
+        "| WD applied |"
     )
     print("|---|---|---|---|---|---|---|---|")
     wd_cache: dict = {}

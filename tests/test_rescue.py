@@ -307,3 +307,21 @@ def test_a_step_that_raises_leaves_the_weights_in_their_own_dtype():
     handle.remove()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     train(guard, model, 1, start=1)  # and the next window trains
+
+
+def test_ag_watch_measures_an_ema_updated_in_the_loop(tmp_path):
+    model, ema = mlp(), mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with ag.watch(None, model, opt, telemetry=tmp_path / "run", precision="bf16", ema=ema) as w:
+        for x, y in batches(3):
+            loss = F.mse_loss(model(x.bfloat16()).float(), y)
+            w.record_loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.lerp_(p, 0.001)  # decay 0.999: below half an ulp nearly everywhere
+        found = [f for f in w.findings() if f.code == "AG175" and f.evidence.get("owner")]
+    (f,) = found
+    assert f.evidence["layers"]["ema.0"]["share"] >= 0.9

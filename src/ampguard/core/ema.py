@@ -39,7 +39,7 @@ from ampguard.core.stagnation import (
 )
 from ampguard.findings import Finding, make
 
-__all__ = ["EmaWatch", "watch_ema"]
+__all__ = ["EmaWatch", "watch_ema", "as_watches"]
 
 _METHODS = (None, "auto", "kahan", "stochastic")
 
@@ -316,3 +316,22 @@ def watch_ema(
     >>> watch.update(0.999)        # ema += 0.001 * (model - ema), the lost part carried
     """
     return EmaWatch(ema, source, every=every, rescue=rescue)
+
+
+def as_watches(ema: Any, source: torch.nn.Module, argument: str = "ema") -> list[EmaWatch]:
+    """``ema=`` as given to the Guard or ``ag.watch``: None, a module, an :class:`EmaWatch`, or a
+    list of them; a module becomes ``EmaWatch(module, source)``. ``TypeError`` naming
+    ``argument``."""
+    items = [] if ema is None else list(ema) if isinstance(ema, (list, tuple)) else [ema]
+    out = []
+    for item in items:
+        if isinstance(item, EmaWatch):
+            out.append(item)
+        elif isinstance(item, torch.nn.Module):
+            out.append(EmaWatch(item, source))
+        else:
+            raise TypeError(
+                f"{argument} must be a torch.nn.Module, an ampguard.watch_ema(...) object or a "
+                f"list of them, got {type(item).__name__}"
+            )
+    return out

@@ -27,8 +27,8 @@ _LOW16 = -65536  # 0xFFFF0000 as an int32: the bits bf16 keeps of an fp32 patter
 
 
 def kahan_read(stored: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
-    """The fp32 value ``stored + comp`` (a new tensor). Cost: two casts and an add."""
-    return stored.float().add_(comp.float())
+    """The fp32 value ``stored + comp`` (a new tensor). Cost: a cast and an add."""
+    return stored.float().add_(comp)
 
 
 def kahan_write(
@@ -43,7 +43,7 @@ def kahan_write(
     so a steady update smaller than its own spacing (weight decay of 1e-5 a step) would be
     biased, by up to half of it. Cost: about four elementwise ops (and one draw)."""
     stored.copy_(value)
-    residual = value - stored.float()
+    residual = torch.sub(value, stored)  # fp32: the promoted type
     if generator is None:
         comp.copy_(residual)
     else:
@@ -60,17 +60,16 @@ def stochastic_round(
 ) -> torch.Tensor:
     """``value`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: up with probability
     equal to its distance from the neighbour below in units of the spacing there (unbiased).
-    Non-finite values round to nearest. Cost: about five elementwise ops and one random draw
-    per element; no host sync."""
+    Infinities and torch's NaN stay what they are (bf16: their low 16 bits are zero); a finite
+    value within half an ulp of the largest rounds up to inf with that probability. Cost: about
+    four elementwise ops and one random draw per element; no host sync."""
     value = value.float()
     if dtype == torch.bfloat16:
-        bits = value.view(torch.int32)
         noise = torch.randint(
             0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
         )
-        out = ((bits + noise) & _LOW16).view(torch.float32)
-        out = torch.where(torch.isfinite(value) & torch.isfinite(out), out, value)
-        return out.to(torch.bfloat16)  # exact: the low 16 bits are zero
+        bits = noise.add_(value.view(torch.int32)).bitwise_and_(_LOW16)
+        return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
     if dtype != torch.float16:
         raise ValueError(f"stochastic_round: dtype must be bfloat16 or float16, got {dtype}")
     near = value.to(torch.float16)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.core.ema import EmaWatch
+from ampguard.core.ema import EmaWatch, as_watches
 from ampguard.core.rescue import KAHAN_BUDGET, RESCUE_SHARE, Rescue, closure_only
 from ampguard.core.stagnation import LOW_PRECISION, StagnationProbe, owner_names
 from ampguard.findings import Finding, make
@@ -48,18 +48,7 @@ def check(
         )
     if not isinstance(fp32_states, bool):
         raise TypeError(f"fp32_optimizer_states must be a bool, got {type(fp32_states).__name__}")
-    items = [] if ema is None else list(ema) if isinstance(ema, (list, tuple)) else [ema]
-    watches = []
-    for item in items:
-        if isinstance(item, EmaWatch):
-            watches.append(item)
-        elif isinstance(item, torch.nn.Module):
-            watches.append(EmaWatch(item, model))
-        else:
-            raise TypeError(
-                "ema must be a torch.nn.Module, an ampguard.watch_ema(...) object or a list of "
-                f"them, got {type(item).__name__}"
-            )
+    watches = as_watches(ema, model)
     if mode is not None or fp32_states:
         for opt in optimizers:
             if closure_only(opt):
