@@ -13,9 +13,11 @@ and a Lion written here. Methods (every one through ``ampguard.Guard``, ``precis
 Columns: the final loss (mean of the last 10% of steps), the persistent bytes per parameter beyond
 the low-precision weights and states (fp32 master weights: a 4-byte copy), the step time over the
 ``bf16`` row of the same model and optimizer, the share of the loss gap between ``bf16`` and
-``fp32`` that the method closes, and the share of AdamW's decoupled weight decay applied (a
+``fp32`` that the method closes (the step times: medians of 7 interleaved rounds of 10 steps
+after training), and the share of AdamW's decoupled weight decay applied (a
 decay-only run: zero gradients, ``lr=1e-3``, ``weight_decay=1e-2``, 200 steps, the stored weight
-plus its Kahan buffer; ``auto`` with the layers it chose in training).
+plus its Kahan buffer; ``auto`` with the layers it chose in training). The ``.half()`` model's
+AdamW uses ``eps=1e-4``: the default 1e-8 is 0 in fp16, and pure fp16 turns NaN (AG366).
 
     python benchmarks/bench_stagnation.py --steps 2000      # the issue's length
     python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
@@ -142,27 +144,49 @@ def train(model_name: str, opt_name: str, method: str, steps: int) -> dict | Non
         except ImportError:
             return None
         opt = _AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, bf16_stochastic_round=True)
+    elif opt_name == "adamw" and low == torch.float16:  # 1e-8 is 0 in fp16: NaN (AG366)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, eps=1e-4)
     else:
         opt = OPTIMIZERS[opt_name](model.parameters())
     rescue = method if method in ("kahan", "auto") else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         guard = ag.Guard(model, opt, precision="bf16", stagnation_rescue=rescue)
-    losses, times = [], []
+    losses = []
+    batch = None
     for x, y in data(model_name, steps):
-        t0 = time.perf_counter()
+        batch = (x, y)
         with guard.autocast():
             loss = loss_of(model_name, model, x, y, dtype)
         guard.backward(loss)
         guard.step()
-        times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
     tail = max(1, steps // 10)
     final = float(torch.stack(losses[-tail:]).mean())
-    step_time = sorted(times[5:])[len(times[5:]) // 2] if len(times) > 10 else sum(times)
     extra = 4.0 if method == "fp32" else guard.rescue.bytes_per_param() if guard.rescue else 0.0
     decisions = dict(guard.rescue.decisions) if guard.rescue else {}
-    return {"loss": final, "time": step_time, "bytes": extra, "decisions": decisions}
+
+    def step() -> None:  # one more training step on the last batch (timed, interleaved)
+        assert batch is not None
+        with guard.autocast():
+            loss = loss_of(model_name, model, *batch, dtype)
+        guard.backward(loss)
+        guard.step()
+
+    return {"loss": final, "bytes": extra, "decisions": decisions, "step": step}
+
+
+def interleaved_times(rows: dict, rounds: int = 7, steps: int = 10) -> dict[str, float]:
+    """Median seconds per step of each method, timed in alternating rounds (a loaded machine's
+    drift falls on every method alike)."""
+    times: dict[str, list[float]] = {m: [] for m, r in rows.items() if r is not None}
+    for _ in range(rounds):
+        for m in times:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                rows[m]["step"]()
+            times[m].append((time.perf_counter() - t0) / steps)
+    return {m: sorted(t)[len(t) // 2] for m, t in times.items()}
 
 
 def decay_share(model_name: str, method: str, decisions: dict) -> float:
@@ -170,7 +194,8 @@ def decay_share(model_name: str, method: str, decisions: dict) -> float:
     low = LOW[model_name]
     model = make_model(model_name).to(torch.float32 if method == "fp32" else low)
     start = [p.detach().float().clone() for p in model.parameters()]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    eps = 1e-4 if low == torch.float16 else 1e-8  # 0/0 in fp16 otherwise
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, eps=eps)
     rescue = "kahan" if method == "kahan" else "auto" if method == "auto" else None
     guard = ag.Guard(model, opt, precision="bf16", stagnation_rescue=rescue)
     if method == "auto" and guard.rescue is not None:  # the layers auto chose in training
@@ -212,28 +237,65 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     wd_cache: dict = {}
+    compact: list[str] = []
     for model_name in args.models.split(","):
         for opt_name in args.optimizers.split(","):
             rows = {m: train(model_name, opt_name, m, args.steps) for m in methods}
             base, ref = rows["bf16"], rows["fp32"]
             assert base is not None and ref is not None
+            timed = interleaved_times(rows)
             for m in methods:
                 r = rows[m]
                 if r is None:
                     continue
                 gap = base["loss"] - ref["loss"]
-                closed = (base["loss"] - r["loss"]) / gap if abs(gap) > 1e-9 else math.nan
+                # no gap to close (within 1% of the fp32 loss): "n/a"
+                closed = (
+                    (base["loss"] - r["loss"]) / gap if abs(gap) > 0.01 * ref["loss"] else math.nan
+                )
+                r["closed"], r["time"] = closed, timed[m] / timed["bf16"]
                 wd = ""
                 if opt_name == "adamw" and m != "torchao-sr":
                     key = (model_name, m)
                     if key not in wd_cache or m == "auto":
                         wd_cache[key] = decay_share(model_name, m, r["decisions"])
                     wd = f"{wd_cache[key]:.0%}"
+                    r["wd"] = wd
                 print(
                     f"| {model_name} | {opt_name} | {m} | {r['loss']:.4f} | "
-                    f"{closed:.0%} | {r['bytes']:.2f} | {r['time'] / base['time']:.2f}x | {wd} |",
+                    f"{pct(closed)} | {r['bytes']:.2f} | {r['time']:.2f}x | {wd} |",
                     flush=True,
                 )
+            compact.append(summary(model_name, opt_name, rows))
+    print("\ncompact (gap closed / extra bytes per parameter / step time over pure bf16):")
+    print(
+        "| model | optimizer | loss bf16 -> fp32 | torchao SR AdamW | Kahan, every layer "
+        '| "auto" | WD applied (bf16 / Kahan / auto) |'
+    )
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(compact))
+
+
+def pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.0%}"
+
+
+def summary(model_name: str, opt_name: str, rows: dict) -> str:
+    def cell(m: str) -> str:
+        r = rows.get(m)
+        if r is None:
+            return "-"
+        return f"{pct(r['closed'])} / {r['bytes']:.2f} B / {r['time']:.2f}x"
+
+    wd = (
+        " / ".join(rows[m].get("wd", "") for m in ("bf16", "kahan", "auto"))
+        if opt_name == "adamw"
+        else ""
+    )
+    return (
+        f"| {model_name} | {opt_name} | {rows['bf16']['loss']:.3f} -> {rows['fp32']['loss']:.3f} "
+        f"| {cell('torchao-sr')} | {cell('kahan')} | {cell('auto')} | {wd} |"
+    )
 
 
 if __name__ == "__main__":
