@@ -325,3 +325,30 @@ def test_ag_watch_measures_an_ema_updated_in_the_loop(tmp_path):
         found = [f for f in w.findings() if f.code == "AG175" and f.evidence.get("owner")]
     (f,) = found
     assert f.evidence["layers"]["ema.0"]["share"] >= 0.9
+
+
+def test_an_ema_updated_in_on_applied_is_measured_and_its_buffers_resume_bitwise(tmp_path):
+    def fresh():
+        model, ema = mlp(), mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        watch = ag.watch_ema(ema, model, rescue="kahan")
+        guard = ag.Guard(model, opt, precision="bf16", ema=[watch, mlp(seed=3)])
+        guard.on_applied(lambda result: watch.update(0.999))
+        return model, ema, opt, guard
+
+    model, ema, opt, guard = fresh()
+    train(guard, model, 5)
+    ag.save_checkpoint(
+        tmp_path / "ck.pt", model=model, optimizer=opt, guard=guard, extra={"ema": ema.state_dict()}
+    )
+    train(guard, model, 5, start=5)
+    model2, ema2, opt2, guard2 = fresh()
+    extra = ag.load_checkpoint(tmp_path / "ck.pt", model=model2, optimizer=opt2, guard=guard2)
+    ema2.load_state_dict(extra["ema"])
+    train(guard2, model2, 5, start=5)
+    for a, b in zip(ema.parameters(), ema2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert guard.rescue.emas[0].persistent_bytes() > 0  # the Kahan buffers
+    # the second EMA (a module, never updated) is measured between windows: all of it lost
+    (f,) = [f for f in guard.findings() if f.code == "AG175" and f.evidence.get("owner")]
+    assert f.evidence["layers"]["ema.0"]["share"] == 1.0

@@ -281,18 +281,27 @@ class EmaWatch:
             "before": self.before,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output; ``ValueError`` naming the field, nothing changed."""
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` naming the field when ``state`` does not fit this EMA; no change."""
         comp = state.get("comp") if isinstance(state, dict) else None
         if (
             not isinstance(comp, list)
             or (comp and [tuple(c.shape) for c in comp] != [tuple(p.shape) for p in self.params])
             or state.get("method") not in (None, "kahan", "stochastic")
+            or not isinstance(state.get("counts"), torch.Tensor)
+            or tuple(state["counts"].shape) != tuple(self._counts.shape)
+            or not isinstance(state.get("generator"), torch.Tensor)
         ):
             raise ValueError("malformed EMA state: 'ema.comp'/'ema.method' do not fit this EMA")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output; ``ValueError`` naming the field, nothing changed."""
+        self.check_state(state)
+        comp = state["comp"]
         self.method = state["method"]
         self.comp = [
-            c.to(p.device, p.dtype).clone() for c, p in zip(comp, self.params, strict=True)
+            c.to(p.device, p.dtype).clone()
+            for c, p in zip(comp, self.params if comp else [], strict=True)
         ]
         self.generator.set_state(state["generator"])
         self._counts.copy_(state["counts"])

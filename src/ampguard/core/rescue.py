@@ -90,6 +90,7 @@ class Rescue:
         every: int = SAMPLE_EVERY,
     ) -> None:
         self.params = [p for p in params if p.dtype in LOW_PRECISION]
+        self.optimizers = list(optimizers)
         self.fp32_states = fp32_states
         self.every = every
         self.methods: dict[int, str] = {}
@@ -272,8 +273,18 @@ class Rescue:
 
     def state_bytes(self) -> int:
         """Bytes of the covered parameters' optimizer states held in fp32 beyond what their
-        parameter's dtype would take (0 unless ``fp32_states``)."""
-        return 0 if not self.fp32_states else sum(2 * self.params[i].numel() for i in self.methods)
+        parameter's dtype would take (0 unless ``fp32_states``). Cost: reads dtypes."""
+        if not self.fp32_states:
+            return 0
+        covered = {id(self.params[i]): self.params[i].element_size() for i in self.methods}
+        extra = 0
+        for opt in self.optimizers:
+            for p, state in opt.state.items():
+                size = covered.get(id(p))
+                for v in state.values() if size is not None else ():
+                    if _float_state(v) and v.dtype == torch.float32:
+                        extra += v.numel() * (4 - size)
+        return extra
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -218,6 +218,8 @@ class GuardRescue:
             raise ValueError(
                 f"malformed Guard state: 'rescue.ema' must list {len(self.emas)} EMA state(s)"
             )
+        for w, saved in zip(self.emas, emas, strict=True):
+            w.check_state(saved)
         return state
 
     def load(self, state: dict[str, Any]) -> None:
