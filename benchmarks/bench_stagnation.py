@@ -13,11 +13,12 @@ and a Lion written here. Methods (every one through ``ampguard.Guard``, ``precis
 Columns: the final loss (mean of the last 10% of steps), the persistent bytes per parameter beyond
 the low-precision weights and states (fp32 master weights: a 4-byte copy), the step time over the
 ``bf16`` row of the same model and optimizer, the share of the loss gap between ``bf16`` and
-``fp32`` that the method closes (the step times: medians of 7 interleaved rounds of 10 steps
-after training), and the share of AdamW's decoupled weight decay applied (a
-decay-only run: zero gradients, ``lr=1e-3``, ``weight_decay=1e-2``, 200 steps, the stored weight
-plus its Kahan buffer; ``auto`` with the layers it chose in training). The ``.half()`` model's
-AdamW uses ``eps=1e-4``: the default 1e-8 is 0 in fp16, and pure fp16 turns NaN (AG366).
+``fp32`` that the method closes (the step times: CPU time of one torch thread, medians of 9
+interleaved rounds of 10 steps after training), and the share of AdamW's decoupled weight
+decay applied (a decay-only run: zero gradients, ``lr=1e-3``, ``weight_decay=1e-2``, 200
+steps, the stored weight plus its Kahan buffer; ``auto`` with the layers it chose in
+training). The ``.half()`` model's AdamW uses ``eps=1e-4``: the default 1e-8 is 0 in fp16, and
+pure fp16 turns NaN (AG366).
 
     python benchmarks/bench_stagnation.py --steps 2000      # the issue's length
     python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
@@ -176,16 +177,16 @@ def train(model_name: str, opt_name: str, method: str, steps: int) -> dict | Non
     return {"loss": final, "bytes": extra, "decisions": decisions, "step": step}
 
 
-def interleaved_times(rows: dict, rounds: int = 7, steps: int = 10) -> dict[str, float]:
-    """Median seconds per step of each method, timed in alternating rounds (a loaded machine's
-    drift falls on every method alike)."""
+def interleaved_times(rows: dict, rounds: int = 9, steps: int = 10) -> dict[str, float]:
+    """Median CPU seconds per step of each method (this process, one torch thread), timed in
+    alternating rounds: on a shared machine wall time swings by 10x, CPU time much less."""
     times: dict[str, list[float]] = {m: [] for m, r in rows.items() if r is not None}
     for _ in range(rounds):
         for m in times:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for _ in range(steps):
                 rows[m]["step"]()
-            times[m].append((time.perf_counter() - t0) / steps)
+            times[m].append((time.process_time() - t0) / steps)
     return {m: sorted(t)[len(t) // 2] for m, t in times.items()}
 
 
@@ -229,6 +230,7 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,gpt,half")
     ap.add_argument("--optimizers", default="sgd,adamw,adafactor,lion")
     args = ap.parse_args()
+    torch.set_num_threads(1)  # CPU time per step means one thread's work
     methods = ["bf16", "torchao-sr", "kahan", "auto", "fp32"]
     print(f"steps={args.steps}")
     print(

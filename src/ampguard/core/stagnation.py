@@ -207,6 +207,8 @@ def stagnation_fix(dtypes: list[str]) -> str:
     return (
         f"Keep fp32 master weights: leave the model in float32 (no .to({low}) / .half()) and "
         "let autocast run the low-precision math (Guard(precision='bf16')); or keep the "
-        f"{low} weights and round the update stochastically or carry its lost part "
-        "(Kahan summation): torchao.optim.AdamW(..., bf16_stochastic_round=True)."
+        f"{low} weights and carry the update's lost part (Kahan summation) or round it "
+        "stochastically, on the layers that need it: Guard(..., stagnation_rescue='auto'), "
+        "any torch.optim optimizer; torchao.optim.AdamW(..., bf16_stochastic_round=True) does "
+        "it for AdamW on every layer."
     )

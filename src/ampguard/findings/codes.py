@@ -419,8 +419,9 @@ CATALOGUE: dict[str, Code] = _table(
         "step",
         "on sampled steps at least half of a bf16/fp16 layer's intended updates (elements with a "
         "nonzero gradient) left the stored weight unchanged: they were below half an ulp",
-        "fp32 master weights (model in float32, autocast for the math), or stochastic rounding / "
-        "Kahan summation (torchao.optim.AdamW(..., bf16_stochastic_round=True))",
+        "fp32 master weights (model in float32, autocast for the math), or Kahan summation / "
+        "stochastic rounding on the layers that need it (Guard(..., stagnation_rescue='auto'); "
+        "torchao.optim.AdamW(..., bf16_stochastic_round=True) for AdamW)",
     ),
     (
         "AG176",
