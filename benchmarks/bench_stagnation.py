@@ -100,12 +100,15 @@ def make_model(name: str) -> nn.Module:
     )
 
 
+BATCH = {"mlp": 64, "half": 64, "gpt": 16}
+
+
 def data(name: str, steps: int):
     gen = torch.Generator().manual_seed(1)
     if name == "gpt":
         trans = torch.softmax(torch.randn(VOCAB, VOCAB, generator=gen) * 3, -1)
         for _ in range(steps):
-            seq = [torch.randint(VOCAB, (16,), generator=gen)]
+            seq = [torch.randint(VOCAB, (BATCH[name],), generator=gen)]
             for _ in range(SEQ):
                 seq.append(torch.multinomial(trans[seq[-1]], 1, generator=gen).squeeze(1))
             s = torch.stack(seq, 1)
@@ -113,7 +116,7 @@ def data(name: str, steps: int):
     else:
         teacher = torch.randn(32, 8, generator=gen) / 4
         for _ in range(steps):
-            x = torch.randn(64, 32, generator=gen)
+            x = torch.randn(BATCH[name], 32, generator=gen)
             yield x, torch.tanh(x @ teacher * 2)
 
 
@@ -229,10 +232,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--models", default="mlp,gpt,half")
     ap.add_argument("--optimizers", default="sgd,adamw,adafactor,lion")
+    ap.add_argument("--batch", type=int, default=None, help="batch size (MLPs 64, GPT 16)")
     args = ap.parse_args()
+    if args.batch:
+        BATCH.update(dict.fromkeys(BATCH, args.batch))
     torch.set_num_threads(1)  # CPU time per step means one thread's work
     methods = ["bf16", "torchao-sr", "kahan", "auto", "fp32"]
-    print(f"steps={args.steps}")
+    print(f"steps={args.steps} batch={BATCH}")
     print(
         "| model | optimizer | method | final loss | gap closed | bytes/param | step time "
         "| WD applied |"
