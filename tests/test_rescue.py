@@ -352,3 +352,13 @@ def test_an_ema_updated_in_on_applied_is_measured_and_its_buffers_resume_bitwise
     # the second EMA (a module, never updated) is measured between windows: all of it lost
     (f,) = [f for f in guard.findings() if f.code == "AG175" and f.evidence.get("owner")]
     assert f.evidence["layers"]["ema.0"]["share"] == 1.0
+
+
+def test_auto_rescues_a_layer_whose_weight_decay_alone_rounds_away():
+    # the gradient updates fit (lr=5e-2), but lr * weight_decay = 5e-6 is below 2**-9
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=1e-4)
+    guard = ag.Guard(model, opt, precision="bf16", stagnation_rescue="auto")
+    train(guard, model, 2)
+    assert {d["reason"] for d in guard.rescue.decisions.values()} == {"weight decay"}
+    assert set(guard.rescue.decisions) == {"0", "2"}

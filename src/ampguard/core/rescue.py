@@ -113,6 +113,10 @@ class Rescue:
                 self._handles.append(opt.register_load_state_dict_post_hook(self._load_post))
 
     # ------------------------------------------------------------------ configuration
+    def index_of(self, p: torch.Tensor) -> int | None:
+        """The index of ``p`` in :attr:`params`, or None (not a low-precision parameter)."""
+        return self._index.get(id(p))
+
     def cover(self, indices: list[int], method: str) -> None:
         """Rescue ``params[i]`` for each ``i`` with ``method`` from the next step on (a Kahan
         buffer starts at zero). Cost: the buffers' allocation."""

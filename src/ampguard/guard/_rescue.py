@@ -4,7 +4,8 @@
   written back by that method (:mod:`ampguard.core.rescue`).
 - ``"auto"``: nothing at first; on each window the stagnation probe sampled (the first, then
   every 50), the layers with at least :data:`~ampguard.core.rescue.RESCUE_SHARE` of their
-  intended updates lost and not yet rescued are switched on, the worst first: Kahan while the
+  intended updates lost, or whose weight decay alone rounds away, and not yet rescued are
+  switched on, the worst first: Kahan while the
   Kahan buffers stay within :data:`~ampguard.core.rescue.KAHAN_BUDGET` of what fp32 master
   weights would cost, stochastic rounding for the rest. The share before and the applied share
   measured after (on the rescue's own sampled steps) are reported in AG177; the probe's AG175
@@ -35,6 +36,7 @@ from ampguard.findings import Finding, make
 __all__ = ["MODES", "GuardRescue", "check", "attach", "stagnation_findings"]
 
 MODES = ("auto", "kahan", "stochastic")
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10}  # stored significand bits
 
 
 def check(
@@ -108,26 +110,56 @@ class GuardRescue:
             self.decide(probe, window)
 
     def decide(self, probe: StagnationProbe, window: int) -> None:
-        """Switch the rescue on for the stagnating layers (see the module docstring)."""
+        """Switch the rescue on for the stagnating layers (see the module docstring): those
+        whose measured lost share reaches :data:`RESCUE_SHARE`, and those whose weight decay
+        alone rounds away (:meth:`decay_lost`), the worst first."""
         shares = {s.layer: s for s in probe.shares()}
+        decay = self.decay_lost()
         rows = sorted(
             (
-                s
-                for s in shares.values()
-                if s.moving and s.share >= RESCUE_SHARE and s.layer not in self.decisions
+                (s.share if s.moving else 0.0, layer)
+                for layer, s in shares.items()
+                if layer not in self.decisions
+                and ((s.moving and s.share >= RESCUE_SHARE) or layer in decay)
             ),
-            key=lambda s: -s.share,
+            key=lambda r: -r[0],
         )
         total = sum(p.numel() for p in self.rescue.params)
         budget = KAHAN_BUDGET * 4 * total
-        for row in rows:
-            idx = [i for i, layer in enumerate(self.layers) if layer == row.layer]
+        for share, layer in rows:
+            idx = [i for i, name in enumerate(self.layers) if name == layer]
             size = sum(
                 self.rescue.params[i].numel() * self.rescue.params[i].element_size() for i in idx
             )
             method = "kahan" if self.rescue.persistent_bytes() + size <= budget else "stochastic"
             self.rescue.cover(idx, method)
-            self.decisions[row.layer] = {"window": window, "share": row.share, "method": method}
+            self.decisions[layer] = {
+                "window": window,
+                "share": share,
+                "method": method,
+                "reason": "updates" if share >= RESCUE_SHARE else "weight decay",
+            }
+
+    def decay_lost(self) -> set[str]:
+        """Layers whose weight decay per step (``lr * weight_decay``, relative to the weight)
+        is below half the relative spacing of their dtype (2**-9 bf16, 2**-12 fp16): alone, it
+        rounds away for every element (gradient updates the probe counts hide it; a zero or
+        small gradient shows it: "weight decay never applied"). Cost: none (reads floats)."""
+        out: set[str] = set()
+        for opt in self.rescue.optimizers:
+            for group in opt.param_groups:
+                lr, wd = group.get("lr"), group.get("weight_decay")
+                if not isinstance(lr, (int, float)) or not isinstance(wd, (int, float)):
+                    continue
+                decay = float(lr) * float(wd)
+                for p in group["params"]:
+                    i = self.rescue.index_of(p)
+                    if i is None or decay <= 0:
+                        continue
+                    half = 2.0 ** -(_MANTISSA[p.dtype] + 2)
+                    if decay < half:
+                        out.add(self.layers[i])
+        return out
 
     def abort(self) -> None:
         self.rescue.abort()
