@@ -362,3 +362,16 @@ def test_auto_rescues_a_layer_whose_weight_decay_alone_rounds_away():
     train(guard, model, 2)
     assert {d["reason"] for d in guard.rescue.decisions.values()} == {"weight decay"}
     assert set(guard.rescue.decisions) == {"0", "2"}
+
+
+def test_a_second_guard_over_the_same_optimizer_takes_the_rescue_over():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    first = ag.Guard(model, opt, precision="bf16", stagnation_rescue="kahan")
+    train(first, model, 3)
+    with pytest.warns(RuntimeWarning, match="previous stagnation rescue"):
+        second = ag.Guard(model, opt, precision="bf16", stagnation_rescue="kahan")
+    assert first.rescue.rescue.comp == {}  # folded into the weights, hooks removed
+    train(second, model, 3, start=3)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert len(opt._optimizer_step_pre_hooks) == 1

@@ -30,11 +30,14 @@ states when asked for).
 from __future__ import annotations
 
 import inspect
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ampguard._util.stack import user_stacklevel
 from ampguard.core.rounding import kahan_read, kahan_write, nearest_write, stochastic_round
 from ampguard.core.stagnation import LOW_PRECISION, SAMPLE_EVERY
 
@@ -49,6 +52,7 @@ RESCUE_SHARE = 0.25
 # the other rescued layers get stochastic rounding (nothing persistent)
 KAHAN_BUDGET = 0.25
 SEED = 0x5EED  # the stochastic-rounding generator's seed (its state is saved and resumed)
+_ATTACHED: weakref.WeakKeyDictionary[Any, Rescue] = weakref.WeakKeyDictionary()
 
 
 def closure_only(opt: torch.optim.Optimizer) -> bool:
@@ -105,7 +109,17 @@ class Rescue:
         self._calls = [0] * len(optimizers)
         self.samples = 0
         self._handles: list[Any] = []
-        for opt in optimizers:
+        for opt in optimizers:  # one rescue per optimizer: two would swap each other's tensors
+            old = _ATTACHED.get(opt)
+            if old is not None and old is not self and old.attached:
+                warnings.warn(
+                    f"a previous stagnation rescue on this {type(opt).__name__} was detached (its "
+                    "Kahan buffers rounded into the weights): one Guard rescues an optimizer",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                old.close()
+            _ATTACHED[opt] = self
             self._handles.append(opt.register_step_pre_hook(self._pre))
             self._handles.append(opt.register_step_post_hook(self._post))
             if fp32_states:
@@ -141,6 +155,11 @@ class Rescue:
         """Bytes the rescue keeps between steps: the Kahan buffers (fp32 states are counted by
         :meth:`state_bytes`)."""
         return sum(c.numel() * c.element_size() for c in self.comp.values())
+
+    @property
+    def attached(self) -> bool:
+        """True while the step hooks are on the optimizers (until :meth:`close`)."""
+        return bool(self._handles)
 
     def close(self) -> None:
         """Remove the hooks (the buffers' content is folded into the weights)."""
@@ -203,7 +222,7 @@ class Rescue:
         if method == "kahan":
             kahan_write(value, stored, self.comp[i], self.generator)
         elif method == "stochastic":
-            stored.copy_(stochastic_round(value, stored.dtype, self.generator))
+            stochastic_round(value, stored.dtype, self.generator, out=stored)
         else:
             nearest_write(value, stored)
 

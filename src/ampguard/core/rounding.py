@@ -47,7 +47,7 @@ def kahan_write(
     if generator is None:
         comp.copy_(residual)
     else:
-        comp.copy_(stochastic_round(residual, comp.dtype, generator))
+        stochastic_round(residual, comp.dtype, generator, out=comp)
 
 
 def nearest_write(value: torch.Tensor, stored: torch.Tensor) -> None:
@@ -56,7 +56,10 @@ def nearest_write(value: torch.Tensor, stored: torch.Tensor) -> None:
 
 
 def stochastic_round(
-    value: torch.Tensor, dtype: torch.dtype, generator: torch.Generator
+    value: torch.Tensor,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``value`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: up with probability
     equal to its distance from the neighbour below in units of the spacing there (unbiased).
@@ -68,8 +71,10 @@ def stochastic_round(
         noise = torch.randint(
             0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
         )
-        bits = noise.add_(value.view(torch.int32)).bitwise_and_(_LOW16)
-        return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+        rounded = noise.add_(value.view(torch.int32)).bitwise_and_(_LOW16).view(torch.float32)
+        if out is not None:  # written straight into the bf16 storage (exact: low bits zero)
+            return out.copy_(rounded)
+        return rounded.to(torch.bfloat16)
     if dtype != torch.float16:
         raise ValueError(f"stochastic_round: dtype must be bfloat16 or float16, got {dtype}")
     near = value.to(torch.float16)
@@ -79,4 +84,5 @@ def stochastic_round(
     gap = other.float() - near.float()
     prob = torch.where(gap != 0, err / gap, torch.zeros_like(err))  # in [0, 0.5]
     draw = torch.rand(value.shape, device=value.device, generator=generator)
-    return torch.where(draw < prob, other, near)
+    result = torch.where(draw < prob, other, near)
+    return result if out is None else out.copy_(result)
