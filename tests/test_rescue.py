@@ -100,7 +100,7 @@ def test_decoupled_weight_decay_is_applied_in_fp32():
             guard.backward(loss)
             guard.step()
         comp = guard.rescue.rescue.comp.get(0) if guard.rescue is not None else None
-        value = model.weight.float() + (comp.float() if comp is not None else 0.0)
+        value = model.weight.detach().float() + (comp.float() if comp is not None else 0.0)
         return float(value.mean())  # Kahan: the stored weight plus what its buffer carries
 
     intended = 0.5 * (1 - 1e-5) ** 200
