@@ -134,7 +134,7 @@ class Guard:
         stagnation_rescue: For bf16/fp16 parameters: ``"kahan"`` or ``"stochastic"`` runs their
             optimizer step in fp32 and writes it back through a Kahan buffer or by stochastic
             rounding, every layer; ``"auto"`` only the layers the stagnation probe finds losing
-            updates (AG175, AG177); None: off (``ampguard.guard._rescue``).
+            updates (AG175, AG177); None: off (``ampguard.core.rescue``).
         fp32_optimizer_states: Keep the optimizer states of bf16/fp16 parameters in fp32 (AG176).
         ema: EMA / teacher modules the optimizer does not own (or ``ampguard.watch_ema``
             objects): their lost updates are measured (AG175) and ``update()`` is rescued.
