@@ -304,7 +304,9 @@ class Rescue:
         for opt in self.optimizers:
             for p, state in opt.state.items():
                 size = covered.get(id(p))
-                for v in state.values() if size is not None else ():
+                if size is None:
+                    continue
+                for v in state.values():
                     if _float_state(v) and v.dtype == torch.float32:
                         extra += v.numel() * (4 - size)
         return extra
