@@ -232,7 +232,7 @@ def ema_run(rescue=None, own_lerp=False, steps=60):
     watch = ag.watch_ema(ema, model)
     guard = ag.Guard(model, opt, precision="bf16", ema=watch, stagnation_rescue=rescue)
     gen = batches(steps)
-    ref = [p.float().clone() for p in ema.parameters()]  # the fp32 EMA it should be
+    ref = [p.detach().float().clone() for p in ema.parameters()]  # the fp32 EMA it should be
     for x, y in gen:
         with guard.autocast():
             loss = F.mse_loss(model(x.bfloat16()).float(), y)
