@@ -377,3 +377,15 @@ def test_a_second_guard_over_the_same_optimizer_takes_the_rescue_over():
     train(second, model, 3, start=3)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert len(opt._optimizer_step_pre_hooks) == 1
+
+
+def test_the_run_folder_and_report_show_the_rescue_before_and_after(tmp_path):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    with ag.Guard(
+        model, opt, precision="bf16", stagnation_rescue="auto", telemetry=tmp_path / "run"
+    ) as guard:
+        train(guard, model, 3)
+    saved = (tmp_path / "run" / "findings.json").read_text()
+    assert "AG177" in saved and "lost_share_before" in saved and "applied_share_after" in saved
+    assert (tmp_path / "run" / "report.html").exists()
