@@ -38,6 +38,8 @@ _EXPORTS: dict[str, str] = {
     "compare": "ampguard.experiments",
     "inspect_model": "ampguard.experiments.advisor",
     "watch": "ampguard.integrations.watch",
+    "watch_ema": "ampguard.core.ema",
+    "EmaWatch": "ampguard.core.ema",
     "lint_source": "ampguard.lint",
     "lint_paths": "ampguard.lint",
     "Telemetry": "ampguard.telemetry",
@@ -63,6 +65,8 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.checkpoint.distributed import (
         save_distributed_checkpoint as save_distributed_checkpoint,
     )
+    from ampguard.core.ema import EmaWatch as EmaWatch
+    from ampguard.core.ema import watch_ema as watch_ema
     from ampguard.core.policy import PrecisionPolicy as PrecisionPolicy
     from ampguard.core.policy import resolve_precision as resolve_precision
     from ampguard.core.resume import ResumeWarmup as ResumeWarmup

@@ -153,14 +153,21 @@ class StagnationProbe:
             row[2] += moving
         return [LayerShare(layer, d, lost, moving) for layer, (d, lost, moving) in out.items()]
 
-    def stagnant(self, threshold: float = STAGNATION_SHARE) -> list[LayerShare]:
-        """Layers whose lost share is at least ``threshold``, worst first. Cost: one sync."""
-        rows = [s for s in self.shares() if s.moving and s.share >= threshold]
+    def stagnant(
+        self, threshold: float = STAGNATION_SHARE, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[LayerShare]:
+        """Layers whose lost share is at least ``threshold``, worst first, but those named in
+        ``exclude`` (layers a stagnation rescue covers). Cost: one sync."""
+        rows = [
+            s for s in self.shares() if s.moving and s.share >= threshold and s.layer not in exclude
+        ]
         return sorted(rows, key=lambda s: -s.share)
 
-    def findings(self, threshold: float = STAGNATION_SHARE) -> list[Finding]:
-        """AG175 naming the stagnating layers, or ``[]``. Cost: one host sync."""
-        rows = self.stagnant(threshold)
+    def findings(
+        self, threshold: float = STAGNATION_SHARE, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[Finding]:
+        """AG175 naming the stagnating layers (but ``exclude``), or ``[]``. Cost: one sync."""
+        rows = self.stagnant(threshold, exclude)
         if not rows:
             return []
         names = ", ".join(f"{r.layer!r} ({r.share:.0%})" for r in rows[:6])
@@ -200,6 +207,8 @@ def stagnation_fix(dtypes: list[str]) -> str:
     return (
         f"Keep fp32 master weights: leave the model in float32 (no .to({low}) / .half()) and "
         "let autocast run the low-precision math (Guard(precision='bf16')); or keep the "
-        f"{low} weights and round the update stochastically or carry its lost part "
-        "(Kahan summation): torchao.optim.AdamW(..., bf16_stochastic_round=True)."
+        f"{low} weights and carry the update's lost part (Kahan summation) or round it "
+        "stochastically, on the layers that need it: Guard(..., stagnation_rescue='auto'), "
+        "any torch.optim optimizer; torchao.optim.AdamW(..., bf16_stochastic_round=True) does "
+        "it for AdamW on every layer."
     )

@@ -419,8 +419,27 @@ CATALOGUE: dict[str, Code] = _table(
         "step",
         "on sampled steps at least half of a bf16/fp16 layer's intended updates (elements with a "
         "nonzero gradient) left the stored weight unchanged: they were below half an ulp",
-        "fp32 master weights (model in float32, autocast for the math), or stochastic rounding / "
-        "Kahan summation (torchao.optim.AdamW(..., bf16_stochastic_round=True))",
+        "fp32 master weights (model in float32, autocast for the math), or Kahan summation / "
+        "stochastic rounding on the layers that need it (Guard(..., stagnation_rescue='auto'); "
+        "torchao.optim.AdamW(..., bf16_stochastic_round=True) for AdamW)",
+    ),
+    (
+        "AG176",
+        "warning",
+        "optimizer states in low precision",
+        "step",
+        "an optimizer keeps tensor states (exp_avg, exp_avg_sq, ...) of bf16/fp16 parameters in "
+        "bf16/fp16: their running averages round away like the weights' updates",
+        "Guard(..., fp32_optimizer_states=True) keeps them in fp32",
+    ),
+    (
+        "AG177",
+        "info",
+        "stagnation rescue in use",
+        "step",
+        "Guard(stagnation_rescue=...) writes the fp32 update of these layers back through Kahan "
+        "compensation or stochastic rounding; the lost share before and the applied share after",
+        "nothing to fix: the rescue is working; compare the applied share with 100%",
     ),
     # -- forensics ------------------------------------------------------------------------------
     (

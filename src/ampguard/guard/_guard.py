@@ -53,7 +53,7 @@ from ampguard.findings import Finding
 from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _flags, _fp8, _step
+from ampguard.guard import _flags, _fp8, _rescue, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
@@ -134,6 +134,13 @@ class Guard:
             non-finite instead of applying it (one host sync per window; False: none).
         restore_buffers_on_skip: Put back the buffers (BatchNorm statistics, ...) that a
             skipped window's forward changed, so a skip leaves no trace (default True).
+        stagnation_rescue: For bf16/fp16 parameters: ``"kahan"`` or ``"stochastic"`` runs their
+            optimizer step in fp32 and writes it back through a Kahan buffer or by stochastic
+            rounding, every layer; ``"auto"`` only the layers the stagnation probe finds losing
+            updates (AG175, AG177); None: off (``ampguard.core.rescue``).
+        fp32_optimizer_states: Keep the optimizer states of bf16/fp16 parameters in fp32 (AG176).
+        ema: EMA / teacher modules the optimizer does not own (or ``ampguard.watch_ema``
+            objects): their lost updates are measured (AG175) and ``update()`` is rescued.
 
     Raises:
         TypeError: An argument of the wrong type (the message names it).
@@ -164,6 +171,9 @@ class Guard:
         fp8_plan: Any = None,
         skip_nonfinite: bool = True,
         restore_buffers_on_skip: bool = True,
+        stagnation_rescue: str | None = None,
+        fp32_optimizer_states: bool = False,
+        ema: Any = None,
     ) -> None:
         # All or nothing: 1. check every argument, 2. create the resources (peer
         # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
@@ -175,6 +185,7 @@ class Guard:
         skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
         # bf16/fp16 weights: the share of updates that round away (ampguard.core.stagnation)
         self._stagnation = StagnationProbe.of(model, params)
+        rescue = _rescue.check(stagnation_rescue, fp32_optimizer_states, ema, model, optimizers)
         if scaler is not None and not isinstance(scaler, ScalerConfig):
             raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
         config = scaler or ScalerConfig()
@@ -256,7 +267,11 @@ class Guard:
                 auto_fallback=auto_fallback,
                 coverage_step=coverage_step,
             )
+            # stagnation rescue: fp32 steps of bf16/fp16 weights, EMA watches (guard._rescue)
+            state.rescue = _rescue.attach(model, optimizers, params, rescue)
         except BaseException:
+            if state.rescue is not None:
+                state.rescue.close()
             if conversion is not None:
                 conversion.revert()
             if state.telemetry is not None:
@@ -485,7 +500,13 @@ class Guard:
                 self._stagnation.after(
                     self._state.steps, _step.skip_flag(self._state, result)
                 )  # before zero_grad
+            if self._state.rescue is not None:  # EMA measurement, "auto"'s decision
+                self._state.rescue.after_window(
+                    self._state.steps, _step.skip_flag(self._state, result), self._stagnation
+                )
         except BaseException as err:
+            if self._state.rescue is not None:  # a step that raised between the rescue's hooks
+                self._state.rescue.abort()
             if self._state.telemetry is not None:  # the failed window's loss must not join the next
                 self._state.telemetry.on_abort()
             if self._buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
@@ -676,6 +697,13 @@ class Guard:
         return self._stagnation
 
     @property
+    def rescue(self) -> _rescue.GuardRescue | None:
+        """The stagnation rescue (``stagnation_rescue=``, ``fp32_optimizer_states=``, ``ema=``):
+        ``.decisions``, ``.applied()`` (one host sync), ``.bytes_per_param()``, ``.emas``; or
+        None."""
+        return self._state.rescue
+
+    @property
     def coverage(self) -> Any:
         """The ``ampguard.Coverage`` of window ``coverage_step`` once it ran, else None."""
         return self._state.forensics.coverage if self._state.forensics is not None else None
@@ -696,6 +724,7 @@ class Guard:
                 and self._state.dist is None
                 and self._state.fp8 is None
                 and self._stagnation is None
+                and self._state.rescue is None
             ):
                 warnings.warn(
                     "Guard.findings(): without telemetry only forensics, fp8 and distributed "
@@ -711,8 +740,10 @@ class Guard:
     def _side_findings(self) -> list[Finding]:
         """Findings made during the run (forensics AG3xx, distributed AG13x), not by the rules."""
         out = self._state.forensics.findings() if self._state.forensics is not None else []
-        if self._stagnation is not None:  # AG175: bf16/fp16 weights whose updates round away
-            out += self._stagnation.findings()
+        # AG175: bf16/fp16 weights whose updates round away; AG176/AG177: states, rescue
+        out += _rescue.stagnation_findings(
+            self._state.rescue, self._stagnation, self._state.optimizers
+        )
         if self._state.fp8 is not None:  # AG111/AG112: fp8 layers drifting out of fp8's window
             out += self._state.fp8.findings()
         if self._state.dist is not None:

@@ -50,6 +50,7 @@ def to_dict(state: StepState, resume: dict[str, Any]) -> dict[str, Any]:
         "resume": resume,
         "forensics": state.forensics.state() if state.forensics is not None else None,
         "fp8": state.fp8.state() if state.fp8 is not None else None,
+        "rescue": state.rescue.state() if state.rescue is not None else None,
     }
 
 
@@ -79,6 +80,7 @@ class Plan:
     config_diff: dict[str, Any]
     precision_note: str | None
     fp8_rescued: list[dict[str, Any]] | None = None
+    rescue: dict[str, Any] | None = None  # the stagnation rescue's buffers (guard._rescue)
 
 
 def _bad(field: str, rule: str, value: Any) -> ValueError:
@@ -147,6 +149,7 @@ def check(guard: StepState, state: Any) -> Plan:
         config_diff={k: v for k, v in config.items() if getattr(guard.config, k, v) != v},
         precision_note=note,
         fp8_rescued=guard.fp8.check_state(state.get("fp8")) if guard.fp8 is not None else None,
+        rescue=guard.rescue.check_state(state.get("rescue")) if guard.rescue is not None else None,
     )
 
 
@@ -309,6 +312,8 @@ def apply(guard: StepState, plan: Plan) -> float | None:
         guard.forensics.load(plan.forensics)
     if guard.fp8 is not None and plan.fp8_rescued:  # fp8 layers rescued to bf16 stay there
         guard.fp8.load(plan.fp8_rescued, guard.telemetry)
+    if guard.rescue is not None and plan.rescue is not None:  # Kahan buffers, generators
+        guard.rescue.load(plan.rescue)
     if plan.precision_note is not None:
         warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=user_stacklevel())
     return saved

@@ -23,6 +23,7 @@ from ampguard.core.scaler import ScalerConfig
 from ampguard.distributed import DistributedState
 from ampguard.fp8 import Conversion
 from ampguard.guard._forensics import GuardForensics
+from ampguard.guard._rescue import GuardRescue
 from ampguard.telemetry import Telemetry
 
 __all__ = ["StepState"]
@@ -52,6 +53,7 @@ class StepState:
     dist: DistributedState | None = None
     forensics: GuardForensics | None = None
     fp8: Conversion | None = None
+    rescue: GuardRescue | None = None  # stagnation_rescue / fp32_optimizer_states / ema
     # the counters
     steps: int = 0  # windows completed
     micro: int = 0  # micro-batches into the window in progress

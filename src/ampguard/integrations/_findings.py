@@ -31,6 +31,10 @@ def attach_findings(watch: Any) -> list[Finding]:
         out.extend(_interventions(watch))
     if watch.stagnation is not None:  # AG175: bf16/fp16 weights whose updates round away
         out.extend(watch.stagnation.findings())
+    for ema in getattr(
+        watch, "emas", ()
+    ):  # AG175: EMA / teacher weights the optimizer does not own
+        out.extend(ema.findings())
     return out
 
 

@@ -43,6 +43,7 @@ from ampguard import precisions, runlog
 from ampguard import telemetry as _telemetry
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
+from ampguard.core.ema import as_watches
 from ampguard.core.policy import device_of
 from ampguard.core.scaler import ScaleCollapseError
 from ampguard.core.stagnation import StagnationProbe
@@ -70,6 +71,7 @@ def watch(
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
     on_collapse: str = "warn",
+    ema: Any = None,
 ) -> Watch:
     """Observe a loop that calls ``scaler.scale/step/update`` itself; return a :class:`Watch`.
 
@@ -86,6 +88,10 @@ def watch(
     (cap), ``hysteresis`` (overflows tolerated before backing off; ``consecutive_hysteresis``
     refills the budget on every clean step, else only when the scale grows) and ``on_collapse``
     (``"warn"`` | ``"raise"`` when overflows persist at ``min_scale``; checked at each flush).
+
+    ``ema``: EMA / teacher modules the optimizer does not own (or ``ag.watch_ema`` objects),
+    updated anywhere in the loop: their lost updates are measured between the first optimizer's
+    steps (AG175 naming ``ema.*`` layers; see :mod:`ampguard.core.ema`).
 
     Without a scaler the gradients are sampled when each backward pass ends (before the loop
     clips them: the recorded norm is the unscaled total norm before clipping, as with a scaler),
@@ -104,6 +110,7 @@ def watch(
         telemetry,
         precision=precision,
         policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
+        ema=ema,
     )
 
 
@@ -142,9 +149,12 @@ class Watch:
         loss_from_scaler: bool = True,
         grads_from_optimizer_hooks: bool = True,
         requested_precision: str | None = None,
+        ema: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        #: EMA / teacher weights measured between the first optimizer's steps (core.ema)
+        self.emas = as_watches(ema, model)
         watched = _seam.adapt(scaler)
         self.optimizers = as_optimizer_list(optimizer)
         self.policy = policy or AttachPolicy()
@@ -204,6 +214,9 @@ class Watch:
             self._backward_end = BackwardEnd(self.source.params, self._sample_after_backward)
         self._update_window = 0  # the window of the optimizer step in progress
         self._stagnation = self._watch_stagnation(model)
+        if self.emas:  # the EMA's update falls between two steps of the first optimizer
+            self._hooks.append(self.optimizers[0].register_step_post_hook(self._after_ema))
+            self._ema_window = 0
 
     # ------------------------------------------------------------------ public
     @property
@@ -425,6 +438,14 @@ class Watch:
             # it its found_inf flag for the step (a skipped window adds nothing; no sync)
             found = getattr(optimizer, "found_inf", None)
             probe.after(window, found.bool() if isinstance(found, torch.Tensor) else False)
+
+    def _after_ema(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._ema_window += 1
+        found = getattr(optimizer, "found_inf", None)  # a fused step GradScaler skipped
+        for w in self.emas:
+            w.on_window(
+                self._ema_window, found.bool() if isinstance(found, torch.Tensor) else False
+            )
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._grads_from_hooks:
