@@ -20,8 +20,9 @@ parameters (``path = Path(path)``) is inert too: the interpreter then only makes
 forget what it assumed about the argument passed for it, as inlining would. The answer is
 cached on the ``def`` node, which lives in the (project-cached) model of the file that holds it,
 so every file that imports the helper reuses it. A call inside the helper that resolves through
-the project is judged with the project's budget; an answer reached after that budget ran out is
-not cached.
+the project is judged with the project's budget; an answer is cached unless the budget refused a
+file while it was being reached (``Project.denied`` moved): an answer reached after the budget
+ran out, but without needing a new file, is the answer a full budget gives, and is kept.
 
 Cost: one walk over the helper's statements (and, transitively, its helpers') per ``def`` and run.
 """
@@ -53,13 +54,14 @@ def summary(
         return None if cached is False else cached
     if getattr(helper, _BUSY, False):
         return None  # a call cycle: judged from outside the cycle, conservatively
+    project = events.model.project
+    denied = 0 if project is None else project.denied
     setattr(helper, _BUSY, True)
     try:
         result = _judge(events, helper, header)
     finally:
         setattr(helper, _BUSY, False)
-    project = events.model.project
-    if project is None or not project.exhausted:
+    if project is None or project.denied == denied:
         setattr(helper, _ATTR, False if result is None else result)
     return result
 
