@@ -32,10 +32,30 @@ def test_text_shows_severity_and_the_fix_under_each_finding() -> None:
     text = format_findings([finding])
     first, second = text.splitlines()
     assert first == (
-        "t.py:2:10: AG206 [warning] torch.cuda.amp.GradScaler is deprecated: "
+        "t.py:2:10: AG206 [warning] [*] torch.cuda.amp.GradScaler is deprecated: "
         "use torch.amp.GradScaler('cuda', ...)"
     )
     assert second == f"    fix: {finding.fix}"
+
+
+def test_fixable_findings_are_marked_and_counted_the_others_are_not() -> None:
+    """``[*]`` marks what ``--fix`` rewrites (as ruff's): an AG206 call, not an AG205 (no
+    rewrite) nor an old entry point bound to a name (the fixer rewrites calls)."""
+    source = (
+        "import torch\n"
+        "scaler = torch.cuda.amp.GradScaler()\n"
+        "def f(device):\n"
+        "    amp_autocast = torch.cuda.amp.autocast\n"
+        "    if device == 'npu':\n"
+        "        amp_autocast = torch.npu.amp.autocast\n"
+        "    with amp_autocast():\n"
+        "        pass\n"
+    )
+    findings = lint_source(source, "t.py")
+    lines = [line for line in format_findings(findings).splitlines() if "AG206" in line]
+    assert [("[*]" in line) for line in lines] == [True, False]
+    assert summary_line(findings).endswith("; [*] 1 fixable with --fix")
+    assert "[*]" not in summary_line(lint_source(INFO_ONLY, "t.py"))
 
 
 def test_messages_name_the_codes_own_variables() -> None:
@@ -92,6 +112,7 @@ def test_failing_and_summary_from_python() -> None:
     assert len(failing(findings, "info")) == 2
     assert (
         summary_line(findings) == "2 findings (1 warning, 1 info); 1 at --fail-on warning or worse"
+        "; [*] 1 fixable with --fix"
     )
     with pytest.raises(ValueError, match="fail_on must be one of error, warning, info"):
         failing(findings, "fatal")

@@ -11,7 +11,15 @@ from pathlib import Path, PurePath
 from ampguard.findings import Finding
 from ampguard.lint.rules import RULES
 
-__all__ = ["FORMATS", "SEVERITIES", "failing", "format_findings", "sort_findings", "summary_line"]
+__all__ = [
+    "FORMATS",
+    "SEVERITIES",
+    "failing",
+    "fixable",
+    "format_findings",
+    "sort_findings",
+    "summary_line",
+]
 
 FORMATS = ("text", "json", "sarif")
 SEVERITIES = ("error", "warning", "info")  # most severe first
@@ -38,9 +46,25 @@ def format_findings(findings: Iterable[Finding], fmt: str = "text") -> str:
 
 def _text(f: Finding) -> str:
     """``path:line:col: CODE [severity] message`` and, indented under it, ``fix: ...``: the first
-    line is what editors' problem matchers read; the second never looks like a location."""
-    head = f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}] {f.message}\n"
+    line is what editors' problem matchers read; the second never looks like a location. A
+    finding ``ampguard lint --fix`` can rewrite is marked ``[*]`` after its severity (as ruff
+    marks its fixable findings)."""
+    mark = " [*]" if fixable(f) else ""
+    head = f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}]{mark} {f.message}\n"
     return head + (f"    fix: {f.fix}\n" if f.fix else "")
+
+
+def fixable(f: Finding) -> bool:
+    """``f`` is of a code ``--fix`` rewrites, and of a shape it rewrites: not an AG206 fallback
+    for old torch (kept on purpose), nor a finding whose rule says it cannot be (``fixable``
+    false in its evidence, such as an old entry point bound to a name)."""
+    from ampguard.lint._fix import FIXABLE  # the fixer imports the engine, which imports this
+
+    return (
+        f.code in FIXABLE
+        and not f.evidence.get("fallback")
+        and f.evidence.get("fixable", True) is not False
+    )
 
 
 def _rank(severity: str, argument: str) -> int:
@@ -63,7 +87,9 @@ def summary_line(findings: list[Finding], fail_on: str = "warning") -> str:
     parts = ", ".join(f"{n} {s}" for s, n in counts if n)
     noun = "finding" if len(findings) == 1 else "findings"
     bad = len(failing(findings, fail_on))
-    return f"{len(findings)} {noun} ({parts}); {bad} at --fail-on {fail_on} or worse"
+    line = f"{len(findings)} {noun} ({parts}); {bad} at --fail-on {fail_on} or worse"
+    mendable = sum(1 for f in findings if fixable(f))
+    return line + (f"; [*] {mendable} fixable with --fix" if mendable else "")
 
 
 def _uri(path: str | None) -> str:

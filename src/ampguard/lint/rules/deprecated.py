@@ -96,6 +96,7 @@ def _report(ctx: Context, node: ast.AST, qual: str | None) -> Iterator[Finding]:
         deprecated=qual,
         replacement=new,
         device=device,
+        fixable=isinstance(node, ast.Call),
         fix=f"replace {used}(...) with {spelling}"
         if isinstance(node, ast.Call)
         else f"bind {new} instead of {used}, and pass {device!r} as the first argument where "
