@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
 from ampguard.lint._events import Event, Events, header
+from ampguard.lint._inert import silent
 from ampguard.lint._paths import MAX_PATHS, condition, heads, stored_heads
 
 __all__ = ["Analysis", "Env", "Event", "Events", "Interpreter", "OutOfBudget"]
@@ -106,10 +107,13 @@ class Interpreter:
         self.analysis = analysis
         self.budget = budget
         self._heads: dict[str, set[str]] = {}
-        # helper calls already interpreted: (helper, arguments, call stack, file, recording,
-        # paths in) -> paths out. Shared by the interpreters of one analysis (``memo``), so a
-        # ``train()`` called from many places is interpreted once per distinct entry state; the
-        # owner drops it when a unit runs out of budget (its findings are dropped too).
+        # helper calls already interpreted: (helper, arguments, call depth, file, recording,
+        # paths in) -> paths out (the depth, not the callers: a helper reached from two units
+        # at one depth exits the same way; only a call cycle, cut where it meets itself, could
+        # tell them apart, and either answer is a sound one). Shared by the interpreters of one
+        # analysis (``memo``), so a ``train()`` called from many places is interpreted once per
+        # distinct entry state; the owner drops it when a unit runs out of budget (with its
+        # findings).
         self.memo: dict[tuple, Paths | None] = {} if memo is None else memo
 
     def _merge(self, a: Any, b: Any) -> Any:
@@ -216,6 +220,8 @@ class Interpreter:
         stores = events.inert(event)  # no events inside: only what it assigns matters
         if stores is not None:
             return self._forget(state, stores, inner) if stores else state
+        if inner.record and silent(helper):  # no event inside: nothing to record there
+            inner = Env(False, inner.rename_map, inner.active, inner.events)
         key = _memo_key(helper, inner, state)
         if key is not None and key in self.memo:
             return self.memo[key]  # same entry: same exit, its findings already recorded
@@ -365,7 +371,7 @@ def _memo_key(helper: ast.AST, env: Env, state: Paths) -> tuple | None:
         return (
             id(helper),
             tuple(sorted(env.rename_map.items())),
-            tuple(id(a) for a in env.active),
+            len(env.active),
             id(env.events),
             env.record,
             frozenset(state.items()),
