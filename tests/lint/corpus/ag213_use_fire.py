@@ -58,3 +58,21 @@ def train_policy(train_tracker, policy, loader, optimizer, log_freq):
         train_tracker = update_policy(train_tracker, policy, batch, optimizer)
         if step % log_freq == 0:
             print(train_tracker)
+
+
+class AMPTrainer:
+    """detectron2 style: the base class's loop calls ``run_step``; a flag set once in
+    ``__init__`` is configuration; the event storage's ``put_scalar`` logs."""
+
+    def __init__(self, model, optimizer, log_grad_scaler=False):
+        self.model, self.optimizer = model, optimizer
+        self.grad_scaler = torch.amp.GradScaler("cuda")
+        self.log_grad_scaler = log_grad_scaler
+
+    def run_step(self, data, storage):
+        losses = self.model(data)
+        self.grad_scaler.scale(losses).backward()
+        if self.log_grad_scaler:
+            storage.put_scalar("grad_scaler", self.grad_scaler.get_scale())  # expect: AG213
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()

@@ -45,6 +45,9 @@ _LOG_METHODS = frozenset(
         "set_postfix_str",
         "set_description",
         "write",
+        "put_scalar",
+        "put_scalars",
+        "log_dict",
     }
 )
 _METER_WORDS = ("meter", "metric", "smooth", "logger", "tracker", "averager", "running_avg")
@@ -157,13 +160,13 @@ def _syncs(ctx: Context, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
     yield from host_syncs(model, facts)
 
 
-def _condition(test: ast.AST) -> tuple[bool, int | None] | None:
+def _condition(test: ast.AST, model: Any = None) -> tuple[bool, int | None] | None:
     """``(rank 0 only, period)`` for the body of ``if test:`` when it still runs per step
     (``rank == 0``, ``step % 5 == 0``), ``None`` when it is a throttle or unknown."""
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
         rank0, period = False, None
         for value in test.values:
-            part = _condition(value)
+            part = _condition(value, model)
             if part is None:
                 return None
             rank0 = rank0 or part[0]
@@ -192,7 +195,7 @@ def _condition(test: ast.AST) -> tuple[bool, int | None] | None:
     ]
     if any(w in word.lower() for word in words for w in _RANK_WORDS):
         return True, None
-    if _is_config(test):
+    if _is_config(test, model):
         return False, None  # if cfg.DETECTION.ENABLE: the same branch every step
     return None
 
@@ -203,24 +206,45 @@ _CONFIG_ROOTS = frozenset(
 )
 
 
-def _is_config(test: ast.AST) -> bool:
+def _is_config(test: ast.AST, model: Any = None) -> bool:
     """``test`` reads only the run's configuration (``cfg.DETECTION.ENABLE``,
-    ``not self.args.use_ema``, ``args.model == "vit"``): it does not throttle, each branch runs
-    on every step of a run that takes it."""
+    ``not self.args.use_ema``, ``args.model == "vit"``) or a flag the object sets once
+    (``self.log_grad_scaler``, assigned in ``__init__`` only): it does not throttle, each branch
+    runs on every step of a run that takes it."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return _is_config(test.operand)
+        return _is_config(test.operand, model)
     if isinstance(test, ast.BoolOp):
-        return all(_is_config(v) for v in test.values)
+        return all(_is_config(v, model) for v in test.values)
     if isinstance(test, ast.Compare):
-        return _is_config(test.left) and all(
-            isinstance(c, ast.Constant) or _is_config(c) for c in test.comparators
+        return _is_config(test.left, model) and all(
+            isinstance(c, ast.Constant) or _is_config(c, model) for c in test.comparators
         )
     if not isinstance(test, ast.Attribute):
         return False
     parts = (dotted(test) or "").split(".")
     if parts[0] == "self":
+        if len(parts) == 2 and model is not None and _set_once(model, test):
+            return True
         parts = parts[1:]
     return len(parts) > 1 and parts[0].lower() in _CONFIG_ROOTS
+
+
+def _set_once(model: Any, attr: ast.Attribute) -> bool:
+    """``self.flag`` is assigned in its class's ``__init__`` and nowhere else in the class."""
+    cls = model.class_of(attr)
+    if cls is None:
+        return False
+    key, seen = dotted(attr), False
+    for method in cls.body:
+        if not isinstance(method, FUNCS):
+            continue
+        for node in model.statements(method.body):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if dotted(node) == key:
+                    if method.name != "__init__":
+                        return False
+                    seen = True
+    return seen
 
 
 def _times(a: int | None, b: int | None) -> int | None:
@@ -239,8 +263,8 @@ def _per_step(ctx: Context, node: ast.AST, depth: int) -> _Step | None:
         if branch_of(anc, child) is not None:
             part = None
             if isinstance(anc, ast.If) and any(s is child for s in anc.body):
-                part = _condition(anc.test)
-            elif isinstance(anc, ast.If) and _is_config(anc.test):
+                part = _condition(anc.test, ctx.model)
+            elif isinstance(anc, ast.If) and _is_config(anc.test, ctx.model):
                 part = (False, None)  # the else of a config test: as much per step
             if part is None:
                 return None  # conditional: already throttled (or at least not every step)
@@ -257,8 +281,11 @@ def _per_step(ctx: Context, node: ast.AST, depth: int) -> _Step | None:
                 continue
             found = _Step(f"loop at line {anc.lineno}", anc)
         elif isinstance(anc, _STOP):
-            if isinstance(anc, FUNCS) and anc.name == "training_step":
-                found = _Step("training_step", anc)
+            if isinstance(anc, FUNCS) and (
+                anc.name == "training_step"
+                or (anc.name.endswith("_step") and _trains(ctx, anc.body, 0))
+            ):  # run_step / train_step: the framework's loop calls it once per step
+                found = _Step(f"{anc.name}", anc)
             elif isinstance(anc, FUNCS) and depth < _MAX_HELPER_DEPTH:
                 found = _called_per_step(ctx, anc, depth)
             if found is None:
