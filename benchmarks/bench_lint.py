@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.generated or not roots:
             generated = os.path.join(scratch, "yolo")
             write_tree(generated)
-            roots.append((generated, "yolo-style detection tree (generated)"))
+            roots.append((generated, "yolo-style detection tree"))
         for root, name in roots:
             results.append(_bench(root, args.repeat, name))
     if len(results) == 1:

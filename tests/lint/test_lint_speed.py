@@ -241,6 +241,28 @@ def test_bench_reports_project_mode_on_the_tree() -> None:
     assert {"lint_lines_per_s", "single_file_lines_per_s", "project_over_single"} <= set(result)
 
 
+@pytest.mark.slow  # runs the lint benchmark in a subprocess
+def test_bench_reports_one_row_per_tree_and_gates_on_the_goal() -> None:
+    trees = [str(CORPUS / "proj_factory"), str(CORPUS / "proj_saver")]
+
+    def bench(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(BENCH / "bench_lint.py"), *trees, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    import json
+
+    rows = json.loads(bench("--json", "--goal", "0").stdout)
+    assert [r["root"] for r in rows] == trees
+    assert all(r["lint_lines_per_s"] > 0 and r["files"] >= 2 for r in rows)
+    slow = bench("--goal", "1000000000")
+    assert slow.returncode == 1 and "under 1000000000 lines/s" in slow.stdout
+    assert bench("/no/such/tree").returncode == 2
+
+
 def test_a_judgement_is_kept_after_the_follow_budget_ran_out(tmp_path: Path) -> None:
     """Once a linted file has followed MAX_FOLLOWED files, a helper judged without needing a
     refused file is cached all the same (a detection repository reached the cap on its first
