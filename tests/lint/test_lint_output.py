@@ -133,3 +133,22 @@ def test_a_dangling_symlink_says_so_and_where_it_points(tmp_path: Path) -> None:
         f"not read: a dangling symlink: it points to {str(tmp_path / 'nowhere.py')!r}, "
         "which does not exist"
     )
+
+
+def test_the_fix_marker_asks_the_fixer_about_a_file_s_shape(tmp_path: Path) -> None:
+    """An explicit ``weights_only=False`` is AG208 but the author's decision, which ``--fix``
+    leaves alone: no ``[*]``; a load without the argument whose result only feeds
+    ``load_state_dict`` is rewritten: ``[*]``. Nothing is written to the file."""
+    source = (
+        "import torch\n"
+        "def a(path):\n"
+        "    return torch.load(path, weights_only=False)\n"
+        "def b(model, path):\n"
+        "    model.load_state_dict(torch.load(path))\n"
+    )
+    path = tmp_path / "t.py"
+    path.write_text(source)
+    findings = [f for f in lint_paths([path], torch_version="2.4") if f.code == "AG208"]
+    marks = {f.line: "[*]" in format_findings([f]) for f in findings}
+    assert marks == {3: False, 5: True}
+    assert path.read_text() == source

@@ -55,16 +55,50 @@ def _text(f: Finding) -> str:
 
 
 def fixable(f: Finding) -> bool:
-    """``f`` is of a code ``--fix`` rewrites, and of a shape it rewrites: not an AG206 fallback
-    for old torch (kept on purpose), nor a finding whose rule says it cannot be (``fixable``
-    false in its evidence, such as an old entry point bound to a name)."""
+    """``--fix`` would rewrite ``f``: of a code it rewrites (not an AG206 fallback for old
+    torch, kept on purpose, nor a finding whose rule says it cannot be: ``fixable`` false in its
+    evidence), and, when its file can be read, of a shape it rewrites (the fixer is asked, on
+    the text in memory; nothing is written). Cost: one parse of the file per such finding,
+    cached while the file is unchanged."""
     from ampguard.lint._fix import FIXABLE  # the fixer imports the engine, which imports this
 
-    return (
+    if not (
         f.code in FIXABLE
         and not f.evidence.get("fallback")
         and f.evidence.get("fixable", True) is not False
-    )
+    ):
+        return False
+    try:
+        stat = os.stat(f.path) if f.path else None
+    except OSError:
+        stat = None
+    if stat is None or not os.path.isfile(f.path or ""):
+        return True  # no file to ask about (a string was linted): judged by its code
+    key = (f.path, stat.st_mtime_ns, stat.st_size, f.line, f.col, f.code, f.message)
+    found = _FIXABLE_CACHE.get(key)
+    if found is None:
+        found = _ask_fixer(f)
+        if len(_FIXABLE_CACHE) > 4096:
+            _FIXABLE_CACHE.clear()
+        _FIXABLE_CACHE[key] = found
+    return found
+
+
+_FIXABLE_CACHE: dict[tuple, bool] = {}
+
+
+def _ask_fixer(f: Finding) -> bool:
+    from ampguard.lint._engine import make_options
+    from ampguard.lint._fix import decode, fix_text
+
+    try:
+        with open(f.path or "", "rb") as handle:
+            text, _ = decode(handle.read())
+    except (OSError, SyntaxError, UnicodeDecodeError, LookupError):
+        return True
+    options = make_options(select=[f.code], torch_version="2.6")
+    fixed = fix_text(text, f.path or "", options, lint=lambda t: [f] if t == text else [])
+    return bool(fixed.fixed)
 
 
 def _rank(severity: str, argument: str) -> int:
