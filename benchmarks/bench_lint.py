@@ -14,6 +14,12 @@ rounds as the floor any AST-based linter pays. Usage::
     python benchmarks/bench_lint.py --repeat 5       # the detection repository's tree
     python benchmarks/bench_lint.py --torch          # the installed torch package
     python benchmarks/bench_lint.py PATH --repeat 3  # any folder
+    python benchmarks/bench_lint.py TREE1 TREE2 --generated   # several trees: one row each
+
+With several trees (or one tree and ``--generated``, which adds the generated tree), one line per
+tree is printed (``--json``: a list of objects), and the run's exit status is 1 when a tree's
+project-mode figure is under ``--goal`` lines/s (default 15,000), so the check can gate a CI job.
+Real trees are not part of the repository: fetch them yourself (``git clone --depth 1``).
 """
 
 from __future__ import annotations
@@ -52,30 +58,52 @@ def _cpu(fn) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "path", nargs="?", default=None, help="folder (default: the detection repository tree)"
-    )
+    parser.add_argument("path", nargs="*", help="folders (default: the detection repository tree)")
     parser.add_argument("--torch", action="store_true", help="lint the installed torch package")
+    parser.add_argument(
+        "--generated", action="store_true", help="also the generated tree, next to the folders"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs; the best is reported")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--goal", type=int, default=15_000, help="project-mode lines/s each tree must reach"
+    )
     args = parser.parse_args(argv)
+    for path in args.path:
+        if not os.path.isdir(path):
+            parser.error(f"path must be a folder, got {path!r}")
+    results = []
     with tempfile.TemporaryDirectory(prefix="ampguard-bench-lint-") as scratch:
-        if args.path:
-            root = args.path
-        elif args.torch:
-            root = _torch_dir()
+        roots = [(p, p) for p in args.path]
+        if args.torch:
+            roots.append((_torch_dir(), "torch"))
+        if args.generated or not roots:
+            generated = os.path.join(scratch, "yolo")
+            write_tree(generated)
+            roots.append((generated, "yolo-style detection tree"))
+        for root, name in roots:
+            results.append(_bench(root, args.repeat, name))
+    if len(results) == 1:
+        result = results[0]
+        if args.json:
+            print(json.dumps(result))
         else:
-            root = os.path.join(scratch, "yolo")
-            write_tree(root)
-        result = _bench(
-            root, args.repeat, "yolo-style detection tree" if root.startswith(scratch) else root
-        )
+            for key, value in result.items():
+                print(f"{key:>24}: {value}")
+        return 0
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(results))
     else:
-        for key, value in result.items():
-            print(f"{key:>24}: {value}")
-    return 0
+        print(f"{'tree':<44} {'files':>6} {'lines':>8} {'project l/s':>12} {'single l/s':>11}")
+        for r in results:
+            print(
+                f"{r['root'][-44:]:<44} {r['files']:>6} {r['lines']:>8} "
+                f"{r['lint_lines_per_s']:>12} {r['single_file_lines_per_s']:>11}"
+            )
+    slow = [r["root"] for r in results if r["lint_lines_per_s"] < args.goal]
+    if slow and not args.json:
+        print(f"under {args.goal} lines/s: {', '.join(slow)}")
+    return 1 if slow else 0
 
 
 def _bench(root: str, repeat: int, name: str) -> dict:

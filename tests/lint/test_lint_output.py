@@ -32,10 +32,30 @@ def test_text_shows_severity_and_the_fix_under_each_finding() -> None:
     text = format_findings([finding])
     first, second = text.splitlines()
     assert first == (
-        "t.py:2:10: AG206 [warning] torch.cuda.amp.GradScaler is deprecated: "
+        "t.py:2:10: AG206 [warning] [*] torch.cuda.amp.GradScaler is deprecated: "
         "use torch.amp.GradScaler('cuda', ...)"
     )
     assert second == f"    fix: {finding.fix}"
+
+
+def test_fixable_findings_are_marked_and_counted_the_others_are_not() -> None:
+    """``[*]`` marks what ``--fix`` rewrites (as ruff's): an AG206 call, not an AG205 (no
+    rewrite) nor an old entry point bound to a name (the fixer rewrites calls)."""
+    source = (
+        "import torch\n"
+        "scaler = torch.cuda.amp.GradScaler()\n"
+        "def f(device):\n"
+        "    amp_autocast = torch.cuda.amp.autocast\n"
+        "    if device == 'npu':\n"
+        "        amp_autocast = torch.npu.amp.autocast\n"
+        "    with amp_autocast():\n"
+        "        pass\n"
+    )
+    findings = lint_source(source, "t.py")
+    lines = [line for line in format_findings(findings).splitlines() if "AG206" in line]
+    assert [("[*]" in line) for line in lines] == [True, False]
+    assert summary_line(findings).endswith("; [*] 1 fixable with --fix")
+    assert "[*]" not in summary_line(lint_source(INFO_ONLY, "t.py"))
 
 
 def test_messages_name_the_codes_own_variables() -> None:
@@ -92,6 +112,7 @@ def test_failing_and_summary_from_python() -> None:
     assert len(failing(findings, "info")) == 2
     assert (
         summary_line(findings) == "2 findings (1 warning, 1 info); 1 at --fail-on warning or worse"
+        "; [*] 1 fixable with --fix"
     )
     with pytest.raises(ValueError, match="fail_on must be one of error, warning, info"):
         failing(findings, "fatal")
@@ -112,3 +133,22 @@ def test_a_dangling_symlink_says_so_and_where_it_points(tmp_path: Path) -> None:
         f"not read: a dangling symlink: it points to {str(tmp_path / 'nowhere.py')!r}, "
         "which does not exist"
     )
+
+
+def test_the_fix_marker_asks_the_fixer_about_a_file_s_shape(tmp_path: Path) -> None:
+    """An explicit ``weights_only=False`` is AG208 but the author's decision, which ``--fix``
+    leaves alone: no ``[*]``; a load without the argument whose result only feeds
+    ``load_state_dict`` is rewritten: ``[*]``. Nothing is written to the file."""
+    source = (
+        "import torch\n"
+        "def a(path):\n"
+        "    return torch.load(path, weights_only=False)\n"
+        "def b(model, path):\n"
+        "    model.load_state_dict(torch.load(path))\n"
+    )
+    path = tmp_path / "t.py"
+    path.write_text(source)
+    findings = [f for f in lint_paths([path], torch_version="2.4") if f.code == "AG208"]
+    marks = {f.line: "[*]" in format_findings([f]) for f in findings}
+    assert marks == {3: False, 5: True}
+    assert path.read_text() == source

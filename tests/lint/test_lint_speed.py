@@ -239,3 +239,99 @@ def test_bench_reports_project_mode_on_the_tree() -> None:
     assert result["root"] == "yolo-style detection tree"
     assert result["files"] >= 20 and result["lines"] >= 15_000
     assert {"lint_lines_per_s", "single_file_lines_per_s", "project_over_single"} <= set(result)
+
+
+@pytest.mark.slow  # runs the lint benchmark in a subprocess
+def test_bench_reports_one_row_per_tree_and_gates_on_the_goal() -> None:
+    trees = [str(CORPUS / "proj_factory"), str(CORPUS / "proj_saver")]
+
+    def bench(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(BENCH / "bench_lint.py"), *trees, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    import json
+
+    rows = json.loads(bench("--json", "--goal", "0").stdout)
+    assert [r["root"] for r in rows] == trees
+    assert all(r["lint_lines_per_s"] > 0 and r["files"] >= 2 for r in rows)
+    slow = bench("--goal", "1000000000")
+    assert slow.returncode == 1 and "under 1000000000 lines/s" in slow.stdout
+    assert bench("/no/such/tree").returncode == 2
+
+
+def test_a_judgement_is_kept_after_the_follow_budget_ran_out(tmp_path: Path) -> None:
+    """Once a linted file has followed MAX_FOLLOWED files, a helper judged without needing a
+    refused file is cached all the same (a detection repository reached the cap on its first
+    files, and then judged the same helpers thousands of times); one that needed a refused file
+    is not."""
+    import ast
+
+    from ampguard.lint._events import Events, header
+    from ampguard.lint._inert import summary
+
+    (tmp_path / "helpers.py").write_text(
+        "from far import remote\n\ndef pure(x):\n    return x + 1\n\n"
+        "def calls_far(x):\n    return remote(x)\n"
+    )
+    (tmp_path / "far.py").write_text("def remote(x):\n    return x\n")
+    files = [str(tmp_path / "helpers.py"), str(tmp_path / "far.py")]
+    tree = Project(files)
+    model = tree.model(files[0])
+    assert model is not None
+    tree._budget = 0  # this linted file has followed all it may
+    extractor = Events(model)
+    pure = next(f for f in model.tree.body if isinstance(f, ast.FunctionDef) and f.name == "pure")
+    far = next(
+        f for f in model.tree.body if isinstance(f, ast.FunctionDef) and f.name == "calls_far"
+    )
+    assert summary(extractor, pure, header) == frozenset()
+    assert getattr(pure, "_ag_inert", None) == frozenset()  # cached although exhausted
+    summary(extractor, far, header)
+    assert tree.denied > 0  # far.py was refused ...
+    assert getattr(far, "_ag_inert", None) is None  # ... so that answer is not kept
+
+
+_CALLERS = """
+import torch
+scaler = torch.amp.GradScaler("cuda")
+
+def train(model, opt, loader):
+    for x in loader:
+        if x is None:
+            raise ValueError(x)
+        scaler.scale(model(x)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+"""
+
+
+@pytest.mark.parametrize("callers", [1, 6])
+def test_a_helper_is_interpreted_once_however_many_units_call_it(
+    callers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flow rules memoise an inlined helper's exit per entry state: six callers of
+    ``train()`` cost what one does (it was inlined again into each), with the same findings."""
+    import ampguard.lint._flow as flow
+
+    source = _CALLERS + "".join(
+        f"\ndef main{i}(model, opt, loader):\n    train(model, opt, loader)\n"
+        for i in range(callers)
+    )
+    visits = {"n": 0}
+    real = flow.Interpreter._block
+
+    def counting(self, stmts, state, env):  # type: ignore[no-untyped-def]
+        if env.active and stmts is env.active[-1].body:
+            visits["n"] += 1
+        return real(self, stmts, state, env)
+
+    monkeypatch.setattr(flow.Interpreter, "_block", counting)
+    found = lint_source(source, "train.py")
+    assert [(f.line, f.code) for f in found if f.code == "AG201"] == [(10, "AG201")]
+    # one interpretation per analysis and recording mode, whatever the number of callers
+    assert visits["n"] <= 4, visits

@@ -13,7 +13,14 @@ from ampguard.lint._diff import unified_diff, unified_diff_bytes
 from ampguard.lint._engine import DEFAULT_EXCLUDES, iter_python_files, parse_codes
 from ampguard.lint._fix import FIXABLE, Fixed
 from ampguard.lint._lint import fix_paths, fix_source, lint_paths, lint_source
-from ampguard.lint._output import FORMATS, SEVERITIES, failing, format_findings, summary_line
+from ampguard.lint._output import (
+    FORMATS,
+    SEVERITIES,
+    failing,
+    fixable,
+    format_findings,
+    summary_line,
+)
 from ampguard.lint._source import MAX_FILE_BYTES
 from ampguard.lint.rules import RULES, Rule
 
@@ -29,6 +36,7 @@ __all__ = [
     "failing",
     "fix_paths",
     "fix_source",
+    "fixable",
     "format_findings",
     "iter_python_files",
     "lint_paths",

@@ -51,10 +51,14 @@ class Events:
         key = id(stmt)
         found = self._cache.get(key)
         if found is None:
+            project = self.model.project
+            denied = 0 if project is None else project.denied
             found = [ev for call in _calls_in(header(stmt)) for ev in self._call(call)]
             if any(ev.kind == "call" for ev in found):  # inert helpers are not inlined
                 found = [ev for ev in found if ev.kind != "call" or not self._inert(ev)]
-            self._cache[key] = found
+            if project is None or project.denied == denied:
+                self._cache[key] = found  # else asked again, so that a cached inert summary
+            # never rests on a file the budget refused (see ampguard.lint._inert)
         return found
 
     def _inert(self, event: Event) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
 from ampguard.lint._events import Event, Events, header
+from ampguard.lint._inert import silent
 from ampguard.lint._paths import MAX_PATHS, condition, heads, stored_heads
 
 __all__ = ["Analysis", "Env", "Event", "Events", "Interpreter", "OutOfBudget"]
@@ -95,11 +96,25 @@ class Interpreter:
     kept apart only to know which can (see :mod:`ampguard.lint._paths`).
     """
 
-    def __init__(self, events: Events, analysis: Analysis, budget: int = 50_000) -> None:
+    def __init__(
+        self,
+        events: Events,
+        analysis: Analysis,
+        budget: int = 50_000,
+        memo: dict[tuple, Paths | None] | None = None,
+    ) -> None:
         self.events = events
         self.analysis = analysis
         self.budget = budget
         self._heads: dict[str, set[str]] = {}
+        # helper calls already interpreted: (helper, arguments, call depth, file, recording,
+        # paths in) -> paths out (the depth, not the callers: a helper reached from two units
+        # at one depth exits the same way; only a call cycle, cut where it meets itself, could
+        # tell them apart, and either answer is a sound one). Shared by the interpreters of one
+        # analysis (``memo``), so a ``train()`` called from many places is interpreted once per
+        # distinct entry state; the owner drops it when a unit runs out of budget (with its
+        # findings).
+        self.memo: dict[tuple, Paths | None] = {} if memo is None else memo
 
     def _merge(self, a: Any, b: Any) -> Any:
         if a is None:
@@ -205,8 +220,20 @@ class Interpreter:
         stores = events.inert(event)  # no events inside: only what it assigns matters
         if stores is not None:
             return self._forget(state, stores, inner) if stores else state
+        if inner.record and silent(helper):  # no event inside: nothing to record there
+            inner = Env(False, inner.rename_map, inner.active, inner.events)
+        key = _memo_key(helper, inner, state)
+        if key is not None and key in self.memo:
+            return self.memo[key]  # same entry: same exit, its findings already recorded
+        if key is not None and not env.record:
+            recorded = (*key[:4], True, key[5])  # a recording run gives the same paths
+            if recorded in self.memo:
+                return self.memo[recorded]
         out = self._block(helper.body, state, inner)
-        return self._pjoin(out.out, out.ret)
+        result = self._pjoin(out.out, out.ret)
+        if key is not None:
+            self.memo[key] = result
+        return result
 
     def _block(self, stmts: list[ast.stmt], state: Paths | None, env: Env) -> _Out:
         acc = _Out()
@@ -336,6 +363,21 @@ class Interpreter:
 
     def _skip(self, stmt: ast.AST, state: Paths, env: Env) -> _Out:
         return _Out(state)  # nested def/class: their bodies do not run here
+
+
+def _memo_key(helper: ast.AST, env: Env, state: Paths) -> tuple | None:
+    """What an inlined helper's exit depends on (``None``: a state that cannot be hashed)."""
+    try:
+        return (
+            id(helper),
+            tuple(sorted(env.rename_map.items())),
+            len(env.active),
+            id(env.events),
+            env.record,
+            frozenset(state.items()),
+        )
+    except TypeError:
+        return None
 
 
 def _compact(paths: Paths, join: Callable[[Any, Any], Any]) -> Paths:

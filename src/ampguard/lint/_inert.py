@@ -20,8 +20,9 @@ parameters (``path = Path(path)``) is inert too: the interpreter then only makes
 forget what it assumed about the argument passed for it, as inlining would. The answer is
 cached on the ``def`` node, which lives in the (project-cached) model of the file that holds it,
 so every file that imports the helper reuses it. A call inside the helper that resolves through
-the project is judged with the project's budget; an answer reached after that budget ran out is
-not cached.
+the project is judged with the project's budget; an answer is cached unless the budget refused a
+file while it was being reached (``Project.denied`` moved): an answer reached after the budget
+ran out, but without needing a new file, is the answer a full budget gives, and is kept.
 
 Cost: one walk over the helper's statements (and, transitively, its helpers') per ``def`` and run.
 """
@@ -34,9 +35,10 @@ from typing import Any
 
 from ampguard.lint._paths import stored_heads
 
-__all__ = ["summary"]
+__all__ = ["silent", "summary"]
 
 _ATTR = "_ag_inert"
+_SILENT = "_ag_silent"
 _BUSY = "_ag_inert_busy"
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
@@ -53,42 +55,55 @@ def summary(
         return None if cached is False else cached
     if getattr(helper, _BUSY, False):
         return None  # a call cycle: judged from outside the cycle, conservatively
+    project = events.model.project
+    denied = 0 if project is None else project.denied
     setattr(helper, _BUSY, True)
     try:
-        result = _judge(events, helper, header)
+        result, quiet = _judge(events, helper, header)
     finally:
         setattr(helper, _BUSY, False)
-    project = events.model.project
-    if project is None or not project.exhausted:
+    if project is None or project.denied == denied:
         setattr(helper, _ATTR, False if result is None else result)
+        setattr(helper, _SILENT, quiet)
     return result
+
+
+def silent(helper: ast.AST) -> bool:
+    """A judged helper produces no protocol event (it may still end paths early: it is
+    interpreted, but nothing in it can record a finding, whoever records)."""
+    return getattr(helper, _SILENT, False) is True
 
 
 def _judge(
     events: Any, helper: ast.FunctionDef | ast.AsyncFunctionDef, header: Callable
-) -> frozenset[str] | None:
+) -> tuple[frozenset[str] | None, bool]:
+    """(what :func:`summary` returns, whether the helper is free of protocol events)."""
     args = helper.args
     params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
     params.update(a.arg for a in (args.vararg, args.kwarg) if a is not None)
     touched: set[str] = set()
+    exits = False  # a raise, global or endless loop: not inert, yet maybe free of events
     stack: list[ast.AST] = list(reversed(helper.body))
     while stack:
         node = stack.pop()
         if isinstance(node, _SCOPES):
             continue  # a nested def's body does not run here
         if isinstance(node, (ast.Raise, ast.Global, ast.Nonlocal)):
-            return None
+            exits = True
         if (
             isinstance(node, ast.While)
             and isinstance(node.test, ast.Constant)
             and bool(node.test.value)
         ):
-            return None
+            exits = True
         if isinstance(node, ast.stmt):
             for event in events.of(node):  # calls to fully inert helpers are already left out
                 stores = events.inert(event) if event.kind == "call" else None
                 if stores is None:
-                    return None
+                    if event.kind == "call" and silent(event.target):
+                        exits = True
+                        continue
+                    return None, False
                 # the inner helper assigns its parameters: the caller forgets about what it
                 # passed for them, which for this helper's own parameters means its caller's
                 touched.update(
@@ -98,4 +113,4 @@ def _judge(
                 )
             touched.update(stored_heads(node, header(node)) & params)
         stack.extend(ast.iter_child_nodes(node))
-    return frozenset(touched)
+    return (None, True) if exits else (frozenset(touched), True)

@@ -76,6 +76,8 @@ class FileModel(ScalerFacts):
         self.scopes: dict[ast.AST, Scope] = {}
         self.attr_bindings: dict[str, list[ast.AST | None]] = {}
         self.subscript_sets: list[tuple[ast.Subscript, ast.AST]] = []
+        # ``model, opt, scaler = build(cfg)``: a call's result unpacked into names
+        self.unpacked_calls: list[tuple[ast.Tuple | ast.List, ast.Call]] = []
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.loops: list[ast.For | ast.AsyncFor | ast.While] = []
         self._qual: dict[int, str | None] = {}
@@ -157,6 +159,8 @@ class FileModel(ScalerFacts):
             if key is not None:
                 self.attr_bindings.setdefault(key, []).append(value)
         elif isinstance(target, (ast.Tuple, ast.List)):
+            if isinstance(value, ast.Call):
+                self.unpacked_calls.append((target, value))
             values = value.elts if isinstance(value, (ast.Tuple, ast.List)) else None
             if values is not None and len(values) != len(target.elts):
                 values = None

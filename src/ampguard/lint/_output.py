@@ -11,7 +11,15 @@ from pathlib import Path, PurePath
 from ampguard.findings import Finding
 from ampguard.lint.rules import RULES
 
-__all__ = ["FORMATS", "SEVERITIES", "failing", "format_findings", "sort_findings", "summary_line"]
+__all__ = [
+    "FORMATS",
+    "SEVERITIES",
+    "failing",
+    "fixable",
+    "format_findings",
+    "sort_findings",
+    "summary_line",
+]
 
 FORMATS = ("text", "json", "sarif")
 SEVERITIES = ("error", "warning", "info")  # most severe first
@@ -38,9 +46,59 @@ def format_findings(findings: Iterable[Finding], fmt: str = "text") -> str:
 
 def _text(f: Finding) -> str:
     """``path:line:col: CODE [severity] message`` and, indented under it, ``fix: ...``: the first
-    line is what editors' problem matchers read; the second never looks like a location."""
-    head = f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}] {f.message}\n"
+    line is what editors' problem matchers read; the second never looks like a location. A
+    finding ``ampguard lint --fix`` can rewrite is marked ``[*]`` after its severity (as ruff
+    marks its fixable findings)."""
+    mark = " [*]" if fixable(f) else ""
+    head = f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}]{mark} {f.message}\n"
     return head + (f"    fix: {f.fix}\n" if f.fix else "")
+
+
+def fixable(f: Finding) -> bool:
+    """``--fix`` would rewrite ``f``: of a code it rewrites (not an AG206 fallback for old
+    torch, kept on purpose, nor a finding whose rule says it cannot be: ``fixable`` false in its
+    evidence), and, when its file can be read, of a shape it rewrites (the fixer is asked, on
+    the text in memory; nothing is written). Cost: one parse of the file per such finding,
+    cached while the file is unchanged."""
+    from ampguard.lint._fix import FIXABLE  # the fixer imports the engine, which imports this
+
+    if not (
+        f.code in FIXABLE
+        and not f.evidence.get("fallback")
+        and f.evidence.get("fixable", True) is not False
+    ):
+        return False
+    try:
+        stat = os.stat(f.path) if f.path else None
+    except OSError:
+        stat = None
+    if stat is None or not os.path.isfile(f.path or ""):
+        return True  # no file to ask about (a string was linted): judged by its code
+    key = (f.path, stat.st_mtime_ns, stat.st_size, f.line, f.col, f.code, f.message)
+    found = _FIXABLE_CACHE.get(key)
+    if found is None:
+        found = _ask_fixer(f)
+        if len(_FIXABLE_CACHE) > 4096:
+            _FIXABLE_CACHE.clear()
+        _FIXABLE_CACHE[key] = found
+    return found
+
+
+_FIXABLE_CACHE: dict[tuple, bool] = {}
+
+
+def _ask_fixer(f: Finding) -> bool:
+    from ampguard.lint._engine import make_options
+    from ampguard.lint._fix import decode, fix_text
+
+    try:
+        with open(f.path or "", "rb") as handle:
+            text, _ = decode(handle.read())
+    except (OSError, SyntaxError, UnicodeDecodeError, LookupError):
+        return True
+    options = make_options(select=[f.code], torch_version="2.6")
+    fixed = fix_text(text, f.path or "", options, lint=lambda t: [f] if t == text else [])
+    return bool(fixed.fixed)
 
 
 def _rank(severity: str, argument: str) -> int:
@@ -63,7 +121,9 @@ def summary_line(findings: list[Finding], fail_on: str = "warning") -> str:
     parts = ", ".join(f"{n} {s}" for s, n in counts if n)
     noun = "finding" if len(findings) == 1 else "findings"
     bad = len(failing(findings, fail_on))
-    return f"{len(findings)} {noun} ({parts}); {bad} at --fail-on {fail_on} or worse"
+    line = f"{len(findings)} {noun} ({parts}); {bad} at --fail-on {fail_on} or worse"
+    mendable = sum(1 for f in findings if fixable(f))
+    return line + (f"; [*] {mendable} fixable with --fix" if mendable else "")
 
 
 def _uri(path: str | None) -> str:

@@ -47,6 +47,7 @@ class Project:
         self._current: tuple[str, FileModel] | None = None
         self._sources: dict[str, str | bytes] = {}  # what each cached model was parsed from
         self._linted: FileModel | None = None
+        self.denied = 0  # files (or names) not followed because the budget ran out, ever
 
     def begin(self, path: str, model: FileModel) -> None:
         """``model`` (of ``path``) is linted now: a call back into it resolves to this model."""
@@ -110,7 +111,10 @@ class Project:
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        if key not in self.files or self._budget <= 0:
+        if key not in self.files:
+            return None
+        if self._budget <= 0:
+            self.denied += 1  # an answer reached now may differ from one with budget left
             return None
         self._budget -= 1
         model = None

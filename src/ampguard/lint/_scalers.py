@@ -88,6 +88,9 @@ class ScalerFacts:
         for key, values in getattr(self, "attr_bindings", {}).items():
             if _scaler_word(key):
                 out.extend(v for v in values if isinstance(v, ast.Call))
+        for target, call in getattr(self, "unpacked_calls", ()):
+            if any(_scaler_word(dotted(elt) or "") for elt in target.elts):
+                out.append(call)  # model, optimizer, scaler = build_training(cfg)
         return [c for c in out if terminal(c.func) not in ("GradScaler", "ShardedGradScaler")]
 
     def _unbound(self, func: ast.AST) -> bool:
@@ -120,6 +123,10 @@ class ScalerFacts:
                     for target in anc.targets:
                         if (key := dotted(target)) is not None:
                             out.setdefault(key, call)
+                        elif isinstance(target, (ast.Tuple, ast.List)) and anc.value is call:
+                            for elt in target.elts:  # a factory's (model, opt, scaler)
+                                if (key := dotted(elt)) is not None and _scaler_word(key):
+                                    out.setdefault(key, call)
                 elif isinstance(anc, (ast.AnnAssign, ast.NamedExpr)) and anc.value is node:
                     if (key := dotted(anc.target)) is not None:
                         out.setdefault(key, call)

@@ -67,7 +67,7 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, lr_scheduler
                     nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
                 optimizer.step()
         if not args.distributed:
-            losses_m.update(loss.item() * accum_steps, input.size(0))
+            losses_m.update(loss.item() * accum_steps, input.size(0))  # expect: AG213 (a config test does not throttle)
         if not need_update:
             continue
         num_updates += 1

@@ -23,8 +23,11 @@ class Context:
     torch_version: tuple[int, int] | None = None
     cache: dict[str, Any] = field(default_factory=dict)
 
-    def finding(self, rule: Rule, node: ast.AST, message: str, **evidence: Any) -> Finding:
-        """A :class:`Finding` of ``rule`` located at ``node``."""
+    def finding(
+        self, rule: Rule, node: ast.AST, message: str, *, fix: str | None = None, **evidence: Any
+    ) -> Finding:
+        """A :class:`Finding` of ``rule`` located at ``node``; ``fix``: the rule's advice
+        written with the code's own names (default: the rule's generic advice)."""
         line = getattr(node, "lineno", 1)
         evidence["end_line"] = getattr(node, "end_lineno", line) or line
         return Finding(
@@ -33,7 +36,7 @@ class Context:
             title=rule.title,
             message=message,
             evidence=evidence,
-            fix=rule.fix,
+            fix=rule.fix if fix is None else fix,
             path=self.path,
             line=line,
             col=getattr(node, "col_offset", 0) + 1,

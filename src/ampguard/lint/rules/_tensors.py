@@ -303,6 +303,22 @@ def host_syncs(model: FileModel, facts: TensorFacts) -> Iterator[tuple[ast.AST, 
             yield from _site(node, facts)
 
 
+def _named(tensor: ast.AST) -> str:
+    """A tensor expression as a message names it: its text, or its last name when long
+    (``mloss`` of ``(mloss * 2)``, ``loss`` of ``out["loss"].mean()``)."""
+    if isinstance(tensor, ast.Starred):
+        tensor = tensor.value
+    text = ast.unparse(tensor)
+    if len(text) <= 30:
+        return text
+    for node in ast.walk(tensor):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            return ast.unparse(node) if len(ast.unparse(node)) <= 30 else getattr(node, "attr", "")
+    return text[:27] + "..."
+
+
 def _site(node: ast.AST, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
     device = facts.on_device
     if isinstance(node, ast.FormattedValue):
@@ -312,8 +328,9 @@ def _site(node: ast.AST, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
     if isinstance(node, ast.BinOp):
         if isinstance(node.op, ast.Mod) and _is_text(node.left):
             right = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
-            if any(device(a) for a in right):
-                yield node, ast.unparse(node)
+            tensors = [a for a in right if device(a)]
+            if tensors:  # named by the tensor it formats, not by the whole expression
+                yield node, f"'%' formatting of {_named(tensors[0])}"
         return
     if not isinstance(node, ast.Call):
         return
@@ -331,7 +348,8 @@ def _site(node: ast.AST, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
             and isinstance(func.value.value, str)
             and any(device(a) for a in node.args)
         ):
-            yield node, ast.unparse(node)
+            tensor = next(a for a in node.args if device(a))
+            yield node, f"str.format of {_named(tensor)}"
         return
     if not isinstance(func, ast.Name) or not node.args:
         return

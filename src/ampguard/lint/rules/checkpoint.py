@@ -39,8 +39,11 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
         _group(groups, identity, call, entries, _kinds(model, entries), None)
     for call, owner, helper, dict_node, entries in built_sites(ctx):
         _group(groups, id(dict_node), call, entries, _kinds(owner, entries), (owner, helper))
+    for call, entries in checkpointer_sites(model):
+        _group(groups, id(call), call, entries, _object_kinds(model, entries), None)
     if any("scaler" in group[2] for group in groups.values()):
         return  # the scaler's state is saved (maybe in a file of its own): the run can resume it
+    scaler = min(model.scaler_keys, key=lambda k: (k.count("."), len(k)), default="scaler")
     for call, entries, kinds, lines, via in groups.values():
         if not ({"model", "optimizer"} <= kinds and "unknown" not in kinds):
             continue
@@ -57,7 +60,75 @@ def _check_checkpoint(ctx: Context) -> Iterator[Finding]:
             "steps, different numerics)",
             keys=sorted(k for k, _ in entries if k),
             save_lines=lines,
+            fix=_fix(call, scaler),
         )
+
+
+def _fix(call: ast.Call, scaler: str) -> str:
+    """AG205's advice in the code's own names: its scaler, and the dict (or checkpointer) that
+    is saved."""
+    if not _is_save(call):  # a checkpointer object built without the scaler
+        return (
+            f"pass the scaler to {terminal(call.func)}(..., scaler={scaler}) (or add it as a "
+            "checkpointable) so its state is saved and restored with the model's"
+        )
+    obj = call.args[0] if call.args else keyword(call, "obj")
+    name = dotted(obj) if obj is not None else None
+    if name is None or isinstance(obj, ast.Dict):
+        return (
+            f"add 'scaler': {scaler}.state_dict() to the saved dict and call "
+            f"{scaler}.load_state_dict(checkpoint['scaler']) when resuming"
+        )
+    return (
+        f"add {name}['scaler'] = {scaler}.state_dict() before the save and call "
+        f"{scaler}.load_state_dict(checkpoint['scaler']) when resuming"
+    )
+
+
+def _is_save(call: ast.Call) -> bool:
+    name = terminal(call.func) or ""
+    return "checkpointer" not in name.lower()
+
+
+# a checkpointer object: it saves the model and each object handed to it (fvcore/detectron2
+# ``Checkpointer(model, save_dir, optimizer=..., scheduler=...)``, ``DetectionCheckpointer``)
+_CHECKPOINTERS = ("Checkpointer",)
+_NOT_STATE = frozenset({"save_dir", "save_to_disk", "path", "dirpath", "output_dir", "max_keep"})
+
+
+def checkpointer_sites(model: FileModel) -> list[tuple[ast.Call, _Entries]]:
+    """Checkpointer objects built in this file, with what they were handed (key, object): the
+    first positional argument is the model, the others are folders and flags."""
+    out = []
+    for call in model.calls:
+        name = terminal(call.func) or ""
+        if not name.endswith(_CHECKPOINTERS) or not call.args:
+            continue
+        if any(kw.arg is None for kw in call.keywords):
+            continue  # **checkpointables: cannot be known
+        entries: _Entries = [("model", call.args[0])]
+        entries += [(kw.arg, kw.value) for kw in call.keywords if kw.arg not in _NOT_STATE]
+        out.append((call, entries))
+    return out
+
+
+def _object_kinds(model: FileModel, entries: _Entries) -> set[str]:
+    """What each object handed to a checkpointer is (as :func:`_kind` for state dicts)."""
+    kinds = set()
+    for key, value in entries:
+        last = (dotted(value) or "").rsplit(".", 1)[-1].lower()
+        k = (key or "").lower()
+        if "scaler" in k or "scaler" in last or dotted(value) in model.scaler_keys:
+            kinds.add("scaler")
+        elif "optim" in k or "optim" in last:
+            kinds.add("optimizer")
+        elif k == "model" or is_model_like(model, value) or "model" in last:
+            kinds.add("model")
+        elif "sched" in k or "sched" in last or isinstance(value, ast.Constant):
+            kinds.add("other")
+        else:
+            kinds.add("unknown")  # trainer=self: may save the scaler itself
+    return kinds
 
 
 def _short(path: str) -> str:
@@ -208,7 +279,27 @@ def _kind(model: FileModel, key: str | None, value: ast.AST) -> str:
         return "model"
     if is_scheduler_like(model, holder):
         return "other"
+    if _not_a_scaler(model, holder):
+        return "other"
     return "unknown"
+
+
+def _not_a_scaler(model: FileModel, holder: ast.AST) -> bool:
+    """The file knows its scalers and ``holder`` is none of them: every value it was assigned
+    is seen, and none is a scaler (``self.clip_grad_norm = instantiate_from_config(cfg)``)."""
+    if not model.scaler_keys:
+        return False
+    values, complete = model.values_of(holder)
+    if not values or not complete:
+        return False
+    for value in values:
+        text = dotted(value) or ""
+        called = (dotted(value.func) or "") if isinstance(value, ast.Call) else ""
+        if text in model.scaler_keys or "scaler" in (text + called).lower():
+            return False
+        if isinstance(value, ast.Name):
+            return False  # an alias of something else: may be the scaler
+    return True
 
 
 def _state_dict_holder(value: ast.AST) -> ast.AST | None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from ampguard.findings import Finding
 from ampguard.lint._model import FileModel
-from ampguard.lint._names import DEPRECATED, canonical
+from ampguard.lint._names import DEPRECATED, canonical, dotted
 from ampguard.lint.rules._base import Context, Rule
 
 __all__ = ["AG206"]
@@ -43,10 +43,14 @@ def _check(ctx: Context) -> Iterator[Finding]:
                 if _fallback(model, node):
                     compat_names.add(alias)
                     yield _compat(ctx, node, qual)
+    called: set[str] = set()
     for call in model.calls_to(_DEPRECATED):
         if _root(call.func) in compat_names:
             continue
+        if isinstance(call.func, (ast.Name, ast.Attribute)):
+            called.add(dotted(call.func) or "")
         yield from _report(ctx, call, model.call_name(call))
+    yield from _bound(ctx, called | compat_names)
     for funcs in model.functions.values():  # bare decorators: @torch.cuda.amp.custom_fwd
         for func in funcs:
             for deco in func.decorator_list:
@@ -84,6 +88,7 @@ def _report(ctx: Context, node: ast.AST, qual: str | None) -> Iterator[Finding]:
         yield _compat(ctx, node, qual)
         return
     new, device, spelling = DEPRECATED[qual]
+    used = ast.unparse(node.func if isinstance(node, ast.Call) else node)
     yield ctx.finding(
         AG206,
         node,
@@ -91,7 +96,26 @@ def _report(ctx: Context, node: ast.AST, qual: str | None) -> Iterator[Finding]:
         deprecated=qual,
         replacement=new,
         device=device,
+        fixable=isinstance(node, ast.Call),
+        fix=f"replace {used}(...) with {spelling}"
+        if isinstance(node, ast.Call)
+        else f"bind {new} instead of {used}, and pass {device!r} as the first argument where "
+        "it is called",
     )
+
+
+def _bound(ctx: Context, reported: set[str]) -> Iterator[Finding]:
+    """``amp_autocast = torch.cuda.amp.autocast``: the old entry point bound to a name (later
+    maybe reassigned in a branch, so its calls cannot be followed to it), reported where it is
+    bound, unless a call through that name was reported already."""
+    model = ctx.model
+    for node in ast.walk(model.tree):
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Attribute):
+            continue
+        names = {n for t in node.targets if (n := dotted(t)) is not None}
+        if not names or names & reported:
+            continue
+        yield from _report(ctx, node.value, model.qualname(node.value))
 
 
 def _aliases(ctx: Context) -> Iterator[Finding]:

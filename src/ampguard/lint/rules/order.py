@@ -133,16 +133,18 @@ def _run(
     joined in, so a step that follows the previous iteration's is judged on those paths alone)."""
     extractor = events(ctx)
     model = ctx.model
+    memo: dict = {}  # helpers' exits, shared by the units (see Interpreter.memo)
     for unit in flow_units(ctx):
         before = set(analysis.found)
         try:
-            Interpreter(extractor, analysis).body(unit.body, start, record=True)
+            Interpreter(extractor, analysis, memo=memo).body(unit.body, start, record=True)
             for loop in model.loops if carried else ():
                 if (model.function_of(loop) or model.tree) is unit:
-                    _next_iteration(Interpreter(extractor, analysis), loop, start)
+                    _next_iteration(Interpreter(extractor, analysis, memo=memo), loop, start)
         except OutOfBudget as error:
             for key in set(analysis.found) - before:
                 del analysis.found[key]
+            memo.clear()  # entries made in this unit may stand for findings just dropped
             yield from budget_note(ctx, unit, error)
     yield from analysis.found.values()
 

@@ -76,21 +76,41 @@ _Found = tuple[ast.Call, str | None, str | None]
 
 
 def _loop_assigned(ctx: Context, call: ast.Call) -> frozenset[str]:
-    """Names assigned in the body of the loop around ``call`` (not its own ``for`` target)."""
+    """Names that may hold whether the step ran: any name assigned in the body of the loop
+    around ``call`` (not its own ``for`` target); in a function body (a step helper), a name
+    assigned a gate (``stepped = before <= scaler.get_scale()``), wherever it is assigned."""
     loop = next((a for a in ctx.model.ancestors(call) if isinstance(a, (*_LOOPS, *FUNCS))), None)
-    if not isinstance(loop, _LOOPS):
+    if loop is None:
         return frozenset()
     out = set()
+    if isinstance(loop, _LOOPS):
+        for node in ctx.model.statements(loop.body):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+        return frozenset(out)
     for node in ctx.model.statements(loop.body):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            out.add(node.id)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if _is_gate(node.value, frozenset()):
+                out.update(t.id for t in targets if isinstance(t, ast.Name))
     return frozenset(out)
 
 
+# calls in a test that only look at a value's type or shape: they never ask whether a step ran
+_TYPE_TESTS = frozenset(
+    {"isinstance", "issubclass", "hasattr", "callable", "type", "len", "getattr", "id"}
+)
+
+
 def _is_gate(test: ast.AST, assigned: frozenset[str]) -> bool:
-    """``test`` may ask whether the optimizer stepped (see the module docstring)."""
+    """``test`` may ask whether the optimizer stepped (see the module docstring); a type test
+    (``isinstance(sched, ReduceLROnPlateau)``, ``hasattr(...)``) does not."""
     for node in ast.walk(test):
-        if isinstance(node, (ast.Call, ast.Await, ast.NamedExpr)):
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id in _TYPE_TESTS:
+                continue  # its arguments are still read (a gate name passed in is a gate)
+            return True
+        if isinstance(node, (ast.Await, ast.NamedExpr)):
             return True
         word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
         if not isinstance(word, str):
@@ -139,9 +159,30 @@ def _scheduler_steps(
             and not value.args
             and not value.keywords
             and dotted(value.func.value) not in ctx.model.scaler_keys
-            and is_scheduler_like(ctx.model, value.func.value)
         ):
-            yield value, dotted(value.func.value), test
+            name = _scheduler_text(ctx, value.func.value)
+            if name is not None:
+                yield value, name, test
+
+
+def _scheduler_text(ctx: Context, expr: ast.AST) -> str | None:
+    """How the source names the scheduler ``expr`` holds (``None``: not a scheduler): a name
+    or attribute (by name or by what built it), or a subscript whose keys say so
+    (``op_sc['scheduler']['module']``, ``self.schedulers[0]``)."""
+    if dotted(expr) is not None:
+        return dotted(expr) if is_scheduler_like(ctx.model, expr) else None
+    node, words = expr, []
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        if isinstance(node, ast.Attribute):
+            words.append(node.attr)
+        elif isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            words.append(node.slice.value)
+        node = node.value
+    if isinstance(node, ast.Name):
+        words.append(node.id)
+    if any("sched" in word.lower() for word in words):
+        return ast.unparse(expr)
+    return None
 
 
 AG207 = Rule.from_code(

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from typing import Any
 
 from ampguard.findings import Finding
 from ampguard.lint._context import is_scheduler_like
 from ampguard.lint._model import FUNCS, branch_of
 from ampguard.lint._names import dotted, terminal
+from ampguard.lint._reach import reaching_assignment
 from ampguard.lint.rules._base import Context, Rule
 from ampguard.lint.rules._tensors import TensorFacts, host_syncs
 
@@ -43,6 +45,9 @@ _LOG_METHODS = frozenset(
         "set_postfix_str",
         "set_description",
         "write",
+        "put_scalar",
+        "put_scalars",
+        "log_dict",
     }
 )
 _METER_WORDS = ("meter", "metric", "smooth", "logger", "tracker", "averager", "running_avg")
@@ -87,8 +92,7 @@ def _check(ctx: Context) -> Iterator[Finding]:
         if uses is None:
             continue
         throttle = _throttle(ctx, uses) if uses else None
-        if len(what) > 40:
-            what = what[:37] + "..."
+        what = _sync_name(node, what)
         how = (
             "on every training step"
             if found.period is None
@@ -110,6 +114,42 @@ def _check(ctx: Context) -> Iterator[Finding]:
         )
 
 
+def _sync_name(node: ast.AST, what: str) -> str:
+    """The sync as the message names it: whole when short, else by the tensor it reads
+    (``loss.item()`` for ``self.criterion(out, y)["loss"].mean().item()`` reads ``mean()`` of
+    ``loss``: it is written ``loss (...).item()``), never a cut-off fragment."""
+    if len(what) <= 40:
+        return what
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        tensor = _tensor_name(node.func.value)
+        if tensor is not None:
+            return f"{tensor}.{node.func.attr}()"
+    tensor = _tensor_name(node)
+    return f"a sync of {tensor}" if tensor is not None else what[:37] + "..."
+
+
+def _tensor_name(expr: ast.AST) -> str | None:
+    """The innermost name an expression reads its tensor from: ``outputs["loss"]`` -> ``loss``,
+    ``self.model(x).loss.mean()`` -> ``loss``, ``loss_dict[k]`` -> ``loss_dict``."""
+    node = expr
+    while True:
+        if isinstance(node, ast.Call):
+            node = node.func.value if isinstance(node.func, ast.Attribute) else node.func
+        elif isinstance(node, ast.Subscript):
+            key = node.slice
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                return key.value
+            node = node.value
+        elif isinstance(node, ast.Attribute):
+            if len(ast.unparse(node)) <= 30:
+                return ast.unparse(node)
+            return node.attr
+        elif isinstance(node, ast.Name):
+            return node.id
+        else:
+            return None
+
+
 def _syncs(ctx: Context, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
     """Host syncs: ``x.item()``, ``.cpu()``/``.tolist()``/``.numpy()``/``float()`` of a device
     tensor, ``scaler.get_scale()``, and a device tensor formatted as text."""
@@ -120,13 +160,13 @@ def _syncs(ctx: Context, facts: TensorFacts) -> Iterator[tuple[ast.AST, str]]:
     yield from host_syncs(model, facts)
 
 
-def _condition(test: ast.AST) -> tuple[bool, int | None] | None:
+def _condition(test: ast.AST, model: Any = None) -> tuple[bool, int | None] | None:
     """``(rank 0 only, period)`` for the body of ``if test:`` when it still runs per step
     (``rank == 0``, ``step % 5 == 0``), ``None`` when it is a throttle or unknown."""
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
         rank0, period = False, None
         for value in test.values:
-            part = _condition(value)
+            part = _condition(value, model)
             if part is None:
                 return None
             rank0 = rank0 or part[0]
@@ -155,7 +195,56 @@ def _condition(test: ast.AST) -> tuple[bool, int | None] | None:
     ]
     if any(w in word.lower() for word in words for w in _RANK_WORDS):
         return True, None
+    if _is_config(test, model):
+        return False, None  # if cfg.DETECTION.ENABLE: the same branch every step
     return None
+
+
+# roots of a run's configuration: a test that reads only these picks one branch for the whole run
+_CONFIG_ROOTS = frozenset(
+    {"cfg", "config", "conf", "args", "opt", "opts", "hparams", "hp", "flags", "settings"}
+)
+
+
+def _is_config(test: ast.AST, model: Any = None) -> bool:
+    """``test`` reads only the run's configuration (``cfg.DETECTION.ENABLE``,
+    ``not self.args.use_ema``, ``args.model == "vit"``) or a flag the object sets once
+    (``self.log_grad_scaler``, assigned in ``__init__`` only): it does not throttle, each branch
+    runs on every step of a run that takes it."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _is_config(test.operand, model)
+    if isinstance(test, ast.BoolOp):
+        return all(_is_config(v, model) for v in test.values)
+    if isinstance(test, ast.Compare):
+        return _is_config(test.left, model) and all(
+            isinstance(c, ast.Constant) or _is_config(c, model) for c in test.comparators
+        )
+    if not isinstance(test, ast.Attribute):
+        return False
+    parts = (dotted(test) or "").split(".")
+    if parts[0] == "self":
+        if len(parts) == 2 and model is not None and _set_once(model, test):
+            return True
+        parts = parts[1:]
+    return len(parts) > 1 and parts[0].lower() in _CONFIG_ROOTS
+
+
+def _set_once(model: Any, attr: ast.Attribute) -> bool:
+    """``self.flag`` is assigned in its class's ``__init__`` and nowhere else in the class."""
+    cls = model.class_of(attr)
+    if cls is None:
+        return False
+    key, seen = dotted(attr), False
+    for method in cls.body:
+        if not isinstance(method, FUNCS):
+            continue
+        for node in model.statements(method.body):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if dotted(node) == key:
+                    if method.name != "__init__":
+                        return False
+                    seen = True
+    return seen
 
 
 def _times(a: int | None, b: int | None) -> int | None:
@@ -172,11 +261,11 @@ def _per_step(ctx: Context, node: ast.AST, depth: int) -> _Step | None:
     rank0, period = False, None
     for anc in ctx.model.ancestors(node):
         if branch_of(anc, child) is not None:
-            part = (
-                _condition(anc.test)
-                if isinstance(anc, ast.If) and any(s is child for s in anc.body)
-                else None
-            )
+            part = None
+            if isinstance(anc, ast.If) and any(s is child for s in anc.body):
+                part = _condition(anc.test, ctx.model)
+            elif isinstance(anc, ast.If) and _is_config(anc.test, ctx.model):
+                part = (False, None)  # the else of a config test: as much per step
             if part is None:
                 return None  # conditional: already throttled (or at least not every step)
             rank0 = rank0 or part[0]
@@ -192,8 +281,11 @@ def _per_step(ctx: Context, node: ast.AST, depth: int) -> _Step | None:
                 continue
             found = _Step(f"loop at line {anc.lineno}", anc)
         elif isinstance(anc, _STOP):
-            if isinstance(anc, FUNCS) and anc.name == "training_step":
-                found = _Step("training_step", anc)
+            if isinstance(anc, FUNCS) and (
+                anc.name == "training_step"
+                or (anc.name.endswith("_step") and _trains(ctx, anc.body, 0))
+            ):  # run_step / train_step: the framework's loop calls it once per step
+                found = _Step(f"{anc.name}", anc)
             elif isinstance(anc, FUNCS) and depth < _MAX_HELPER_DEPTH:
                 found = _called_per_step(ctx, anc, depth)
             if found is None:
@@ -285,9 +377,25 @@ def _is_log_call(ctx: Context, node: ast.AST) -> bool:
         return func.id == "print"
     if not isinstance(func, ast.Attribute):
         return False
-    if func.attr == "update":
-        return (bool(node.args) or bool(node.keywords)) and _is_meter(ctx, func.value)
+    if func.attr == "update" or func.attr.startswith(_METER_METHODS):
+        if not (node.args or node.keywords):
+            return False
+        # a number handed to .update() makes a meter (a dict or set cannot take one)
+        return _is_meter(ctx, func.value) or any(_is_number(ctx, a) for a in node.args)
     return func.attr in _LOG_METHODS
+
+
+_METER_METHODS = ("update_stats", "update_metrics", "update_meters", "update_loss")
+_NUMBER_CALLS = frozenset({"item", "float"})
+
+
+def _is_number(ctx: Context, arg: ast.AST) -> bool:
+    """``arg`` is a Python number read from a tensor: ``loss.item()``, ``float(loss)``, or a
+    name assigned one."""
+    if isinstance(arg, ast.Name):
+        values, complete = ctx.model.values_of(arg)
+        return complete and len(values) == 1 and _is_number(ctx, values[0])
+    return isinstance(arg, ast.Call) and terminal(arg.func) in _NUMBER_CALLS
 
 
 def _is_meter(ctx: Context, recv: ast.AST) -> bool:
@@ -345,6 +453,13 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> list[ast.AST] |
         and stmt.targets[0].attr in ("desc", "postfix")
     ):
         return []  # pbar.desc = f"loss {loss.item():.3f}"
+    if (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Attribute)
+        and _is_meter(ctx, stmt.targets[0].value)
+    ):
+        return []  # tracker.loss = loss.item(): a metrics object's field, read to log it
     if not (
         isinstance(stmt, ast.Assign)
         and len(stmt.targets) == 1
@@ -357,9 +472,21 @@ def _only_logged(ctx: Context, node: ast.AST, where: ast.AST) -> list[ast.AST] |
     named: list[ast.AST] = [
         n
         for n in model.statements(body)
-        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        if isinstance(n, ast.Name)
+        and n.id == name
+        and isinstance(n.ctx, ast.Load)
+        and _may_read(model, name, n, stmt)
     ]
     return named if named and all(_inside_log(ctx, n) for n in named) else None
+
+
+def _may_read(model: Any, name: str, use: ast.AST, stmt: ast.stmt) -> bool:
+    """``use`` may read what ``stmt`` assigned: not when another assignment reaches it
+    (``loss = model(x)`` before ``scaler.scale(loss)``, then ``loss = loss.item()``)."""
+    if any(a is stmt for a in model.ancestors(use)):
+        return False  # loss = loss.item(): read before the assignment
+    reach = reaching_assignment(model, name, use)
+    return reach is None or reach.stmt is stmt
 
 
 def _throttle(ctx: Context, uses: list[ast.AST]) -> str | None:
