@@ -521,8 +521,6 @@ class Guard:
                 opt.zero_grad(set_to_none=True)
         if self._buffer_snapshot is not None:  # before forensics replays the window's batch
             self._restore_buffers(result)
-        if self._state.spikes is not None:  # sampled update ratios, the batch, a snapshot
-            self._state.spikes.after_step(self._state, batch, loss_fn)
         if len(self._state.pending) >= _flags.DRAIN_EVERY:
             _flags.drain(self._state)
         if self._state.dist is not None:
@@ -532,6 +530,8 @@ class Guard:
         if self._callbacks and result.applied:
             for fn in self._callbacks:
                 fn(result)
+        if self._state.spikes is not None:  # update ratios, the batch, a snapshot (schedulers
+            self._state.spikes.after_step(self._state, batch, loss_fn)  # stepped: after them)
         return result
 
     def on_applied(self, fn: Callable[[StepResult], Any]) -> Callable[[StepResult], Any]:
@@ -698,6 +698,13 @@ class Guard:
         return self._stagnation
 
     @property
+    def flight_recorder(self) -> _spikes.SpikeWatch | None:
+        """The flight recorder and loss-spike policy (``.ring``, ``.events``, ``.snapshots``,
+        ``.memory()``; ``ampguard.guard._spikes``), or None with ``flight_recorder=False`` and
+        ``on_spike=None``."""
+        return self._state.spikes
+
+    @property
     def coverage(self) -> Any:
         """The ``ampguard.Coverage`` of window ``coverage_step`` once it ran, else None."""
         return self._state.forensics.coverage if self._state.forensics is not None else None
@@ -718,6 +725,7 @@ class Guard:
                 and self._state.dist is None
                 and self._state.fp8 is None
                 and self._stagnation is None
+                and self._state.spikes is None
             ):
                 warnings.warn(
                     "Guard.findings(): without telemetry only forensics, fp8 and distributed "

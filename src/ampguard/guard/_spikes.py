@@ -272,9 +272,9 @@ class SpikeWatch:
             self.batches[step] = (batch, loss_fn)
         if self.snapshots is not None and step % self.config.snapshot_every == 0:
             self.snapshots.add(step, self.model, self.optimizers, self.schedulers, scale)
-            oldest = self.snapshots.snapshots[0].step
-            while self.batches and next(iter(self.batches)) <= oldest:
-                self.batches.popitem(last=False)
+        oldest = None if self.snapshots is None else self.snapshots.oldest_needed()
+        while oldest is not None and self.batches and next(iter(self.batches)) <= oldest:
+            self.batches.popitem(last=False)
 
     def on_error(self, err: BaseException, step: int) -> None:
         """An exception leaves ``Guard.step()`` (a peer failure, a collapse, a raised spike):
@@ -292,6 +292,7 @@ class SpikeWatch:
         self.events.append(event)
         if self.snapshots is not None:  # a snapshot taken after the spike holds its damage
             self.snapshots.drop_from(step)
+            self.snapshots.pin(step)  # the one before it stays for the autopsy
         size = f"{event.ratio:.3g}x its running level" if math.isfinite(event.ratio) else "?"
         msg = f"loss spike at step {step}: loss {loss:.4g}, {size} (bound {bound:.4g})"
         if self.dumper is not None:

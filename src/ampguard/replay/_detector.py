@@ -1,16 +1,17 @@
 """Loss-spike detection on the device: a robust running statistic of the log-loss, no host sync.
 
-Per window, with ``x = log(loss)`` (a 0-dim fp32 tensor), its running mean ``m`` and the running
-noise variance ``v`` (both exponentially weighted, horizon ``1 / (1 - beta)`` windows)::
+Per window, with ``x = log(loss)`` (a 0-dim fp32 tensor), its running mean ``m`` (horizon
+``1 / (1 - beta_mean)`` windows) and the running noise ``s`` (horizon ``1 / (1 - beta)``)::
 
-    bound = m + max(threshold * sqrt(v), log(min_ratio))
-    spike = armed and isfinite(x) and x > bound             # armed: warmup windows seen
-    kept  = finite and not a spike                          # a spike never moves the statistic
-    m     = m + a (x - m)                 where kept        # a = max(1 / count, 1 - beta)
-    v     = (1 - a) v + a (x - x_prev)**2 / 2   where kept  # x_prev: the last kept x
+    bound = m + max(threshold * s, log(min_ratio))
+    spike = armed and isfinite(x) and x > bound                # armed: warmup windows seen
+    kept  = finite and not a spike                             # a spike never moves the statistic
+    m     = m + a (x - m)                        where kept    # a = max(1 / count, 1 - beta_mean)
+    s     = s + b (0.886 |x - x_prev| - s)       where kept    # b = max(1 / count, 1 - beta)
 
-The noise comes from the differences of consecutive kept log-losses, so the fast fall of early
-training (a trend, not noise) does not inflate it, and the mean lags above a falling loss. The
+The noise is the mean absolute difference of consecutive kept log-losses (0.886 of it is the
+standard deviation of Gaussian noise): the fast fall of early training (a trend, not noise)
+does not inflate it, and a heavy-tailed loss weighs in linearly, not squared. The
 log makes the rule scale-free (a loss of 0.01 and one of 10 are judged alike); the test is
 one-sided (a falling loss never triggers) and the first ``warmup`` windows only learn, so the
 fast-falling loss of early training never triggers. A spike does not enter the statistic, so a
@@ -45,14 +46,16 @@ class SpikeDetector:
         min_ratio: float = 1.3,
         warmup: int = 50,
         beta: float = 0.98,
+        beta_mean: float = 0.9,
     ) -> None:
         self.device = device
         self.threshold = float(threshold)
         self.log_min_ratio = math.log(float(min_ratio))
         self.warmup = int(warmup)
         self.beta = float(beta)
+        self.beta_mean = float(beta_mean)
         self.mean = torch.zeros((), dtype=torch.float32, device=device)
-        self.var = torch.zeros((), dtype=torch.float32, device=device)
+        self.spread = torch.zeros((), dtype=torch.float32, device=device)
         self.prev = torch.zeros((), dtype=torch.float32, device=device)  # the last kept x
         self.count = 0  # windows with a finite loss fed so far (host: known without a sync)
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -76,7 +79,7 @@ class SpikeDetector:
             inf = torch.full_like(self._zero, math.inf)
             return self._zero.clone(), inf, self.mean.exp()
         level = self.mean.exp()
-        spread = self.var.sqrt().mul(self.threshold).clamp_min(self.log_min_ratio)
+        spread = self.spread.mul(self.threshold).clamp_min(self.log_min_ratio)
         bound = self.mean + spread
         if self.armed:
             spike = torch.logical_and(finite, x > bound)
@@ -87,10 +90,12 @@ class SpikeDetector:
             keep = finite
             bound = torch.full_like(bound, math.inf)
         self.count += 1
-        a = max(1.0 / self.count, 1.0 - self.beta)
+        a = max(1.0 / self.count, 1.0 - self.beta_mean)
+        b = max(1.0 / self.count, 1.0 - self.beta)
         delta = torch.where(keep, x - self.mean, self._zero)
         step = torch.where(keep, x - self.prev, self._zero)
-        self.var.mul_(torch.where(keep, 1.0 - a, 1.0)).add_(step.square(), alpha=a / 2)
+        noise = torch.where(keep, step.abs().mul(0.886).sub(self.spread), self._zero)
+        self.spread.add_(noise, alpha=b)
         self.mean.add_(delta, alpha=a)
         self.prev.add_(step)
         return flag, bound.exp(), level
@@ -100,7 +105,7 @@ class SpikeDetector:
         """The statistic, for a resume (``Guard.state_dict()["spikes"]``). Cost: one host sync."""
         return {
             "mean": float(self.mean),
-            "var": float(self.var),
+            "spread": float(self.spread),
             "prev": float(self.prev),
             "count": self.count,
         }
@@ -108,7 +113,7 @@ class SpikeDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back :meth:`state_dict` output (checked by :func:`check_state`)."""
         self.mean.fill_(float(state["mean"]))
-        self.var.fill_(float(state["var"]))
+        self.spread.fill_(float(state["spread"]))
         self.prev.fill_(float(state.get("prev", state["mean"])))
         self.count = int(state["count"])
 
@@ -117,7 +122,7 @@ class SpikeDetector:
         """``state`` as :meth:`load_state_dict` takes it; ``ValueError`` naming the bad field."""
         if not isinstance(state, dict):
             raise ValueError(f"malformed Guard state: 'spikes' must be a dict, got {state!r}")
-        for key in ("mean", "var"):
+        for key in ("mean", "spread"):
             v = state.get(key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(
@@ -128,8 +133,8 @@ class SpikeDetector:
             raise ValueError(
                 f"malformed Guard state: 'spikes.count' must be an int >= 0, got {c!r}"
             )
-        if state["var"] < 0:
-            raise ValueError("malformed Guard state: 'spikes.var' must be >= 0")
+        if state["spread"] < 0:
+            raise ValueError("malformed Guard state: 'spikes.spread' must be >= 0")
         return state
 
 

@@ -193,8 +193,10 @@ class SnapshotStore:
         self.keep = keep
         self.folder = None if folder is None else Path(folder)
         self.snapshots: list[Snapshot] = []
-        # keep + 1 pools of pinned host buffers: the new snapshot never writes into a live one
-        self._pinned: list[dict[int, torch.Tensor]] = [{} for _ in range(keep + 1)]
+        # pools of pinned host buffers: the new snapshot never writes into a live one
+        self._pinned: list[dict[int, torch.Tensor]] = []
+        self.spikes: dict[int, Snapshot] = {}  # spike step -> the snapshot before it (pinned)
+        self.max_spikes = 2
 
     def add(
         self,
@@ -206,12 +208,11 @@ class SnapshotStore:
     ) -> Snapshot:
         """Take a snapshot after window ``step``; the oldest beyond ``keep`` is dropped (its
         file deleted). Cost: :meth:`Snapshot.take` (on disk: plus :meth:`Snapshot.save`)."""
-        used = (
-            {s.extra.get("pool") for s in self.snapshots[-(self.keep - 1) :]}
-            if self.keep > 1
-            else set()
-        )
-        pool = next(i for i in range(self.keep + 1) if i not in used)
+        live = self.snapshots[-(self.keep - 1) :] if self.keep > 1 else []
+        used = {s.extra.get("pool") for s in [*live, *self.spikes.values()]}
+        pool = next(i for i in range(len(self._pinned) + 1) if i not in used)
+        if pool == len(self._pinned):
+            self._pinned.append({})
         pinned = self._pinned[pool] if self.folder is None else None
         snap = Snapshot.take(step, model, optimizers, schedulers, scale, pinned)
         snap.extra["pool"] = pool
@@ -219,10 +220,35 @@ class SnapshotStore:
             snap.save(self.folder)
         self.snapshots.append(snap)
         while len(self.snapshots) > self.keep:
-            old = self.snapshots.pop(0)
-            if old.path is not None and old.path != snap.path:
-                old.path.unlink(missing_ok=True)
+            self._forget(self.snapshots.pop(0))
         return snap
+
+    def _forget(self, old: Snapshot) -> None:
+        held = [*self.snapshots, *self.spikes.values()]
+        if old.path is not None and all(s.path != old.path for s in held):
+            old.path.unlink(missing_ok=True)
+
+    def pin(self, spike_step: int) -> Snapshot | None:
+        """Keep the snapshot before the spike at ``spike_step`` (taken before ``spike_step -
+        1``) for the autopsy, whatever is taken later; the last ``max_spikes`` spikes are kept
+        (so at most that many more snapshots are held)."""
+        snap = self.before(spike_step - 1)
+        if snap is None:
+            return None
+        self.spikes[spike_step] = snap
+        while len(self.spikes) > self.max_spikes:
+            self._forget(self.spikes.pop(min(self.spikes)))
+        return snap
+
+    def for_spike(self, spike_step: int) -> Snapshot | None:
+        """The snapshot pinned for the spike at ``spike_step``, else the newest one before
+        ``spike_step - 1``."""
+        return self.spikes.get(spike_step) or self.before(spike_step - 1)
+
+    def oldest_needed(self) -> int | None:
+        """The earliest window a kept snapshot (pinned ones included) starts after."""
+        steps = [s.step for s in [*self.snapshots, *self.spikes.values()]]
+        return min(steps) if steps else None
 
     def before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after a window earlier than ``step`` (None if none)."""
