@@ -8,6 +8,7 @@ by a large factor (an outlier batch), or one window's LR is raised (an update ou
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -344,3 +345,61 @@ def test_autopsy_verifies_an_update_outlier_in_a_layer() -> None:
     d = ag.autopsy(guard)[0]
     assert d.verified, d.evidence
     assert d.layer == "2" and d.mechanism == "output_logit_divergence"
+
+
+# ---------------------------------------------------------------------- dumps and postmortem
+def test_a_spike_dumps_the_ring_and_postmortem_names_step_and_rank(tmp_path, capsys) -> None:
+    from ampguard.cli._main import main
+
+    run = tmp_path / "run"
+    guard = _guard(_model(), on_spike="skip", telemetry=run)
+    _train(guard, _Data(), range(1, SPIKE + 3))
+    guard.close()
+    dump = run / "flight_recorder" / "rank0.json"
+    assert dump.is_file() and not list(dump.parent.glob("*.tmp"))
+    assert main(["postmortem", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"first: rank 0, step {SPIKE}: loss spike" in out and f">{SPIKE:>5}" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "no flight-recorder dumps"),
+        ("{oops", "unreadable dump"),
+        ('{"kind": "other"}', "not an ampguard flight-recorder dump"),
+        (
+            '{"kind": "ampguard.flight_recorder", "version": 1, "rank": 0, "step": 3, '
+            '"names": [], "rows": [{"step": "x"}]}',
+            r"rows\[0\].step is missing or malformed",
+        ),
+        ('{"kind": "ampguard.flight_recorder", "version": 9}', "dump version 9"),
+    ],
+)
+def test_postmortem_on_missing_or_corrupt_dumps_is_one_line_exit_2(
+    tmp_path, capsys, content, match
+) -> None:
+    from ampguard.cli._main import main
+
+    (tmp_path / "flight_recorder").mkdir()
+    if content is not None:
+        (tmp_path / "flight_recorder" / "rank0.json").write_text(content)
+    assert main(["postmortem", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ampguard postmortem: error:") and err.count("\n") == 1
+    assert re.search(match, err)
+
+
+def test_a_failed_dump_warns_once_and_keeps_the_update(tmp_path) -> None:
+    run = tmp_path / "run"
+    model = _model()
+    guard = _guard(model, on_spike="warn", telemetry=run)
+    _train(guard, _Data(), range(1, SPIKE))
+    (run / "flight_recorder").write_text("a file where the folder should be")
+    before = _weights(model)
+    with pytest.warns(RuntimeWarning) as seen:
+        result = _train(guard, _Data(), range(SPIKE, SPIKE + 1))[SPIKE]
+    assert result.applied  # on_spike="warn": the update went in, dump or no dump
+    assert not all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    assert any("could not write" in str(w.message) for w in seen)
+    guard.close()

@@ -47,6 +47,7 @@ import torch
 
 from ampguard.forensics.islands import Fp32Islands
 from ampguard.replay import Snapshot, rng_state, set_rng_state
+from ampguard.reporting.postmortem import layer_kind, layer_of, signal_read
 
 __all__ = ["MECHANISMS", "SpikeDiagnosis", "autopsy"]
 
@@ -79,9 +80,6 @@ FIXES = {
     "unknown": "no single intervention removed the spike: read the flight recorder around the "
     "step (ampguard postmortem RUN_DIR)",
 }
-
-_ATTENTION = ("q_proj", "k_proj", "qkv", "query", "key", "c_attn", "attn", "attention")
-_OUTPUT = ("lm_head", "head", "output", "classifier", "logits", "unembed")
 
 
 @dataclass(frozen=True)
@@ -119,53 +117,9 @@ def autopsy(guard: Any) -> list[SpikeDiagnosis]:
 
 
 # ---------------------------------------------------------------------- signals
-def _layer(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else name
-
-
-def _kind(layer: str | None, last: str | None) -> str:
-    if layer is None:
-        return "update_outlier"
-    leaf = layer.lower()
-    if any(k in leaf.split(".")[-1] for k in _ATTENTION) or ".attn" in leaf:
-        return "attention_logit_growth"
-    if layer == last or any(k == leaf.split(".")[-1] for k in _OUTPUT):
-        return "output_logit_divergence"
-    return "update_outlier"
-
-
 def _last_layer(model: torch.nn.Module) -> str | None:
     names = [n for n, m in model.named_modules() if any(True for _ in m.parameters(False))]
     return names[-1] if names else None
-
-
-def _rows(watch: Any) -> dict[int, dict[str, Any]]:
-    return {r["step"]: r for r in watch.ring.rows()}
-
-
-def _signal_read(watch: Any, rows: dict[int, dict[str, Any]], step: int, model: Any) -> tuple:
-    """(mechanism, layer, evidence) from the recorded signals alone."""
-    row = rows.get(step)
-    names = watch.names
-    evidence: dict[str, Any] = {}
-    if row is None:
-        return "unknown", None, {"signals": "the spike's window is no longer in the ring"}
-    earlier = [rows[s]["grad_norm"] for s in sorted(rows) if s < step][-32:]
-    ratios = []
-    for j, g in enumerate(row["grad_norm"]):
-        hist = sorted(v[j] for v in earlier if v[j] is not None)
-        base = hist[len(hist) // 2] if hist else None
-        ratios.append((g / base) if g is not None and base else 0.0)
-    if not ratios:
-        return "unknown", None, {"signals": "no gradient norms recorded"}
-    j = max(range(len(ratios)), key=lambda i: ratios[i])
-    spread = sorted(ratios)
-    median = spread[len(spread) // 2]
-    evidence["grad_norm_jump"] = {names[j]: round(ratios[j], 3), "median": round(median, 3)}
-    if median > 0 and ratios[j] < 4 * median:  # every layer's gradient jumped alike: the data
-        return "outlier_batch", None, evidence
-    layer = _layer(names[j])
-    return _kind(layer, _last_layer(model)), layer, evidence
 
 
 # ---------------------------------------------------------------------- replay
@@ -260,8 +214,8 @@ def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot |
 
 
 def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
-    rows = _rows(watch)
-    mech, layer, evidence = _signal_read(watch, rows, step, guard.model)
+    rows = {r["step"]: r for r in watch.ring.rows()}
+    mech, layer, evidence = signal_read(rows, watch.names, step, _last_layer(guard.model))
     row = rows.get(step, {})
     evidence.update({"loss": row.get("loss"), "bound": row.get("bound"), "level": row.get("level")})
     why, snap = _unusable(guard, watch, step)
@@ -286,7 +240,7 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
     if bound is None or plain <= bound:
         evidence["replay"] = f"the replay did not reproduce the spike: loss {plain:.6g}"
         return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
-    suspect = _layer(max(ratios, key=lambda n: ratios[n])) if ratios else layer
+    suspect = layer_of(max(ratios, key=lambda n: ratios[n])) if ratios else layer
     evidence["suspect_layer"] = suspect
     tried: dict[str, float] = {}
     for name, fn in _interventions(rep, step, suspect, ratios):
@@ -326,7 +280,7 @@ def _plain(rep: _Replay, step: int) -> tuple[float, dict[str, float]]:
 
 def _interventions(rep: _Replay, step: int, suspect: str | None, ratios: dict[str, float]):
     params = dict(rep.model.named_parameters())
-    layer_params = [n for n in params if suspect is not None and _layer(n) == suspect]
+    layer_params = [n for n in params if suspect is not None and layer_of(n) == suspect]
 
     def drop_outliers() -> float:
         g = rep._guard()
@@ -421,7 +375,7 @@ def _mechanism(name: str, suspect: str | None, last: str | None) -> tuple[str, s
     if name == "floor_v":
         return "adam_second_moment", suspect
     if name == "clip_update":
-        return _kind(suspect, last), suspect
+        return layer_kind(suspect, last), suspect
     if name == "fp32_layer":
         return "lowp_amax_jump", suspect
     return "update_outlier", suspect

@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from ampguard._util.stack import user_stacklevel
+from ampguard.runlog import FLIGHT_RECORDER_DIR as DUMP_DIR
+from ampguard.runlog import FLIGHT_RECORDER_KIND as DUMP_KIND
+from ampguard.runlog import FLIGHT_RECORDER_VERSION as DUMP_VERSION
 from ampguard.runlog import write_json_atomic
 
-__all__ = ["DUMP_DIR", "DUMP_KIND", "DUMP_VERSION", "Dumper", "run_dir_of"]
-
-DUMP_DIR = "flight_recorder"
-DUMP_KIND = "ampguard.flight_recorder"
-DUMP_VERSION = 1
+__all__ = ["Dumper", "run_dir_of"]
 
 
 def run_dir_of(telemetry: Any, rank: int) -> Path | None:
