@@ -150,8 +150,8 @@ class _Replay:
             on_spike=None,
             snapshot=False,
         )
-        for s in self.schedulers:
-            g.on_applied(lambda _r, s=s: s.step())
+        for sched in self.schedulers:
+            g.on_applied(_stepper(sched))
         if self.scale is not None and g.loss_scaler is not None:
             g.loss_scaler.scale_tensor.copy_(self.scale)
         return g
@@ -193,6 +193,13 @@ class _Replay:
     def restore(self, snap: Snapshot) -> None:
         snap.restore(self.model, self.optimizers, self.schedulers)
         self.scale = None if snap.scale is None else snap.scale["scale"].clone()
+
+
+def _stepper(sched: Any) -> Callable[[Any], None]:
+    def step(_result: Any) -> None:
+        sched.step()
+
+    return step
 
 
 def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot | None]:
@@ -275,11 +282,16 @@ def _suspects(ratios: dict[str, float], top: int = 2) -> list[str | None]:
     return list(sorted(best, key=lambda k: -best[k])[:top])
 
 
-def _plan(rep: _Replay, step: int, suspects: list[str | None], ratios: dict[str, float]):
+_Run = Callable[[], float]
+
+
+def _plan(
+    rep: _Replay, step: int, suspects: list[str | None], ratios: dict[str, float]
+) -> list[tuple[str, str | None, _Run]]:
     """``(name, suspect, run)`` in the order they are tried: the data, then each layer
     intervention on each suspect, then the global LR."""
     per = [dict((n, (s, fn)) for n, fn in _interventions(rep, step, s, ratios)) for s in suspects]
-    out = [("drop_outliers", None, per[0]["drop_outliers"][1])]
+    out: list[tuple[str, str | None, _Run]] = [("drop_outliers", None, per[0]["drop_outliers"][1])]
     for kind in ("floor_v", "clip_update", "fp32_layer"):
         for p in per:
             suspect, fn = p[kind]
@@ -301,7 +313,9 @@ def _plain(rep: _Replay, step: int) -> tuple[float, dict[str, float]]:
     return rep.window(g, step, train=False), ratios
 
 
-def _interventions(rep: _Replay, step: int, suspect: str | None, ratios: dict[str, float]):
+def _interventions(
+    rep: _Replay, step: int, suspect: str | None, ratios: dict[str, float]
+) -> list[tuple[str, _Run]]:
     params = dict(rep.model.named_parameters())
     layer_params = [n for n in params if suspect is not None and layer_of(n) == suspect]
 

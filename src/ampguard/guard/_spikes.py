@@ -255,8 +255,8 @@ class SpikeWatch:
             before, self._weights = self._weights, None
             after = [p.detach() for p in self.params]
             diff = torch._foreach_sub(after, before)
-            num = torch.stack(torch._foreach_norm(diff))  # type: ignore[arg-type]
-            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)  # type: ignore[arg-type]
+            num = torch.stack(torch._foreach_norm(diff))
+            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
             self.ring.put_vector(step, "update_ratio", (num / den).float())
         if self.snapshots is None:
             return

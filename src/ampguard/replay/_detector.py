@@ -54,7 +54,7 @@ class SpikeDetector:
         self.warmup = int(warmup)
         self.beta = float(beta)
         self.beta_mean = float(beta_mean)
-        f32 = {"dtype": torch.float32, "device": device}
+        f32: dict[str, Any] = {"dtype": torch.float32, "device": device}
         # the statistic as one vector [m, s, x_prev]: a window's update is a few vector ops
         self.state = torch.zeros(3, **f32)
         self._coef = torch.ones(3, **f32)  # [a, b, 1] (host-known; refilled while warming up)

@@ -45,7 +45,7 @@ class FlightRecorder:
         self.names = list(names)
         self.modules = list(modules)
         self.device = device
-        f32 = {"dtype": torch.float32, "device": device}
+        f32: dict[str, Any] = {"dtype": torch.float32, "device": device}
         self.scalars = torch.full((capacity, len(_SCALARS)), math.nan, **f32)
         self.grad_norm = torch.full((capacity, len(names)), math.nan, **f32)
         self.update_ratio = torch.full((capacity, len(names)), math.nan, **f32)
@@ -86,7 +86,7 @@ class FlightRecorder:
         if all(g.dtype == torch.float32 for g in present):
             norms = torch._foreach_norm(present)
         else:  # low-precision gradients: their norms in fp32
-            norms = torch._foreach_norm(present, 2, dtype=torch.float32)  # type: ignore[call-overload]
+            norms = torch._foreach_norm(present, 2, dtype=torch.float32)
         target = self.grad_norm[r]
         if len(present) == len(grads):
             torch.stack(norms, out=target)
