@@ -87,7 +87,9 @@ def test_skip_leaves_the_spike_out_of_the_weights_and_the_schedule() -> None:
     assert all(r.applied for r in clean.values())  # one spike, one skip
     d = guard.diagnostics()
     assert d["skipped_steps"] == 1
-    (finding,) = [f for f in guard.findings() if f.code == "AG180"]
+    with pytest.warns(RuntimeWarning, match="AG1xx rules need a run log"):  # AG180 still comes
+        found = guard.findings()
+    (finding,) = [f for f in found if f.code == "AG180"]
     assert finding.step == SPIKE and finding.evidence["action"] == "skip"
     assert finding.evidence["ratio"] > 10  # the size: the loss over its running level
 

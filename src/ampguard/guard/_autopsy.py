@@ -13,7 +13,7 @@ For a spike at window ``t`` (the loss of ``t`` was computed with the weights aft
    ===================  ==============================================  ===========================
    intervention         what changes                                    mechanism
    ===================  ==============================================  ===========================
-   ``drop_outliers``    window ``t`` without its samples above 4x the   ``outlier_batch``
+   ``drop_outliers``    window ``t`` without its samples above 3x the   ``outlier_batch``
                         median loss (at least one, at most a quarter)
    ``floor_v``          Adam's ``exp_avg_sq`` of the suspect layer      ``adam_second_moment``
                         floored at its mean before ``t - 1``'s update
@@ -329,7 +329,7 @@ def _interventions(
         with torch.no_grad(), g.autocast():
             per = [float(loss_fn(rep.model, _index(batch, [i]))) for i in range(n)]
         median = sorted(per)[n // 2]
-        k = min(max(1, sum(v > 4 * median for v in per)), max(1, n // 4))  # the outliers
+        k = min(max(1, sum(v > 3 * median for v in per)), max(1, n // 4))  # the outliers
         keep = sorted(range(n), key=lambda i: per[i])[: n - k]
         with torch.no_grad(), g.autocast():
             return float(loss_fn(rep.model, _index(batch, keep)))

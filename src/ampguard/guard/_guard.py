@@ -725,7 +725,6 @@ class Guard:
                 and self._state.dist is None
                 and self._state.fp8 is None
                 and self._stagnation is None
-                and self._state.spikes is None
             ):
                 warnings.warn(
                     "Guard.findings(): without telemetry only forensics, fp8 and distributed "

@@ -13,7 +13,7 @@ number, the LR of every param group) is kept on the host. Per window:
 ``scale``                 the loss scale the window ran with (1.0 without a scale)
 ``grad_norm`` [N, P]      per-parameter gradient norm (unscaled, before clipping)
 ``update_ratio`` [N, P]   per-parameter ||update|| / ||weight|| (the RMS ratio), sampled windows
-``amax`` [N, M]           per-module output amax, sampled windows
+``amax`` [N, M]           per-module output amax (the Guard does not write it yet: None)
 ``lr`` (host)             the LR of every param group
 ========================  =========================================================
 
