@@ -193,7 +193,7 @@ class SpikeWatch:
         self.events: list[SpikeEvent] = []
         self.flag: torch.Tensor | None = None  # this window's spike flag (0-dim 0/1 float)
         self._work: Any = None  # the flag's in-flight all-reduce
-        self._step = 0
+        self.step = 0  # the last window begun
         self._weights: list[torch.Tensor] | None = None  # sampled window: weights before
         self.dumper: Any = None  # ampguard.guard._recorder.Dumper, set by the Guard
 
@@ -212,7 +212,7 @@ class SpikeWatch:
             self._work = torch.distributed.all_reduce(
                 flag, op=torch.distributed.ReduceOp.MAX, group=self.dist.group, async_op=True
             )
-        self.flag, self._step = flag, step
+        self.flag, self.step = flag, step
         if step % SAMPLE_EVERY == 0 and self.config.capacity:
             self._weights = [p.detach().clone() for p in self.params]
 
@@ -227,7 +227,7 @@ class SpikeWatch:
         if self.flag is None:
             return None
         if self._work is not None:
-            with self.dist.collectives("the loss-spike agreement", self._step):
+            with self.dist.collectives("the loss-spike agreement", self.step):
                 self._work.wait()
             self._work = None
         return self.flag, self.config.acts
@@ -381,6 +381,11 @@ class SpikeWatch:
         """The detector's statistic for ``Guard.state_dict()``. Cost: one host sync."""
         return self.detector.state_dict()
 
+    def close(self) -> None:
+        """The Guard closes: the SIGTERM handler of the dumps goes."""
+        if self.dumper is not None:
+            self.dumper.release()
+
     def memory(self) -> dict[str, int]:
         """Bytes held: ``ring`` (device) and ``snapshots`` (host memory)."""
         return {
@@ -404,6 +409,7 @@ def attach(
     run_dir = run_dir_of(telemetry, rank)
     if run_dir is not None and config.capacity:
         watch.dumper = Dumper(watch, run_dir, rank, world)
+        watch.dumper.on_sigterm(lambda: watch.step)
     return watch
 
 
