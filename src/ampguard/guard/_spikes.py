@@ -5,9 +5,10 @@ Per window, all on the device and without a host sync: the loss goes to the spik
 (:class:`ampguard.replay.SpikeDetector`) and the ring buffer
 (:class:`ampguard.replay.FlightRecorder`) with the LR of every param group, the gradient norms
 (after the unscale, before the clip), the packed step flags and the loss scale; sampled windows
-also record the update-to-weight ratios. Under a process group the ranks OR their spike flags (one
-async all-reduce of one float, overlapped with the unscale), so no rank applies an update another
-rank skips.
+also record the update-to-weight ratios. Under a process group, when a spike skips its window
+(``on_spike`` ``"skip"``, ``"rewind"``, ``"raise"``), the ranks OR their spike flags (one async
+all-reduce of one float, overlapped with the unscale), so no rank applies an update another rank
+skips; with ``"warn"`` each rank judges its own loss and no collective runs.
 
 The detector's flag joins the window's packed flags (:func:`ampguard.core.results.pack`). With
 ``on_spike`` ``"skip"``, ``"rewind"`` or ``"raise"`` it also skips the window, like non-finite
@@ -38,7 +39,14 @@ import torch
 from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding, make
 from ampguard.guard._recorder import Dumper, run_dir_of
-from ampguard.replay import FlightRecorder, LossSpikeError, Snapshot, SnapshotStore, SpikeDetector
+from ampguard.replay import (
+    FlightRecorder,
+    LossSpikeError,
+    Snapshot,
+    SnapshotStore,
+    SpikeDetector,
+    local,
+)
 
 __all__ = [
     "ON_SPIKE",
@@ -208,13 +216,13 @@ class SpikeWatch:
         loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()
         lrs = [float(g.get("lr", math.nan)) for opt in self.optimizers for g in opt.param_groups]
         flag = self.detector.observe(loss, self.ring.start(step, lrs))
-        if self.dist is not None and torch.distributed.is_initialized():
+        if self.config.acts and self.dist is not None and torch.distributed.is_initialized():
             self._work = torch.distributed.all_reduce(
                 flag, op=torch.distributed.ReduceOp.MAX, group=self.dist.group, async_op=True
             )
         self.flag, self.step = flag, step
         if step % SAMPLE_EVERY == 0 and self.config.capacity:
-            self._weights = [p.detach().clone() for p in self.params]
+            self._weights = [local(p.detach()).clone() for p in self.params]
 
     def on_grads(self, step: int, inv_scale: torch.Tensor | None) -> None:
         """The window's per-parameter gradient norms (``inv_scale``: the gradients are still
@@ -253,7 +261,7 @@ class SpikeWatch:
         scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
         if self._weights is not None:
             before, self._weights = self._weights, None
-            after = [p.detach() for p in self.params]
+            after = [local(p.detach()) for p in self.params]
             diff = torch._foreach_sub(after, before)
             num = torch.stack(torch._foreach_norm(diff))
             den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)

@@ -10,7 +10,7 @@ on disk), the model state kept around a replay (:class:`Preserved`) and the RNG 
 
 from ampguard.replay._detector import LossSpikeError, SpikeDetector
 from ampguard.replay._preserved import Preserved
-from ampguard.replay._ring import FlightRecorder
+from ampguard.replay._ring import FlightRecorder, local
 from ampguard.replay._rng import rng_state, set_rng_state
 from ampguard.replay._snapshot import Snapshot, SnapshotStore, state_bytes
 
@@ -21,6 +21,7 @@ __all__ = [
     "Snapshot",
     "SnapshotStore",
     "SpikeDetector",
+    "local",
     "rng_state",
     "set_rng_state",
     "state_bytes",

@@ -11,7 +11,8 @@ number, the LR of every param group) is kept on the host. Per window:
 ``spike``                 1.0 where the detector flagged the window
 ``status``                the window's packed flags (``ampguard.core.results.pack``)
 ``scale``                 the loss scale the window ran with (1.0 without a scale)
-``grad_norm`` [N, P]      per-parameter gradient norm (unscaled, before clipping)
+``grad_norm`` [N, P]      per-parameter gradient norm (unscaled, before clipping; FSDP2: the
+                          rank's shard)
 ``update_ratio`` [N, P]   per-parameter ||update|| / ||weight|| (the RMS ratio), sampled windows
 ``amax`` [N, M]           per-module output amax (the Guard does not write it yet: None)
 ``lr`` (host)             the LR of every param group
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FlightRecorder"]
+__all__ = ["FlightRecorder", "local"]
 
 _SCALARS = ("loss", "log_bound", "mean", "spike", "status", "scale")  # a row of ``scalars``
 
@@ -80,7 +81,7 @@ class FlightRecorder:
         Parameters without a gradient read NaN. Cost: one multi-tensor norm and a stack, no
         host sync."""
         r = self.row(step)
-        present = [g for g in grads if g is not None]
+        present = [local(g) for g in grads if g is not None]
         if not present:
             return
         if all(g.dtype == torch.float32 for g in present):
@@ -163,6 +164,13 @@ class FlightRecorder:
     def memory_bytes(self) -> int:
         """Device bytes held by the ring."""
         return 4 * (self.scalars.numel() + 2 * self.grad_norm.numel() + self.amax.numel())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (FSDP2), else ``t``: the ring records what this rank
+    holds, without a collective."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _num(v: float) -> float | None:
