@@ -373,7 +373,7 @@ def _interventions(
         return rep.window(g, step, train=False)
 
     def fp32_layer() -> float:
-        if suspect is None or rep.guard.precision == "fp32":
+        if suspect is None or rep.guard.policy.entry.is_full:
             raise _NotApplicable("the run is fp32 already" if suspect else "no suspect layer")
         g = rep._guard()
         with Fp32Islands(rep.model) as islands:  # the hooks go when the block ends

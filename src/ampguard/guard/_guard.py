@@ -699,9 +699,10 @@ class Guard:
 
     @property
     def flight_recorder(self) -> _spikes.SpikeWatch | None:
-        """The flight recorder and loss-spike policy (``.ring``, ``.events``, ``.snapshots``,
-        ``.memory()``; ``ampguard.guard._spikes``), or None with ``flight_recorder=False`` and
-        ``on_spike=None``."""
+        """The flight recorder and loss-spike policy: ``.ring`` (the device ring buffer,
+        ``.ring.rows()`` reads it), ``.events`` (the spikes seen), ``.snapshots``, ``.memory()``
+        (bytes held); None with ``flight_recorder=False`` and ``on_spike=None``. See
+        ``docs/spikes.md``."""
         return self._state.spikes
 
     @property
