@@ -58,6 +58,7 @@ class Dumper:
         self.last: dict[str, int] = {}  # trigger -> step of its last dump
         self.failed = False
         self.paths: list[Path] = []
+        self._sigterm: tuple[Any, Any] | None = None  # (our handler, the one before it)
 
     @property
     def path(self) -> Path:
@@ -86,7 +87,7 @@ class Dumper:
 
     def release(self) -> None:
         """Put back the SIGTERM handler :meth:`on_sigterm` replaced (if still ours)."""
-        pair = getattr(self, "_sigterm", None)
+        pair = self._sigterm
         if pair is None or threading.current_thread() is not threading.main_thread():
             return
         handler, previous = pair
