@@ -439,3 +439,21 @@ print("not reached")
     dump = json.loads((tmp_path / "run" / "flight_recorder" / "rank0.json").read_text())
     assert dump["trigger"] == "SIGTERM" and dump["step"] == 7
     assert [r["step"] for r in dump["rows"]] == list(range(1, 8))
+
+
+def test_snapshots_on_disk_rewind_and_keep_only_what_is_needed(tmp_path) -> None:
+    model = _model()
+    folder = tmp_path / "snaps"
+    guard = _guard(model, on_spike="rewind", snapshot_every=10, snapshot=folder)
+    data = _Data()
+    _train(guard, data, range(1, 71))
+    at_70 = _weights(model)
+    assert sorted(p.name for p in folder.iterdir()) == ["step_60.pt", "step_70.pt"]
+    assert guard.flight_recorder.memory()["snapshots"] == 0  # nothing held in memory
+    with pytest.warns(RuntimeWarning, match="rewound to the snapshot after step 70"):
+        _train(guard, data, range(71, SPIKE + 1))
+    assert all(torch.equal(a, b) for a, b in zip(at_70, _weights(model), strict=True))
+    _train(guard, data, range(SPIKE + 1, SPIKE + 31), spike_at=None)
+    # the live two, and the one pinned for the spike's autopsy
+    assert sorted(p.name for p in folder.iterdir()) == ["step_100.pt", "step_110.pt", "step_70.pt"]
+    assert not list(folder.glob("*.tmp"))
