@@ -39,15 +39,13 @@ path).
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ampguard.forensics.islands import Fp32Islands
+from ampguard.guard._replay_run import NotApplicable, Replay, Run, interventions, plain
 from ampguard.replay import Snapshot, rng_state, set_rng_state
 from ampguard.reporting.postmortem import layer_kind, layer_of, signal_read
 
@@ -125,83 +123,6 @@ def _last_layer(model: torch.nn.Module) -> str | None:
 
 
 # ---------------------------------------------------------------------- replay
-class _Replay:
-    """Copies of the loop, a Guard over them, and the recorded batches."""
-
-    def __init__(self, guard: Any, watch: Any, snap: Snapshot, rows: dict[int, Any]) -> None:
-        self.guard, self.watch, self.rows = guard, watch, rows
-        self.model, self.optimizers, self.schedulers = copy.deepcopy(
-            (guard.model, guard.optimizers, watch.schedulers)
-        )
-        snap.restore(self.model, self.optimizers, self.schedulers)
-        self.scale = None if snap.scale is None else snap.scale["scale"].clone()
-        self.names = [n for n, _ in self.model.named_parameters()]
-
-    def _guard(self) -> Any:
-        from ampguard.guard._guard import Guard  # the class this package defines
-
-        g = Guard(
-            self.model,
-            self.optimizers,
-            precision=self.guard.precision,
-            clip_grad_norm=self.guard.clip_grad_norm,
-            audit_every=None,
-            flight_recorder=False,
-            on_spike=None,
-            snapshot=False,
-        )
-        for sched in self.schedulers:
-            g.on_applied(_stepper(sched))
-        if self.scale is not None and g.loss_scaler is not None:
-            g.loss_scaler.scale_tensor.copy_(self.scale)
-        return g
-
-    def window(
-        self,
-        g: Any,
-        step: int,
-        *,
-        before: Callable[[], None] | None = None,
-        after: Callable[[], None] | None = None,
-        train: bool = True,
-    ) -> float:
-        batch, loss_fn = self.watch.batches[step]
-        with g.autocast():
-            loss = loss_fn(self.model, batch)
-        value = float(loss.detach().float())
-        if not train:
-            return value
-        g.backward(loss)
-        lrs = self.rows.get(step, {}).get("lr")
-        groups = [grp for opt in self.optimizers for grp in opt.param_groups]
-        if lrs is not None and len(lrs) == len(groups):  # the LRs the run stepped with
-            for grp, lr in zip(groups, lrs, strict=True):
-                grp["lr"] = lr
-        if before is not None:
-            before()
-        g.step()
-        if after is not None:
-            after()
-        if g.loss_scaler is not None:
-            self.scale = g.loss_scaler.scale_tensor.clone()
-        return value
-
-    def take(self, step: int) -> Snapshot:
-        scale = None if self.scale is None else {"scale": self.scale}
-        return Snapshot.take(step, self.model, self.optimizers, self.schedulers, scale)
-
-    def restore(self, snap: Snapshot) -> None:
-        snap.restore(self.model, self.optimizers, self.schedulers)
-        self.scale = None if snap.scale is None else snap.scale["scale"].clone()
-
-
-def _stepper(sched: Any) -> Callable[[Any], None]:
-    def step(_result: Any) -> None:
-        sched.step()
-
-    return step
-
-
 def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot | None]:
     if guard.accumulation_steps != 1:
         return "the replay covers accumulation_steps=1 only", None
@@ -231,8 +152,8 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
     if why is not None or snap is None:
         evidence["replay"] = why
         return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
-    rep = _Replay(guard, watch, snap, rows)
-    g = rep._guard()
+    rep = Replay(guard, watch, snap, rows)
+    g = rep.new_guard()
     for s in range(snap.step + 1, step - 1):  # up to t - 2, checked against the recording
         got = rep.window(g, s)
         want = rows.get(s, {}).get("loss")
@@ -244,10 +165,10 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
             return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
     start = rep.take(step - 2)
     bound = row.get("bound")
-    plain, ratios = _plain(rep, step)
-    evidence["replayed_loss"] = plain
-    if bound is None or plain <= bound:
-        evidence["replay"] = f"the replay did not reproduce the spike: loss {plain:.6g}"
+    replayed, ratios = plain(rep, step)
+    evidence["replayed_loss"] = replayed
+    if bound is None or replayed <= bound:
+        evidence["replay"] = f"the replay did not reproduce the spike: loss {replayed:.6g}"
         return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
     suspects = _suspects(ratios) or [layer]
     evidence["suspect_layers"] = suspects
@@ -256,7 +177,7 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
         rep.restore(start)
         try:
             loss = fn()
-        except _NotApplicable as err:
+        except NotApplicable as err:
             tried[name] = math.nan
             evidence.setdefault("not_applicable", {})[name] = str(err)
             continue
@@ -270,10 +191,6 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
     return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
 
 
-class _NotApplicable(Exception):
-    pass
-
-
 def _suspects(ratios: dict[str, float], top: int = 2) -> list[str | None]:
     """The ``top`` layers with the largest update-to-weight ratio at ``t - 1``."""
     best: dict[str, float] = {}
@@ -282,131 +199,19 @@ def _suspects(ratios: dict[str, float], top: int = 2) -> list[str | None]:
     return list(sorted(best, key=lambda k: -best[k])[:top])
 
 
-_Run = Callable[[], float]
-
-
 def _plan(
-    rep: _Replay, step: int, suspects: list[str | None], ratios: dict[str, float]
-) -> list[tuple[str, str | None, _Run]]:
+    rep: Replay, step: int, suspects: list[str | None], ratios: dict[str, float]
+) -> list[tuple[str, str | None, Run]]:
     """``(name, suspect, run)`` in the order they are tried: the data, then each layer
     intervention on each suspect, then the global LR."""
-    per = [dict((n, (s, fn)) for n, fn in _interventions(rep, step, s, ratios)) for s in suspects]
-    out: list[tuple[str, str | None, _Run]] = [("drop_outliers", None, per[0]["drop_outliers"][1])]
+    per = [dict((n, (s, fn)) for n, fn in interventions(rep, step, s, ratios)) for s in suspects]
+    out: list[tuple[str, str | None, Run]] = [("drop_outliers", None, per[0]["drop_outliers"][1])]
     for kind in ("floor_v", "clip_update", "fp32_layer"):
         for p in per:
             suspect, fn = p[kind]
             out.append((kind if len(per) == 1 else f"{kind}:{suspect}", suspect, fn))
     out.append(("halve_lr", suspects[0], per[0]["halve_lr"][1]))
     return out
-
-
-def _plain(rep: _Replay, step: int) -> tuple[float, dict[str, float]]:
-    """Windows t - 1 and t plainly: the loss at t and the update ratios at t - 1."""
-    g = rep._guard()
-    params = dict(rep.model.named_parameters())
-    before = {n: p.detach().clone() for n, p in params.items()}
-    rep.window(g, step - 1)
-    ratios = {
-        n: float((p.detach() - before[n]).norm() / before[n].norm().clamp_min(1e-30))
-        for n, p in params.items()
-    }
-    return rep.window(g, step, train=False), ratios
-
-
-def _interventions(
-    rep: _Replay, step: int, suspect: str | None, ratios: dict[str, float]
-) -> list[tuple[str, _Run]]:
-    params = dict(rep.model.named_parameters())
-    layer_params = [n for n in params if suspect is not None and layer_of(n) == suspect]
-
-    def drop_outliers() -> float:
-        g = rep._guard()
-        rep.window(g, step - 1)
-        batch, loss_fn = rep.watch.batches[step]
-        n = _batch_len(batch)
-        if n is None or n < 2:
-            raise _NotApplicable("the batch cannot be split by sample")
-        with torch.no_grad(), g.autocast():
-            per = [float(loss_fn(rep.model, _index(batch, [i]))) for i in range(n)]
-        median = sorted(per)[n // 2]
-        k = min(max(1, sum(v > 3 * median for v in per)), max(1, n // 4))  # the outliers
-        keep = sorted(range(n), key=lambda i: per[i])[: n - k]
-        with torch.no_grad(), g.autocast():
-            return float(loss_fn(rep.model, _index(batch, keep)))
-
-    def floor_v() -> float:
-        g = rep._guard()
-
-        def floor() -> None:
-            hit = False
-            for opt in rep.optimizers:
-                for name in layer_params:
-                    st = opt.state.get(params[name], {})
-                    v = st.get("exp_avg_sq")
-                    if isinstance(v, torch.Tensor) and v.numel():
-                        v.clamp_(min=float(v.float().mean()))
-                        hit = True
-            if not hit:
-                raise _NotApplicable("the suspect layer has no Adam second moment")
-
-        rep.window(g, step - 1, before=floor)
-        return rep.window(g, step, train=False)
-
-    def clip_update() -> float:
-        g = rep._guard()
-        others = sorted(v for n, v in ratios.items() if n not in layer_params)
-        median = others[len(others) // 2] if others else 0.0  # the other layers' median
-        before = {n: params[n].detach().clone() for n in layer_params}
-
-        def clip() -> None:
-            with torch.no_grad():
-                for n in layer_params:
-                    delta = params[n] - before[n]
-                    cap = median * float(before[n].norm())
-                    norm = float(delta.norm())
-                    if norm > cap > 0:
-                        params[n].copy_(before[n] + delta * (cap / norm))
-
-        if not layer_params:
-            raise _NotApplicable("no suspect layer")
-        rep.window(g, step - 1, after=clip)
-        return rep.window(g, step, train=False)
-
-    def fp32_layer() -> float:
-        if suspect is None or rep.guard.policy.entry.is_full:
-            raise _NotApplicable("the run is fp32 already" if suspect else "no suspect layer")
-        g = rep._guard()
-        with Fp32Islands(rep.model) as islands:  # the hooks go when the block ends
-            if suspect not in dict(rep.model.named_modules()):
-                raise _NotApplicable(f"{suspect!r} is a parameter of no submodule")
-            islands.add(suspect)
-            rep.window(g, step - 1)
-            return rep.window(g, step, train=False)
-
-    def halve_lr() -> float:
-        g = rep._guard()
-        groups = [grp for opt in rep.optimizers for grp in opt.param_groups]
-        lrs: list[float] = []
-
-        def half() -> None:  # after the recorded LRs are set
-            lrs[:] = [grp["lr"] for grp in groups]
-            for grp in groups:
-                grp["lr"] *= 0.5
-
-        def back() -> None:
-            for grp, lr in zip(groups, lrs, strict=True):
-                grp["lr"] = lr
-
-        rep.window(g, step - 1, before=half, after=back)
-        return rep.window(g, step, train=False)
-
-    return [
-        ("drop_outliers", drop_outliers),
-        ("floor_v", floor_v),
-        ("clip_update", clip_update),
-        ("fp32_layer", fp32_layer),
-        ("halve_lr", halve_lr),
-    ]
 
 
 def _mechanism(name: str, suspect: str | None, last: str | None) -> tuple[str, str | None]:
@@ -419,25 +224,3 @@ def _mechanism(name: str, suspect: str | None, last: str | None) -> tuple[str, s
     if name == "fp32_layer":
         return "lowp_amax_jump", suspect
     return "update_outlier", suspect
-
-
-def _batch_len(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    if isinstance(batch, (list, tuple)) and batch:
-        sizes = {_batch_len(b) for b in batch}
-        return sizes.pop() if len(sizes) == 1 else None
-    if isinstance(batch, dict) and batch:
-        sizes = {_batch_len(b) for b in batch.values()}
-        return sizes.pop() if len(sizes) == 1 else None
-    return None
-
-
-def _index(batch: Any, idx: list[int]) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[torch.tensor(idx, device=batch.device)]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_index(b, idx) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _index(v, idx) for k, v in batch.items()}
-    return batch
