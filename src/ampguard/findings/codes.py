@@ -30,6 +30,7 @@ AREAS = {
     "attach": "integrations.md",
     "distributed": "distributed.md",
     "step": "guarded-step.md",
+    "spikes": "spikes.md",
     "fp8": "fp8.md",
     "lint": "lint.md",
     "forensics": "forensics.md",
@@ -440,6 +441,18 @@ CATALOGUE: dict[str, Code] = _table(
         "Guard(stagnation_rescue=...) writes the fp32 update of these layers back through Kahan "
         "compensation or stochastic rounding; the lost share before and the applied share after",
         "nothing to fix: the rescue is working; compare the applied share with 100%",
+    ),
+    # -- the guarded step: loss spikes (the flight recorder) -----------------------------------
+    (
+        "AG180",
+        "warning",
+        "loss spike",
+        "spikes",
+        "a window's loss rose above the flight recorder's bound: the running mean of the "
+        "log-loss plus max(6 spreads, log 1.3), after a 50-window warm-up; the evidence gives the "
+        "loss, the bound, the ratio to the running level and what on_spike did",
+        "ampguard.autopsy(guard) replays the spike and names the layer and the mechanism; "
+        "on_spike='skip' or 'rewind' keeps such a step out of the weights",
     ),
     # -- forensics ------------------------------------------------------------------------------
     (

@@ -53,7 +53,7 @@ from ampguard.findings import Finding
 from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _flags, _fp8, _rescue, _step
+from ampguard.guard import _flags, _fp8, _rescue, _spikes, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
@@ -141,6 +141,16 @@ class Guard:
         fp32_optimizer_states: Keep the optimizer states of bf16/fp16 parameters in fp32 (AG176).
         ema: EMA / teacher modules the optimizer does not own (or ``ampguard.watch_ema``
             objects): their lost updates are measured (AG175) and ``update()`` is rescued.
+        flight_recorder: Windows the device ring buffer keeps (loss, LRs, loss scale, flags,
+            per-parameter gradient norms, sampled update ratios; no host sync; True: 256,
+            False: none). See ``docs/spikes.md``.
+        snapshot_every: Windows between snapshots (weights, optimizer, schedulers, loss
+            scale, RNG) for ``on_spike="rewind"`` and ``ampguard.autopsy``.
+        snapshot: True (host memory: one copy of the model and optimizer state, two kept),
+            a folder (on disk) or False.
+        on_spike: What a loss spike (detected on the device) does: ``"warn"`` (default),
+            ``"skip"`` the window, ``"rewind"`` to the last snapshot, ``"raise"``
+            ``ampguard.LossSpikeError``, or None (no detection). Each is an AG180 finding.
 
     Raises:
         TypeError: An argument of the wrong type (the message names it).
@@ -174,6 +184,10 @@ class Guard:
         stagnation_rescue: str | None = None,
         fp32_optimizer_states: bool = False,
         ema: Any = None,
+        flight_recorder: int | bool = _spikes.DEFAULT_CAPACITY,
+        snapshot_every: int = _spikes.DEFAULT_SNAPSHOT_EVERY,
+        snapshot: bool | str | os.PathLike = True,
+        on_spike: str | None = "warn",
     ) -> None:
         # All or nothing: 1. check every argument, 2. create the resources (peer
         # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
@@ -202,6 +216,9 @@ class Guard:
         check_distributed_options(audit_every, on_desync)
         check_telemetry_argument(telemetry)
         check_forensics_arguments(model, keep_fp32, forensics, auto_fallback, coverage_step)
+        spike_config = _spikes.check(
+            flight_recorder, snapshot_every, snapshot, on_spike, optimizers, list(schedulers)
+        )
         # the precision's conversion hook (fp8: ampguard.fp8._convert): the plan checked,
         # torchao imported, the layers chosen; converted to torchao's Float8Linear in step 3
         conversion, policy = _fp8.attach(policy, precision, model, device, fp8_plan)
@@ -248,6 +265,8 @@ class Guard:
             params=params,
             peer_timeout=self.peer_timeout,
         )
+        # the flight recorder and on_spike (ampguard.guard._spikes): None when both are off
+        state.spikes = _spikes.attach(spike_config, state, list(schedulers), telemetry)
         telemetry = rank_telemetry(state.dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps; the
         # run folder is created and locked here (TelemetryError naming it if it cannot be)
@@ -481,11 +500,14 @@ class Guard:
         if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update
             tel.before_update()
         self._state.micro = 0
-        self._state.loss_bad = results.loss_nonfinite(self._state.window_losses)
+        losses = self._state.window_losses
+        self._state.loss_bad = results.loss_nonfinite(losses)
         self._state.window_losses = []
         if not self._state.contain_microbatches:  # containment buffers hold the grads
             check_grads_present(self._state.params)  # e.g. another Guard's step() cleared them
         self._state.steps += 1
+        if self._state.spikes is not None:  # the flight recorder: loss, LRs, the spike flag
+            self._state.spikes.begin(self._state.steps, losses)
         self._resume.before_step(
             self._state.optimizers, self._state.steps
         )  # resume warm-up LR ramp
@@ -509,6 +531,8 @@ class Guard:
                 self._state.rescue.abort()
             if self._state.telemetry is not None:  # the failed window's loss must not join the next
                 self._state.telemetry.on_abort()
+            if self._state.spikes is not None:  # the flight recorder dumps its ring
+                self._state.spikes.on_error(err, self._state.steps)
             if self._buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
                 self._buffer_snapshot.restore(
                     self._state.steps
@@ -531,6 +555,8 @@ class Guard:
         if self._callbacks and result.applied:
             for fn in self._callbacks:
                 fn(result)
+        if self._state.spikes is not None:  # update ratios, the batch, a snapshot (schedulers
+            self._state.spikes.after_step(self._state, batch, loss_fn)  # stepped: after them)
         return result
 
     def on_applied(self, fn: Callable[[StepResult], Any]) -> Callable[[StepResult], Any]:
@@ -702,6 +728,12 @@ class Guard:
         ``.decisions``, ``.applied()`` (one host sync), ``.bytes_per_param()``, ``.emas``; or
         None."""
         return self._state.rescue
+    def flight_recorder(self) -> _spikes.SpikeWatch | None:
+        """The flight recorder and loss-spike policy: ``.ring`` (the device ring buffer,
+        ``.ring.rows()`` reads it), ``.events`` (the spikes seen), ``.snapshots``, ``.memory()``
+        (bytes held); None with ``flight_recorder=False`` and ``on_spike=None``. See
+        ``docs/spikes.md``."""
+        return self._state.spikes
 
     @property
     def coverage(self) -> Any:
@@ -748,12 +780,16 @@ class Guard:
             out += self._state.fp8.findings()
         if self._state.dist is not None:
             out += self._state.dist.findings(self._state.steps)
+        if self._state.spikes is not None:  # AG180: loss spikes
+            out += self._state.spikes.findings()
         return out
 
     def close(self) -> None:
         """Flush telemetry, write ``findings.json``, close the run log and write ``report.html``
         (no-op without telemetry; idempotent; without matplotlib the report is a one-line
         warning). Cost: one host sync; rendering the report takes about a second."""
+        if self._state.spikes is not None:  # the flight recorder's SIGTERM handler goes
+            self._state.spikes.close()
         if self._state.telemetry is not None and not self._state.telemetry.closed:
             try:  # a collapse surfacing here (pending fused flags) still closes the run log
                 self._state.telemetry.record_findings(self._side_findings())

@@ -27,6 +27,7 @@ from ampguard.core.policy import PrecisionPolicy, resolve_precision
 from ampguard.guard import _flags
 from ampguard.guard._fp8 import UNCONVERTED
 from ampguard.guard._step_state import StepState
+from ampguard.replay import SpikeDetector
 
 __all__ = ["Plan", "to_dict", "check", "apply", "STATE_VERSION"]
 
@@ -51,6 +52,7 @@ def to_dict(state: StepState, resume: dict[str, Any]) -> dict[str, Any]:
         "forensics": state.forensics.state() if state.forensics is not None else None,
         "fp8": state.fp8.state() if state.fp8 is not None else None,
         "rescue": state.rescue.state() if state.rescue is not None else None,
+        "spikes": state.spikes.state() if state.spikes is not None else None,
     }
 
 
@@ -81,6 +83,7 @@ class Plan:
     precision_note: str | None
     fp8_rescued: list[dict[str, Any]] | None = None
     rescue: dict[str, Any] | None = None  # the stagnation rescue's buffers (guard._rescue)
+    spikes: dict[str, Any] | None = None  # the loss-spike detector's statistic
 
 
 def _bad(field: str, rule: str, value: Any) -> ValueError:
@@ -150,6 +153,11 @@ def check(guard: StepState, state: Any) -> Plan:
         precision_note=note,
         fp8_rescued=guard.fp8.check_state(state.get("fp8")) if guard.fp8 is not None else None,
         rescue=guard.rescue.check_state(state.get("rescue")) if guard.rescue is not None else None,
+        spikes=(
+            SpikeDetector.check_state(state["spikes"])
+            if guard.spikes is not None and state.get("spikes") is not None
+            else None
+        ),
     )
 
 
@@ -314,6 +322,8 @@ def apply(guard: StepState, plan: Plan) -> float | None:
         guard.fp8.load(plan.fp8_rescued, guard.telemetry)
     if guard.rescue is not None and plan.rescue is not None:  # Kahan buffers, generators
         guard.rescue.load(plan.rescue)
+    if guard.spikes is not None and plan.spikes is not None:  # the spike detector's statistic
+        guard.spikes.detector.load_state_dict(plan.spikes)
     if plan.precision_note is not None:
         warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=user_stacklevel())
     return saved

@@ -24,6 +24,7 @@ from ampguard.distributed import DistributedState
 from ampguard.fp8 import Conversion
 from ampguard.guard._forensics import GuardForensics
 from ampguard.guard._rescue import GuardRescue
+from ampguard.guard._spikes import SpikeWatch
 from ampguard.telemetry import Telemetry
 
 __all__ = ["StepState"]
@@ -54,6 +55,7 @@ class StepState:
     forensics: GuardForensics | None = None
     fp8: Conversion | None = None
     rescue: GuardRescue | None = None  # stagnation_rescue / fp32_optimizer_states / ema
+    spikes: SpikeWatch | None = None  # the flight recorder and on_spike (ampguard.guard._spikes)
     # the counters
     steps: int = 0  # windows completed
     micro: int = 0  # micro-batches into the window in progress

@@ -1,0 +1,159 @@
+"""Loss-spike detection on the device: a robust running statistic of the log-loss, no host sync.
+
+Per window, with ``x = log(loss)`` (a 0-dim fp32 tensor), its running mean ``m`` (horizon
+``1 / (1 - beta_mean)`` windows) and the running noise ``s`` (horizon ``1 / (1 - beta)``)::
+
+    bound = m + max(threshold * s, log(min_ratio))
+    spike = armed and x > bound                                # armed: warmup windows seen
+    kept  = x < bound (finite, not a spike)                    # a spike never moves the statistic
+    m     = m + a (x - m)                        where kept    # a = max(1 / count, 1 - beta_mean)
+    s     = s + b (0.886 |x - x_prev| - s)       where kept    # b = max(1 / count, 1 - beta)
+
+The noise is the mean absolute difference of consecutive kept log-losses (0.886 of it is the
+standard deviation of Gaussian noise): the fast fall of early training (a trend, not noise)
+does not inflate it, and a heavy-tailed loss weighs in linearly, not squared. The
+log makes the rule scale-free (a loss of 0.01 and one of 10 are judged alike); the test is
+one-sided (a falling loss never triggers) and the first ``warmup`` windows only learn, so the
+fast-falling loss of early training never triggers. A spike does not enter the statistic, so a
+run of spikes keeps being seen as such. Non-finite losses are left to the non-finite skip.
+Cost: about 15 small device ops per window, no host sync (``count`` is a host int).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["LossSpikeError", "SpikeDetector"]
+
+
+class SpikeDetector:
+    """The running statistic and rule of the module docstring, on ``device``.
+
+    ``threshold``: spread multiples above the mean that make a spike (6: the z-score OLMo-core
+    and levanter skip at); ``min_ratio``: the smallest loss ratio over ``exp(m)`` that counts,
+    whatever the spread (a very smooth loss); ``warmup``: windows that only learn;
+    ``beta``: the statistic's decay per window.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        threshold: float = 6.0,
+        min_ratio: float = 1.3,
+        warmup: int = 50,
+        beta: float = 0.98,
+        beta_mean: float = 0.9,
+    ) -> None:
+        self.device = device
+        self.threshold = float(threshold)
+        self.log_min_ratio = math.log(float(min_ratio))
+        self.warmup = int(warmup)
+        self.beta = float(beta)
+        self.beta_mean = float(beta_mean)
+        f32: dict[str, Any] = {"dtype": torch.float32, "device": device}
+        # the statistic as one vector [m, s, x_prev]: a window's update is a few vector ops
+        self.state = torch.zeros(3, **f32)
+        self._coef = torch.ones(3, **f32)  # [a, b, 1] (host-known; refilled while warming up)
+        self._coef_at: tuple[float, float] | None = None
+        self._inf = torch.full((), math.inf, **f32)
+        self._zero = torch.zeros((), **f32)
+        self.count = 0  # windows fed so far (host: known without a sync)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The running mean of the log-loss (a view; 0-dim)."""
+        return self.state[0]
+
+    @property
+    def spread(self) -> torch.Tensor:
+        """The running noise of the log-loss (a view; 0-dim)."""
+        return self.state[1]
+
+    @property
+    def armed(self) -> bool:
+        """The warm-up is over: a spike can be reported. Cost: none (host int)."""
+        return self.count >= self.warmup
+
+    def observe(self, loss: torch.Tensor, record: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one window's loss; returns the spike flag (a new 0-dim fp32 0/1 tensor).
+        ``record``: a 4-float device view that receives ``[loss, log bound, mean, spike]``
+        (the log-loss above which the window spikes, inf while warming up, and the running mean
+        of the log-loss it was judged against). Cost: about 15 device ops, no host sync."""
+        loss = loss.detach().reshape(()).float()
+        x = loss.clamp_min(1e-30).log()
+        if self.count == 0:  # the first window: the statistic starts at it
+            self.state.copy_(torch.stack([x, self._zero, x]).nan_to_num(0.0, 0.0, 0.0))
+            self.count = 1
+            if record is not None:
+                torch.stack([loss, self._inf, x, self._zero], out=record)
+            return self._zero.clone()
+        if self.armed:
+            st = self.state
+            bound = st[1].mul(self.threshold).clamp_min(self.log_min_ratio).add(st[0])
+            spike = (x > bound).float()  # NaN never spikes (the non-finite skip has it)
+        else:
+            bound, spike = self._inf, torch.zeros_like(x)
+        keep = (x < bound).float()  # finite and not a spike: a spike never moves the statistic
+        if record is not None:
+            torch.stack([loss, bound, self.state[0], spike], out=record)
+        self.count += 1
+        self._set_coef()
+        prev = self.state[2]
+        target = torch.stack([x, (x - prev).abs().mul(0.886), x]).nan_to_num(0.0, 0.0, 0.0)
+        self.state.add_((target - self.state).mul_(self._coef).mul_(keep))
+        return spike
+
+    def _set_coef(self) -> None:
+        a = max(1.0 / self.count, 1.0 - self.beta_mean)
+        b = max(1.0 / self.count, 1.0 - self.beta)
+        if self._coef_at != (a, b):  # constant once both horizons are reached
+            self._coef[0].fill_(a)
+            self._coef[1].fill_(b)
+            self._coef_at = (a, b)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The statistic, for a resume (``Guard.state_dict()["spikes"]``). Cost: one host sync."""
+        mean, spread, prev = self.state.tolist()
+        return {"mean": mean, "spread": spread, "prev": prev, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back :meth:`state_dict` output (checked by :func:`check_state`)."""
+        prev = state.get("prev", state["mean"])
+        self.state.copy_(torch.tensor([state["mean"], state["spread"], prev]))
+        self.count = int(state["count"])
+        self._coef_at = None
+
+    @staticmethod
+    def check_state(state: Any) -> dict[str, Any]:
+        """``state`` as :meth:`load_state_dict` takes it; ``ValueError`` naming the bad field."""
+        if not isinstance(state, dict):
+            raise ValueError(f"malformed Guard state: 'spikes' must be a dict, got {state!r}")
+        for key in ("mean", "spread"):
+            v = state.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(
+                    f"malformed Guard state: 'spikes.{key}' must be a finite number, got {v!r}"
+                )
+        c = state.get("count")
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(
+                f"malformed Guard state: 'spikes.count' must be an int >= 0, got {c!r}"
+            )
+        if state["spread"] < 0:
+            raise ValueError("malformed Guard state: 'spikes.spread' must be >= 0")
+        return state
+
+
+class LossSpikeError(RuntimeError):
+    """``Guard(on_spike="raise")``: a window's loss spiked. ``step``, ``loss`` and ``bound``
+    (the loss above which the window counts as a spike) say which and by how much; the window
+    was skipped, so the weights are those of the window before it."""
+
+    def __init__(self, message: str, *, step: int, loss: float, bound: float) -> None:
+        super().__init__(message)
+        self.step, self.loss, self.bound = step, loss, bound
