@@ -728,6 +728,7 @@ class Guard:
         ``.decisions``, ``.applied()`` (one host sync), ``.bytes_per_param()``, ``.emas``; or
         None."""
         return self._state.rescue
+
     def flight_recorder(self) -> _spikes.SpikeWatch | None:
         """The flight recorder and loss-spike policy: ``.ring`` (the device ring buffer,
         ``.ring.rows()`` reads it), ``.events`` (the spikes seen), ``.snapshots``, ``.memory()``
