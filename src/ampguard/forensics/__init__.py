@@ -1,5 +1,9 @@
 """Forensics: which module and op produced the first non-finite value, in which pass, and why.
 
+:func:`triage` tells hardware from math for a failed step (numerics, model or data, a transient
+or a persistent fault; AG380-AG383) by deterministic replay against sync-free signatures kept by
+:class:`SignatureRecorder` (see docs/triage.md).
+
 :func:`locate` replays one batch like a training step (forward under autocast, backward of
 ``loss * scale``) with every aten op traced, once in the requested low precision and once in
 fp32, and compares them:
@@ -38,5 +42,18 @@ the op; in backward, the module whose forward created the autograd node that pro
 
 from ampguard.forensics._diagnosis import CODES, KINDS, Diagnosis
 from ampguard.forensics._locate import locate
+from ampguard.forensics._signatures import SignatureRecorder, StepSignature
+from ampguard.forensics._triage import CAUSES, TriageEvent, triage, triage_step
 
-__all__ = ["Diagnosis", "locate", "KINDS", "CODES"]
+__all__ = [
+    "Diagnosis",
+    "locate",
+    "KINDS",
+    "CODES",
+    "CAUSES",
+    "SignatureRecorder",
+    "StepSignature",
+    "TriageEvent",
+    "triage",
+    "triage_step",
+]
