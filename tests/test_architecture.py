@@ -28,7 +28,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ampguard"
 LAYERS: list[set[str]] = [
     {"_util", "findings", "precisions", "testing"},
     {"core", "runlog", "lint"},
-    {"rules", "fp8"},
+    {"rules", "fp8", "replay"},
     {"telemetry", "forensics", "distributed", "reporting"},
     {"guard"},
     {"checkpoint", "experiments"},

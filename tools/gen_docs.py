@@ -50,6 +50,7 @@ PREC_END = "<!-- precisions:end -->"
 AREA_TITLES = {
     "runtime": "Runtime rules over the run log",
     "step": "The guarded step",
+    "spikes": "Loss spikes: the flight recorder",
     "attach": "Attach mode: ag.watch and the integrations",
     "distributed": "Distributed",
     "fp8": "fp8",
@@ -89,6 +90,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         ("Telemetry", "TelemetryError", "RuleConfig", "report", "Finding"),
     ),
     ("Forensics and autocast coverage", ("locate", "Diagnosis", "coverage", "Coverage")),
+    ("Loss spikes", ("autopsy", "SpikeDiagnosis", "LossSpikeError")),
     ("Compare and the advisor", ("Experiment", "Comparison", "compare", "inspect_model")),
     ("Lint", ("lint_source", "lint_paths")),
     ("Distributed", ("DesyncError",)),

@@ -27,6 +27,9 @@ _EXPORTS: dict[str, str] = {
     "load_checkpoint": "ampguard.checkpoint",
     "DesyncError": "ampguard.distributed",
     "PeerFailureError": "ampguard.distributed",
+    "LossSpikeError": "ampguard.replay",
+    "autopsy": "ampguard.guard",
+    "SpikeDiagnosis": "ampguard.guard",
     "save_distributed_checkpoint": "ampguard.checkpoint.distributed",
     "load_distributed_checkpoint": "ampguard.checkpoint.distributed",
     "locate": "ampguard.forensics",
@@ -91,10 +94,13 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.fp8 import conv1d_to_linear as conv1d_to_linear
     from ampguard.fp8 import fp8_plan as fp8_plan
     from ampguard.guard import Guard as Guard
+    from ampguard.guard import SpikeDiagnosis as SpikeDiagnosis
     from ampguard.guard import StepResult as StepResult
+    from ampguard.guard import autopsy as autopsy
     from ampguard.integrations.watch import watch as watch
     from ampguard.lint import lint_paths as lint_paths
     from ampguard.lint import lint_source as lint_source
+    from ampguard.replay import LossSpikeError as LossSpikeError
     from ampguard.reporting import report as report
     from ampguard.rules import RuleConfig as RuleConfig
     from ampguard.telemetry import Telemetry as Telemetry

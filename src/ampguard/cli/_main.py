@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ampguard import precisions
-from ampguard.cli import _compare, _lint, _report
+from ampguard.cli import _compare, _lint, _postmortem, _report
 from ampguard.cli._types import Parser, fail, positive_int, seed, usable_out
 
 __all__ = ["main", "build_parser"]
@@ -126,6 +126,12 @@ _SUBCOMMANDS: list[_Subcommand] = [
         "summarise a run folder (findings first) and write its report.html",
         _report.report_args,
         _report.report_run,
+    ),
+    (
+        "postmortem",
+        "merge a run folder's flight-recorder dumps into one timeline (first rank, step, layer)",
+        _postmortem.postmortem_args,
+        _postmortem.postmortem_run,
     ),
 ]
 

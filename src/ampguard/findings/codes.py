@@ -30,6 +30,7 @@ AREAS = {
     "attach": "integrations.md",
     "distributed": "distributed.md",
     "step": "guarded-step.md",
+    "spikes": "spikes.md",
     "fp8": "fp8.md",
     "lint": "lint.md",
     "forensics": "forensics.md",
@@ -422,6 +423,18 @@ CATALOGUE: dict[str, Code] = _table(
         "nonzero gradient) left the stored weight unchanged: they were below half an ulp",
         "fp32 master weights (model in float32, autocast for the math), or stochastic rounding / "
         "Kahan summation (torchao.optim.AdamW(..., bf16_stochastic_round=True))",
+    ),
+    # -- the guarded step: loss spikes (the flight recorder) -----------------------------------
+    (
+        "AG180",
+        "warning",
+        "loss spike",
+        "spikes",
+        "a window's loss rose above the flight recorder's bound: the running mean of the "
+        "log-loss plus max(6 spreads, log 1.3), after a 50-window warm-up; the evidence gives the "
+        "loss, the bound, the ratio to the running level and what on_spike did",
+        "ampguard.autopsy(guard) replays the spike and names the layer and the mechanism; "
+        "on_spike='skip' or 'rewind' keeps such a step out of the weights",
     ),
     # -- forensics ------------------------------------------------------------------------------
     (

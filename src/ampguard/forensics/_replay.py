@@ -2,7 +2,9 @@
 
 ``locate`` runs the same batch several times (low precision at the loss scale, fp32, low precision
 at scale 1); every run starts from the same parameters, buffers, RNG state and training modes,
-and :class:`Preserved` puts all of them, and the gradients, back afterwards.
+and :class:`~ampguard.replay.Preserved` (the one replay engine's, :mod:`ampguard.replay`) puts all
+of them, and the gradients, back afterwards; ``Preserved`` and ``rng_state`` are re-exported here
+for the modules that import them from this one.
 """
 
 from __future__ import annotations
@@ -16,54 +18,9 @@ import torch
 
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.forensics._optrace import OpEvent, OpTrace
+from ampguard.replay import Preserved, rng_state
 
 __all__ = ["Preserved", "Run", "replay", "nonfinite_leaves", "rng_state"]
-
-
-class Preserved:
-    """Snapshot of a model's parameters, buffers, grads, RNG and modes; :meth:`reset` restores
-    the values for the next run, :meth:`close` restores everything and drops the copies.
-
-    Cost: holds one copy of the parameters and buffers while open.
-    """
-
-    def __init__(self, model: torch.nn.Module, rng: dict[str, Any] | None = None) -> None:
-        self.model = model
-        self._slots: list[tuple[dict, str, torch.Tensor, torch.Tensor]] = []
-        for module in model.modules():
-            for store in (module._parameters, module._buffers):
-                for key, value in store.items():
-                    if value is not None:
-                        self._slots.append((store, key, value, value.detach().clone()))
-        self._grads = [(p, p.grad) for p in model.parameters()]
-        self._modes = [(m, m.training) for m in model.modules()]
-        self._device_type = next((p.device.type for p in model.parameters()), "cpu")
-        self._rng = _rng_state(self._device_type)
-        # the replays start from ``rng`` (the failing step's, so dropout draws the same mask);
-        # close() puts back the RNG as it was when the snapshot was taken
-        self._replay_rng = self._rng if rng is None else rng
-
-    def reset(self) -> None:
-        """Values, modes and RNG (the replay's: ``rng`` if given) as at the snapshot; gradients
-        cleared (``None``)."""
-        with torch.no_grad():
-            # always copy back: kernels update buffers (BatchNorm stats) without a version bump
-            for store, key, original, copy in self._slots:
-                store[key] = original
-                original.copy_(copy)
-        for p, _ in self._grads:
-            p.grad = None
-        for m, mode in self._modes:
-            m.training = mode
-        _set_rng_state(self._device_type, self._replay_rng)
-
-    def close(self) -> None:
-        """Restore everything, gradients and the caller's RNG included, and free the copies."""
-        self.reset()
-        _set_rng_state(self._device_type, self._rng)
-        for p, grad in self._grads:
-            p.grad = grad
-        self._slots.clear()
 
 
 @dataclass
@@ -180,24 +137,3 @@ def nonfinite_leaves(batch: Any, path: str = "batch") -> list[dict[str, Any]]:
         for key, item in batch.items():
             found += nonfinite_leaves(item, f"{path}[{key!r}]")
     return found
-
-
-def rng_state(device_type: str) -> dict[str, Any]:
-    """The global RNG state a replay can start from: ``{"cpu": ...}`` plus the accelerator's
-    (``"cuda": [...]``, every device) where ``device_type`` has one. Cost: host copies of the
-    generator states, no device sync."""
-    return _rng_state(device_type)
-
-
-def _rng_state(device_type: str) -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    mod = getattr(torch, device_type, None) if device_type != "cpu" else None
-    if mod is not None and hasattr(mod, "get_rng_state_all"):
-        state[device_type] = mod.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(device_type: str, state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device_type != "cpu" and device_type in state:
-        getattr(torch, device_type).set_rng_state_all(state[device_type])

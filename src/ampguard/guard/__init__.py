@@ -23,6 +23,7 @@ skips without a scale; ``_state`` the versioned state dict (check everything, th
 """
 
 from ampguard.core.results import StepResult
+from ampguard.guard._autopsy import SpikeDiagnosis, autopsy
 from ampguard.guard._guard import Guard
 
-__all__ = ["Guard", "StepResult"]
+__all__ = ["Guard", "SpikeDiagnosis", "StepResult", "autopsy"]

@@ -59,3 +59,9 @@ def _record(state: StepState, step: int, flags: results.Decoded) -> None:
     state.counts.record(flags)
     if flags.applied:
         state.collapsing = False
+    if state.spikes is not None:
+        scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
+        if flags.spike:  # warn, rewind or raise (ampguard.guard._spikes)
+            state.spikes.on_spike(step, scale)
+        elif (flags.nonfinite or flags.loss_nonfinite) and state.spikes.dumper is not None:
+            state.spikes.dumper.dump("nonfinite", step)

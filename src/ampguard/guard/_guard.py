@@ -49,7 +49,7 @@ from ampguard.findings import Finding
 from ampguard.forensics._live import check as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8._conversion import Conversion
-from ampguard.guard import _flags, _fp8, _step
+from ampguard.guard import _flags, _fp8, _spikes, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
@@ -131,6 +131,16 @@ class Guard:
             non-finite instead of applying it (one host sync per window; False: none).
         restore_buffers_on_skip: Put back the buffers (BatchNorm statistics, ...) that a
             skipped window's forward changed, so a skip leaves no trace (default True).
+        flight_recorder: Windows the device ring buffer keeps (loss, LRs, loss scale, flags,
+            per-parameter gradient norms, sampled update ratios; no host sync; True: 256,
+            False: none). See ``docs/spikes.md``.
+        snapshot_every: Windows between snapshots (weights, optimizer, schedulers, loss
+            scale, RNG) for ``on_spike="rewind"`` and ``ampguard.autopsy``.
+        snapshot: True (host memory: one copy of the model and optimizer state, two kept),
+            a folder (on disk) or False.
+        on_spike: What a loss spike (detected on the device) does: ``"warn"`` (default),
+            ``"skip"`` the window, ``"rewind"`` to the last snapshot, ``"raise"``
+            ``ampguard.LossSpikeError``, or None (no detection). Each is an AG180 finding.
 
     Raises:
         TypeError: An argument of the wrong type (the message names it).
@@ -161,6 +171,10 @@ class Guard:
         fp8_plan: Any = None,
         skip_nonfinite: bool = True,
         restore_buffers_on_skip: bool = True,
+        flight_recorder: int | bool = _spikes.DEFAULT_CAPACITY,
+        snapshot_every: int = _spikes.DEFAULT_SNAPSHOT_EVERY,
+        snapshot: bool | str | os.PathLike = True,
+        on_spike: str | None = "warn",
     ) -> None:
         # All or nothing: 1. check every argument, 2. create the resources (peer
         # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
@@ -188,6 +202,9 @@ class Guard:
         check_distributed_options(audit_every, on_desync)
         check_telemetry_argument(telemetry)
         check_forensics_arguments(model, keep_fp32, forensics, auto_fallback, coverage_step)
+        spike_config = _spikes.check(
+            flight_recorder, snapshot_every, snapshot, on_spike, optimizers, list(schedulers)
+        )
         # the precision's conversion hook (fp8: ampguard.fp8._convert): the plan checked,
         # torchao imported, the layers chosen; converted to torchao's Float8Linear in step 3
         conversion, policy = _fp8.attach(policy, precision, model, device, fp8_plan)
@@ -234,6 +251,8 @@ class Guard:
             params=params,
             peer_timeout=self.peer_timeout,
         )
+        # the flight recorder and on_spike (ampguard.guard._spikes): None when both are off
+        state.spikes = _spikes.attach(spike_config, state, list(schedulers), telemetry)
         telemetry = rank_telemetry(state.dist, telemetry)  # distributed: rank 0 writes the log
         # telemetry (ampguard.telemetry): device-side step records, flushed every N steps; the
         # run folder is created and locked here (TelemetryError naming it if it cannot be)
@@ -462,11 +481,14 @@ class Guard:
         if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update
             tel.before_update()
         self._state.micro = 0
-        self._state.loss_bad = results.loss_nonfinite(self._state.window_losses)
+        losses = self._state.window_losses
+        self._state.loss_bad = results.loss_nonfinite(losses)
         self._state.window_losses = []
         if not self._state.contain_microbatches:  # containment buffers hold the grads
             check_grads_present(self._state.params)  # e.g. another Guard's step() cleared them
         self._state.steps += 1
+        if self._state.spikes is not None:  # the flight recorder: loss, LRs, the spike flag
+            self._state.spikes.begin(self._state.steps, losses)
         self._resume.before_step(
             self._state.optimizers, self._state.steps
         )  # resume warm-up LR ramp
@@ -484,6 +506,8 @@ class Guard:
         except BaseException as err:
             if self._state.telemetry is not None:  # the failed window's loss must not join the next
                 self._state.telemetry.on_abort()
+            if self._state.spikes is not None:  # the flight recorder dumps its ring
+                self._state.spikes.on_error(err, self._state.steps)
             if self._buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
                 self._buffer_snapshot.restore(
                     self._state.steps
@@ -506,6 +530,8 @@ class Guard:
         if self._callbacks and result.applied:
             for fn in self._callbacks:
                 fn(result)
+        if self._state.spikes is not None:  # update ratios, the batch, a snapshot (schedulers
+            self._state.spikes.after_step(self._state, batch, loss_fn)  # stepped: after them)
         return result
 
     def on_applied(self, fn: Callable[[StepResult], Any]) -> Callable[[StepResult], Any]:
@@ -672,6 +698,13 @@ class Guard:
         return self._stagnation
 
     @property
+    def flight_recorder(self) -> _spikes.SpikeWatch | None:
+        """The flight recorder and loss-spike policy (``.ring``, ``.events``, ``.snapshots``,
+        ``.memory()``; ``ampguard.guard._spikes``), or None with ``flight_recorder=False`` and
+        ``on_spike=None``."""
+        return self._state.spikes
+
+    @property
     def coverage(self) -> Any:
         """The ``ampguard.Coverage`` of window ``coverage_step`` once it ran, else None."""
         return self._state.forensics.coverage if self._state.forensics is not None else None
@@ -692,6 +725,7 @@ class Guard:
                 and self._state.dist is None
                 and self._state.fp8 is None
                 and self._stagnation is None
+                and self._state.spikes is None
             ):
                 warnings.warn(
                     "Guard.findings(): without telemetry only forensics, fp8 and distributed "
@@ -713,6 +747,8 @@ class Guard:
             out += self._state.fp8.findings()
         if self._state.dist is not None:
             out += self._state.dist.findings(self._state.steps)
+        if self._state.spikes is not None:  # AG180: loss spikes
+            out += self._state.spikes.findings()
         return out
 
     def close(self) -> None:

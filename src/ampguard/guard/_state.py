@@ -27,6 +27,7 @@ from ampguard.core.policy import PrecisionPolicy, resolve_precision
 from ampguard.guard import _flags
 from ampguard.guard._fp8 import UNCONVERTED
 from ampguard.guard._step_state import StepState
+from ampguard.replay import SpikeDetector
 
 __all__ = ["Plan", "to_dict", "check", "apply", "STATE_VERSION"]
 
@@ -50,6 +51,7 @@ def to_dict(state: StepState, resume: dict[str, Any]) -> dict[str, Any]:
         "resume": resume,
         "forensics": state.forensics.state() if state.forensics is not None else None,
         "fp8": state.fp8.state() if state.fp8 is not None else None,
+        "spikes": state.spikes.state() if state.spikes is not None else None,
     }
 
 
@@ -79,6 +81,7 @@ class Plan:
     config_diff: dict[str, Any]
     precision_note: str | None
     fp8_rescued: list[dict[str, Any]] | None = None
+    spikes: dict[str, Any] | None = None  # the loss-spike detector's statistic
 
 
 def _bad(field: str, rule: str, value: Any) -> ValueError:
@@ -147,6 +150,11 @@ def check(guard: StepState, state: Any) -> Plan:
         config_diff={k: v for k, v in config.items() if getattr(guard.config, k, v) != v},
         precision_note=note,
         fp8_rescued=guard.fp8.check_state(state.get("fp8")) if guard.fp8 is not None else None,
+        spikes=(
+            SpikeDetector.check_state(state["spikes"])
+            if guard.spikes is not None and state.get("spikes") is not None
+            else None
+        ),
     )
 
 
@@ -309,6 +317,8 @@ def apply(guard: StepState, plan: Plan) -> float | None:
         guard.forensics.load(plan.forensics)
     if guard.fp8 is not None and plan.fp8_rescued:  # fp8 layers rescued to bf16 stay there
         guard.fp8.load(plan.fp8_rescued, guard.telemetry)
+    if guard.spikes is not None and plan.spikes is not None:  # the spike detector's statistic
+        guard.spikes.detector.load_state_dict(plan.spikes)
     if plan.precision_note is not None:
         warnings.warn(plan.precision_note, RuntimeWarning, stacklevel=user_stacklevel())
     return saved

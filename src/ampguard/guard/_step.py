@@ -63,29 +63,38 @@ def run(state: StepState, owner: object, kwargs: dict[str, Any]) -> StepResult:
     tel = state.telemetry
     if tel is not None and state.steps >= tel.next_sample:  # a gradient sample is due
         tel.on_grads(state.steps, not unscale_now)  # fused, no clip: grads still scaled
+    spikes = state.spikes  # the flight recorder (ampguard.guard._spikes): grad norms, spike flag
+    if spikes is not None:
+        spikes.on_grads(state.steps, None if unscale_now else scale.inv_scale())
     grad_norm = clip(state, found)
     if agree is not None and state.dist is not None:  # agree implies dist
         found, dropped = agree.wait()
         grad_norm = state.dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
-    status = results.pack(found, dropped, state.loss_bad)
+    spike = None if spikes is None else spikes.spike_flag()
+    status = results.pack(found, dropped, state.loss_bad, spike)
     grad_scale = None if unscale_now else scale.scale_tensor
     n = len(found)
+    skip_on = found if spikes is None else spikes.skip_found(found)  # a spike skips like found_inf
     if all(fused):  # no host sync (as torch): the kernels skip themselves on found_inf
-        for opt, f in zip(state.optimizers, found, strict=True):
+        for opt, f in zip(state.optimizers, skip_on, strict=True):
             _fused_step(opt, f, grad_scale, kwargs)
         status = _update(state, status, found, dropped)
+        if spikes is not None:
+            spikes.on_status(state.steps, status, scale.scale_tensor if scale.scaled else None)
         if tel is not None:
             tel.on_step(state.steps, status, grad_norm)
         result = StepResult(state.steps, True, grad_norm, None, owner=owner)
         state.pending.append((result, status))
         return result
     status = _update(state, status, found, dropped)
+    if spikes is not None:
+        spikes.on_status(state.steps, status, scale.scale_tensor if scale.scaled else None)
     packed = int(status.item())  # the one sync (torch's GradScaler has it in step())
     if tel is not None:
         tel.on_step(state.steps, packed, grad_norm)
     flags = results.decode(packed, n, scaled=scale.scaled)
     for opt, f, ok, opt_fused in zip(
-        state.optimizers, found, flags.applied_per_optimizer, fused, strict=True
+        state.optimizers, skip_on, flags.applied_per_optimizer, fused, strict=True
     ):
         if opt_fused:
             _fused_step(opt, f, None, kwargs)  # unscaled above: it only skips on found_inf

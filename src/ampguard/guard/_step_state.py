@@ -23,6 +23,7 @@ from ampguard.core.scaler import ScalerConfig
 from ampguard.distributed import DistributedState
 from ampguard.fp8._conversion import Conversion
 from ampguard.guard._forensics import GuardForensics
+from ampguard.guard._spikes import SpikeWatch
 from ampguard.telemetry import Telemetry
 
 __all__ = ["StepState"]
@@ -52,6 +53,7 @@ class StepState:
     dist: DistributedState | None = None
     forensics: GuardForensics | None = None
     fp8: Conversion | None = None
+    spikes: SpikeWatch | None = None  # the flight recorder and on_spike (ampguard.guard._spikes)
     # the counters
     steps: int = 0  # windows completed
     micro: int = 0  # micro-batches into the window in progress

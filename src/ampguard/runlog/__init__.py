@@ -26,6 +26,9 @@ from ampguard.runlog._names import (
     EVENTS,
     FINDING_EVENT,
     FINDINGS,
+    FLIGHT_RECORDER_DIR,
+    FLIGHT_RECORDER_KIND,
+    FLIGHT_RECORDER_VERSION,
     META,
     REPORT,
     TB_DIR,
@@ -34,6 +37,9 @@ from ampguard.runlog._numbers import floats, num, number_texts
 from ampguard.runlog._schema import RunFolderError
 
 __all__ = [
+    "FLIGHT_RECORDER_DIR",
+    "FLIGHT_RECORDER_KIND",
+    "FLIGHT_RECORDER_VERSION",
     "EVENTS",
     "META",
     "FINDINGS",

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-__all__ = ["COVERAGE", "EVENTS", "FINDINGS", "FINDING_EVENT", "META", "REPORT", "TB_DIR"]
+__all__ = [
+    "COVERAGE",
+    "EVENTS",
+    "FINDINGS",
+    "FINDING_EVENT",
+    "FLIGHT_RECORDER_DIR",
+    "FLIGHT_RECORDER_KIND",
+    "FLIGHT_RECORDER_VERSION",
+    "META",
+    "REPORT",
+    "TB_DIR",
+]
 
 EVENTS = "events.jsonl"
 META = "meta.json"
@@ -11,3 +22,6 @@ COVERAGE = "coverage.json"  # Guard(coverage_step=N): the autocast census of tha
 REPORT = "report.html"
 TB_DIR = "tb"
 FINDING_EVENT = "finding"  # events.jsonl line kind: {"kind": "finding", "step", "finding": {...}}
+FLIGHT_RECORDER_DIR = "flight_recorder"  # Guard(flight_recorder=N): rank<R>.json, one per rank
+FLIGHT_RECORDER_KIND = "ampguard.flight_recorder"  # the dump's "kind"
+FLIGHT_RECORDER_VERSION = 1

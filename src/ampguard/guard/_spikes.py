@@ -1,0 +1,413 @@
+"""The Guard's flight recorder and loss-spike policy (``flight_recorder=``, ``snapshot_every=``,
+``snapshot=``, ``on_spike=``).
+
+Per window, all on the device and without a host sync: the loss goes to the spike detector
+(:class:`ampguard.replay.SpikeDetector`) and the ring buffer
+(:class:`ampguard.replay.FlightRecorder`) with the LR of every param group, the gradient norms
+(after the unscale, before the clip), the packed step flags and the loss scale; sampled windows
+also record the update-to-weight ratios. Under a process group the ranks OR their spike flags (one
+async all-reduce of one float, overlapped with the unscale), so no rank applies an update another
+rank skips.
+
+The detector's flag joins the window's packed flags (:func:`ampguard.core.results.pack`). With
+``on_spike`` ``"skip"``, ``"rewind"`` or ``"raise"`` it also skips the window, like non-finite
+gradients: fused optimizers get it in their ``found_inf``, the others are not stepped, the loss
+scale does not move, schedulers and ``on_applied`` callbacks do not advance. When the flags reach
+the host (at once for optimizers stepping in Python, lazily for fused ones) the policy acts:
+``"warn"`` warns, ``"rewind"`` restores the last snapshot taken at least two windows before the
+spike (weights, buffers, optimizer, schedulers, loss scale, RNG), ``"raise"`` raises
+:class:`ampguard.LossSpikeError`. Every spike is an AG180 finding giving its size.
+
+Every ``snapshot_every`` windows a snapshot is taken (``ampguard.replay.SnapshotStore``: host
+memory by default, a folder with ``snapshot=PATH``); with ``step(batch=..., loss_fn=...)`` the
+batches since the older kept snapshot are kept (references) for ``ampguard.autopsy``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampguard._util.stack import user_stacklevel
+from ampguard.findings import Finding, make
+from ampguard.guard._recorder import Dumper, run_dir_of
+from ampguard.replay import FlightRecorder, LossSpikeError, Snapshot, SnapshotStore, SpikeDetector
+
+__all__ = [
+    "ON_SPIKE",
+    "SpikeConfig",
+    "SpikeEvent",
+    "SpikeWatch",
+    "attach",
+    "check",
+    "DEFAULT_CAPACITY",
+    "DEFAULT_SNAPSHOT_EVERY",
+]
+
+ON_SPIKE = (None, "warn", "skip", "rewind", "raise")
+DEFAULT_CAPACITY = 256
+DEFAULT_SNAPSHOT_EVERY = 100
+MAX_CAPACITY = 1 << 16
+MAX_SNAPSHOT_EVERY = 10_000_000
+SAMPLE_EVERY = 16  # windows between update-ratio samples
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    """The checked ``flight_recorder`` / ``snapshot_every`` / ``snapshot`` / ``on_spike``."""
+
+    capacity: int  # 0: no ring buffer
+    snapshot_every: int
+    snapshot: bool | Path  # False, True (host memory) or a folder
+    on_spike: str | None
+
+    @property
+    def acts(self) -> bool:
+        """A spike skips its window."""
+        return self.on_spike in ("skip", "rewind", "raise")
+
+
+def check(
+    flight_recorder: Any,
+    snapshot_every: Any,
+    snapshot: Any,
+    on_spike: Any,
+    optimizers: list[Any],
+    schedulers: list[Any],
+) -> SpikeConfig | None:
+    """The checked arguments; None when nothing is recorded or detected. ``TypeError`` /
+    ``ValueError`` naming the argument and what it allows; nothing is changed."""
+    if on_spike not in ON_SPIKE:
+        raise ValueError(
+            "on_spike must be None, 'warn', 'skip', 'rewind' or 'raise', got " + repr(on_spike)
+        )
+    if flight_recorder is None or flight_recorder is False:
+        capacity = 0
+    elif flight_recorder is True:
+        capacity = DEFAULT_CAPACITY
+    elif isinstance(flight_recorder, int) and not isinstance(flight_recorder, bool):
+        if not 8 <= flight_recorder <= MAX_CAPACITY:
+            raise ValueError(
+                f"flight_recorder must be a number of windows in [8, {MAX_CAPACITY}] (or True, "
+                f"False), got {flight_recorder}"
+            )
+        capacity = flight_recorder
+    else:
+        raise TypeError(
+            "flight_recorder must be an int (windows kept), True or False, got "
+            f"{type(flight_recorder).__name__}"
+        )
+    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int):
+        raise TypeError(f"snapshot_every must be an int, got {type(snapshot_every).__name__}")
+    if not 1 <= snapshot_every <= MAX_SNAPSHOT_EVERY:
+        raise ValueError(
+            f"snapshot_every must be in [1, {MAX_SNAPSHOT_EVERY}] windows, got {snapshot_every}"
+        )
+    if isinstance(snapshot, (str, os.PathLike)):
+        snap: bool | Path = Path(snapshot)
+    elif isinstance(snapshot, bool):
+        snap = snapshot
+    else:
+        raise TypeError(
+            "snapshot must be True (host memory), False or a folder path, got "
+            f"{type(snapshot).__name__}"
+        )
+    if on_spike == "rewind" and snap is False:
+        raise ValueError("on_spike='rewind' needs snapshots: snapshot=False cannot rewind")
+    if on_spike is None and capacity == 0:
+        return None
+    if capacity == 0:
+        snap = False if on_spike != "rewind" else snap
+    if snap is not False:
+        for obj in optimizers:
+            if not _has_state(obj):
+                raise TypeError(
+                    f"optimizer: a {type(obj).__name__} has no state_dict()/load_state_dict(), "
+                    "so the flight recorder cannot snapshot it; pass snapshot=False"
+                )
+    return SpikeConfig(capacity, snapshot_every, snap, on_spike)
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+@dataclass
+class SpikeEvent:
+    """A detected spike, once its flags are on the host."""
+
+    step: int
+    loss: float
+    bound: float
+    level: float
+    action: str | None
+    snapshot_step: int | None = None  # rewind: the snapshot restored
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """The loss over its running level (``exp`` of the running mean of the log-loss)."""
+        return self.loss / self.level if self.level > 0 else math.inf
+
+
+class SpikeWatch:
+    """What a Guard with a flight recorder or ``on_spike`` keeps (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SpikeConfig,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[Any],
+        device: torch.device,
+        dist: Any = None,
+    ) -> None:
+        self.config = config
+        self.model, self.optimizers = model, optimizers
+        # a scheduler without state_dict() is left out of snapshots (a rewind says so)
+        self.schedulers = [s for s in schedulers if _has_state(s)]
+        self.unsaved_schedulers = len(schedulers) - len(self.schedulers)
+        self.device = device
+        self.dist = dist
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        self.names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self.detector = SpikeDetector(device)
+        # flight_recorder=False with on_spike: an 8-window ring (the spike's loss for the
+        # message), never dumped
+        self.ring = FlightRecorder(config.capacity or 8, self.names, [], device)
+        snap = config.snapshot
+        self.snapshots = (
+            None if snap is False else SnapshotStore(2, None if snap is True else Path(snap))
+        )
+        self.batches: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # step -> (batch, fn)
+        self.events: list[SpikeEvent] = []
+        self.flag: torch.Tensor | None = None  # this window's spike flag (0-dim 0/1 float)
+        self._work: Any = None  # the flag's in-flight all-reduce
+        self._step = 0
+        self._weights: list[torch.Tensor] | None = None  # sampled window: weights before
+        self.dumper: Any = None  # ampguard.guard._recorder.Dumper, set by the Guard
+
+    # ------------------------------------------------------------------ per window
+    def begin(self, step: int, losses: list[torch.Tensor]) -> None:
+        """Window ``step`` is complete: record its loss and LRs, run the detector, and start
+        the ranks' agreement on its flag. Cost: device ops and (distributed) one async
+        all-reduce; no host sync."""
+        if not losses:
+            self.flag = None
+            return
+        loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()
+        flag, bound, level = self.detector.observe(loss)
+        if self.ring is not None:
+            lrs = [
+                float(g.get("lr", math.nan)) for opt in self.optimizers for g in opt.param_groups
+            ]
+            self.ring.start(step, lrs)
+            self.ring.put(step, "loss", loss.float())
+            self.ring.put(step, "bound", bound)
+            self.ring.put(step, "level", level)
+            self.ring.put(step, "spike", flag)
+        if self.dist is not None and torch.distributed.is_initialized():
+            self._work = torch.distributed.all_reduce(
+                flag, op=torch.distributed.ReduceOp.MAX, group=self.dist.group, async_op=True
+            )
+        self.flag, self._step = flag, step
+        if self.ring is not None and step % SAMPLE_EVERY == 0:
+            self._weights = [p.detach().clone() for p in self.params]
+
+    def on_grads(self, step: int, inv_scale: torch.Tensor | None) -> None:
+        """The window's per-parameter gradient norms (``inv_scale``: the gradients are still
+        scaled). Cost: one multi-tensor norm, no host sync."""
+        if self.ring is not None:
+            self.ring.put_grad_norms(step, [p.grad for p in self.params], inv_scale)
+
+    def spike_flag(self) -> tuple[torch.Tensor, bool] | None:
+        """``(flag, skips)`` for the window's packed flags (the ranks' agreed flag), or None.
+        Cost: waits for the flag's all-reduce (no host sync)."""
+        if self.flag is None:
+            return None
+        if self._work is not None:
+            with self.dist.collectives("the loss-spike agreement", self._step):
+                self._work.wait()
+            self._work = None
+        return self.flag, self.config.acts
+
+    def skip_found(self, found: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``found`` with the acting spike flag added: what fused optimizers skip on."""
+        if self.flag is None or not self.config.acts:
+            return found
+        return [f + self.flag for f in found]
+
+    def on_status(self, step: int, status: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """The window's packed flags and loss scale into the ring. Cost: two copy kernels."""
+        if self.ring is not None:
+            self.ring.put(step, "status", status.float())
+            if scale is not None:
+                self.ring.put(step, "scale", scale)
+
+    def after_step(self, state: Any, batch: Any, loss_fn: Any) -> None:
+        """After the window of ``state`` (a ``StepState``; its update applied or skipped): the
+        sampled update ratios, the batch (for the autopsy) and a snapshot when one is due.
+        Cost: device ops and a device-to-host copy every ``snapshot_every`` windows; no host
+        sync."""
+        step = state.steps
+        scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
+        if self._weights is not None and self.ring is not None:
+            before, self._weights = self._weights, None
+            after = [p.detach() for p in self.params]
+            diff = torch._foreach_sub(after, before)
+            num = torch.stack(torch._foreach_norm(diff))  # type: ignore[arg-type]
+            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)  # type: ignore[arg-type]
+            self.ring.put_vector(step, "update_ratio", (num / den).float())
+        if batch is not None and loss_fn is not None and self.snapshots is not None:
+            self.batches[step] = (batch, loss_fn)
+        if self.snapshots is not None and step % self.config.snapshot_every == 0:
+            self.snapshots.add(step, self.model, self.optimizers, self.schedulers, scale)
+        oldest = None if self.snapshots is None else self.snapshots.oldest_needed()
+        while oldest is not None and self.batches and next(iter(self.batches)) <= oldest:
+            self.batches.popitem(last=False)
+
+    def on_error(self, err: BaseException, step: int) -> None:
+        """An exception leaves ``Guard.step()`` (a peer failure, a collapse, a raised spike):
+        every rank that gets here dumps its ring. Never raises."""
+        if self.dumper is not None and isinstance(err, Exception):
+            self.dumper.dump(type(err).__name__, step)
+
+    # ------------------------------------------------------------------ on the host
+    def on_spike(self, step: int, scale: Any) -> SpikeEvent:
+        """Window ``step``'s flags, read on the host, say its loss spiked: act on it (see the
+        module docstring). Cost: one host sync (the loss and bound, for the message)."""
+        loss, bound, level = self._recorded(step)
+        action = self.config.on_spike
+        event = SpikeEvent(step, loss, bound, level, action)
+        self.events.append(event)
+        if self.snapshots is not None:  # a snapshot taken after the spike holds its damage
+            self.snapshots.drop_from(step)
+            self.snapshots.pin(step)  # the one before it stays for the autopsy
+        size = f"{event.ratio:.3g}x its running level" if math.isfinite(event.ratio) else "?"
+        msg = f"loss spike at step {step}: loss {loss:.4g}, {size} (bound {bound:.4g})"
+        if self.dumper is not None:
+            self.dumper.dump("loss_spike", step)
+        if action == "warn":
+            warnings.warn(
+                msg + "; the step was applied (on_spike='warn'). ampguard.autopsy(guard) names "
+                "the cause; on_spike='skip' or 'rewind' keeps such a step out of the weights",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        elif action == "rewind":
+            self._rewind(event, scale)
+        elif action == "raise":
+            raise LossSpikeError(
+                msg + "; the step was skipped (on_spike='raise'). ampguard.autopsy(guard) "
+                "names the cause",
+                step=step,
+                loss=loss,
+                bound=bound,
+            )
+        return event
+
+    def _rewind(self, event: SpikeEvent, scale: Any) -> None:
+        snap: Snapshot | None = None
+        if self.snapshots is not None:
+            snap = self.snapshots.before(event.step - 1)
+        if snap is None:
+            warnings.warn(
+                f"loss spike at step {event.step}: no snapshot from before step "
+                f"{event.step - 1} yet (snapshot_every={self.config.snapshot_every}); the step "
+                "was skipped instead of rewound",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return
+        snap.restore(self.model, self.optimizers, self.schedulers, scale)
+        event.snapshot_step = snap.step
+        warnings.warn(
+            f"loss spike at step {event.step} (loss {event.loss:.4g}, {event.ratio:.3g}x its "
+            f"running level): rewound to the snapshot after step {snap.step}; the batches of "
+            f"steps {snap.step + 1}..{event.step} are left out (on_spike='rewind')",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+    def _recorded(self, step: int) -> tuple[float, float, float]:
+        if self.ring is None or self.ring.steps[self.ring.row(step)] != step:
+            return math.nan, math.nan, math.nan
+        loss, bound, level = self.ring.scalars[:3, self.ring.row(step)].tolist()
+        return loss, bound, level
+
+    def findings(self) -> list[Finding]:
+        """One AG180 per detected spike (its step, loss, bound, size and action). Cost: none."""
+        out = []
+        for e in self.events:
+            did = {
+                "warn": "the step was applied",
+                "skip": "the step was skipped",
+                "raise": "the step was skipped and the run stopped",
+                "rewind": (
+                    f"the run was rewound to step {e.snapshot_step}"
+                    if e.snapshot_step is not None
+                    else "the step was skipped (no snapshot to rewind to)"
+                ),
+            }.get(e.action or "", "recorded")
+            out.append(
+                make(
+                    "AG180",
+                    f"The loss spiked at step {e.step}: {e.loss:.4g}, {e.ratio:.3g}x its running "
+                    f"level (the detector's bound was {e.bound:.4g}); {did}.",
+                    step=e.step,
+                    detail=f"step {e.step}, {e.ratio:.3g}x",
+                    evidence={
+                        "loss": _finite(e.loss),
+                        "bound": _finite(e.bound),
+                        "level": _finite(e.level),
+                        "ratio": _finite(e.ratio),
+                        "action": e.action,
+                        "snapshot_step": e.snapshot_step,
+                    },
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """The detector's statistic for ``Guard.state_dict()``. Cost: one host sync."""
+        return self.detector.state_dict()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held: ``ring`` (device) and ``snapshots`` (host memory)."""
+        return {
+            "ring": 0 if self.ring is None else self.ring.memory_bytes(),
+            "snapshots": 0 if self.snapshots is None else self.snapshots.nbytes,
+        }
+
+
+def attach(
+    config: SpikeConfig | None, state: Any, schedulers: list[Any], telemetry: Any
+) -> SpikeWatch | None:
+    """The :class:`SpikeWatch` of the Guard whose ``StepState`` is ``state`` (None when ``config``
+    is None), with a dumper into the
+    run folder of ``telemetry`` (every rank's, also those that write no run log)."""
+    if config is None:
+        return None
+    watch = SpikeWatch(config, state.model, state.optimizers, schedulers, state.device, state.dist)
+    rank, world = 0, 1
+    if state.dist is not None:
+        rank, world = state.dist.topology.global_rank, state.dist.topology.world_size
+    run_dir = run_dir_of(telemetry, rank)
+    if run_dir is not None and config.capacity:
+        watch.dumper = Dumper(watch, run_dir, rank, world)
+    return watch
+
+
+def _finite(v: float) -> float | None:
+    return round(v, 6) if math.isfinite(v) else None

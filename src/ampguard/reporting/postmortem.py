@@ -1,0 +1,230 @@
+"""``ampguard postmortem RUN_DIR``: the ranks' flight-recorder dumps merged into one timeline.
+
+Each rank of a ``Guard(flight_recorder=N, telemetry=RUN_DIR)`` writes
+``RUN_DIR/flight_recorder/rank<R>.json`` on a trigger (``ampguard.guard._recorder``). This module
+reads them back (schema-checked: a missing, unreadable or malformed dump is one
+:class:`PostmortemError` naming the file and the field), finds the first window where something
+went wrong on any rank (a loss spike, non-finite loss or gradients, a skipped window) and the
+layer whose gradient norm jumped most there, and renders the windows around it, one column per
+rank. :func:`signal_read` is the autopsy's reading of the recorded signals (also the one
+``ampguard.autopsy`` falls back to when it cannot replay). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ampguard.runlog import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_KIND, FLIGHT_RECORDER_VERSION
+
+__all__ = [
+    "PostmortemError",
+    "Postmortem",
+    "layer_kind",
+    "layer_of",
+    "load",
+    "signal_read",
+    "text",
+]
+
+_ATTENTION = ("q_proj", "k_proj", "qkv", "query", "key", "c_attn", "attn", "attention")
+_OUTPUT = ("lm_head", "head", "output", "classifier", "logits", "unembed")
+_ROW_FIELDS = {"step": int, "loss": (int, float, type(None)), "grad_norm": list}
+
+
+class PostmortemError(ValueError):
+    """A run folder without usable flight-recorder dumps (the message names the file)."""
+
+
+@dataclass
+class Postmortem:
+    """The merged dumps: ``ranks`` (rank -> dump), the first bad window and its layer."""
+
+    run_dir: Path
+    ranks: dict[int, dict[str, Any]]
+    first_step: int | None = None
+    first_rank: int | None = None
+    what: str = ""
+    layer: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def _check(path: Path, data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict) or data.get("kind") != FLIGHT_RECORDER_KIND:
+        raise PostmortemError(f"{path}: not an ampguard flight-recorder dump (no kind field)")
+    if data.get("version") != FLIGHT_RECORDER_VERSION:
+        raise PostmortemError(
+            f"{path}: dump version {data.get('version')!r}, this ampguard reads "
+            f"{FLIGHT_RECORDER_VERSION}"
+        )
+    for key, kind in (("rank", int), ("step", int), ("names", list), ("rows", list)):
+        if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+            raise PostmortemError(f"{path}: field {key!r} must be a {kind.__name__}")
+    for i, row in enumerate(data["rows"]):
+        if not isinstance(row, dict):
+            raise PostmortemError(f"{path}: rows[{i}] must be an object")
+        for key, kind in _ROW_FIELDS.items():
+            if not isinstance(row.get(key), kind) or isinstance(row.get(key), bool):
+                raise PostmortemError(f"{path}: rows[{i}].{key} is missing or malformed")
+    return data
+
+
+def load(run_dir: str | Path) -> Postmortem:
+    """Read and merge the dumps of ``run_dir``. ``PostmortemError`` naming what is missing or
+    malformed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PostmortemError(f"{run_dir}: no such run folder")
+    folder = run_dir / FLIGHT_RECORDER_DIR
+    paths = sorted(folder.glob("rank*.json")) if folder.is_dir() else []
+    if not paths:
+        raise PostmortemError(
+            f"{folder}: no flight-recorder dumps (a Guard(flight_recorder=N, telemetry=RUN_DIR) "
+            "writes them on a spike, a non-finite step or an error)"
+        )
+    ranks: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PostmortemError(f"{path}: unreadable dump ({err})") from err
+        data = _check(path, data)
+        ranks[data["rank"]] = data
+    pm = Postmortem(run_dir, dict(sorted(ranks.items())))
+    _first(pm)
+    return pm
+
+
+def _bad(row: dict[str, Any]) -> tuple[int, str] | None:
+    """``(priority, what)`` for a window that went wrong on this rank: its own signal (0) before
+    a skip it only agreed to (1: another rank's spike or non-finite gradients)."""
+    if row.get("spike") == 1.0:
+        return 0, "loss spike"
+    if row.get("loss") is None:
+        return 0, "non-finite loss"
+    if row.get("status") not in (0.0, None):
+        return 1, "skipped (grads or a peer)"
+    return None
+
+
+def _first(pm: Postmortem) -> None:
+    best: tuple[int, int, int, str] | None = None
+    for rank, dump in pm.ranks.items():
+        for row in dump["rows"]:
+            bad = _bad(row)
+            if bad is None:
+                continue
+            key = (row["step"], bad[0], rank, bad[1])
+            if best is None or key < best:
+                best = key
+    if best is None:
+        return
+    pm.first_step, _, pm.first_rank, pm.what = best
+    dump = pm.ranks[pm.first_rank]
+    rows = {r["step"]: r for r in dump["rows"]}
+    _, layer, evidence = signal_read(rows, dump["names"], best[0], None)
+    pm.layer, pm.evidence = layer, evidence
+
+
+def layer_of(name: str) -> str:
+    """The module name of parameter ``name`` (``"blocks.0.attn.weight"`` -> ``"blocks.0.attn"``)."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def layer_kind(layer: str | None, last: str | None) -> str:
+    """The mechanism a layer's own outlier update points to, by the layer's name."""
+    if layer is None:
+        return "update_outlier"
+    leaf = layer.lower().split(".")[-1]
+    if any(k in leaf for k in _ATTENTION) or ".attn" in layer.lower():
+        return "attention_logit_growth"
+    if layer == last or leaf in _OUTPUT:
+        return "output_logit_divergence"
+    return "update_outlier"
+
+
+def signal_read(
+    rows: dict[int, dict[str, Any]], names: list[str], step: int, last_layer: str | None
+) -> tuple[str, str | None, dict[str, Any]]:
+    """``(mechanism, layer, evidence)`` read from the recorded rows alone: the parameter whose
+    gradient norm at ``step`` jumped most over its median of the 32 windows before; when every
+    layer jumped alike (the largest jump under 4x the median jump) the batch is the suspect."""
+    row = rows.get(step)
+    if row is None:
+        return "unknown", None, {"signals": "the spike's window is no longer recorded"}
+    earlier = [rows[s]["grad_norm"] for s in sorted(rows) if s < step][-32:]
+    ratios = []
+    for j, g in enumerate(row["grad_norm"]):
+        hist = sorted(v[j] for v in earlier if j < len(v) and v[j] is not None)
+        base = hist[len(hist) // 2] if hist else None
+        ratios.append(g / base if g is not None and base else (math.inf if g is None else 0.0))
+    if not ratios or not names:
+        return "unknown", None, {"signals": "no gradient norms recorded"}
+    j = max(range(len(ratios)), key=lambda i: ratios[i])
+    median = sorted(ratios)[len(ratios) // 2]
+    evidence = {
+        "grad_norm_jump": {names[j]: _round(ratios[j]), "median": _round(median)},
+    }
+    if math.isfinite(ratios[j]) and median > 0 and ratios[j] < 4 * median:
+        return "outlier_batch", None, evidence
+    layer = layer_of(names[j])
+    return layer_kind(layer, last_layer), layer, evidence
+
+
+def _round(v: float) -> float | None:
+    return round(v, 3) if math.isfinite(v) else None
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def text(pm: Postmortem, *, around: int = 5, autopsy: bool = False) -> str:
+    """The timeline as text: the first bad window and its layer, then ``around`` windows either
+    side with every rank's loss and flags."""
+    steps = sorted({r["step"] for d in pm.ranks.values() for r in d["rows"]})
+    lines = [
+        f"ampguard postmortem {pm.run_dir}: {len(pm.ranks)} rank(s), windows "
+        f"{steps[0] if steps else '-'}..{steps[-1] if steps else '-'}; dumped on "
+        + ", ".join(
+            f"rank {r}: {d.get('trigger')} at step {d['step']}" for r, d in pm.ranks.items()
+        )
+    ]
+    if pm.first_step is None:
+        lines.append("nothing went wrong in the recorded windows")
+        return "\n".join(lines)
+    where = f" in layer {pm.layer!r}" if pm.layer else ""
+    jump = pm.evidence.get("grad_norm_jump")
+    lines.append(
+        f"first: rank {pm.first_rank}, step {pm.first_step}: {pm.what}{where}"
+        + (f" (gradient norm jump {jump})" if jump else "")
+    )
+    lo, hi = pm.first_step - around, pm.first_step + around
+    header = "  step " + "".join(f"  {f'rank{r} loss':>10}  {'flags':<24}" for r in pm.ranks)
+    lines.append(header)
+    by_rank = {r: {row["step"]: row for row in d["rows"]} for r, d in pm.ranks.items()}
+    for s in (s for s in steps if lo <= s <= hi):
+        cells = []
+        for r in pm.ranks:
+            row = by_rank[r].get(s)
+            bad = None if row is None else _bad(row)
+            flag = "" if bad is None else bad[1]
+            cells.append(f"  {_num(None if row is None else row.get('loss')):>10}  {flag[:24]:<24}")
+        mark = ">" if s == pm.first_step else " "
+        lines.append(f"{mark}{s:>5} " + "".join(cells))
+    if autopsy:
+        for r, d in pm.ranks.items():
+            rows = {row["step"]: row for row in d["rows"]}
+            for spike in d.get("spikes") or []:
+                mech, layer, ev = signal_read(rows, d["names"], spike["step"], None)
+                lines.append(
+                    f"autopsy (rank {r}, step {spike['step']}): {mech}"
+                    + (f" in {layer!r}" if layer else "")
+                    + f" {ev.get('grad_norm_jump', '')} -- read from the recorded signals, "
+                    "not verified (a counterfactual replay needs the live Guard: "
+                    "ampguard.autopsy(guard))"
+                )
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""What each rank runs in tests/test_spikes_distributed.py: 2 real gloo ranks, plain DDP, a loss
+spike planted in one rank's batch. Reuses the process plumbing of ``_distributed_scenarios``."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import _distributed_scenarios as S
+import torch
+import torch.distributed as dist
+
+import ampguard as ag
+
+SPIKE = 60  # after the detector's 50-window warm-up
+
+
+def _batch(step: int, rank: int, spike: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    if spike:
+        x[:2] *= 40.0
+        y[:2] *= -40.0
+    return x, y
+
+
+def spike_on_one_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Only the last rank's loss spikes at window SPIKE: every rank skips that window, every
+    rank dumps its ring into the shared run folder."""
+    model = S.ddp(S.make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = ag.Guard(
+        model, opt, precision="bf16", on_spike="skip", telemetry=f"{tmp}/run", audit_every=None
+    )
+    causes = {}
+    for step in range(1, SPIKE + 3):
+        x, y = _batch(step, rank, spike=step == SPIKE and rank == world - 1)
+        with guard.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        guard.backward(loss)
+        r = guard.step()
+        if step >= SPIKE - 1:
+            causes[step] = r.skip_cause
+    guard.close()
+    return {"causes": causes, "params": S.flat(model)}
+
+
+SCENARIOS = {spike_on_one_rank.__name__: spike_on_one_rank}
+
+
+def rank_main(rank, world, port, scenarios, queue, tmp, pg_timeout=30.0) -> None:
+    """The per-rank body for ``S.run_ranks`` (its ``_rank_main`` with this module's scenarios)."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    try:
+        for name in scenarios:
+            try:
+                value = SCENARIOS[name](rank, world, tmp)
+            except BaseException as exc:
+                queue.put((name, rank, "error", f"{exc!r}\n" + traceback.format_exc(limit=6)))
+                raise
+            queue.put((name, rank, "ok", S._plain(value)))
+    finally:
+        queue.close()
+        queue.join_thread()
+    dist.destroy_process_group()
