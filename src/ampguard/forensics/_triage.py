@@ -86,7 +86,7 @@ class TriageEvent:
         return make(
             self.code,
             f"step {self.step}: {self.cause.replace('_', ' ')} at {where}",
-            detail=self.module or None,
+            detail=f"module {self.module!r}" if self.module is not None else None,
             step=self.step,
             evidence={**self.evidence, "rank": self.rank, "module": self.module, "op": self.op},
         )
@@ -225,20 +225,24 @@ def triage(
     step: int | None = None,
     restore: Callable[[int], None] | None = None,
 ) -> list[TriageEvent]:
-    """Triage the latest failed step of ``guard``'s run: one :class:`TriageEvent`, or ``[]``.
+    """One :class:`TriageEvent` per failed step of ``guard``'s run that can be replayed.
 
-    ``recorder``: the :class:`SignatureRecorder` attached to the model before the step
-    (``SignatureRecorder(model, clock=lambda: guard.steps)``); ``batch`` and
-    ``loss_fn(model, batch)``: that step's. ``step``: the step to triage (default: the latest
-    recorded step whose loss, outputs or gradients held NaN/inf; none -> ``[]``).
-    ``restore(step)`` puts the model back in the state ``step`` started from (a snapshot's
-    restore); without it the model must still hold that state, as a skipped step leaves it.
-    Under
-    ``torch.distributed`` every rank must call it (a collective): each replays its own step
-    and all return the same events, the faulty rank named.
+    ``recorder``: the :class:`SignatureRecorder` attached to the model before the steps
+    (``SignatureRecorder(model, clock=lambda: guard.steps)``). Failed steps: the recorded steps
+    whose loss, outputs or gradients held NaN/inf, and those whose loss the Guard's flight
+    recorder saw non-finite or spiking; ``step=`` names one instead. A step is numbered by
+    ``guard.steps`` during its forward (its ``StepResult.step`` minus one).
 
-    Cost: see :func:`triage_step` (about three step-equivalents, host syncs); nothing on the
-    training path.
+    Each step is replayed from the state it started from: the flight recorder's snapshot taken
+    just before it (``Guard(snapshot_every=1)``), or ``restore(step)`` (your own snapshot's
+    restore), or, for the latest step when it was skipped, the model as it is. Its batch and
+    ``loss_fn`` come from ``guard.step(batch=..., loss_fn=...)`` (the flight recorder keeps
+    them) or from ``batch=`` / ``loss_fn=``. The model, its gradients and the RNG are left as
+    they were. No failed step: ``[]``. Under ``torch.distributed`` every rank must call it (a
+    collective); all return the same events, with the faulty rank named.
+
+    Cost: per event, see :func:`triage_step` (about three step-equivalents, host syncs);
+    nothing on the training path.
     """
     if recorder is None:
         raise ValueError(
@@ -247,35 +251,112 @@ def triage(
         )
     if not isinstance(recorder, SignatureRecorder):
         raise TypeError(f"recorder must be a SignatureRecorder, got {type(recorder).__name__}")
-    if step is None:
-        bad = recorder.bad_steps()
-        if not bad:
-            return _gathered([], recorder)
-        step = bad[-1]
-    elif step not in recorder.steps:
+    watch = getattr(guard, "flight_recorder", None)
+    if step is not None and step not in recorder.steps:
         raise ValueError(f"step={step} is not recorded (the recorder holds {recorder.steps})")
-    if loss_fn is None or not callable(loss_fn):
-        raise ValueError("ag.triage needs loss_fn=: loss_fn(model, batch) -> the scalar loss")
+    steps = [step] if step is not None else _agreed(_failed(recorder, watch))
+    events = []
+    for s in steps:
+        plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
+        if plan is not None:
+            events.append(_triage_one(guard, recorder, s, *plan))
+    return _gathered(events)
+
+
+def _failed(recorder: SignatureRecorder, watch: Any) -> list[int]:
+    failed = set(recorder.bad_steps())
+    if watch is not None and getattr(watch, "ring", None) is not None:
+        for row in watch.ring.rows():  # window n is the step whose forward saw steps == n - 1
+            if row.get("loss") is None or row.get("spike"):
+                failed.add(int(row["step"]) - 1)
+    return sorted(s for s in failed if s in recorder.steps)
+
+
+def _agreed(steps: list[int]) -> list[int]:
+    """Under ``torch.distributed``: the union of the ranks' failed steps (one collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return steps
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, steps)
+    return sorted({s for r in rows for s in r})
+
+
+def _plan(
+    guard: Any,
+    watch: Any,
+    recorder: SignatureRecorder,
+    step: int,
+    loss_fn: Any,
+    batch: Any,
+    restore: Callable[[int], None] | None,
+    single: bool,
+) -> tuple[Any, Any, Callable[[int], None] | None] | None:
+    """``(loss_fn, batch, restore)`` for replaying ``step``; None (or, for ``step=``, an
+    error naming what is missing) when it cannot be replayed."""
+    recorded = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
+    if batch is None and recorded is not None:
+        batch, loss_fn = recorded[0], loss_fn or recorded[1]
+    elif batch is not None and step != max(recorder.steps) and recorded is None:
+        batch = None  # batch= is the latest step's
+    missing = None
     if batch is None:
-        raise ValueError(f"ag.triage needs batch=: the batch of step {step}, to replay it")
+        missing = (
+            f"the batch of step {step}: pass guard.step(batch=..., loss_fn=...) so the flight "
+            "recorder keeps it, or batch= for the latest step"
+        )
+    elif loss_fn is None or not callable(loss_fn):
+        missing = "loss_fn=: loss_fn(model, batch) -> the scalar loss"
+    if restore is None and missing is None:
+        snaps = getattr(watch, "snapshots", None) if watch is not None else None
+        snap = snaps.before(step + 1) if snaps is not None else None
+        if snap is not None and snap.step == step:
+            state = snap.loaded().model
+
+            def restore(_s: int, state: Any = state) -> None:
+                guard.model.load_state_dict(state)
+
+        elif step != guard.steps - 1:
+            missing = (
+                f"the state step {step} started from: Guard(snapshot_every=1) keeps it, or pass "
+                "restore=(a function restoring your snapshot)"
+            )
+    if missing is None:
+        return loss_fn, batch, restore
+    if single:
+        raise ValueError(f"ag.triage cannot replay step {step}: it needs {missing}")
+    return None
+
+
+def _triage_one(
+    guard: Any,
+    recorder: SignatureRecorder,
+    step: int,
+    loss_fn: Any,
+    batch: Any,
+    restore: Callable[[int], None] | None,
+) -> TriageEvent:
     model = recorder.model
+    live = Preserved(guard.model) if restore is not None else None
     recorder.paused = True
     try:
         if restore is not None:
             restore(step)
-        event = triage_step(
+        return triage_step(
             model,
             loss_fn,
             batch,
             recorder.read(step),
             precision=guard.precision,
-            scale=float(guard.scale_used_at(step)),
+            scale=float(guard.scale_used_at(step + 1)),
             rng_state=recorder.rng_state(step),
             rank=_rank(),
         )
     finally:
         recorder.paused = False
-    return _gathered([event], recorder)
+        if live is not None:
+            live.close()
 
 
 def _rank() -> int:
@@ -284,7 +365,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _gathered(events: list[TriageEvent], recorder: SignatureRecorder) -> list[TriageEvent]:
+def _gathered(events: list[TriageEvent]) -> list[TriageEvent]:
     """Under ``torch.distributed``: every rank's verdicts, merged (a fault on one rank is the
     run's verdict for that step); in one process, ``events`` unchanged."""
     import torch.distributed as dist
