@@ -13,7 +13,6 @@ value corrupted after its kernel wrote it, the op that produced it).
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,35 +131,33 @@ class Captures:
         self._handles = []
 
 
-def _reference_copy(module: torch.nn.Module) -> torch.nn.Module:
-    ref = copy.deepcopy(module).to("cpu")
-    for m in ref.modules():  # the reference runs the module's code, not the replay's hooks
-        m._backward_hooks.clear()
-        m._backward_pre_hooks.clear()
-    return ref
-
-
 def _reference_run(
     module: torch.nn.Module, cap: _Capture, policy: PrecisionPolicy, backward: bool
 ) -> tuple[Any, list[torch.Tensor | None], list[torch.Tensor | None]]:
-    ref = _reference_copy(module)
+    # the module's own code on CPU copies of its state (torch.func.functional_call: no copy of
+    # the module, whose attributes may hold a process group or a DDP reducer)
+    params = {
+        n: p.detach().cpu().clone().requires_grad_(p.requires_grad and backward)
+        for n, p in module.named_parameters()
+    }
+    buffers = {n: b.detach().cpu().clone() for n, b in module.named_buffers()}
     args = _inputs(cap, torch.device("cpu"), backward)
     dtype = policy.dtype
     with on_reference_device(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-        out = ref(*args)
+        out = torch.func.functional_call(module, {**params, **buffers}, args)
     if not backward:
         return out, [], []
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    params = [p for p in ref.parameters() if p.requires_grad]
+    wanted = [p for p in params.values() if p.requires_grad]
     outs = [t for t in floats(out) if t.requires_grad]
     gouts = [g.cpu() if g is not None else None for g in _pad(cap.grad_output, len(outs))]
     pairs = [(o, g) for o, g in zip(outs, gouts, strict=True) if g is not None]
-    if not pairs or not inputs + params:
+    if not pairs or not inputs + wanted:
         return out, [], []
     with on_reference_device():
         grads = torch.autograd.grad(
             [o for o, _ in pairs],
-            inputs + params,
+            inputs + wanted,
             [g for _, g in pairs],
             allow_unused=True,
         )
