@@ -1,6 +1,7 @@
 """Sync-free per-module and per-layer signatures: integer bit-sums kept on the device.
 
-A signature is the sum of a tensor's bits read as integers (as the DDP audit checksums the
+Each is kept as the 0-dim device tensor its reduction made, combined only when read. A
+signature is the sum of a tensor's bits read as integers (as the DDP audit checksums the
 parameters, :func:`ampguard.distributed.param_checksum`): exact, independent of the reduction
 order, and changed by any single flipped bit (by ``±2**k``). :class:`SignatureRecorder` keeps,
 for each recorded step, in a ring of device tensors:
@@ -8,7 +9,7 @@ for each recorded step, in a ring of device tensors:
 * ``forward``: each leaf module's output signature (summed when a module runs twice);
 * ``backward``: the signature of the gradient of each leaf module's output;
 * ``grads``: each parameter's gradient signature (the scaled gradients, before unscaling);
-* ``bad``: whether a module output, a gradient or the loss (:meth:`observe_loss`) held a NaN/inf.
+* ``bad``: whether a gradient or the loss (:meth:`observe_loss`) held a NaN/inf.
 
 A replay of the same step with the same state and batch gives the same signatures bit for bit;
 :func:`first_difference` names the first module (in execution order) where a replay and the
@@ -38,8 +39,7 @@ def bitsum(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INTS[t.element_size()]).sum(dtype=torch.int64)
 
 
-def _bad(t: torch.Tensor) -> torch.Tensor:
-    return torch.logical_not(torch.isfinite(t.detach()).all())
+_FWD, _BWD, _GRAD, _SUM = range(4)
 
 
 def _floats(value: Any) -> list[torch.Tensor]:
@@ -75,9 +75,10 @@ class SignatureRecorder:
     recorder counts the model's forward calls. Gradient-accumulation windows: the last
     micro-batch's signatures are kept.
 
-    Cost per recorded step: per leaf module, two integer reductions (output and its
-    gradient) and a finiteness check; per parameter, one reduction and a finiteness check;
-    Python hooks around each. No host sync; :meth:`read` syncs (once).
+    Cost per recorded step: per leaf module, two integer reductions (its output and that
+    output's gradient); per parameter, two reductions (its gradient's bits and its float sum,
+    for NaN/inf); Python hooks around each, and a host copy of the RNG state. No host sync;
+    :meth:`read` and :meth:`bad_steps` sync. Unrecorded steps (``every > 1``) cost one hook.
     """
 
     def __init__(
@@ -97,12 +98,10 @@ class SignatureRecorder:
         self.leaves = [(n, m) for n, m in model.named_modules() if not any(m.children())]
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owners = {n: n.rpartition(".")[0] for n, _ in self.params}
-        device = next((p.device for _, p in self.params), torch.device("cpu"))
-        nm, np_ = len(self.leaves), len(self.params)
-        self._fwd = torch.zeros(capacity, max(nm, 1), dtype=torch.int64, device=device)
-        self._bwd = torch.zeros_like(self._fwd)
-        self._grad = torch.zeros(capacity, max(np_, 1), dtype=torch.int64, device=device)
-        self._badrow = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self._device_type = next((p.device.type for _, p in self.params), "cpu")
+        # per slot: (kind, index, 0-dim device tensor) as the hooks made them; combined on
+        # read (one stack, one host read), so a recorded step costs one reduction per tensor
+        self._rows: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(capacity)]
         self._steps: list[int | None] = [None] * capacity
         self._forwards = 0
         self._slot = 0
@@ -122,11 +121,8 @@ class SignatureRecorder:
             return
         self._slot = slot = (step // self.every) % self.capacity
         self._steps[slot] = step
-        self._rng[slot] = _rng_state(self._fwd.device.type)
-        self._fwd[slot].zero_()
-        self._bwd[slot].zero_()
-        self._grad[slot].zero_()
-        self._badrow[slot] = False
+        self._rng[slot] = _rng_state(self._device_type)
+        self._rows[slot] = []
         self._orders[slot] = ([], [])
         for i, (_, m) in enumerate(self.leaves):
             self._step_hooks.append(m.register_forward_hook(self._output_hook(i)))
@@ -141,39 +137,39 @@ class SignatureRecorder:
                 return
             fwd_order, bwd_order = self._orders[slot]
             fwd_order.append(i)
+            row = self._rows[slot]
             for t in tensors:
-                self._fwd[slot, i] += bitsum(t)
-                self._badrow[slot] |= _bad(t)
+                row.append((_FWD, i, bitsum(t)))
                 if t.requires_grad:
-                    t.register_hook(self._output_grad_hook(slot, i, bwd_order))
+                    t.register_hook(self._output_grad_hook(row, i, bwd_order))
 
         return hook
 
     def _output_grad_hook(
-        self, slot: int, i: int, order: list[int]
+        self, row: list[tuple[int, int, torch.Tensor]], i: int, order: list[int]
     ) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:
             order.append(i)
-            self._bwd[slot, i] += bitsum(g)
-            self._badrow[slot] |= _bad(g)
+            row.append((_BWD, i, bitsum(g)))
 
         return hook
 
     def _grad_hook(self, j: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                slot = self._slot
-                self._grad[slot, j] = bitsum(p.grad)
-                self._badrow[slot] |= _bad(p.grad)
+                row = self._rows[self._slot]
+                row.append((_GRAD, j, bitsum(p.grad)))
+                # a float sum is NaN/inf when an element is (or the sum overflows fp32)
+                row.append((_SUM, j, p.grad.detach().sum(dtype=torch.float32)))
 
         return hook
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Mark the step being recorded as failed when ``loss`` is NaN/inf (the loss is computed
-        outside the model, so the recorder sees it only through this call; ``Guard.backward``
-        makes it). Cost: one device op, no host sync."""
+        outside the model, so the recorder sees it only through this call). Cost: one device
+        op, no host sync."""
         if self._steps[self._slot] is not None and not self.paused:
-            self._badrow[self._slot] |= _bad(loss)
+            self._rows[self._slot].append((_SUM, -1, loss.detach().float().sum()))
 
     def _detach(self) -> None:
         for h in self._step_hooks:
@@ -188,7 +184,7 @@ class SignatureRecorder:
 
     def read(self, step: int) -> StepSignature:
         """The recorded signatures of ``step``. ``KeyError`` when it is not in the ring.
-        Cost: four host syncs (one per table)."""
+        Cost: two host syncs."""
         return self._row(step, self._slot_of(step))
 
     def rng_state(self, step: int) -> dict[str, Any]:
@@ -202,20 +198,40 @@ class SignatureRecorder:
         return self._steps.index(step)
 
     def bad_steps(self) -> list[int]:
-        """Recorded steps whose outputs or gradients held NaN/inf. Cost: one host sync."""
-        flags = self._badrow.tolist()
-        return sorted(s for s, f in zip(self._steps, flags, strict=True) if s is not None and f)
+        """Recorded steps whose gradients or loss (:meth:`observe_loss`) held NaN/inf.
+        Cost: one host sync."""
+        sums = [
+            (s, t)
+            for s, row in zip(self._steps, self._rows, strict=True)
+            if s is not None
+            for kind, _, t in row
+            if kind == _SUM
+        ]
+        if not sums:
+            return []
+        finite = torch.isfinite(torch.stack([t.to(sums[0][1].device) for _, t in sums])).tolist()
+        return sorted({s for (s, _), ok in zip(sums, finite, strict=True) if not ok})
 
     def _row(self, step: int, slot: int) -> StepSignature:
-        fwd, bwd, grad = (t[slot].tolist() for t in (self._fwd, self._bwd, self._grad))
+        row = self._rows[slot]
+        ints = [t for kind, _, t in row if kind != _SUM]
+        floats = [t for kind, _, t in row if kind == _SUM]
+        values = torch.stack(ints).tolist() if ints else []
+        bad = bool(floats) and not bool(torch.isfinite(torch.stack(floats)).all())
         names = [n for n, _ in self.leaves]
+        tables: dict[int, dict[int, int]] = {_FWD: {}, _BWD: {}, _GRAD: {}}
+        it = iter(values)
+        for kind, i, _ in row:
+            if kind != _SUM:
+                table = tables[kind]
+                table[i] = table.get(i, 0) + next(it)
         fwd_order, bwd_order = self._orders[slot]
         return StepSignature(
             step,
-            {n: fwd[i] for i, n in enumerate(names)},
-            {n: bwd[i] for i, n in enumerate(names)},
-            {n: grad[j] for j, (n, _) in enumerate(self.params)},
-            bool(self._badrow[slot]),
+            {n: tables[_FWD].get(i, 0) for i, n in enumerate(names)},
+            {n: tables[_BWD].get(i, 0) for i, n in enumerate(names)},
+            {n: tables[_GRAD].get(j, 0) for j, (n, _) in enumerate(self.params)},
+            bad,
             _dedup(names, fwd_order),
             _dedup(names, bwd_order),
             dict(self.owners),
