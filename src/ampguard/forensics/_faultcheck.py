@@ -287,10 +287,16 @@ def bisect_op(
 
 
 def _producer(outputs: list[tuple[str, torch.Tensor]], expected: Any) -> str | None:
-    """The last op whose output holds the (uncorrupted) value of the corrupted tensor."""
+    """The last op whose output holds the (uncorrupted) value of the corrupted tensor; a cast
+    or copy of it (autocast's ``_to_copy`` of a bf16 gradient to fp32) names the op before."""
     wanted = floats(expected)
+    found = None
     for name, t in reversed(outputs):
-        for w in wanted:
-            if t.shape == w.shape and not deviates(t, w):
+        if any(t.shape == w.shape and not deviates(t, w) for w in wanted):
+            if name not in _COPIES:
                 return name
-    return outputs[-1][0] if outputs else None
+            found = found or name
+    return found or (outputs[-1][0] if outputs else None)
+
+
+_COPIES = frozenset({"aten._to_copy", "aten.clone", "aten.copy_", "aten.contiguous"})
