@@ -211,3 +211,24 @@ def test_bad_input() -> None:
         g2.step()
     with pytest.raises(ValueError, match="cannot replay step 0: it needs the batch of step 0"):
         ag.triage(g2, recorder=r2, step=0)
+
+
+def test_events_are_written_to_the_run_folder_and_listed_by_postmortem(tmp_path, capsys) -> None:
+    from ampguard.cli._main import main
+
+    run = tmp_path / "run"
+    model = _mlp()
+    plant = _fault(module="4", bit="exponent_top", persistent=True)
+    guard, rec, _ = _run(model, fault=plant, telemetry=str(run))
+    (event,) = ag.triage(guard, recorder=rec)
+    guard.close()
+    assert (run / "triage" / "rank0.json").is_file()
+    assert main(["postmortem", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "triage (step 2, rank 0): persistent_fault at module '4' op aten.addmm in forward [AG383]"
+        in out
+    )
+    (run / "triage" / "rank0.json").write_text("{}", encoding="utf-8")
+    assert main(["postmortem", str(run)]) == 2  # a corrupt triage file: one clear error
+    assert "not an ampguard triage file" in capsys.readouterr().err

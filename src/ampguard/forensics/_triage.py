@@ -23,6 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from ampguard.forensics._faultcheck import Captures, bisect_op, floats, referenc
 from ampguard.forensics._limits import FULL
 from ampguard.forensics._replay import Preserved
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
+from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_atomic
 
 __all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
 
@@ -260,7 +262,31 @@ def triage(
         plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
         if plan is not None:
             events.append(_triage_one(guard, recorder, s, *plan))
-    return _gathered(events)
+    merged = _gathered(events)
+    if merged:
+        _write(guard, merged)
+    return merged
+
+
+def _write(guard: Any, events: list[TriageEvent]) -> None:
+    """``RUN_DIR/triage/rank<R>.json`` (atomic) when the Guard has a run folder, for
+    ``ampguard postmortem``; a failed write warns and changes nothing else."""
+    run_dir = getattr(getattr(guard, "telemetry", None), "run_dir", None)
+    if run_dir is None:
+        return
+    rank = _rank()
+    path = Path(run_dir) / TRIAGE_DIR / f"rank{rank}.json"
+    payload = {
+        "kind": TRIAGE_KIND,
+        "version": TRIAGE_VERSION,
+        "rank": rank,
+        "events": [_json_safe({**_plain(e), "code": e.code}) for e in events],
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, payload)
+    except (OSError, ValueError) as err:
+        warnings.warn(f"ag.triage could not write {path} ({err})", RuntimeWarning, stacklevel=3)
 
 
 def _failed(recorder: SignatureRecorder, watch: Any) -> list[int]:
@@ -382,6 +408,17 @@ def _gathered(events: list[TriageEvent]) -> list[TriageEvent]:
             if seen is None or (ev.cause.endswith("_fault") and not seen.cause.endswith("_fault")):
                 by_step[ev.step] = ev
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf as None (the run folder's JSON is strict), containers kept."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _plain(event: TriageEvent) -> dict[str, Any]:
