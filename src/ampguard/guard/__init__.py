@@ -12,7 +12,9 @@ collapse policy (raise, warn, fall back to bf16) and ``_nonfinite`` the bound on
 skips without a scale; ``_state`` the versioned state dict (check everything, then apply);
 ``_fp8`` builds a precision's conversion through its registry hook (fp8's torchao layers,
 ``ampguard.fp8._convert``); ``_forensics`` runs ``keep_fp32`` / ``forensics`` /
-``auto_fallback`` / ``coverage_step`` around the step.
+``auto_fallback`` / ``coverage_step`` around the step; ``_spikes`` the flight recorder and
+``on_spike`` (over :mod:`ampguard.replay`), ``_recorder`` its dumps into the run folder and
+``_autopsy`` ``ampguard.autopsy``, the counterfactual replay of a loss spike.
 
 >>> guard = Guard(model, optimizer, precision="fp16", clip_grad_norm=1.0)
 >>> for x, y in data:

@@ -13,7 +13,8 @@ For a spike at window ``t`` (the loss of ``t`` was computed with the weights aft
    ===================  ==============================================  ===========================
    intervention         what changes                                    mechanism
    ===================  ==============================================  ===========================
-   ``drop_outliers``    window ``t`` without its highest-loss samples   ``outlier_batch``
+   ``drop_outliers``    window ``t`` without its samples above 3x the   ``outlier_batch``
+                        median loss (at least one, at most a quarter)
    ``floor_v``          Adam's ``exp_avg_sq`` of the suspect layer      ``adam_second_moment``
                         floored at its mean before ``t - 1``'s update
    ``clip_update``      the suspect layer's update at ``t - 1`` clipped ``attention_logit_growth``,
@@ -24,8 +25,9 @@ For a spike at window ``t`` (the loss of ``t`` was computed with the weights aft
    ``halve_lr``         the LR of every group halved at ``t - 1``       ``update_outlier``
    ===================  ==============================================  ===========================
 
-   The suspect layer is the one with the largest update-to-weight ratio at ``t - 1`` in the
-   plain replay. The live model, optimizers, schedulers and the global RNG are left as they were.
+   The suspect layers are the two with the largest update-to-weight ratio at ``t - 1`` in the
+   plain replay (each layer intervention is tried on both). The live model, optimizers,
+   schedulers and the global RNG are left as they were.
 
 Where no replay is possible (no batch recorded, no snapshot before the spike, gradient
 accumulation, a distributed model) or it does not reproduce the run, the diagnosis says why in
@@ -148,8 +150,8 @@ class _Replay:
             on_spike=None,
             snapshot=False,
         )
-        for s in self.schedulers:
-            g.on_applied(lambda _r, s=s: s.step())
+        for sched in self.schedulers:
+            g.on_applied(_stepper(sched))
         if self.scale is not None and g.loss_scaler is not None:
             g.loss_scaler.scale_tensor.copy_(self.scale)
         return g
@@ -191,6 +193,13 @@ class _Replay:
     def restore(self, snap: Snapshot) -> None:
         snap.restore(self.model, self.optimizers, self.schedulers)
         self.scale = None if snap.scale is None else snap.scale["scale"].clone()
+
+
+def _stepper(sched: Any) -> Callable[[Any], None]:
+    def step(_result: Any) -> None:
+        sched.step()
+
+    return step
 
 
 def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot | None]:
@@ -240,10 +249,10 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
     if bound is None or plain <= bound:
         evidence["replay"] = f"the replay did not reproduce the spike: loss {plain:.6g}"
         return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
-    suspect = layer_of(max(ratios, key=lambda n: ratios[n])) if ratios else layer
-    evidence["suspect_layer"] = suspect
+    suspects = _suspects(ratios) or [layer]
+    evidence["suspect_layers"] = suspects
     tried: dict[str, float] = {}
-    for name, fn in _interventions(rep, step, suspect, ratios):
+    for name, suspect, fn in _plan(rep, step, suspects, ratios):
         rep.restore(start)
         try:
             loss = fn()
@@ -255,7 +264,7 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
         if loss <= bound:
             evidence["interventions"] = tried
             evidence["removed_by"] = name
-            mech_v, layer_v = _mechanism(name, suspect, _last_layer(guard.model))
+            mech_v, layer_v = _mechanism(name.split(":")[0], suspect, _last_layer(guard.model))
             return SpikeDiagnosis(step, mech_v, layer_v, evidence, FIXES[mech_v], True)
     evidence["interventions"] = tried
     return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
@@ -263,6 +272,32 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
 
 class _NotApplicable(Exception):
     pass
+
+
+def _suspects(ratios: dict[str, float], top: int = 2) -> list[str | None]:
+    """The ``top`` layers with the largest update-to-weight ratio at ``t - 1``."""
+    best: dict[str, float] = {}
+    for n, r in ratios.items():
+        best[layer_of(n)] = max(best.get(layer_of(n), 0.0), r)
+    return list(sorted(best, key=lambda k: -best[k])[:top])
+
+
+_Run = Callable[[], float]
+
+
+def _plan(
+    rep: _Replay, step: int, suspects: list[str | None], ratios: dict[str, float]
+) -> list[tuple[str, str | None, _Run]]:
+    """``(name, suspect, run)`` in the order they are tried: the data, then each layer
+    intervention on each suspect, then the global LR."""
+    per = [dict((n, (s, fn)) for n, fn in _interventions(rep, step, s, ratios)) for s in suspects]
+    out: list[tuple[str, str | None, _Run]] = [("drop_outliers", None, per[0]["drop_outliers"][1])]
+    for kind in ("floor_v", "clip_update", "fp32_layer"):
+        for p in per:
+            suspect, fn = p[kind]
+            out.append((kind if len(per) == 1 else f"{kind}:{suspect}", suspect, fn))
+    out.append(("halve_lr", suspects[0], per[0]["halve_lr"][1]))
+    return out
 
 
 def _plain(rep: _Replay, step: int) -> tuple[float, dict[str, float]]:
@@ -278,7 +313,9 @@ def _plain(rep: _Replay, step: int) -> tuple[float, dict[str, float]]:
     return rep.window(g, step, train=False), ratios
 
 
-def _interventions(rep: _Replay, step: int, suspect: str | None, ratios: dict[str, float]):
+def _interventions(
+    rep: _Replay, step: int, suspect: str | None, ratios: dict[str, float]
+) -> list[tuple[str, _Run]]:
     params = dict(rep.model.named_parameters())
     layer_params = [n for n in params if suspect is not None and layer_of(n) == suspect]
 
@@ -291,7 +328,8 @@ def _interventions(rep: _Replay, step: int, suspect: str | None, ratios: dict[st
             raise _NotApplicable("the batch cannot be split by sample")
         with torch.no_grad(), g.autocast():
             per = [float(loss_fn(rep.model, _index(batch, [i]))) for i in range(n)]
-        k = max(1, n // 8)
+        median = sorted(per)[n // 2]
+        k = min(max(1, sum(v > 3 * median for v in per)), max(1, n // 4))  # the outliers
         keep = sorted(range(n), key=lambda i: per[i])[: n - k]
         with torch.no_grad(), g.autocast():
             return float(loss_fn(rep.model, _index(batch, keep)))
@@ -339,6 +377,8 @@ def _interventions(rep: _Replay, step: int, suspect: str | None, ratios: dict[st
             raise _NotApplicable("the run is fp32 already" if suspect else "no suspect layer")
         g = rep._guard()
         with Fp32Islands(rep.model) as islands:  # the hooks go when the block ends
+            if suspect not in dict(rep.model.named_modules()):
+                raise _NotApplicable(f"{suspect!r} is a parameter of no submodule")
             islands.add(suspect)
             rep.window(g, step - 1)
             return rep.window(g, step, train=False)

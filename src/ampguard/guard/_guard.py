@@ -725,7 +725,6 @@ class Guard:
                 and self._state.dist is None
                 and self._state.fp8 is None
                 and self._stagnation is None
-                and self._state.spikes is None
             ):
                 warnings.warn(
                     "Guard.findings(): without telemetry only forensics, fp8 and distributed "
@@ -755,6 +754,8 @@ class Guard:
         """Flush telemetry, write ``findings.json``, close the run log and write ``report.html``
         (no-op without telemetry; idempotent; without matplotlib the report is a one-line
         warning). Cost: one host sync; rendering the report takes about a second."""
+        if self._state.spikes is not None:  # the flight recorder's SIGTERM handler goes
+            self._state.spikes.close()
         if self._state.telemetry is not None and not self._state.telemetry.closed:
             try:  # a collapse surfacing here (pending fused flags) still closes the run log
                 self._state.telemetry.record_findings(self._side_findings())

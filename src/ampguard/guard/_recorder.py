@@ -1,12 +1,14 @@
 """The flight recorder's dumps: every rank writes its ring buffer into the run folder on a trigger.
 
-Triggers: a loss spike, non-finite gradients or loss (once the flags are on the host), and an
+Triggers: a loss spike, non-finite gradients or loss (once the flags are on the host), an
 exception out of ``Guard.step()`` (``PeerFailureError``, ``ScaleCollapseError``,
-``LossSpikeError``...). Each rank writes ``RUN_DIR/flight_recorder/rank<R>.json`` (temporary
-file, fsync, rename: never half-written), at most once per trigger kind per ``capacity // 2``
-windows. A dump that cannot be written (a full or read-only disk) warns once and is dropped:
-it never blocks training nor loses the step's update. ``ampguard postmortem RUN_DIR`` merges the
-ranks' dumps (:mod:`ampguard.reporting.postmortem`).
+``LossSpikeError``...) and SIGTERM (a handler installed from the main thread, chained to the one
+before it, removed by ``Guard.close()``). Each rank writes
+``RUN_DIR/flight_recorder/rank<R>.json`` (temporary file, fsync, rename: never half-written), at
+most once per trigger kind per ``capacity // 2`` windows. A dump that cannot be written (a full
+or read-only disk) warns once and is dropped: it never blocks training nor loses the step's
+update. ``ampguard postmortem RUN_DIR`` merges the ranks' dumps
+(:mod:`ampguard.reporting.postmortem`).
 
 The file (``kind: "ampguard.flight_recorder"``, ``version: 1``): ``rank``, ``world_size``,
 ``trigger``, ``step``, ``names`` (the parameters, in the order of ``grad_norm`` and
@@ -20,6 +22,8 @@ Cost of a dump: one host sync (the ring's copy) and the write.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -59,6 +63,36 @@ class Dumper:
     def path(self) -> Path:
         """This rank's dump file."""
         return self.run_dir / DUMP_DIR / f"rank{self.rank}.json"
+
+    def on_sigterm(self, step_of: Any) -> None:
+        """Dump on SIGTERM (``step_of()``: the window in progress), then hand the signal to the
+        handler that was installed before (the default one ends the process as it would have).
+        Only from the main thread (where Python runs signal handlers); :meth:`release` puts the
+        previous handler back."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def handler(signum: int, frame: Any) -> None:
+            self.dump("SIGTERM", step_of())
+            self.release()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, handler)
+        self._sigterm = (handler, previous)
+
+    def release(self) -> None:
+        """Put back the SIGTERM handler :meth:`on_sigterm` replaced (if still ours)."""
+        pair = getattr(self, "_sigterm", None)
+        if pair is None or threading.current_thread() is not threading.main_thread():
+            return
+        handler, previous = pair
+        self._sigterm = None
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     def dump(self, trigger: str, step: int) -> Path | None:
         """Write the ring now (rate-limited per trigger, see the module docstring); the path, or

@@ -193,7 +193,7 @@ class SpikeWatch:
         self.events: list[SpikeEvent] = []
         self.flag: torch.Tensor | None = None  # this window's spike flag (0-dim 0/1 float)
         self._work: Any = None  # the flag's in-flight all-reduce
-        self._step = 0
+        self.step = 0  # the last window begun
         self._weights: list[torch.Tensor] | None = None  # sampled window: weights before
         self.dumper: Any = None  # ampguard.guard._recorder.Dumper, set by the Guard
 
@@ -206,29 +206,20 @@ class SpikeWatch:
             self.flag = None
             return
         loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()
-        flag, bound, level = self.detector.observe(loss)
-        if self.ring is not None:
-            lrs = [
-                float(g.get("lr", math.nan)) for opt in self.optimizers for g in opt.param_groups
-            ]
-            self.ring.start(step, lrs)
-            self.ring.put(step, "loss", loss.float())
-            self.ring.put(step, "bound", bound)
-            self.ring.put(step, "level", level)
-            self.ring.put(step, "spike", flag)
+        lrs = [float(g.get("lr", math.nan)) for opt in self.optimizers for g in opt.param_groups]
+        flag = self.detector.observe(loss, self.ring.start(step, lrs))
         if self.dist is not None and torch.distributed.is_initialized():
             self._work = torch.distributed.all_reduce(
                 flag, op=torch.distributed.ReduceOp.MAX, group=self.dist.group, async_op=True
             )
-        self.flag, self._step = flag, step
-        if self.ring is not None and step % SAMPLE_EVERY == 0:
+        self.flag, self.step = flag, step
+        if step % SAMPLE_EVERY == 0 and self.config.capacity:
             self._weights = [p.detach().clone() for p in self.params]
 
     def on_grads(self, step: int, inv_scale: torch.Tensor | None) -> None:
         """The window's per-parameter gradient norms (``inv_scale``: the gradients are still
         scaled). Cost: one multi-tensor norm, no host sync."""
-        if self.ring is not None:
-            self.ring.put_grad_norms(step, [p.grad for p in self.params], inv_scale)
+        self.ring.put_grad_norms(step, [p.grad for p in self.params], inv_scale)
 
     def spike_flag(self) -> tuple[torch.Tensor, bool] | None:
         """``(flag, skips)`` for the window's packed flags (the ranks' agreed flag), or None.
@@ -236,7 +227,7 @@ class SpikeWatch:
         if self.flag is None:
             return None
         if self._work is not None:
-            with self.dist.collectives("the loss-spike agreement", self._step):
+            with self.dist.collectives("the loss-spike agreement", self.step):
                 self._work.wait()
             self._work = None
         return self.flag, self.config.acts
@@ -249,10 +240,9 @@ class SpikeWatch:
 
     def on_status(self, step: int, status: torch.Tensor, scale: torch.Tensor | None) -> None:
         """The window's packed flags and loss scale into the ring. Cost: two copy kernels."""
-        if self.ring is not None:
-            self.ring.put(step, "status", status.float())
-            if scale is not None:
-                self.ring.put(step, "scale", scale)
+        self.ring.put(step, "status", status)
+        if scale is not None:
+            self.ring.put(step, "scale", scale)
 
     def after_step(self, state: Any, batch: Any, loss_fn: Any) -> None:
         """After the window of ``state`` (a ``StepState``; its update applied or skipped): the
@@ -261,20 +251,30 @@ class SpikeWatch:
         sync."""
         step = state.steps
         scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
-        if self._weights is not None and self.ring is not None:
+        if self._weights is not None:
             before, self._weights = self._weights, None
             after = [p.detach() for p in self.params]
             diff = torch._foreach_sub(after, before)
-            num = torch.stack(torch._foreach_norm(diff))  # type: ignore[arg-type]
-            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)  # type: ignore[arg-type]
+            num = torch.stack(torch._foreach_norm(diff))
+            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
             self.ring.put_vector(step, "update_ratio", (num / den).float())
-        if batch is not None and loss_fn is not None and self.snapshots is not None:
+        if self.snapshots is None:
+            return
+        if batch is not None and loss_fn is not None:
             self.batches[step] = (batch, loss_fn)
-        if self.snapshots is not None and step % self.config.snapshot_every == 0:
+        if step % self.config.snapshot_every == 0:
             self.snapshots.add(step, self.model, self.optimizers, self.schedulers, scale)
-        oldest = None if self.snapshots is None else self.snapshots.oldest_needed()
-        while oldest is not None and self.batches and next(iter(self.batches)) <= oldest:
-            self.batches.popitem(last=False)
+            for k in [k for k in self.batches if not self._needed(k)]:
+                del self.batches[k]
+
+    def _needed(self, step: int) -> bool:
+        """A replay can still use window ``step``'s batch: after the oldest kept snapshot, or
+        between a spike and the snapshot pinned for it."""
+        assert self.snapshots is not None
+        live = self.snapshots.snapshots
+        if live and step > live[0].step:
+            return True
+        return any(s.step < step <= t for t, s in self.snapshots.spikes.items())
 
     def on_error(self, err: BaseException, step: int) -> None:
         """An exception leaves ``Guard.step()`` (a peer failure, a collapse, a raised spike):
@@ -340,10 +340,8 @@ class SpikeWatch:
         )
 
     def _recorded(self, step: int) -> tuple[float, float, float]:
-        if self.ring is None or self.ring.steps[self.ring.row(step)] != step:
-            return math.nan, math.nan, math.nan
-        loss, bound, level = self.ring.scalars[:3, self.ring.row(step)].tolist()
-        return loss, bound, level
+        got = self.ring.recorded(step)
+        return (math.nan, math.nan, math.nan) if got is None else got
 
     def findings(self) -> list[Finding]:
         """One AG180 per detected spike (its step, loss, bound, size and action). Cost: none."""
@@ -383,6 +381,11 @@ class SpikeWatch:
         """The detector's statistic for ``Guard.state_dict()``. Cost: one host sync."""
         return self.detector.state_dict()
 
+    def close(self) -> None:
+        """The Guard closes: the SIGTERM handler of the dumps goes."""
+        if self.dumper is not None:
+            self.dumper.release()
+
     def memory(self) -> dict[str, int]:
         """Bytes held: ``ring`` (device) and ``snapshots`` (host memory)."""
         return {
@@ -406,6 +409,7 @@ def attach(
     run_dir = run_dir_of(telemetry, rank)
     if run_dir is not None and config.capacity:
         watch.dumper = Dumper(watch, run_dir, rank, world)
+        watch.dumper.on_sigterm(lambda: watch.step)
     return watch
 
 

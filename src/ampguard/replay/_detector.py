@@ -4,8 +4,8 @@ Per window, with ``x = log(loss)`` (a 0-dim fp32 tensor), its running mean ``m``
 ``1 / (1 - beta_mean)`` windows) and the running noise ``s`` (horizon ``1 / (1 - beta)``)::
 
     bound = m + max(threshold * s, log(min_ratio))
-    spike = armed and isfinite(x) and x > bound                # armed: warmup windows seen
-    kept  = finite and not a spike                             # a spike never moves the statistic
+    spike = armed and x > bound                                # armed: warmup windows seen
+    kept  = x < bound (finite, not a spike)                    # a spike never moves the statistic
     m     = m + a (x - m)                        where kept    # a = max(1 / count, 1 - beta_mean)
     s     = s + b (0.886 |x - x_prev| - s)       where kept    # b = max(1 / count, 1 - beta)
 
@@ -16,7 +16,7 @@ log makes the rule scale-free (a loss of 0.01 and one of 10 are judged alike); t
 one-sided (a falling loss never triggers) and the first ``warmup`` windows only learn, so the
 fast-falling loss of early training never triggers. A spike does not enter the statistic, so a
 run of spikes keeps being seen as such. Non-finite losses are left to the non-finite skip.
-Cost: about a dozen 0-dim device ops per window, no host sync (``count`` is a host int).
+Cost: about 15 small device ops per window, no host sync (``count`` is a host int).
 """
 
 from __future__ import annotations
@@ -54,68 +54,79 @@ class SpikeDetector:
         self.warmup = int(warmup)
         self.beta = float(beta)
         self.beta_mean = float(beta_mean)
-        self.mean = torch.zeros((), dtype=torch.float32, device=device)
-        self.spread = torch.zeros((), dtype=torch.float32, device=device)
-        self.prev = torch.zeros((), dtype=torch.float32, device=device)  # the last kept x
-        self.count = 0  # windows with a finite loss fed so far (host: known without a sync)
-        self._zero = torch.zeros((), dtype=torch.float32, device=device)
+        f32: dict[str, Any] = {"dtype": torch.float32, "device": device}
+        # the statistic as one vector [m, s, x_prev]: a window's update is a few vector ops
+        self.state = torch.zeros(3, **f32)
+        self._coef = torch.ones(3, **f32)  # [a, b, 1] (host-known; refilled while warming up)
+        self._coef_at: tuple[float, float] | None = None
+        self._inf = torch.full((), math.inf, **f32)
+        self._zero = torch.zeros((), **f32)
+        self.count = 0  # windows fed so far (host: known without a sync)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The running mean of the log-loss (a view; 0-dim)."""
+        return self.state[0]
+
+    @property
+    def spread(self) -> torch.Tensor:
+        """The running noise of the log-loss (a view; 0-dim)."""
+        return self.state[1]
 
     @property
     def armed(self) -> bool:
         """The warm-up is over: a spike can be reported. Cost: none (host int)."""
         return self.count >= self.warmup
 
-    def observe(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Feed one window's loss; returns ``(spike, bound, level)``: a 0-dim fp32 0/1 flag,
-        the loss above which the window would have spiked (``exp(bound)``; inf while warming
-        up) and the running level ``exp(m)`` it was judged against. Cost: device ops only, no
-        host sync."""
-        x = loss.detach().float().reshape(()).clamp_min(1e-30).log()
-        finite = torch.isfinite(x)
+    def observe(self, loss: torch.Tensor, record: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one window's loss; returns the spike flag (a new 0-dim fp32 0/1 tensor).
+        ``record``: a 4-float device view that receives ``[loss, log bound, mean, spike]``
+        (the log-loss above which the window spikes, inf while warming up, and the running mean
+        of the log-loss it was judged against). Cost: about 15 device ops, no host sync."""
+        loss = loss.detach().reshape(()).float()
+        x = loss.clamp_min(1e-30).log()
         if self.count == 0:  # the first window: the statistic starts at it
-            self.mean.copy_(torch.where(finite, x, self._zero))
-            self.prev.copy_(self.mean)
+            self.state.copy_(torch.stack([x, self._zero, x]).nan_to_num(0.0, 0.0, 0.0))
             self.count = 1
-            inf = torch.full_like(self._zero, math.inf)
-            return self._zero.clone(), inf, self.mean.exp()
-        level = self.mean.exp()
-        spread = self.spread.mul(self.threshold).clamp_min(self.log_min_ratio)
-        bound = self.mean + spread
+            if record is not None:
+                torch.stack([loss, self._inf, x, self._zero], out=record)
+            return self._zero.clone()
         if self.armed:
-            spike = torch.logical_and(finite, x > bound)
-            flag = spike.float()
-            keep = torch.logical_and(finite, spike.logical_not())
+            st = self.state
+            bound = st[1].mul(self.threshold).clamp_min(self.log_min_ratio).add(st[0])
+            spike = (x > bound).float()  # NaN never spikes (the non-finite skip has it)
         else:
-            flag = self._zero.clone()
-            keep = finite
-            bound = torch.full_like(bound, math.inf)
+            bound, spike = self._inf, torch.zeros_like(x)
+        keep = (x < bound).float()  # finite and not a spike: a spike never moves the statistic
+        if record is not None:
+            torch.stack([loss, bound, self.state[0], spike], out=record)
         self.count += 1
+        self._set_coef()
+        prev = self.state[2]
+        target = torch.stack([x, (x - prev).abs().mul(0.886), x]).nan_to_num(0.0, 0.0, 0.0)
+        self.state.add_((target - self.state).mul_(self._coef).mul_(keep))
+        return spike
+
+    def _set_coef(self) -> None:
         a = max(1.0 / self.count, 1.0 - self.beta_mean)
         b = max(1.0 / self.count, 1.0 - self.beta)
-        delta = torch.where(keep, x - self.mean, self._zero)
-        step = torch.where(keep, x - self.prev, self._zero)
-        noise = torch.where(keep, step.abs().mul(0.886).sub(self.spread), self._zero)
-        self.spread.add_(noise, alpha=b)
-        self.mean.add_(delta, alpha=a)
-        self.prev.add_(step)
-        return flag, bound.exp(), level
+        if self._coef_at != (a, b):  # constant once both horizons are reached
+            self._coef[0].fill_(a)
+            self._coef[1].fill_(b)
+            self._coef_at = (a, b)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The statistic, for a resume (``Guard.state_dict()["spikes"]``). Cost: one host sync."""
-        return {
-            "mean": float(self.mean),
-            "spread": float(self.spread),
-            "prev": float(self.prev),
-            "count": self.count,
-        }
+        mean, spread, prev = self.state.tolist()
+        return {"mean": mean, "spread": spread, "prev": prev, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back :meth:`state_dict` output (checked by :func:`check_state`)."""
-        self.mean.fill_(float(state["mean"]))
-        self.spread.fill_(float(state["spread"]))
-        self.prev.fill_(float(state.get("prev", state["mean"])))
+        prev = state.get("prev", state["mean"])
+        self.state.copy_(torch.tensor([state["mean"], state["spread"], prev]))
         self.count = int(state["count"])
+        self._coef_at = None
 
     @staticmethod
     def check_state(state: Any) -> dict[str, Any]:

@@ -245,11 +245,6 @@ class SnapshotStore:
         ``spike_step - 1``."""
         return self.spikes.get(spike_step) or self.before(spike_step - 1)
 
-    def oldest_needed(self) -> int | None:
-        """The earliest window a kept snapshot (pinned ones included) starts after."""
-        steps = [s.step for s in [*self.snapshots, *self.spikes.values()]]
-        return min(steps) if steps else None
-
     def before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after a window earlier than ``step`` (None if none)."""
         found = [s for s in self.snapshots if s.step < step]
@@ -261,5 +256,6 @@ class SnapshotStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory by the snapshots."""
-        return sum(s.nbytes for s in self.snapshots)
+        """Bytes held in memory by the snapshots (those pinned for spikes included)."""
+        held = {id(s): s for s in [*self.snapshots, *self.spikes.values()]}
+        return sum(s.nbytes for s in held.values())

@@ -39,7 +39,7 @@ __all__ = [
 
 _ATTENTION = ("q_proj", "k_proj", "qkv", "query", "key", "c_attn", "attn", "attention")
 _OUTPUT = ("lm_head", "head", "output", "classifier", "logits", "unembed")
-_ROW_FIELDS = {"step": int, "loss": (int, float, type(None)), "grad_norm": list}
+_ROW_FIELDS: dict[str, Any] = {"step": int, "loss": (int, float, type(None)), "grad_norm": list}
 
 
 class PostmortemError(ValueError):
@@ -68,7 +68,13 @@ def _check(path: Path, data: Any) -> dict[str, Any]:
             f"{path}: dump version {data.get('version')!r}, this ampguard reads "
             f"{FLIGHT_RECORDER_VERSION}"
         )
-    for key, kind in (("rank", int), ("step", int), ("names", list), ("rows", list)):
+    top: tuple[tuple[str, type], ...] = (
+        ("rank", int),
+        ("step", int),
+        ("names", list),
+        ("rows", list),
+    )
+    for key, kind in top:
         if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
             raise PostmortemError(f"{path}: field {key!r} must be a {kind.__name__}")
     for i, row in enumerate(data["rows"]):
