@@ -195,7 +195,7 @@ def test_plain_loop_with_own_restore() -> None:
 
 def test_bad_input() -> None:
     guard, rec, _ = _run(_mlp(), steps=2)
-    with pytest.raises(ValueError, match="needs recorder="):
+    with pytest.raises(ValueError, match="create the Guard with signatures=True"):
         ag.triage(guard)
     with pytest.raises(TypeError, match="recorder must be a SignatureRecorder"):
         ag.triage(guard, recorder=object())
@@ -232,3 +232,21 @@ def test_events_are_written_to_the_run_folder_and_listed_by_postmortem(tmp_path,
     (run / "triage" / "rank0.json").write_text("{}", encoding="utf-8")
     assert main(["postmortem", str(run)]) == 2  # a corrupt triage file: one clear error
     assert "not an ampguard triage file" in capsys.readouterr().err
+
+
+def test_guard_signatures_is_the_default_recorder() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, signatures=True)
+    assert isinstance(guard.signatures, ag.SignatureRecorder)
+    with inject_fault(model, module="4", step=2, guard=guard, element=5):
+        for i in range(3):
+            b = _batch(i)
+            with guard.autocast():
+                loss = _loss(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=_loss)
+    (event,) = ag.triage(guard)
+    assert (event.step, event.cause, event.module) == (2, "transient_fault", "4")
+    with pytest.raises(ValueError, match="signatures must be True"):
+        ag.Guard(model, opt, precision="bf16", signatures=0)

@@ -230,7 +230,8 @@ def triage(
     """One :class:`TriageEvent` per failed step of ``guard``'s run that can be replayed.
 
     ``recorder``: the :class:`SignatureRecorder` attached to the model before the steps
-    (``SignatureRecorder(model, clock=lambda: guard.steps)``). Failed steps: the recorded steps
+    (default: the Guard's own, ``Guard(signatures=True)``; or
+    ``SignatureRecorder(model, clock=lambda: guard.steps)``). Failed steps: the recorded steps
     whose loss, outputs or gradients held NaN/inf, and those whose loss the Guard's flight
     recorder saw non-finite or spiking; ``step=`` names one instead. A step is numbered by
     ``guard.steps`` during its forward (its ``StepResult.step`` minus one).
@@ -247,9 +248,11 @@ def triage(
     nothing on the training path.
     """
     if recorder is None:
+        recorder = getattr(guard, "signatures", None)
+    if recorder is None:
         raise ValueError(
-            "ag.triage needs recorder=: an ampguard.SignatureRecorder attached to the model "
-            "before the failed step (it holds the signatures the replay is compared with)"
+            "ag.triage needs the step's signatures: create the Guard with signatures=True (or "
+            "pass recorder=, an ampguard.SignatureRecorder attached before the failed step)"
         )
     if not isinstance(recorder, SignatureRecorder):
         raise TypeError(f"recorder must be a SignatureRecorder, got {type(recorder).__name__}")
