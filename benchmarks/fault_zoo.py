@@ -309,6 +309,80 @@ def overhead(steps: int = 300, rounds: int = 5) -> dict[str, Any]:
     }
 
 
+def _ddp_rank(rank: int, port: int, events: list[dict[str, Any]], out: Any) -> None:
+    """One of 2 gloo ranks: each event trains 2 DDP windows with the fault on rank 1 at window
+    1, then every rank calls ``ag.triage(guard, step=1)``; rank 0 reports the verdicts."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rows = []
+    for e in events:
+        inner = _mlp(e["seed"] % 7)
+        model = nn.parallel.DistributedDataParallel(inner)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        guard = ag.Guard(
+            model,
+            opt,
+            precision="bf16",
+            snapshot_every=1,
+            signatures=True,
+            audit_every=None,
+            on_spike=None,
+        )
+        inj = inject_fault(
+            inner,
+            module=e["module"],
+            op=e["op"],
+            bit=e["bit"],
+            phase=e["phase"],
+            persistent=e["persistent"],
+            element=e["element"],
+            rank=1,
+            step=1,
+            guard=guard,
+        ).__enter__()
+        for step in range(2):
+            g = torch.Generator().manual_seed(e["seed"] + 100 * step + rank)
+            b = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+            with guard.autocast():
+                loss = _loss(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=_loss)
+        (ev,) = ag.triage(guard, step=1)
+        inj.remove()
+        rows.append({"cause": ev.cause, "module": ev.module, "op": ev.op, "rank": ev.rank})
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def run_ddp(n: int) -> list[dict[str, Any]]:
+    """``n`` injected events on 1 of 2 real gloo ranks (the last ``n`` of the zoo's cells)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    events = _fault_events(n, 1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, port, events, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    want = ["persistent_fault" if e["persistent"] else "transient_fault" for e in events]
+    return [
+        {"event": e, "want": w, "want_op": _expected_op(e), "ampguard": r}
+        for e, w, r in zip(events, want, rows, strict=True)
+    ]
+
+
 def _score(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     faults = [r for r in rows if "event" in r]
     verdict = sum(r[method]["cause"] == r["want"] for r in faults)
@@ -328,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=300)
     parser.add_argument("--clean", type=int, default=200)
+    parser.add_argument("--ddp", type=int, default=24, help="events on 1 of 2 gloo ranks")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -337,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = [run_fault(e) for e in _fault_events(args.events, 0)]
     numerics = run_numerics()
     alarms = run_clean(args.clean)
+    ddp = run_ddp(args.ddp) if args.ddp else []
     wall = time.perf_counter() - t0
     print(
         f"fault zoo: {len(faults)} injected events, {len(numerics)} numerics/model cases, "
@@ -359,6 +435,14 @@ def main(argv: list[str] | None = None) -> int:
         f"ampguard on numerics/model cases: {right}/{len(numerics)} right class; "
         f"clean steps: {alarms} fault verdicts in {args.clean}"
     )
+    if ddp:
+        s = _score(ddp, "ampguard")
+        ranks = sum(r["ampguard"]["rank"] == 1 for r in ddp)
+        print(
+            f"DDP, 2 gloo ranks, fault on rank 1: verdict {s['verdict']}/{s['events']}, "
+            f"module {s['module']}/{s['events']}, op {s['op']}/{s['persistent']}, "
+            f"rank named {ranks}/{len(ddp)} (every rank returns the same events)"
+        )
     mean = sum(r["ampguard"]["s"] for r in faults) / max(len(faults), 1)
     print(f"ampguard triage: {1e3 * mean:.0f} ms per event (mean)")
     print(
@@ -368,7 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(
             json.dumps(
-                {"faults": faults, "numerics": numerics, "clean_alarms": alarms, "overhead": cost},
+                {
+                    "faults": faults,
+                    "numerics": numerics,
+                    "clean_alarms": alarms,
+                    "overhead": cost,
+                    "ddp": ddp,
+                },
                 default=str,
                 indent=1,
             )
