@@ -34,6 +34,9 @@ _EXPORTS: dict[str, str] = {
     "load_distributed_checkpoint": "ampguard.checkpoint.distributed",
     "locate": "ampguard.forensics",
     "Diagnosis": "ampguard.forensics",
+    "triage": "ampguard.forensics",
+    "TriageEvent": "ampguard.forensics",
+    "SignatureRecorder": "ampguard.forensics",
     "coverage": "ampguard.forensics.autocast_coverage",
     "Coverage": "ampguard.forensics.autocast_coverage",
     "Experiment": "ampguard.experiments",
@@ -84,7 +87,10 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.experiments.advisor import inspect_model as inspect_model
     from ampguard.findings import Finding as Finding
     from ampguard.forensics import Diagnosis as Diagnosis
+    from ampguard.forensics import SignatureRecorder as SignatureRecorder
+    from ampguard.forensics import TriageEvent as TriageEvent
     from ampguard.forensics import locate as locate
+    from ampguard.forensics import triage as triage
     from ampguard.forensics.autocast_coverage import Coverage as Coverage
     from ampguard.forensics.autocast_coverage import coverage as coverage
     from ampguard.fp8 import Fp8Plan as Fp8Plan

@@ -34,6 +34,7 @@ AREAS = {
     "fp8": "fp8.md",
     "lint": "lint.md",
     "forensics": "forensics.md",
+    "triage": "triage.md",
     "coverage": "coverage.md",
     "advisor": "compare.md",
     "compare": "compare.md",
@@ -542,6 +543,47 @@ CATALOGUE: dict[str, Code] = _table(
         "steps ended far above fp32's",
         "read the per-layer evidence named in the verdict: ag.locate(..., optimizer=opt) and the "
         "Guard's AG175 / AG106 findings",
+    ),
+    # -- triage: hardware or math, by deterministic replay ---------------------------------------
+    (
+        "AG380",
+        "warning",
+        "failed step is numerics (low precision)",
+        "triage",
+        "ag.triage: the failed step replays bit for bit at its precision, every module agrees "
+        "with a CPU reference, and the step does not fail in fp32",
+        "follow the attached ag.locate diagnosis (keep the named module in fp32, bf16, or "
+        "rescale before the op that leaves the range)",
+    ),
+    (
+        "AG381",
+        "error",
+        "failed step is the model or the data",
+        "triage",
+        "ag.triage: the failed step replays bit for bit, every module agrees with a CPU "
+        "reference, and it fails in fp32 too",
+        "inspect the batch and the named module (a NaN input, log(0), a division by zero, an "
+        "exploding learning rate): it is not a precision or hardware problem",
+    ),
+    (
+        "AG382",
+        "error",
+        "transient hardware fault",
+        "triage",
+        "ag.triage: a replay of the failed step on the same rank, precision, state and batch "
+        "does not reproduce its recorded signatures: the first run computed something else",
+        "skip the step or rewind to the last snapshot and carry on; watch the named rank for "
+        "recurrences (several in a few days: have the device tested)",
+    ),
+    (
+        "AG383",
+        "error",
+        "persistent hardware fault",
+        "triage",
+        "ag.triage: the failed step reproduces, and the named module computes a wrong value "
+        "from right inputs on this rank every time (a CPU reference or a peer disagrees)",
+        "take the named rank's device out of the job (drain the node, run the vendor's "
+        "diagnostics) and resume from the last checkpoint written before the first fault",
     ),
     # -- autocast coverage ----------------------------------------------------------------------
     (

@@ -1,5 +1,9 @@
 """Forensics: which module and op produced the first non-finite value, in which pass, and why.
 
+:func:`triage` tells hardware from math for a failed step (numerics, model or data, a transient
+or a persistent fault; AG380-AG383) by deterministic replay against sync-free signatures kept by
+:class:`SignatureRecorder` (see docs/triage.md).
+
 :func:`locate` replays one batch like a training step (forward under autocast, backward of
 ``loss * scale``) with every aten op traced, once in the requested low precision and once in
 fp32, and compares them:
@@ -44,6 +48,8 @@ from ampguard.forensics._locate import locate
 from ampguard.forensics._optrace import OpTrace, flatten_tensors, op_name
 from ampguard.forensics._transient import soften
 from ampguard.forensics._verdicts import advice, verdict
+from ampguard.forensics._signatures import SignatureRecorder, StepSignature
+from ampguard.forensics._triage import CAUSES, TriageEvent, triage, triage_step
 
 __all__ = [
     "Diagnosis",
@@ -62,4 +68,10 @@ __all__ = [
     "soften",
     "advice",
     "verdict",
+    "CAUSES",
+    "SignatureRecorder",
+    "StepSignature",
+    "TriageEvent",
+    "triage",
+    "triage_step",
 ]

@@ -53,7 +53,7 @@ from ampguard.findings import Finding
 from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _flags, _fp8, _rescue, _spikes, _step
+from ampguard.guard import _flags, _fp8, _rescue, _signatures, _spikes, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
@@ -151,6 +151,8 @@ class Guard:
         on_spike: What a loss spike (detected on the device) does: ``"warn"`` (default),
             ``"skip"`` the window, ``"rewind"`` to the last snapshot, ``"raise"``
             ``ampguard.LossSpikeError``, or None (no detection). Each is an AG180 finding.
+        signatures: Record sync-free per-module bit-sum signatures for ``ampguard.triage``
+            (True: every window, N: one in N; default False). See ``docs/triage.md``.
 
     Raises:
         TypeError: An argument of the wrong type (the message names it).
@@ -188,6 +190,7 @@ class Guard:
         snapshot_every: int = _spikes.DEFAULT_SNAPSHOT_EVERY,
         snapshot: bool | str | os.PathLike = True,
         on_spike: str | None = "warn",
+        signatures: bool | int = False,
     ) -> None:
         # All or nothing: 1. check every argument, 2. create the resources (peer
         # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
@@ -219,6 +222,7 @@ class Guard:
         spike_config = _spikes.check(
             flight_recorder, snapshot_every, snapshot, on_spike, optimizers, list(schedulers)
         )
+        signatures_every = _signatures.check(signatures)
         # the precision's conversion hook (fp8: ampguard.fp8._convert): the plan checked,
         # torchao imported, the layers chosen; converted to torchao's Float8Linear in step 3
         conversion, policy = _fp8.attach(policy, precision, model, device, fp8_plan)
@@ -296,6 +300,8 @@ class Guard:
             if state.telemetry is not None:
                 state.telemetry.release()
             raise
+        # sync-free signatures for ampguard.triage (ampguard.guard._signatures); last: hooks
+        self._signatures = _signatures.attach(model, signatures_every, lambda: self.steps)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -729,12 +735,19 @@ class Guard:
         None."""
         return self._state.rescue
 
+    @property
     def flight_recorder(self) -> _spikes.SpikeWatch | None:
         """The flight recorder and loss-spike policy: ``.ring`` (the device ring buffer,
         ``.ring.rows()`` reads it), ``.events`` (the spikes seen), ``.snapshots``, ``.memory()``
         (bytes held); None with ``flight_recorder=False`` and ``on_spike=None``. See
         ``docs/spikes.md``."""
         return self._state.spikes
+
+    @property
+    def signatures(self) -> Any:
+        """The ``ampguard.SignatureRecorder`` of ``signatures=`` (what ``ampguard.triage``
+        reads), or None."""
+        return self._signatures
 
     @property
     def coverage(self) -> Any:

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ampguard.runlog import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_KIND, FLIGHT_RECORDER_VERSION
+from ampguard.runlog import (
+    FLIGHT_RECORDER_DIR,
+    FLIGHT_RECORDER_KIND,
+    FLIGHT_RECORDER_VERSION,
+    TRIAGE_DIR,
+    TRIAGE_KIND,
+    TRIAGE_VERSION,
+)
 
 __all__ = [
     "PostmortemError",
@@ -50,6 +57,7 @@ class Postmortem:
     what: str = ""
     layer: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    triage: list[dict[str, Any]] = field(default_factory=list)  # ag.triage's events, all ranks
 
 
 def _check(path: Path, data: Any) -> dict[str, Any]:
@@ -101,7 +109,27 @@ def load(run_dir: str | Path) -> Postmortem:
         ranks[data["rank"]] = data
     pm = Postmortem(run_dir, dict(sorted(ranks.items())))
     _first(pm)
+    pm.triage = _triage(run_dir / TRIAGE_DIR)
     return pm
+
+
+def _triage(folder: Path) -> list[dict[str, Any]]:
+    """The events ``ag.triage`` wrote (``triage/rank<R>.json``), one per step (the ranks agree)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PostmortemError(f"{path}: unreadable triage file ({err})") from err
+        if not isinstance(data, dict) or data.get("kind") != TRIAGE_KIND:
+            raise PostmortemError(f"{path}: not an ampguard triage file (no kind field)")
+        if data.get("version") != TRIAGE_VERSION or not isinstance(data.get("events"), list):
+            raise PostmortemError(f"{path}: field 'version' or 'events' is malformed")
+        for e in data["events"]:
+            if not isinstance(e, dict) or not isinstance(e.get("step"), int):
+                raise PostmortemError(f"{path}: an event without an int 'step'")
+            by_step.setdefault(e["step"], e)
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def _bad(row: dict[str, Any]) -> tuple[int, str] | None:
@@ -221,6 +249,21 @@ def text(pm: Postmortem, *, around: int = 5, autopsy: bool = False) -> str:
             cells.append(f"  {_num(None if row is None else row.get('loss')):>10}  {flag[:24]:<24}")
         mark = ">" if s == pm.first_step else " "
         lines.append(f"{mark}{s:>5} " + "".join(cells))
+    for e in pm.triage:
+        where = " ".join(
+            p
+            for p in (
+                f"module {e.get('module')!r}" if e.get("module") is not None else "",
+                f"op {e.get('op')}" if e.get("op") else "",
+                f"in {e.get('phase')}" if e.get("phase") else "",
+            )
+            if p
+        )
+        lines.append(
+            f"triage (step {e['step']}, rank {e.get('rank')}): {e.get('cause')}"
+            + (f" at {where}" if where else "")
+            + f" [{e.get('code')}]"
+        )
     if autopsy:
         for r, d in pm.ranks.items():
             rows = {row["step"]: row for row in d["rows"]}

@@ -32,6 +32,9 @@ from ampguard.runlog._names import (
     META,
     REPORT,
     TB_DIR,
+    TRIAGE_DIR,
+    TRIAGE_KIND,
+    TRIAGE_VERSION,
 )
 from ampguard.runlog._numbers import floats, num, number_texts
 from ampguard.runlog._schema import FP8_FIELDS, RunFolderError
@@ -46,6 +49,9 @@ __all__ = [
     "COVERAGE",
     "REPORT",
     "TB_DIR",
+    "TRIAGE_DIR",
+    "TRIAGE_KIND",
+    "TRIAGE_VERSION",
     "EventLog",
     "json_line",
     "FINDING_EVENT",

@@ -13,6 +13,9 @@ __all__ = [
     "META",
     "REPORT",
     "TB_DIR",
+    "TRIAGE_DIR",
+    "TRIAGE_KIND",
+    "TRIAGE_VERSION",
 ]
 
 EVENTS = "events.jsonl"
@@ -25,3 +28,6 @@ FINDING_EVENT = "finding"  # events.jsonl line kind: {"kind": "finding", "step",
 FLIGHT_RECORDER_DIR = "flight_recorder"  # Guard(flight_recorder=N): rank<R>.json, one per rank
 FLIGHT_RECORDER_KIND = "ampguard.flight_recorder"  # the dump's "kind"
 FLIGHT_RECORDER_VERSION = 1
+TRIAGE_DIR = "triage"  # ag.triage: rank<R>.json, the events (ampguard postmortem lists them)
+TRIAGE_KIND = "ampguard.triage"
+TRIAGE_VERSION = 1

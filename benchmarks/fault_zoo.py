@@ -1,0 +1,470 @@
+"""The fault zoo: planted hardware faults, numerics cases and model/data bugs, triaged by ampguard
+and by two peers' methods reimplemented here.
+
+Run: ``python benchmarks/fault_zoo.py [--events 300] [--clean 200] [--json OUT]``.
+
+* **Injected faults** (``ampguard.testing.inject_fault``): every bit class (exponent top bit,
+  exponent low bit, mantissa top bit) x forward/backward x transient/persistent, in a module's
+  output (Linear, GELU) or an op's output (``aten.addmm`` forward, ``aten.mm`` backward), at a
+  random element, in a bf16 MLP. The step it strikes is the trigger (as a non-finite loss, a
+  spike or an audit mismatch would name it).
+* **Numerics**: the forensics zoo's cases (``benchmarks/zoo``) plus an fp16 overflow; **model or
+  data**: a NaN in the batch, ``log(0)`` in the loss, an inf weight.
+* **Clean steps**: steps with no fault, triaged as if named: any fault verdict is a false alarm.
+
+Methods, each given the failed step:
+
+* ``megatron``: Megatron's rerun state machine, reimplemented: rerun the step on the same
+  device; a different loss is transient; the same loss is rerun on a *spare* device (here: the
+  reference device); a different loss there is persistent, else "not a fault". Names nothing.
+* ``torchtitan``: torchtitan's SDC check, reimplemented: replay the step and compare the loss and
+  a gradient checksum; a mismatch raises (transient), a match says nothing. Names nothing.
+* ``ampguard``: ``ag.triage`` (``ampguard.forensics.triage_step``), signatures recorded by
+  ``ag.SignatureRecorder``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import zoo  # noqa: E402
+
+import ampguard as ag  # noqa: E402
+from ampguard.distributed import param_checksum  # noqa: E402
+from ampguard.forensics import triage_step  # noqa: E402
+from ampguard.replay import Preserved  # noqa: E402
+from ampguard.testing import BITS, SyncCounter, inject_fault, on_reference_device  # noqa: E402
+
+FAULTS = ("transient_fault", "persistent_fault")
+
+
+def _mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+    )
+
+
+def _loss(m: nn.Module, b: Any) -> torch.Tensor:
+    return F.mse_loss(m(b[0]).float(), b[1])
+
+
+def _step(model, loss_fn, batch, precision, scale) -> tuple[float, int]:
+    """One forward+backward; (loss, gradient checksum) as a peer's replay compares them."""
+    model.zero_grad(set_to_none=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = loss_fn(model, batch)
+    (loss.float() * scale).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    check = param_checksum(grads) if grads else torch.zeros(())
+    return float(loss.detach().float()), int(check)
+
+
+def _same(a: tuple[float, int], b: tuple[float, int]) -> bool:
+    return (a[0] == b[0] or (a[0] != a[0] and b[0] != b[0])) and a[1] == b[1]
+
+
+def megatron(model, loss_fn, batch, precision, scale, recorded) -> dict[str, Any]:
+    keep = Preserved(model)
+    try:
+        keep.reset()
+        again = _step(model, loss_fn, batch, precision, scale)
+        if not _same(again, recorded):
+            return {"cause": "transient_fault"}
+        keep.reset()
+        with on_reference_device():  # the spare GPU
+            spare = _step(model, loss_fn, batch, precision, scale)
+        return {"cause": "persistent_fault" if not _same(spare, recorded) else "not_fault"}
+    finally:
+        keep.close()
+
+
+def torchtitan(model, loss_fn, batch, precision, scale, recorded) -> dict[str, Any]:
+    keep = Preserved(model)
+    try:
+        keep.reset()
+        again = _step(model, loss_fn, batch, precision, scale)
+        return {"cause": "transient_fault" if not _same(again, recorded) else "not_fault"}
+    finally:
+        keep.close()
+
+
+def _record(model, loss_fn, batch, precision, scale):
+    """Run the failed step once with signatures recorded; the state it started from is kept."""
+    keep = Preserved(model)
+    rec = ag.SignatureRecorder(model, capacity=1)
+    keep.reset()
+    peer = _step(model, loss_fn, batch, precision, scale)
+    rec.remove()
+    sig = rec.read(rec.steps[-1])
+    keep.reset()
+    keep.close()
+    return sig, peer, rec.rng_state(sig.step)
+
+
+def _judge(model, loss_fn, batch, precision, scale) -> dict[str, dict[str, Any]]:
+    sig, peer, rng = _record(model, loss_fn, batch, precision, scale)
+    out = {}
+    t0 = time.perf_counter()
+    ev = triage_step(model, loss_fn, batch, sig, precision=precision, scale=scale, rng_state=rng)
+    out["ampguard"] = {
+        "cause": ev.cause,
+        "module": ev.module,
+        "op": ev.op,
+        "s": time.perf_counter() - t0,
+    }
+    out["megatron"] = megatron(model, loss_fn, batch, precision, scale, peer)
+    out["torchtitan"] = torchtitan(model, loss_fn, batch, precision, scale, peer)
+    return out
+
+
+def _fault_events(n: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    cells = [
+        (bit, phase, persistent, target)
+        for bit in BITS
+        for phase in ("forward", "backward")
+        for persistent in (False, True)
+        for target in ("module", "op")
+    ]
+    events = []
+    for i in range(n):
+        bit, phase, persistent, target = cells[i % len(cells)]
+        if target == "op":  # a first layer's backward runs outside its backward hooks' scope
+            pool = ["0", "2", "4"] if phase == "forward" else ["2", "4"]
+        else:
+            pool = ["0", "1", "2", "3", "4"] if phase == "forward" else ["0", "2", "4"]
+        module = rng.choice(pool)
+        op = None
+        if target == "op":
+            op = "aten.addmm" if phase == "forward" else "aten.mm"
+        events.append(
+            {
+                "bit": bit,
+                "phase": phase,
+                "persistent": persistent,
+                "module": module,
+                "op": op,
+                "element": rng.randrange(256),
+                "seed": rng.randrange(10**6),
+            }
+        )
+    return events
+
+
+def _expected_op(e: dict[str, Any]) -> str:
+    if e["op"] is not None:
+        return e["op"]
+    if e["phase"] == "forward":
+        return "aten.gelu" if e["module"] in ("1", "3") else "aten.addmm"
+    return "aten.mm"
+
+
+def run_fault(e: dict[str, Any]) -> dict[str, Any]:
+    model = _mlp(e["seed"] % 7)
+    g = torch.Generator().manual_seed(e["seed"])
+    batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+    inj = inject_fault(
+        model,
+        module=e["module"],
+        op=e["op"],
+        bit=e["bit"],
+        phase=e["phase"],
+        persistent=e["persistent"],
+        element=e["element"],
+    ).__enter__()
+    try:
+        # the first forward is step 0: the fault strikes the recorded run; a transient one
+        # has then fired and does not come back in the replays
+        res = _judge(model, _loss, batch, "bf16", 1.0)
+    finally:
+        inj.remove()
+    want = "persistent_fault" if e["persistent"] else "transient_fault"
+    return {"event": e, "want": want, "want_op": _expected_op(e), "fired": inj.fired, **res}
+
+
+def _numerics_cases() -> list[tuple[str, Any, Any, Any, str, float, str]]:
+    cases = []
+    for mod in zoo.discover():
+        case = mod.build()
+        precision = case.guard_kwargs.get("precision", "fp16")
+        scale = case.locate_kwargs.get("scale", 2.0**16 if precision == "fp16" else 1.0)
+        cases.append(
+            (mod.NAME, case.model, case.loss_fn, case.batches[0], precision, scale, "numerics")
+        )
+
+    class Hot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x) * 3000.0)
+
+    torch.manual_seed(0)
+    cases.append(
+        (
+            "fp16_overflow",
+            Hot(),
+            _loss,
+            (torch.randn(8, 16) * 30, torch.randn(8, 4)),
+            "fp16",
+            2.0**16,
+            "numerics",
+        )
+    )
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    xn = x.clone()
+    xn[2, 3] = float("nan")
+    cases.append(("nan_in_batch", _mlp(1), _loss, (xn, y), "bf16", 1.0, "model_or_data"))
+    cases.append(
+        (
+            "log_zero",
+            _mlp(2),
+            lambda m, b: -torch.log(torch.relu(m(b[0]).float()) * 0).mean(),
+            (x, y),
+            "bf16",
+            1.0,
+            "model_or_data",
+        )
+    )
+    m = _mlp(3)
+    with torch.no_grad():
+        m[2].weight[0, 0] = float("inf")
+    cases.append(("inf_weight", m, _loss, (x, y), "bf16", 1.0, "model_or_data"))
+    return cases
+
+
+def run_numerics() -> list[dict[str, Any]]:
+    rows = []
+    for name, model, loss_fn, batch, precision, scale, want in _numerics_cases():
+        res = _judge(model, loss_fn, batch, precision, scale)
+        rows.append({"case": name, "want": want, **res})
+    return rows
+
+
+def run_clean(n: int) -> int:
+    """Fault verdicts over ``n`` clean steps named as failed (a false alarm each)."""
+    alarms = 0
+    for i in range(n):
+        model = _mlp(i % 5)
+        g = torch.Generator().manual_seed(10_000 + i)
+        batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+        res = _judge(model, _loss, batch, "bf16", 1.0)
+        alarms += res["ampguard"]["cause"] in FAULTS
+    return alarms
+
+
+def overhead(steps: int = 300, rounds: int = 5) -> dict[str, Any]:
+    """Step time and host syncs of a bf16 Guard step: bare, and with a SignatureRecorder
+    recording every step, one in 8 or one in 32; the loops interleaved in rounds (median of
+    the rounds' medians), so the machine's load hits them alike."""
+    loops = {}
+    for every in (None, 1, 8, 32):
+        model = _mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        guard = ag.Guard(model, opt, precision="bf16", flight_recorder=False, on_spike=None)
+        if every is not None:
+            ag.SignatureRecorder(model, every=every, clock=lambda g=guard: g.steps)
+        x, y = torch.randn(64, 16), torch.randn(64, 4)
+
+        def step(model=model, guard=guard, x=x, y=y) -> None:
+            with guard.autocast():
+                loss = _loss(model, (x, y))
+            guard.backward(loss)
+            guard.step()
+
+        for _ in range(20):
+            step()
+        with SyncCounter() as syncs:
+            for _ in range(8):
+                step()
+        loops["bare" if every is None else f"every={every}"] = (step, syncs.count / 8)
+    meds: dict[str, list[float]] = {k: [] for k in loops}
+    for _ in range(rounds):
+        for name, (step, _) in loops.items():
+            times = []
+            for _ in range(steps // rounds):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            meds[name].append(times[len(times) // 2])
+    return {
+        k: {"median_ms": 1e3 * sorted(v)[len(v) // 2], "syncs": loops[k][1]}
+        for k, v in meds.items()
+    }
+
+
+def _ddp_rank(rank: int, port: int, events: list[dict[str, Any]], out: Any) -> None:
+    """One of 2 gloo ranks: each event trains 2 DDP windows with the fault on rank 1 at window
+    1, then every rank calls ``ag.triage(guard, step=1)``; rank 0 reports the verdicts."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rows = []
+    for e in events:
+        inner = _mlp(e["seed"] % 7)
+        model = nn.parallel.DistributedDataParallel(inner)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        guard = ag.Guard(
+            model,
+            opt,
+            precision="bf16",
+            snapshot_every=1,
+            signatures=True,
+            audit_every=None,
+            on_spike=None,
+        )
+        inj = inject_fault(
+            inner,
+            module=e["module"],
+            op=e["op"],
+            bit=e["bit"],
+            phase=e["phase"],
+            persistent=e["persistent"],
+            element=e["element"],
+            rank=1,
+            step=1,
+            guard=guard,
+        ).__enter__()
+        for step in range(2):
+            g = torch.Generator().manual_seed(e["seed"] + 100 * step + rank)
+            b = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+            with guard.autocast():
+                loss = _loss(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=_loss)
+        (ev,) = ag.triage(guard, step=1)
+        inj.remove()
+        rows.append({"cause": ev.cause, "module": ev.module, "op": ev.op, "rank": ev.rank})
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def run_ddp(n: int) -> list[dict[str, Any]]:
+    """``n`` injected events on 1 of 2 real gloo ranks (the last ``n`` of the zoo's cells)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    events = _fault_events(n, 1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, port, events, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    want = ["persistent_fault" if e["persistent"] else "transient_fault" for e in events]
+    return [
+        {"event": e, "want": w, "want_op": _expected_op(e), "ampguard": r}
+        for e, w, r in zip(events, want, rows, strict=True)
+    ]
+
+
+def _score(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
+    faults = [r for r in rows if "event" in r]
+    verdict = sum(r[method]["cause"] == r["want"] for r in faults)
+    module = sum(r[method].get("module") == r["event"]["module"] for r in faults)
+    pers = [r for r in faults if r["want"] == "persistent_fault"]
+    op = sum(r[method].get("op") == r["want_op"] for r in pers)
+    return {
+        "events": len(faults),
+        "verdict": verdict,
+        "module": module,
+        "op": op,
+        "persistent": len(pers),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=300)
+    parser.add_argument("--clean", type=int, default=200)
+    parser.add_argument("--ddp", type=int, default=24, help="events on 1 of 2 gloo ranks")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    cost = overhead()  # first: the zoo's thousands of replays leave the allocator warm
+    t0 = time.perf_counter()
+    faults = [run_fault(e) for e in _fault_events(args.events, 0)]
+    numerics = run_numerics()
+    alarms = run_clean(args.clean)
+    ddp = run_ddp(args.ddp) if args.ddp else []
+    wall = time.perf_counter() - t0
+    print(
+        f"fault zoo: {len(faults)} injected events, {len(numerics)} numerics/model cases, "
+        f"{args.clean} clean steps ({wall:.0f} s)"
+    )
+    print(
+        f"{'method':<11} {'verdict':>10} {'module':>10} {'op (pers.)':>11} "
+        f"{'num/model: fault verdicts':>27}  spare device"
+    )
+    for method in ("megatron", "torchtitan", "ampguard"):
+        s = _score(faults, method)
+        false = sum(r[method]["cause"] in FAULTS for r in numerics)
+        spare = "needs one" if method == "megatron" else "no"
+        print(
+            f"{method:<11} {s['verdict']:>4}/{s['events']:<5} {s['module']:>4}/{s['events']:<5} "
+            f"{s['op']:>4}/{s['persistent']:<6} {false:>13}/{len(numerics):<13}  {spare}"
+        )
+    right = sum(r["ampguard"]["cause"] == r["want"] for r in numerics)
+    print(
+        f"ampguard on numerics/model cases: {right}/{len(numerics)} right class; "
+        f"clean steps: {alarms} fault verdicts in {args.clean}"
+    )
+    if ddp:
+        s = _score(ddp, "ampguard")
+        ranks = sum(r["ampguard"]["rank"] == 1 for r in ddp)
+        print(
+            f"DDP, 2 gloo ranks, fault on rank 1: verdict {s['verdict']}/{s['events']}, "
+            f"module {s['module']}/{s['events']}, op {s['op']}/{s['persistent']}, "
+            f"rank named {ranks}/{len(ddp)} (every rank returns the same events)"
+        )
+    mean = sum(r["ampguard"]["s"] for r in faults) / max(len(faults), 1)
+    print(f"ampguard triage: {1e3 * mean:.0f} ms per event (mean)")
+    print(
+        "signature cost (bf16 MLP 16-32-32-4, batch 64, CPU): "
+        + ", ".join(f"{k}: {v['median_ms']:.2f} ms, {v['syncs']} syncs" for k, v in cost.items())
+    )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "faults": faults,
+                    "numerics": numerics,
+                    "clean_alarms": alarms,
+                    "overhead": cost,
+                    "ddp": ddp,
+                },
+                default=str,
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

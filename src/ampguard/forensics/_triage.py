@@ -1,0 +1,436 @@
+"""Hardware or math: decide a failed step's cause by deterministic replay.
+
+For a failed step (its signatures recorded by a :class:`SignatureRecorder`), from the state the
+step started from:
+
+1. the step is replayed on the same device at the same precision and loss scale. Signatures
+   that differ from the record mean the first run computed something the replay does not: a
+   **transient fault**, at the first module where they part (:func:`first_difference`);
+2. a replay that reproduces the record bit for bit is checked module by module against a
+   reference (:func:`reference_check`: each module re-run on the CPU from the device's own
+   inputs). A module that computes wrong from right inputs every time is a **persistent
+   fault**; the op is found by :func:`bisect_op`;
+3. otherwise the step is replayed in fp32: when it still fails, the cause is the **model or
+   data**; when it does not, it is **numerics** (the low precision), and ``locate``'s
+   :class:`Diagnosis` of the batch is attached.
+
+Under DDP every rank triages its own replay and the verdicts are gathered, so each rank reports
+the same events with the faulty rank named (:func:`gather_events`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampguard.core.policy import PrecisionPolicy, device_of, resolve_precision
+from ampguard.findings import Finding, make
+from ampguard.forensics._diagnosis import Diagnosis
+from ampguard.forensics._faultcheck import Captures, bisect_op, floats, reference_check
+from ampguard.forensics._limits import FULL
+from ampguard.forensics._replay import Preserved
+from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
+from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_atomic
+
+__all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
+
+CAUSES = ("numerics", "model_or_data", "transient_fault", "persistent_fault")
+CODES = {
+    "numerics": "AG380",
+    "model_or_data": "AG381",
+    "transient_fault": "AG382",
+    "persistent_fault": "AG383",
+}
+
+
+@dataclass(frozen=True)
+class TriageEvent:
+    """One failed step's verdict.
+
+    ``cause`` is one of :data:`CAUSES`; ``module`` the leaf module where the first wrong
+    value appeared (None when the loss itself, or nothing, is to blame); ``op`` the aten op
+    (persistent faults; numerics: ``locate``'s); ``rank`` the process the fault is on (the
+    triaging rank for numerics and model/data); ``phase`` "forward" | "backward" | None;
+    ``evidence`` plain JSON values; ``diagnosis`` ``locate``'s for numerics.
+    """
+
+    step: int
+    cause: str
+    module: str | None
+    op: str | None
+    rank: int
+    evidence: dict[str, Any] = field(default_factory=dict)
+    phase: str | None = None
+    diagnosis: Diagnosis | None = None
+
+    @property
+    def code(self) -> str:
+        """The finding code: AG380 numerics, AG381 model/data, AG382/AG383 faults."""
+        return CODES[self.cause]
+
+    def finding(self) -> Finding:
+        """This event as a :class:`ampguard.Finding`."""
+        where = " ".join(
+            part
+            for part in (
+                f"module {self.module!r}" if self.module is not None else "",
+                f"op {self.op}" if self.op else "",
+                f"in {self.phase}" if self.phase else "",
+                f"on rank {self.rank}",
+            )
+            if part
+        )
+        return make(
+            self.code,
+            f"step {self.step}: {self.cause.replace('_', ' ')} at {where}",
+            detail=f"module {self.module!r}" if self.module is not None else None,
+            step=self.step,
+            evidence={**self.evidence, "rank": self.rank, "module": self.module, "op": self.op},
+        )
+
+
+@dataclass
+class _Replayed:
+    signature: StepSignature
+    bad: bool
+    loss: float
+    captures: Captures | None
+
+
+def _run(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batch: Any,
+    policy: PrecisionPolicy,
+    scale: float,
+    capture: bool,
+) -> _Replayed:
+    recorder = SignatureRecorder(model, capacity=1)
+    captures = Captures(model) if capture else None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # full backward hooks where no input needs grad
+            with policy.autocast():
+                loss = loss_fn(model, batch)
+            (loss.float() * scale).backward()
+    finally:
+        recorder.remove()
+        if captures is not None:
+            captures.remove()
+    sig = recorder.read(recorder.steps[-1])
+    loss_value = float(loss.detach().float())
+    bad = sig.bad or not torch.isfinite(torch.tensor(loss_value)).item()
+    return _Replayed(sig, bool(bad), loss_value, captures)
+
+
+def triage_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batch: Any,
+    recorded: StepSignature,
+    *,
+    precision: str,
+    scale: float = 1.0,
+    rng_state: dict[str, Any] | None = None,
+    rank: int = 0,
+) -> TriageEvent:
+    """Decide why ``recorded``'s step failed, replaying it from the model's current state.
+
+    ``model`` must hold the state the step started from (a skipped step leaves it so, or a
+    snapshot restored it); ``batch`` and ``loss_fn(model, batch)`` are the step's;
+    ``precision`` and ``scale`` what it ran with; ``rng_state`` the RNG at its forward
+    (:meth:`SignatureRecorder.rng_state`). Parameters, buffers, gradients, RNG and modes are
+    as before afterwards.
+
+    Cost: one replay at the step's precision with every leaf's activations copied; then one
+    reference pass of every leaf module on the CPU; then one fp32 replay (numerics: plus
+    ``locate``'s two to five). A persistent fault adds one re-execution of its module with
+    every op run twice. Host syncs throughout: this runs after a failure, not per step.
+    """
+    from ampguard.forensics._locate import locate
+
+    policy = resolve_precision(precision, device_of(model.parameters()))
+    keep = Preserved(model, rng_state)
+    try:
+        keep.reset()
+        low = _run(model, loss_fn, batch, policy, scale, capture=True)
+        evidence: dict[str, Any] = {
+            "precision": policy.precision,
+            "scale": scale,
+            "recorded_failed": recorded.bad,
+            "replay_failed": low.bad,
+            "replay_loss": low.loss,
+        }
+        diff = first_difference(recorded, low.signature)
+        if diff is not None:
+            phase, module, what = diff
+            evidence.update(reproduced=False, first_difference=what, replays=1)
+            return TriageEvent(
+                recorded.step, "transient_fault", module, None, rank, evidence, phase
+            )
+        evidence["reproduced"] = True
+        assert low.captures is not None
+        deviation = reference_check(model, low.captures, policy)
+        if deviation is not None:
+            op, how = bisect_op(model, deviation, policy)
+            evidence.update(reference="cpu", deviates=deviation.what, op_found_by=how, replays=2)
+            return TriageEvent(
+                recorded.step,
+                "persistent_fault",
+                deviation.module,
+                op,
+                rank,
+                evidence,
+                deviation.phase,
+            )
+        keep.reset()
+        fp32 = _run(model, loss_fn, batch, resolve_precision(FULL, policy.device_type), 1.0, False)
+        evidence.update(fp32_failed=fp32.bad, fp32_loss=fp32.loss, replays=3)
+        failed = recorded.bad or low.bad
+        if not failed or fp32.bad or policy.dtype is None:
+            culprit = _first_bad_module(low)
+            return TriageEvent(
+                recorded.step, "model_or_data", culprit, None, rank, evidence, "forward"
+            )
+        keep.reset()
+        diag = locate(model, loss_fn, batch, policy.precision, scale, rng_state=rng_state)
+        evidence["diagnosis"] = diag.kind
+        return TriageEvent(
+            recorded.step, "numerics", diag.module, diag.op, rank, evidence, diag.phase, diag
+        )
+    finally:
+        keep.close()
+
+
+def _first_bad_module(run: _Replayed) -> str | None:
+    """The first leaf (forward order) whose output held a NaN/inf in ``run``."""
+    if run.captures is None:
+        return None
+    for name in run.captures.order:
+        out = run.captures.caps[name].output
+        if any(not bool(torch.isfinite(t).all()) for t in floats(out)):
+            return name
+    return None
+
+
+def triage(
+    guard: Any,
+    *,
+    recorder: SignatureRecorder | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    batch: Any = None,
+    step: int | None = None,
+    restore: Callable[[int], None] | None = None,
+) -> list[TriageEvent]:
+    """One :class:`TriageEvent` per failed step of ``guard``'s run that can be replayed.
+
+    ``recorder``: the :class:`SignatureRecorder` attached to the model before the steps
+    (default: the Guard's own, ``Guard(signatures=True)``; or
+    ``SignatureRecorder(model, clock=lambda: guard.steps)``). Failed steps: the recorded steps
+    whose loss, outputs or gradients held NaN/inf, and those whose loss the Guard's flight
+    recorder saw non-finite or spiking; ``step=`` names one instead. A step is numbered by
+    ``guard.steps`` during its forward (its ``StepResult.step`` minus one).
+
+    Each step is replayed from the state it started from: the flight recorder's snapshot taken
+    just before it (``Guard(snapshot_every=1)``), or ``restore(step)`` (your own snapshot's
+    restore), or, for the latest step when it was skipped, the model as it is. Its batch and
+    ``loss_fn`` come from ``guard.step(batch=..., loss_fn=...)`` (the flight recorder keeps
+    them) or from ``batch=`` / ``loss_fn=``. The model, its gradients and the RNG are left as
+    they were. No failed step: ``[]``. Under ``torch.distributed`` every rank must call it (a
+    collective); all return the same events, with the faulty rank named.
+
+    Cost: per event, see :func:`triage_step` (about three step-equivalents, host syncs);
+    nothing on the training path.
+    """
+    if recorder is None:
+        recorder = getattr(guard, "signatures", None)
+    if recorder is None:
+        raise ValueError(
+            "ag.triage needs the step's signatures: create the Guard with signatures=True (or "
+            "pass recorder=, an ampguard.SignatureRecorder attached before the failed step)"
+        )
+    if not isinstance(recorder, SignatureRecorder):
+        raise TypeError(f"recorder must be a SignatureRecorder, got {type(recorder).__name__}")
+    watch = getattr(guard, "flight_recorder", None)
+    if step is not None and step not in recorder.steps:
+        raise ValueError(f"step={step} is not recorded (the recorder holds {recorder.steps})")
+    steps = [step] if step is not None else _agreed(_failed(recorder, watch))
+    events = []
+    for s in steps:
+        plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
+        if plan is not None:
+            events.append(_triage_one(guard, recorder, s, *plan))
+    merged = _gathered(events)
+    if merged:
+        _write(guard, merged)
+    return merged
+
+
+def _write(guard: Any, events: list[TriageEvent]) -> None:
+    """``RUN_DIR/triage/rank<R>.json`` (atomic) when the Guard has a run folder, for
+    ``ampguard postmortem``; a failed write warns and changes nothing else."""
+    run_dir = getattr(getattr(guard, "telemetry", None), "run_dir", None)
+    if run_dir is None:
+        return
+    rank = _rank()
+    path = Path(run_dir) / TRIAGE_DIR / f"rank{rank}.json"
+    payload = {
+        "kind": TRIAGE_KIND,
+        "version": TRIAGE_VERSION,
+        "rank": rank,
+        "events": [_json_safe({**_plain(e), "code": e.code}) for e in events],
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, payload)
+    except (OSError, ValueError) as err:
+        warnings.warn(f"ag.triage could not write {path} ({err})", RuntimeWarning, stacklevel=3)
+
+
+def _failed(recorder: SignatureRecorder, watch: Any) -> list[int]:
+    failed = set(recorder.bad_steps())
+    if watch is not None and getattr(watch, "ring", None) is not None:
+        for row in watch.ring.rows():  # window n is the step whose forward saw steps == n - 1
+            if row.get("loss") is None or row.get("spike"):
+                failed.add(int(row["step"]) - 1)
+    return sorted(s for s in failed if s in recorder.steps)
+
+
+def _agreed(steps: list[int]) -> list[int]:
+    """Under ``torch.distributed``: the union of the ranks' failed steps (one collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return steps
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, steps)
+    return sorted({s for r in rows for s in r})
+
+
+def _plan(
+    guard: Any,
+    watch: Any,
+    recorder: SignatureRecorder,
+    step: int,
+    loss_fn: Any,
+    batch: Any,
+    restore: Callable[[int], None] | None,
+    single: bool,
+) -> tuple[Any, Any, Callable[[int], None] | None] | None:
+    """``(loss_fn, batch, restore)`` for replaying ``step``; None (or, for ``step=``, an
+    error naming what is missing) when it cannot be replayed."""
+    recorded = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
+    if batch is None and recorded is not None:
+        batch, loss_fn = recorded[0], loss_fn or recorded[1]
+    elif batch is not None and step != max(recorder.steps) and recorded is None:
+        batch = None  # batch= is the latest step's
+    missing = None
+    if batch is None:
+        missing = (
+            f"the batch of step {step}: pass guard.step(batch=..., loss_fn=...) so the flight "
+            "recorder keeps it, or batch= for the latest step"
+        )
+    elif loss_fn is None or not callable(loss_fn):
+        missing = "loss_fn=: loss_fn(model, batch) -> the scalar loss"
+    if restore is None and missing is None:
+        snaps = getattr(watch, "snapshots", None) if watch is not None else None
+        snap = snaps.before(step + 1) if snaps is not None else None
+        if snap is not None and snap.step == step:
+            state = snap.loaded().model
+
+            def restore(_s: int, state: Any = state) -> None:
+                guard.model.load_state_dict(state)
+
+        elif step != guard.steps - 1:
+            missing = (
+                f"the state step {step} started from: Guard(snapshot_every=1) keeps it, or pass "
+                "restore=(a function restoring your snapshot)"
+            )
+    if missing is None:
+        return loss_fn, batch, restore
+    if single:
+        raise ValueError(f"ag.triage cannot replay step {step}: it needs {missing}")
+    return None
+
+
+def _triage_one(
+    guard: Any,
+    recorder: SignatureRecorder,
+    step: int,
+    loss_fn: Any,
+    batch: Any,
+    restore: Callable[[int], None] | None,
+) -> TriageEvent:
+    model = recorder.model
+    live = Preserved(guard.model) if restore is not None else None
+    recorder.paused = True
+    try:
+        if restore is not None:
+            restore(step)
+        return triage_step(
+            model,
+            loss_fn,
+            batch,
+            recorder.read(step),
+            precision=guard.precision,
+            scale=float(guard.scale_used_at(step + 1)),
+            rng_state=recorder.rng_state(step),
+            rank=_rank(),
+        )
+    finally:
+        recorder.paused = False
+        if live is not None:
+            live.close()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gathered(events: list[TriageEvent]) -> list[TriageEvent]:
+    """Under ``torch.distributed``: every rank's verdicts, merged (a fault on one rank is the
+    run's verdict for that step); in one process, ``events`` unchanged."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return events
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, [_plain(e) for e in events])
+    by_step: dict[int, TriageEvent] = {}
+    for rank_events in rows:
+        for e in rank_events:
+            ev = TriageEvent(**e)
+            seen = by_step.get(ev.step)
+            if seen is None or (ev.cause.endswith("_fault") and not seen.cause.endswith("_fault")):
+                by_step[ev.step] = ev
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf as None (the run folder's JSON is strict), containers kept."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _plain(event: TriageEvent) -> dict[str, Any]:
+    return {
+        "step": event.step,
+        "cause": event.cause,
+        "module": event.module,
+        "op": event.op,
+        "rank": event.rank,
+        "evidence": event.evidence,
+        "phase": event.phase,
+    }

@@ -1,0 +1,87 @@
+"""What each rank runs in tests/test_triage_distributed.py: 2 real gloo ranks, plain DDP, a
+hardware fault planted on rank 1 only (ampguard.testing.inject_fault)."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import _distributed_scenarios as S
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+import ampguard as ag
+from ampguard.testing import inject_fault
+
+FAULT_STEP = 3
+
+
+def _loss(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(m(b[0]).float(), b[1])
+
+
+def _fault(rank: int, world: int, tmp: str, persistent: bool) -> dict[str, Any]:
+    inner = S.make_model()
+    model = S.ddp(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, audit_every=None)
+    rec = ag.SignatureRecorder(inner, clock=lambda: guard.steps)
+    inj = inject_fault(
+        inner,
+        module="4",
+        bit="exponent_top",
+        step=FAULT_STEP,
+        rank=1,
+        element=3,
+        persistent=persistent,
+        guard=guard,
+    )
+    for step in range(FAULT_STEP + 1):  # the fault strikes in the last window
+        g = torch.Generator().manual_seed(100 * step + rank)
+        b = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+        with guard.autocast():
+            loss = _loss(model, b)
+        guard.backward(loss)
+        guard.step(batch=b, loss_fn=_loss)
+    events = ag.triage(guard, recorder=rec, step=FAULT_STEP)
+    inj.remove()
+    return {"events": [(e.step, e.cause, e.module, e.op, e.rank) for e in events]}
+
+
+def transient_on_rank1(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _fault(rank, world, tmp, persistent=False)
+
+
+def persistent_on_rank1(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    return _fault(rank, world, tmp, persistent=True)
+
+
+SCENARIOS = {f.__name__: f for f in (transient_on_rank1, persistent_on_rank1)}
+
+
+def rank_main(rank, world, port, scenarios, queue, tmp, pg_timeout=30.0) -> None:
+    """The per-rank body for ``S.run_ranks``."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    try:
+        for name in scenarios:
+            try:
+                value = SCENARIOS[name](rank, world, tmp)
+            except BaseException as exc:
+                queue.put((name, rank, "error", f"{exc!r}\n" + traceback.format_exc(limit=8)))
+                raise
+            queue.put((name, rank, "ok", S._plain(value)))
+    finally:
+        queue.close()
+        queue.join_thread()
+    dist.destroy_process_group()

@@ -1,0 +1,252 @@
+"""ag.triage: every cause on real CPU training runs with planted faults (ampguard.testing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ampguard as ag
+from ampguard.findings import Finding
+from ampguard.testing import inject_fault
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+
+
+def _loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(m(b[0]).float(), b[1])
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def _run(model, precision="bf16", steps=3, batch=_batch, fault=None, **guard_kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision=precision, snapshot_every=1, **guard_kw)
+    rec = ag.SignatureRecorder(model, clock=lambda: guard.steps)
+    inj = fault(model, guard) if fault is not None else None  # stays armed: a broken unit
+    for i in range(steps):
+        b = batch(i)
+        with guard.autocast():
+            loss = _loss(model, b)
+        guard.backward(loss)
+        guard.step(batch=b, loss_fn=_loss)
+    return guard, rec, inj
+
+
+def _fault(**kw):
+    def plant(model, guard):
+        return inject_fault(model, guard=guard, step=2, element=5, **kw).__enter__()
+
+    return plant
+
+
+def test_transient_forward_fault() -> None:
+    model = _mlp()
+    guard, rec, inj = _run(model, fault=_fault(module="4", bit="exponent_top"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    (event,) = ag.triage(guard, recorder=rec)
+    assert inj.fired_at == [2]
+    assert (event.step, event.cause, event.module, event.phase) == (
+        2,
+        "transient_fault",
+        "4",
+        "forward",
+    )
+    assert event.evidence["reproduced"] is False and event.rank == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # left as it was
+
+
+def test_transient_backward_fault_names_the_module_whose_backward_was_wrong() -> None:
+    model = _mlp()
+    guard, rec, _ = _run(model, fault=_fault(module="2", phase="backward", bit="exponent_top"))
+    (event,) = ag.triage(guard, recorder=rec, step=2)  # silent: named by step (an audit mismatch)
+    assert (event.cause, event.module, event.phase) == ("transient_fault", "2", "backward")
+
+
+def test_persistent_forward_fault_names_module_and_op() -> None:
+    model = _mlp()
+    guard, rec, _ = _run(model, fault=_fault(module="4", bit="exponent_top", persistent=True))
+    (event,) = ag.triage(guard, recorder=rec)
+    assert (event.cause, event.module, event.op, event.phase) == (
+        "persistent_fault",
+        "4",
+        "aten.addmm",
+        "forward",
+    )
+    assert event.evidence["reproduced"] is True and event.evidence["replays"] == 2
+
+
+def test_persistent_op_fault_is_bisected_to_the_op() -> None:
+    model = _mlp()
+    plant = _fault(module="2", op="aten.gelu", bit="exponent_low", persistent=True)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()), nn.Linear(32, 4)
+    )
+    torch.manual_seed(0)
+    guard, rec, _ = _run(
+        model, fault=_fault(module="1.1", op="aten.gelu", bit="exponent_low", persistent=True)
+    )
+    (event,) = ag.triage(guard, recorder=rec, step=2)
+    assert (event.cause, event.module, event.op) == ("persistent_fault", "1.1", "aten.gelu")
+    assert event.evidence["op_found_by"] == "op output"
+    del plant
+
+
+def test_persistent_backward_fault() -> None:
+    model = _mlp()
+    guard, rec, _ = _run(
+        model, fault=_fault(module="2", phase="backward", bit="mantissa", persistent=True)
+    )
+    (event,) = ag.triage(guard, recorder=rec, step=2)
+    assert (event.cause, event.module, event.phase, event.op) == (
+        "persistent_fault",
+        "2",
+        "backward",
+        "aten.mm",
+    )
+
+
+class _Hot(nn.Module):
+    """fc1's output times 3000 leaves fp16's range: a numerics failure fp32 does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x) * 3000.0)
+
+
+def test_numerics_attaches_locate_diagnosis() -> None:
+    torch.manual_seed(0)
+    guard, rec, _ = _run(
+        _Hot(),
+        precision="fp16",
+        steps=2,
+        batch=lambda i: (torch.randn(16, 8) * 30, torch.randn(16, 4)),
+    )
+    (event,) = ag.triage(guard, recorder=rec)
+    assert event.cause == "numerics" and event.diagnosis is not None
+    assert event.diagnosis.kind == "fp16_overflow" and event.op == "aten.mul"
+    assert event.evidence["fp32_failed"] is False
+
+
+def test_model_or_data() -> None:
+    def batch(i):
+        x, y = _batch(i)
+        if i == 1:
+            x[3, 2] = float("nan")
+        return x, y
+
+    guard, rec, _ = _run(_mlp(), steps=2, batch=batch)
+    (event,) = ag.triage(guard, recorder=rec)
+    assert (event.step, event.cause, event.module) == (1, "model_or_data", "0")
+    assert event.evidence["fp32_failed"] is True
+
+
+def test_event_is_a_finding() -> None:
+    model = _mlp()
+    guard, rec, _ = _run(model, fault=_fault(module="4", bit="exponent_top", persistent=True))
+    (event,) = ag.triage(guard, recorder=rec)
+    f = event.finding()
+    assert isinstance(f, Finding) and f.code == "AG383" and f.step == 2
+    assert "'4'" in f.title and f.evidence["rank"] == 0 and f.evidence["op"] == "aten.addmm"
+
+
+def test_clean_run_has_no_event_and_no_fault() -> None:
+    guard, rec, _ = _run(_mlp(), steps=4)
+    assert ag.triage(guard, recorder=rec) == []
+    (event,) = ag.triage(guard, recorder=rec, step=3)  # a clean step named: not a fault
+    assert event.cause == "model_or_data" and event.evidence["reproduced"] is True
+
+
+def test_plain_loop_with_own_restore() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision="bf16", flight_recorder=False, on_spike=None)
+    rec = ag.SignatureRecorder(model, clock=lambda: guard.steps)
+    snaps = {}
+    with inject_fault(model, module="4", step=1, guard=guard, element=5):
+        for i in range(2):
+            snaps[i] = {k: v.clone() for k, v in model.state_dict().items()}
+            with guard.autocast():
+                loss = _loss(model, _batch(i))
+            rec.observe_loss(loss)
+            guard.backward(loss)
+            guard.step()
+    (event,) = ag.triage(
+        guard,
+        recorder=rec,
+        loss_fn=_loss,
+        batch=_batch(1),
+        restore=lambda s: model.load_state_dict(snaps[s]),
+    )
+    assert (event.step, event.cause, event.module) == (1, "transient_fault", "4")
+
+
+def test_bad_input() -> None:
+    guard, rec, _ = _run(_mlp(), steps=2)
+    with pytest.raises(ValueError, match="create the Guard with signatures=True"):
+        ag.triage(guard)
+    with pytest.raises(TypeError, match="recorder must be a SignatureRecorder"):
+        ag.triage(guard, recorder=object())
+    with pytest.raises(ValueError, match=r"step=9 is not recorded"):
+        ag.triage(guard, recorder=rec, step=9)
+    model = _mlp()
+    g2 = ag.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    r2 = ag.SignatureRecorder(model, clock=lambda: g2.steps)
+    for i in range(3):
+        with g2.autocast():
+            loss = _loss(model, _batch(i))
+        g2.backward(loss)
+        g2.step()
+    with pytest.raises(ValueError, match="cannot replay step 0: it needs the batch of step 0"):
+        ag.triage(g2, recorder=r2, step=0)
+
+
+def test_events_are_written_to_the_run_folder_and_listed_by_postmortem(tmp_path, capsys) -> None:
+    from ampguard.cli._main import main
+
+    run = tmp_path / "run"
+    model = _mlp()
+    plant = _fault(module="4", bit="exponent_top", persistent=True)
+    guard, rec, _ = _run(model, fault=plant, telemetry=str(run))
+    (event,) = ag.triage(guard, recorder=rec)
+    guard.close()
+    assert (run / "triage" / "rank0.json").is_file()
+    assert main(["postmortem", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "triage (step 2, rank 0): persistent_fault at module '4' op aten.addmm in forward [AG383]"
+        in out
+    )
+    (run / "triage" / "rank0.json").write_text("{}", encoding="utf-8")
+    assert main(["postmortem", str(run)]) == 2  # a corrupt triage file: one clear error
+    assert "not an ampguard triage file" in capsys.readouterr().err
+
+
+def test_guard_signatures_is_the_default_recorder() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, signatures=True)
+    assert isinstance(guard.signatures, ag.SignatureRecorder)
+    with inject_fault(model, module="4", step=2, guard=guard, element=5):
+        for i in range(3):
+            b = _batch(i)
+            with guard.autocast():
+                loss = _loss(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=_loss)
+    (event,) = ag.triage(guard)
+    assert (event.step, event.cause, event.module) == (2, "transient_fault", "4")
+    with pytest.raises(ValueError, match="signatures must be True"):
+        ag.Guard(model, opt, precision="bf16", signatures=0)

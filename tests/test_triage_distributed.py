@@ -1,0 +1,23 @@
+"""ag.triage under DDP (2 real gloo ranks): a fault planted on rank 1 only is named, with its
+class, module and rank, by both ranks."""
+
+import _distributed_scenarios as S
+import _triage_scenarios as T
+import pytest
+
+
+@pytest.mark.slow  # multi-process (gloo)
+@pytest.mark.timeout(150)
+def test_faults_on_one_rank_are_named_by_every_rank(tmp_path):
+    names = ["transient_on_rank1", "persistent_on_rank1"]
+    results = S.run_ranks(T.rank_main, 2, names, 120, str(tmp_path), 30.0)
+    want = {
+        "transient_on_rank1": [[T.FAULT_STEP, "transient_fault", "4", None, 1]],
+        "persistent_on_rank1": [[T.FAULT_STEP, "persistent_fault", "4", "aten.addmm", 1]],
+    }
+    for name in names:
+        assert sorted(results[name]) == [0, 1], results[name]
+        for rank in (0, 1):
+            status, value = results[name][rank]
+            assert status == "ok", value
+            assert [list(e) for e in value["events"]] == want[name], (name, rank, value)
