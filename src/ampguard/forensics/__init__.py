@@ -46,10 +46,10 @@ from ampguard.forensics._live import check as check_arguments
 from ampguard.forensics._live import diagnose_trace, fallback_finding, reproduced
 from ampguard.forensics._locate import locate
 from ampguard.forensics._optrace import OpTrace, flatten_tensors, op_name
-from ampguard.forensics._transient import soften
-from ampguard.forensics._verdicts import advice, verdict
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature
+from ampguard.forensics._transient import soften
 from ampguard.forensics._triage import CAUSES, TriageEvent, triage, triage_step
+from ampguard.forensics._verdicts import advice, verdict
 
 __all__ = [
     "Diagnosis",
