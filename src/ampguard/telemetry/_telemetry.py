@@ -131,6 +131,7 @@ class Telemetry:
             require_tensorboard()
         self._source: TelemetrySource | None = None
         self._closed = False
+        self._final: list[Finding] | None = None  # the findings close() wrote
         self._recorded: set[str] = set()  # findings already in the run log
         self.flushes = 0
         # --- extra sinks (ampguard.integrations.sinks): start/write/close protocol ---
@@ -650,11 +651,15 @@ class Telemetry:
     # ------------------------------------------------------------------ findings and close
     def findings(self) -> list[Finding]:
         """Flush, evaluate the AG1xx rules over the whole run log, write ``findings.json``.
+        After :meth:`close`: the findings close wrote (read back from ``findings.json`` when
+        close could not evaluate them); nothing is written again.
 
-        Cost: one sync (the flush) and a read of the run log.
+        Cost: one sync (the flush) and a read of the run log; none after close.
         """
         from ampguard import rules
 
+        if self._closed:
+            return list(self._final) if self._final is not None else self._written_findings()
         self.flush()
         if self._log is None:  # nothing recorded yet
             return []
@@ -663,9 +668,18 @@ class Telemetry:
         except OSError as exc:  # EIO on a failing disk
             self._failures.failed(self._events, exc)
         found = rules.evaluate(runlog.load_run(self.run_dir))
+        self._final = list(found)
         self._write_json(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
         self._raise_error()
         return found
+
+    def _written_findings(self) -> list[Finding]:
+        """``findings.json`` of a closed run, as Findings ([] when it was never written)."""
+        path = self.run_dir / runlog.FINDINGS
+        try:
+            return [Finding.from_dict(d) for d in json.loads(path.read_text())]
+        except (OSError, ValueError, TypeError, KeyError):
+            return []
 
     @property
     def closed(self) -> bool:
