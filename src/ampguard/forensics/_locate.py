@@ -216,6 +216,11 @@ def _low_failed(
         default=0.0,
     )
     safe = 2.0 ** math.floor(math.log2(MAX[name] / peak)) if peak > 0 else None
+    probe = {"module": e.module, "op": e.op, "scale": low.scale, "max_safe_scale": safe}
+    real = _behind_probe(model, loss_fn, batch, policy, keep, ref, at_one, safe)
+    if real is not None:  # a benign probe never hides a real finding of the same batch
+        real.stats["scaler_probe"] = probe
+        return real
     return Diagnosis(
         "none",
         e.phase,
@@ -226,6 +231,27 @@ def _low_failed(
         low.scale,
         benign=True,
     )
+
+
+def _behind_probe(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    keep: Preserved,
+    ref: Run,
+    at_one: Run,
+    safe: float | None,
+) -> Diagnosis | None:
+    """What the batch gets wrong once the scaler backed off its probe: the silent checks
+    (absorbed forward overflow, dead or underflowing layers) on a replay at the largest safe
+    scale, where the scaler settles (at scale 1 when that replay overflows again)."""
+    run = at_one
+    if safe is not None and safe > 1.0:
+        keep.reset()
+        at_safe = replay(model, loss_fn, batch, policy, safe)
+        run = at_one if at_safe.failed else at_safe
+    return silent(run, ref)
 
 
 def _check_fix(

@@ -160,7 +160,19 @@ def explain(d: Any) -> str:
             "between the step and the replay, loss_fn draws its own randomness, or an op is "
             f"non-deterministic), so what follows describes the replay, not the step. {text}"
         )
-    return f"{text} Fix: {fix_for(d)}"
+    return f"{text}{_probe_note(s)} Fix: {fix_for(d)}"
+
+
+def _probe_note(s: dict[str, Any]) -> str:
+    """A scaler probe found in the same batch as a real finding: said, never in its place."""
+    probe = s.get("scaler_probe")
+    if not probe:
+        return ""
+    return (
+        f" (At loss scale {_g(probe['scale'])} the backward of {where(probe['module'])} also "
+        f"overflows: only the scaler probing, it settles near {_g(probe['max_safe_scale'])}; "
+        "the finding above is what stays wrong at that scale.)"
+    )
 
 
 def _overflow(d: Any, at: str, counts: str) -> str:
