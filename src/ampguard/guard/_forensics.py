@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from ampguard import runlog
+from ampguard._util.cadence import early_or_every
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import StepResult
 from ampguard.core.scaler import ScalerConfig
@@ -220,12 +221,12 @@ class GuardForensics:
         )
 
     def _scan_due(self) -> bool:
-        """auto_fallback scans the forward of every scan_every-th window for absorbed fp16
-        overflow (see ampguard.forensics._absorbed_scan)."""
+        """auto_fallback scans the forward of windows 1, 2, 4, ... and then of every
+        scan_every-th window for absorbed fp16 overflow (see ampguard.forensics._absorbed_scan)."""
         return (
             self.auto_fallback
             and self.guard.policy.entry.low_dtype == "float16"  # fp16's range can overflow
-            and (self.guard.steps + 1) % scan_every(self.guard) == 0
+            and early_or_every(self.guard.steps + 1, scan_every(self.guard))  # 1, 2, 4 .. 100
         )
 
     def _warming_up(self) -> bool:

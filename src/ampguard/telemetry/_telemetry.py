@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ampguard import runlog
+from ampguard._util.cadence import early_or_every, early_windows
 from ampguard._util.checks import check_bool, check_int
 from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding
@@ -177,12 +178,17 @@ class Telemetry:
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._ranger = RangeSampler(layout, self._device) if self.range_every else None
         # absorbed fp16 overflow: counted on the range-sampled windows' forwards (AG170)
+        # on windows 1, 2, 4, ... below range_every too, so a failure from step 0 shows early
         self._absorbed = (
-            AbsorbedCounter(source.model, self._device, self.flush_every // self.range_every + 1)
+            AbsorbedCounter(
+                source.model,
+                self._device,
+                self.flush_every // self.range_every + 1 + early_windows(self.range_every),
+            )
             if self.range_every and self.absorbed
             else None
         )
-        if self._absorbed is not None and 1 % self.range_every == 0:
+        if self._absorbed is not None and early_or_every(1, self.range_every):
             self._absorbed.arm(1)
         self._cells = DeviceBuffer(
             self.flush_every,
@@ -360,10 +366,10 @@ class Telemetry:
         self._micro = 0
         absorbed = self._absorbed
         if absorbed is not None and (
-            absorbed.armed_step is not None or not (step + 1) % self.range_every
+            absorbed.armed_step is not None or early_or_every(step + 1, self.range_every)
         ):
             absorbed.disarm()
-            if not (step + 1) % self.range_every:
+            if early_or_every(step + 1, self.range_every):
                 absorbed.arm(step + 1)
         if step >= self.next_sample:
             self.next_sample = self._due_after(step)
