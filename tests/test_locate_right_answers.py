@@ -4,8 +4,10 @@ a benign scaler probe in the same batch as a real finding, at any scale."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
 from test_silent_locate import NormNet, batch
+from torch import nn
 
 import ampguard as ag
 
@@ -34,3 +36,37 @@ def test_benign_probe_never_hides_an_absorbed_overflow(scale):
 def test_benign_probe_alone_stays_benign():
     diag = ag.locate(NormNet(gain=1.0), big_ce, batch())
     assert diag.benign and diag.code == "AG305"
+
+
+# ---------------------------------------------------------------- gradients wrong, none zero
+def _weighted_head():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 16, generator=g).abs() * 1000
+    w = torch.full((64, 1), 2.5e-8)  # 63 samples' output gradients flush to zero in fp16
+    w[0] = 2.0e-7
+
+    def loss_fn(m, b):
+        return (m(b).float() * w).sum()
+
+    return model, loss_fn, x
+
+
+def test_a_layer_far_off_fp32_with_no_zero_element_is_underflow():
+    model, loss_fn, x = _weighted_head()
+    diag = ag.locate(model, loss_fn, x, scale=1.0)  # a loop without a loss scaler
+    assert diag.kind == "fp16_underflow" and diag.code == "AG302", diag.stats
+    assert diag.module == "0" and diag.phase == "backward"
+    assert diag.stats["rel_error"] > 0.8  # about 93% off fp32
+    assert diag.stats["grad_rel_error"]["0"] == diag.stats["rel_error"]
+    assert diag.stats["flushed_by"] == {"module": "0", "op": "aten._to_copy"}
+    text = diag.explain()
+    assert "wrong" in text and "underflow" in text and "GradScaler" in text
+
+
+def test_the_same_batch_under_a_loss_scaler_is_fine_and_says_its_errors():
+    model, loss_fn, x = _weighted_head()
+    diag = ag.locate(model, loss_fn, x)  # GradScaler's start scale: nothing flushes
+    assert diag.kind == "none" and not diag.benign
+    assert diag.stats["grad_rel_error"]["0"] < 0.01

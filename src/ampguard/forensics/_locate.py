@@ -29,6 +29,7 @@ from ampguard.forensics._diagnosis import Diagnosis
 from ampguard.forensics._fixcheck import check_keep_fp32, tiny_eps
 from ampguard.forensics._limits import FULL, LOW_DTYPES, MAX, REPLAYABLE
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
+from ampguard.forensics._silent import grad_errors
 
 __all__ = ["locate"]
 
@@ -122,16 +123,12 @@ def _locate(
     if low.failed:
         diag = _low_failed(model, loss_fn, batch, policy, keep, low, ref)
         return _replayed(_check_fix(model, loss_fn, batch, policy, keep, diag), low)
-    none = Diagnosis(
-        "none",
-        None,
-        None,
-        None,
-        {"loss": low.loss, "loss_fp32": ref.loss},
-        policy.precision,
-        scale,
-    )
-    return _replayed(silent(low, ref) or none, low)
+    found = silent(low, ref)
+    if found is not None:
+        return _replayed(found, low)
+    errors = {m: round(v, 4) for m, v in grad_errors(low, ref).items()}
+    stats = {"loss": low.loss, "loss_fp32": ref.loss, "grad_rel_error": errors}
+    return _replayed(Diagnosis("none", None, None, None, stats, policy.precision, scale), low)
 
 
 def _replayed(diag: Diagnosis, low: Run) -> Diagnosis:

@@ -8,6 +8,7 @@ from ampguard import precisions
 from ampguard.findings.codes import lookup
 from ampguard.forensics import _optimizer
 from ampguard.forensics._fixcheck import eps_text, keep_fp32_text
+from ampguard.forensics._silent import REL_ERROR
 
 __all__ = ["explain", "title_for", "fix_for", "where"]
 
@@ -90,7 +91,7 @@ def fix_for(d: Any) -> str:
             "or smaller loss scale does not help: the overflow is in the forward pass."
         ),
         "fp16_underflow": _underflow_fix(d, flushed)
-        if "underflow_share" in d.stats
+        if "underflow_share" in d.stats or "rel_error" in d.stats
         else (
             "Raise the loss scale (ScalerConfig(init_scale=..., min_scale=...)), "
             f"keep {where(flushed if flushed is not None else d.module)} in fp32 "
@@ -131,7 +132,7 @@ def explain(d: Any) -> str:
         text = (
             f"Loss and gradients are finite in {low} at loss scale {_g(d.scale)} and no "
             "layer's gradients flush to zero: mixed precision is fine for this batch."
-        )
+        ) + _rounding_note(s)
     elif d.kind == "fp16_overflow":
         text = _overflow(d, at, counts) + _poisoned(s)
     elif d.kind == "fp16_underflow":
@@ -248,6 +249,19 @@ def _underflow(d: Any, at: str) -> str:
             f"The loss and the gradients stay finite, so nothing skips: the layer just learns "
             f"from a fraction of its gradient.{also}"
         )
+    if "rel_error" in s:
+        by = s.get("flushed_by") or {}
+        scaler = (
+            "without a loss scaler (scale 1)" if d.scale == 1.0 else f"at loss scale {_g(d.scale)}"
+        )
+        return (
+            f"{low} {scaler} gets the gradient of {where(d.module)} {s['rel_error']:.0%} wrong "
+            f"(relative L2 error against fp32; threshold {s.get('rel_error_threshold'):.0%}), "
+            f"although none of its elements is zero: upstream, {by.get('op')} in "
+            f"{where(by.get('module'))} produced backward values below {low}'s smallest "
+            "normal value in fp32 too, so the contributions that flushed there are missing "
+            "from the sum. This is gradient underflow; nothing skips."
+        )
     if "dead_parameters" in s:
         dead = ", ".join(s["dead_parameters"][:4])
         by = s.get("flushed_by")
@@ -261,6 +275,19 @@ def _underflow(d: Any, at: str) -> str:
         f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
         f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
         f"below {low}'s smallest normal value)."
+    )
+
+
+def _rounding_note(s: dict[str, Any]) -> str:
+    """A layer whose gradient is far off fp32's without any underflow: said, not called fine."""
+    wrong = {m: v for m, v in (s.get("grad_rel_error") or {}).items() if v > REL_ERROR}
+    if not wrong:
+        return ""
+    worst = max(wrong, key=lambda m: wrong[m])
+    return (
+        f" But the gradient of {where(worst)} is {wrong[worst]:.0%} off fp32's (relative L2 "
+        "error) with no value below the smallest normal: rounding, not underflow; compare "
+        "keep_fp32 on it or bf16 before trusting this batch's updates."
     )
 
 
