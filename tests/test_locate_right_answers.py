@@ -70,3 +70,50 @@ def test_the_same_batch_under_a_loss_scaler_is_fine_and_says_its_errors():
     diag = ag.locate(model, loss_fn, x)  # GradScaler's start scale: nothing flushes
     assert diag.kind == "none" and not diag.benign
     assert diag.stats["grad_rel_error"]["0"] < 0.01
+
+
+# ---------------------------------------------------------------- dropout and the global RNG
+def _dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.Dropout(0.5), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].weight[0, 0] = 1.0  # unit 0 = x[:, 0] = 40000: fp16 holds it...
+        model[2].weight.zero_()
+        model[2].weight[0, 0] = 2.0  # ... but not the head's 80000 (nor dropout's x2)
+    return model
+
+
+def _dropout_loss(model, b):
+    return model(b).float().pow(2).mean()
+
+
+def test_standalone_locate_with_dropout_is_stable_over_seeds_and_says_its_mask():
+    x = torch.zeros(1, 4)
+    x[0, 0] = 40000.0
+    answers, stable = set(), []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        diag = ag.locate(_dropout_model(), _dropout_loss, x)
+        answers.add((diag.kind, diag.phase, diag.module, diag.op))
+        info = diag.stats["dropout"]
+        assert info["modules"] == ["1"] and "disabled" in info["mask"]
+        stable.append(info["stable"])
+    assert answers == {("fp16_overflow", "forward", "2", "aten.addmm")}
+    assert not all(stable)  # some masks give another answer: said, not returned
+
+
+def test_a_failure_only_a_mask_makes_says_it_depends_on_the_mask():
+    x = torch.zeros(1, 4)
+    x[0, 0] = 40000.0
+    model = _dropout_model()
+    with torch.no_grad():
+        model[2].weight[0, 0] = 0.5  # 20000 at the head: only dropout's x2 overflows (at '1')
+    seen = {}
+    for seed in range(6):
+        torch.manual_seed(seed)
+        diag = ag.locate(model, lambda m, b: m(b).float().mean(), x)
+        seen[diag.kind] = diag.stats["dropout"]
+    assert "fp16_overflow" in seen and seen["fp16_overflow"]["stable"] is False
+    assert seen["fp16_overflow"]["without_dropout"]["kind"] == "none"
+    assert "global RNG" in seen["fp16_overflow"]["mask"]

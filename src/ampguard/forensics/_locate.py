@@ -54,7 +54,10 @@ def locate(
     no hook is left behind. ``rng_state`` (``torch.get_rng_state()`` taken just before the
     failing step's forward, or ``{"cpu": ..., "cuda": [...]}``) makes every replay start from
     it, so dropout draws the failing step's masks; ``stats["replay_loss"]`` is the replayed
-    loss, to check that the replay reproduced the step.
+    loss, to check that the replay reproduced the step. Without ``rng_state``, a model with
+    active dropout is replayed with dropout disabled as well: a finding there is the answer
+    (it does not depend on the global RNG); ``stats["dropout"]`` says which mask ran and
+    whether the answer is stable (one more set of replays).
 
     An fp16 overflow at a module is checked against its fix: the batch is replayed once more
     with that module kept in fp32 (twice when its backward still overflows), so the advice says
@@ -86,6 +89,7 @@ def locate(
         if bad_params:
             return broken_state(bad_params + bad_buffers, policy.precision, scale, optimizer)
         diag = _locate(model, loss_fn, batch, policy, scale, keep)
+        diag = _mask_checked(model, loss_fn, batch, policy, scale, keep, diag, rng_state)
         if bad_buffers:
             return with_poisoned_buffers(diag, bad_buffers)
         if diag.ok and optimizer is not None:  # a benign probe too: the batch itself is fine
@@ -129,6 +133,64 @@ def _locate(
     errors = {m: round(v, 4) for m, v in grad_errors(low, ref).items()}
     stats = {"loss": low.loss, "loss_fp32": ref.loss, "grad_rel_error": errors}
     return _replayed(Diagnosis("none", None, None, None, stats, policy.precision, scale), low)
+
+
+def _dropouts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The dropout modules that draw a mask in this forward (training mode, p > 0)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+
+
+def _answer(d: Diagnosis) -> dict[str, Any]:
+    return {"kind": d.kind, "code": d.code, "phase": d.phase, "module": d.module, "op": d.op}
+
+
+def _mask_checked(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    scale: float,
+    keep: Preserved,
+    diag: Diagnosis,
+    rng_state: Any,
+) -> Diagnosis:
+    """Say which dropout mask the replays ran, and, without ``rng_state``, check the answer
+    against the same batch with dropout disabled: a finding there does not depend on the
+    global RNG, so it is the answer; a finding that needs the mask says so
+    (``stats["dropout"]``: ``modules``, ``mask``, ``stable``, the other answer)."""
+    drops = _dropouts(model)
+    if not drops:
+        return diag
+    names = [n for n, _ in drops]
+    if rng_state is not None:
+        diag.stats["dropout"] = {"modules": names, "mask": "the failing step's (rng_state=)"}
+        return diag
+    keep.off = {id(m) for _, m in drops}
+    try:
+        keep.reset()
+        off = _locate(model, loss_fn, batch, policy, scale, keep)
+    finally:
+        keep.off = set()
+    stable = _answer(off) == _answer(diag)
+    if not off.ok or stable:
+        off.stats["dropout"] = {
+            "modules": names,
+            "mask": "none: dropout disabled in the probe (no global RNG draw)",
+            "stable": stable,
+            "with_global_rng_mask": _answer(diag),
+        }
+        return off
+    diag.stats["dropout"] = {  # only a mask makes the batch fail: the answer depends on it
+        "modules": names,
+        "mask": "the global RNG's at the call (pass rng_state= for the failing step's)",
+        "stable": False,
+        "without_dropout": _answer(off),
+    }
+    return diag
 
 
 def _replayed(diag: Diagnosis, low: Run) -> Diagnosis:

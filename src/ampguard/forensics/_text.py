@@ -161,7 +161,23 @@ def explain(d: Any) -> str:
             "between the step and the replay, loss_fn draws its own randomness, or an op is "
             f"non-deterministic), so what follows describes the replay, not the step. {text}"
         )
-    return f"{text}{_probe_note(s)} Fix: {fix_for(d)}"
+    return f"{text}{_probe_note(s)}{_mask_note(s)} Fix: {fix_for(d)}"
+
+
+def _mask_note(s: dict[str, Any]) -> str:
+    """Which dropout mask the replays ran, and whether another gives another answer."""
+    info = s.get("dropout")
+    if not info:
+        return ""
+    mods = ", ".join(map(repr, info["modules"][:4]))
+    other = info.get("with_global_rng_mask") or info.get("without_dropout")
+    run = "the global RNG mask" if "with_global_rng_mask" in info else "dropout off"
+    differs = (
+        f"; the other run ({run}) says {other['code']} at {where(other['module'])}"
+        if other and info.get("stable") is False
+        else ""
+    )
+    return f" Dropout ({mods}): mask {info['mask']}{differs}."
 
 
 def _probe_note(s: dict[str, Any]) -> str:
