@@ -48,3 +48,14 @@ def test_wandb_sink_keeps_wandb_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_DIR")
     assert wandb_init_kwargs(tmp_path / "run", {})["dir"] == str(tmp_path / "run")
     assert wandb_init_kwargs(tmp_path / "run", {"dir": "x"})["dir"] == "x"
+
+
+def test_an_fp16_loop_without_a_scaler_is_warned_at_attach(tmp_path):
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="no loss scaler"):
+        handle = ag.watch(None, model, opt, tmp_path / "run", precision="fp16")
+    handle.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bf16 without a scaler is right: no warning
+        ag.watch(None, model, opt, tmp_path / "bf16", precision="bf16").close()
