@@ -117,3 +117,23 @@ def test_a_failure_only_a_mask_makes_says_it_depends_on_the_mask():
     assert "fp16_overflow" in seen and seen["fp16_overflow"]["stable"] is False
     assert seen["fp16_overflow"]["without_dropout"]["kind"] == "none"
     assert "global RNG" in seen["fp16_overflow"]["mask"]
+
+
+# ---------------------------------------------------------------- an op in the loss code
+def _squared_loss(model, x):
+    h = model(x)
+    return (h * 300.0).pow(2).mean().float()  # fp16 under autocast: 300^2 * |h|^2 > 65504
+
+
+def test_an_overflow_in_the_loss_code_names_the_op_and_the_line():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 4
+    diag = ag.locate(model, _squared_loss, x)
+    assert diag.kind == "fp16_overflow" and diag.module is None, diag.stats
+    source = diag.stats["source"]
+    assert source.endswith(f"{__file__}:{_squared_loss.__code__.co_firstlineno + 2}")
+    fix = diag.to_finding().fix
+    assert "<module>" not in fix and "keep_fp32=[" not in fix
+    assert diag.op in fix and source in fix and ".float()" in fix
+    assert source in diag.explain()

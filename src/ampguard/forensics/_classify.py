@@ -87,6 +87,8 @@ def _event_stats(run: Run, e: OpEvent, other: Run | None, low_name: str) -> dict
     key = run.precision if REGISTRY[run.precision].is_full else low_name
     numel = math.prod(e.shape)
     all_bad = measured and numel and row[3] + row[4] >= numel
+    if e.source is not None:  # an op of the loss code: the user's line that ran it
+        stats["source"] = e.source
     stats[f"max_abs_{key}"] = row[2] if measured and not all_bad else None
     stats[f"input_max_abs_{key}"] = row[0]
     if other is not None:

@@ -17,10 +17,11 @@ def _g(value: Any) -> str:
     return "n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def where(module: str | None) -> str:
-    """``'blocks.1.fc'``, ``the root module ('')`` or ``code outside the model (loss_fn)``."""
+def where(module: str | None, source: str | None = None) -> str:
+    """``'blocks.1.fc'``, ``the root module ('')`` or ``code outside the model (loss_fn)`` (with
+    the line that ran it, when known)."""
     if module is None:
-        return "code outside the model (loss_fn)"
+        return f"the loss code at {source}" if source else "code outside the model (loss_fn)"
     return "the root module ('')" if module == "" else repr(module)
 
 
@@ -67,6 +68,8 @@ def fix_for(d: Any) -> str:
             "learning rate too high, or with fp16/bf16 weights an eps their dtype cannot hold "
             "(ampguard.locate(model, loss_fn, batch, optimizer=opt) checks it)."
         )
+    if d.module is None and d.op and not d.benign and d.kind.startswith("fp16_"):
+        return _loss_code_fix(d)
     target = d.module if d.module is not None else "<module>"
     flushed = (d.stats.get("flushed_by") or {}).get("module")
     if d.benign:
@@ -115,7 +118,11 @@ def explain(d: Any) -> str:
         return _optimizer.explain(d)
     s = d.stats
     low = d.precision
-    at = f"{d.op} in {where(d.module)}" if d.op else where(d.module)
+    at = (
+        f"{d.op} in {where(d.module, s.get('source'))}"
+        if d.op
+        else where(d.module, s.get("source"))
+    )
     counts = (
         "non-finite values"
         if s.get("inf_count") is None
@@ -291,6 +298,26 @@ def _underflow(d: Any, at: str) -> str:
         f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
         f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
         f"below {low}'s smallest normal value)."
+    )
+
+
+def _loss_code_fix(d: Any) -> str:
+    """An op outside every module (the loss code): keep_fp32 cannot reach it; name the op, the
+    line, and the fixes that apply there."""
+    at = f" at {d.stats['source']}" if d.stats.get("source") else " in loss_fn"
+    if d.kind == "fp16_underflow":
+        return (
+            f"{d.op} runs in the loss code{at}, outside every module, so keep_fp32 cannot reach "
+            "it: compute it in fp32 there (cast its inputs with .float() first, or wrap it in "
+            "torch.autocast(device_type, enabled=False)), or scale the values up before it; or "
+            "train in bf16 (precision='bf16')."
+        )
+    return (
+        f"{d.op} runs in the loss code{at}, outside every module, so keep_fp32 cannot reach it: "
+        "compute it in fp32 there (cast its inputs with .float() first, or wrap it in "
+        "torch.autocast(device_type, enabled=False)), or rescale before it (divide by the max, "
+        "use logsumexp, or F.cross_entropy / F.mse_loss on .float() outputs, which autocast "
+        "runs in fp32); or train in bf16 (precision='bf16')."
     )
 
 
