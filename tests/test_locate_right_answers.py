@@ -137,3 +137,26 @@ def test_an_overflow_in_the_loss_code_names_the_op_and_the_line():
     assert "<module>" not in fix and "keep_fp32=[" not in fix
     assert diag.op in fix and source in fix and ".float()" in fix
     assert source in diag.explain()
+
+
+# ---------------------------------------------------------------- an op in the root's own code
+class _RootScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.full((8, 8), 300.0))
+
+    def forward(self, x):
+        return (self.fc(x) @ self.gain).pow(2)  # the root's own matmul and square
+
+
+def test_an_overflow_in_the_root_names_the_op_and_its_parameter():
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)) * 4
+    diag = ag.locate(_RootScaled(), lambda m, b: m(b).float().mean(), x)
+    assert diag.kind == "fp16_overflow" and diag.module == "", diag.stats
+    assert diag.stats["root_parameters"] == ["gain"]
+    text, fix = diag.explain(), diag.to_finding().fix
+    assert "'gain'" in text and diag.op in text
+    assert "keep_fp32=['']" not in fix.replace("keep_fp32=[''] would", "")
+    assert ".float()" in fix and "submodule" in fix

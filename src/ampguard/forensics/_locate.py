@@ -90,6 +90,8 @@ def locate(
             return broken_state(bad_params + bad_buffers, policy.precision, scale, optimizer)
         diag = _locate(model, loss_fn, batch, policy, scale, keep)
         diag = _mask_checked(model, loss_fn, batch, policy, scale, keep, diag, rng_state)
+        if diag.module == "" and diag.op and not diag.ok:  # the root's own code: what fed it
+            diag.stats["root_parameters"] = [n for n, _ in model.named_parameters(recurse=False)]
         if bad_buffers:
             return with_poisoned_buffers(diag, bad_buffers)
         if diag.ok and optimizer is not None:  # a benign probe too: the batch itself is fine

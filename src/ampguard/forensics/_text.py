@@ -70,6 +70,8 @@ def fix_for(d: Any) -> str:
         )
     if d.module is None and d.op and not d.benign and d.kind.startswith("fp16_"):
         return _loss_code_fix(d)
+    if d.module == "" and d.op and not d.benign and d.kind.startswith("fp16_"):
+        return _root_fix(d)
     target = d.module if d.module is not None else "<module>"
     flushed = (d.stats.get("flushed_by") or {}).get("module")
     if d.benign:
@@ -123,6 +125,11 @@ def explain(d: Any) -> str:
         if d.op
         else where(d.module, s.get("source"))
     )
+    if d.module == "" and d.op:  # name what fed the op, not just "the root"
+        own = ", ".join(map(repr, (s.get("root_parameters") or [])[:4]))
+        at = f"{d.op} in the root module's own forward code" + (
+            f" (its own parameters: {own})" if own else " (no parameter of its own: its inputs)"
+        )
     counts = (
         "non-finite values"
         if s.get("inf_count") is None
@@ -298,6 +305,19 @@ def _underflow(d: Any, at: str) -> str:
         f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
         f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
         f"below {low}'s smallest normal value)."
+    )
+
+
+def _root_fix(d: Any) -> str:
+    """An op in the root module's own forward: keep_fp32=[''] would run the whole model in fp32."""
+    own = ", ".join(map(repr, (d.stats.get("root_parameters") or [])[:4]))
+    fed = f" (fed by {own})" if own else ""
+    return (
+        f"{d.op} runs in the root module's own forward{fed}, not in a submodule, so "
+        "keep_fp32=[''] would put the whole model in fp32: compute that op in fp32 there "
+        "(cast its inputs with .float() first, or wrap it in torch.autocast(device_type, "
+        "enabled=False)), or move it into a small submodule and keep_fp32 that one; or train "
+        "in bf16 (precision='bf16')."
     )
 
 
