@@ -126,6 +126,7 @@ class Watch:
         loss_from_scaler: bool = True,
         grads_from_optimizer_hooks: bool = True,
         requested_precision: str | None = None,
+        clip_grad_norm: float | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,6 +168,7 @@ class Watch:
         )
         if requested_precision is not None:
             self.source.requested_precision = requested_precision
+        self.source.clip_grad_norm = clip_grad_norm  # a framework that clips says at what norm
         self.telemetry = _resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
         self._hooks: list[Any] = []
