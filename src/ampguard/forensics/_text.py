@@ -175,7 +175,14 @@ def explain(d: Any) -> str:
             "between the step and the replay, loss_fn draws its own randomness, or an op is "
             f"non-deterministic), so what follows describes the replay, not the step. {text}"
         )
-    return f"{text}{_probe_note(s)}{_mask_note(s)} Fix: {fix_for(d)}"
+    stopped = s.get("fallback_stopped")
+    halt = (
+        f" auto_fallback stopped here: after it kept {stopped['first_fallback']!r} in fp32 "
+        f"(step {stopped['step']}), {stopped['reason']}."
+        if stopped
+        else ""
+    )
+    return f"{text}{_probe_note(s)}{_mask_note(s)}{halt} Fix: {fix_for(d)}"
 
 
 def _mask_note(s: dict[str, Any]) -> str:
