@@ -59,6 +59,34 @@ def _tail(losses: list[float]) -> tuple[float, float]:
 
 NOISE_FACTOR = 3.0  # an fp8 gap beyond three times bf16's run-to-run noise is real
 MIN_TOLERANCE = 0.005  # ... and beyond 0.5% of bf16's final loss (two runs that agree by chance)
+# machine epsilon of each format's elements against bf16's (2**-7): how much coarser it rounds
+BF16_EPS = 2.0**-7
+FORMAT_EPS = {"fp8": 2.0**-3, "fp8_planned": 2.0**-3, "mxfp8": 2.0**-3, "nvfp4": 2.0**-1}
+SAME_RUNS = (
+    "the two bf16 runs (seeds s and s + 1) are bitwise equal: the factory seeds the RNGs itself "
+    "(e.g. torch.manual_seed inside it) or draws nothing from them, so the second seed changed "
+    "nothing and no run-to-run noise was measured; the tolerance is fp8's own rounding cost "
+    "and the 0.5% floor"
+)
+
+
+def same_runs(bf16: Any, again: Any) -> bool:
+    """The two bf16 runs are bitwise equal (their losses at every step)."""
+    return again is not None and list(bf16.losses) == list(again.losses)
+
+
+def rounding_floor(bf16: Any, fp32: Any, name: str) -> float:
+    """The gap a healthy model's ``name`` variant shows from rounding alone: bf16's step-by-step
+    distance to fp32 (RMS over the run: bf16's own rounding cost) times how much coarser the
+    format's elements round than bf16's (``FORMAT_EPS[name] / BF16_EPS``: 16 for e4m3). 0 when
+    fp32 did not run or either run is not finite."""
+    if fp32 is None:
+        return 0.0
+    diffs = [b - f for b, f in zip(bf16.losses, fp32.losses, strict=False)]
+    if not diffs or not all(math.isfinite(d) for d in diffs):
+        return 0.0
+    rms = math.sqrt(sum(d * d for d in diffs) / len(diffs))
+    return FORMAT_EPS.get(name, BF16_EPS) / BF16_EPS * rms
 
 
 def bf16_noise(bf16: Any, again: Any) -> float:
@@ -75,13 +103,25 @@ def bf16_noise(bf16: Any, again: Any) -> float:
     return max(abs(mean), math.sqrt(var / len(diffs)))
 
 
-def tolerance(bf16: Any, noise: float) -> float:
-    """How far above bf16's final loss an fp8 variant may end and still be like bf16."""
+def tolerance(bf16: Any, noise: float, rounding: float = 0.0) -> float:
+    """How far above bf16's final loss an fp8 variant may end and still be like bf16: three
+    times bf16's noise, never below 0.5% of bf16's final loss nor the format's own
+    ``rounding`` cost (:func:`rounding_floor`)."""
     _, tail_b = _tail(bf16.losses)
     floor = MIN_TOLERANCE * abs(tail_b) if math.isfinite(tail_b) else 0.0
+    floor = max(floor, rounding if math.isfinite(rounding) else 0.0)
     if not math.isfinite(noise):
         return max(floor, 1e-12)
     return max(NOISE_FACTOR * noise, floor, 1e-12)
+
+
+def measure_noise(bf16: Any, again: Any) -> tuple[float, str | None]:
+    """bf16's noise and, when none was measured, why (NaN and the reason)."""
+    if again is None:
+        return math.nan, "no second bf16 run"
+    if same_runs(bf16, again):
+        return math.nan, SAME_RUNS
+    return bf16_noise(bf16, again), None
 
 
 def _like_bf16(r: Any, bf16: Any, tol: float) -> bool:
@@ -105,8 +145,9 @@ def judge_fp8(cmp: Any, plan: Any, bf16_again: Any = None) -> None:
     bf16 = results.get("bf16")
     if not runs or bf16 is None:
         return
-    noise = bf16_noise(bf16, bf16_again) if bf16_again is not None else math.nan
-    tol = tolerance(bf16, noise)
+    noise, why = measure_noise(bf16, bf16_again)
+    rounding = rounding_floor(bf16, results.get(precisions.full()), "fp8")
+    tol = tolerance(bf16, noise, rounding)
     like = {r.name: _like_bf16(r, bf16, tol) for r in runs}
     keep = [] if plan is None else list(plan.keep_bf16)
     names = ", ".join(repr(n) for n in keep) or "none"
@@ -139,6 +180,8 @@ def judge_fp8(cmp: Any, plan: Any, bf16_again: Any = None) -> None:
             if keep
             else "Train in bf16."
         )
+    if why == SAME_RUNS:
+        text += f" Note: {SAME_RUNS} ({tol:.3g})."
     code = FP8_CODES[verdict]
     cmp.extra["fp8"] = {
         "verdict": verdict,
@@ -148,6 +191,9 @@ def judge_fp8(cmp: Any, plan: Any, bf16_again: Any = None) -> None:
         "keep_bf16": keep,
         "plan": None if plan is None else plan.to_dict(),
         "bf16_noise": noise if math.isfinite(noise) else None,
+        "noise_measured": math.isfinite(noise),
+        "noise_reason": why,
+        "rounding_floor": rounding,
         "tolerance": tol,
         "noise_seed_losses": None if bf16_again is None else list(bf16_again.losses),
     }
@@ -167,8 +213,11 @@ def fp8_lines(cmp: Any) -> list[str]:
     ]
     noise = info.get("bf16_noise")
     against = (
-        f" (tolerance {info['tolerance']:.3g}: 3x bf16's run-to-run noise {noise:.3g})"
+        f" (tolerance {info['tolerance']:.3g}: 3x bf16's run-to-run noise {noise:.3g}, at "
+        f"least fp8's rounding cost {info.get('rounding_floor', 0.0):.3g})"
         if noise is not None and "tolerance" in info
+        else f" (tolerance {info['tolerance']:.3g}: {info['noise_reason']})"
+        if info.get("noise_reason") and "tolerance" in info
         else ""
     )
     out = [f"fp8 final loss gap to bf16: {', '.join(gaps)}{against}" if gaps else ""]

@@ -33,22 +33,29 @@ def prepare(name: str, model: Any) -> list[str]:
 def judge_lowp(cmp: Any, bf16_again: Any = None) -> None:
     """Judge each block-scaled variant that ran against bf16 (``cmp.extra["lowp"]``), with the
     fp8 variants' tolerance: bf16's run-to-run noise (``bf16_again``, the next seed's run)."""
-    from ampguard.experiments._fp8 import _like_bf16, bf16_noise, tolerance
+    from ampguard import precisions
+    from ampguard.experiments._fp8 import _like_bf16, measure_noise, rounding_floor, tolerance
 
     bf16 = cmp.variants.get("bf16")
     runs = [cmp.variants[n] for n in LOWP_VARIANTS if n in cmp.variants]
     if bf16 is None or not runs:
         return
-    noise = bf16_noise(bf16, bf16_again) if bf16_again is not None else math.nan
-    tol = tolerance(bf16, noise)
-    cmp.extra["lowp"] = {
-        r.name: {
+    noise, why = measure_noise(bf16, bf16_again)
+    fp32 = cmp.variants.get(precisions.full())
+    out = {}
+    for r in runs:  # each format against its own rounding cost (nvfp4 rounds 4x coarser)
+        rounding = rounding_floor(bf16, fp32, r.name)
+        tol = tolerance(bf16, noise, rounding)
+        out[r.name] = {
             "like_bf16": _like_bf16(r, bf16, tol),
             "gap_to_bf16": r.gap_to_bf16,
             "converted": list(getattr(r, "converted", [])),
+            "tolerance": tol,
+            "rounding_floor": rounding,
+            "noise_measured": math.isfinite(noise),
+            "noise_reason": why,
         }
-        for r in runs
-    }
+    cmp.extra["lowp"] = out
 
 
 def lowp_lines(cmp: Any) -> list[str]:

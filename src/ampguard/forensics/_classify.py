@@ -16,10 +16,15 @@ import torch
 
 from ampguard.forensics import _optimizer
 from ampguard.forensics._diagnosis import Diagnosis
-from ampguard.forensics._limits import MAX, TINY
+from ampguard.forensics._limits import LOW_DTYPES, MAX, TINY
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Run
-from ampguard.forensics._silent import absorbed_overflow, partial_underflow
+from ampguard.forensics._silent import (
+    REL_ERROR,
+    absorbed_overflow,
+    grad_errors,
+    partial_underflow,
+)
 from ampguard.precisions import REGISTRY
 
 __all__ = [
@@ -82,6 +87,8 @@ def _event_stats(run: Run, e: OpEvent, other: Run | None, low_name: str) -> dict
     key = run.precision if REGISTRY[run.precision].is_full else low_name
     numel = math.prod(e.shape)
     all_bad = measured and numel and row[3] + row[4] >= numel
+    if e.source is not None:  # an op of the loss code: the user's line that ran it
+        stats["source"] = e.source
     stats[f"max_abs_{key}"] = row[2] if measured and not all_bad else None
     stats[f"input_max_abs_{key}"] = row[0]
     if other is not None:
@@ -171,9 +178,10 @@ def silent(low: Run, ref: Run) -> Diagnosis | None:
     dead = _underflow(low, ref)
     if dead is not None:
         return dead
+    errors = grad_errors(low, ref)
     partial = partial_underflow(low, ref)
     if partial is None:
-        return None
+        return _wrong_gradients(low, ref, errors)
     stats = {
         "underflow_share": partial["share"],
         "layers": partial["layers"],
@@ -183,10 +191,58 @@ def silent(low: Run, ref: Run) -> Diagnosis | None:
         "threshold": partial["threshold"],
         "lossy_bits": partial["lossy_bits"],
         "scale": low.scale,
+        "grad_rel_error": _rounded(errors),
     }
     return Diagnosis(
         "fp16_underflow", "backward", partial["module"], None, stats, low.precision, low.scale
     )
+
+
+def _rounded(errors: dict[str, float]) -> dict[str, float]:
+    return {m: round(v, 4) for m, v in errors.items()}
+
+
+def _wrong_gradients(low: Run, ref: Run, errors: dict[str, float]) -> Diagnosis | None:
+    """No element flushed or coarse, yet a layer's gradient is more than :data:`REL_ERROR`
+    (relative L2) off fp32's: underflow when a backward op's values upstream of it lie below
+    the low dtype's smallest normal in fp32 too (the contributions that flushed there are
+    missing from the sum); None otherwise (the errors stay in the ``none`` diagnosis' stats)."""
+    wrong = {m: v for m, v in errors.items() if v > REL_ERROR}
+    if not wrong:
+        return None
+    worst = max(wrong, key=lambda m: wrong[m])
+    tiny = TINY.get(low.precision, 0.0)
+    flush = next(
+        (
+            e
+            for e, r in rows(low)
+            if e.phase == "backward"
+            and e.out_dtype in LOW_DTYPES
+            and 0.0 <= r[1] < tiny
+            and 0.0 < _full_value(low, e, r, ref) < tiny
+        ),
+        None,
+    )
+    if flush is None:
+        return None
+    stats = {
+        "grad_rel_error": _rounded(errors),
+        "rel_error": round(wrong[worst], 4),
+        "rel_error_threshold": REL_ERROR,
+        "layers": _rounded(wrong),
+        "flushed_by": {"module": flush.module, "op": flush.op},
+        "scale": low.scale,
+    }
+    return Diagnosis("fp16_underflow", "backward", worst, flush.op, stats, low.precision, low.scale)
+
+
+def _full_value(low: Run, e: OpEvent, row: list[float], ref: Run) -> float:
+    """``e``'s max |output| in fp32, in ``low``'s units: its fp32 twin's, or for a cast down
+    to the low dtype (no twin in fp32) the cast's own input; -1 when unknown."""
+    twin = _counterpart(low, e, ref)
+    if twin is not None and twin[1] >= 0:
+        return twin[1] * low.scale / ref.scale
+    return row[0] if e.op == "aten._to_copy" else -1.0
 
 
 def _flushed_only_here(low: Run, e: OpEvent, ref: Run) -> bool:

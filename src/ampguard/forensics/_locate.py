@@ -29,6 +29,7 @@ from ampguard.forensics._diagnosis import Diagnosis
 from ampguard.forensics._fixcheck import check_keep_fp32, tiny_eps
 from ampguard.forensics._limits import FULL, LOW_DTYPES, MAX, REPLAYABLE
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
+from ampguard.forensics._silent import grad_errors
 
 __all__ = ["locate"]
 
@@ -53,7 +54,10 @@ def locate(
     no hook is left behind. ``rng_state`` (``torch.get_rng_state()`` taken just before the
     failing step's forward, or ``{"cpu": ..., "cuda": [...]}``) makes every replay start from
     it, so dropout draws the failing step's masks; ``stats["replay_loss"]`` is the replayed
-    loss, to check that the replay reproduced the step.
+    loss, to check that the replay reproduced the step. Without ``rng_state``, a model with
+    active dropout is replayed with dropout disabled as well: a finding there is the answer
+    (it does not depend on the global RNG); ``stats["dropout"]`` says which mask ran and
+    whether the answer is stable (one more set of replays).
 
     An fp16 overflow at a module is checked against its fix: the batch is replayed once more
     with that module kept in fp32 (twice when its backward still overflows), so the advice says
@@ -85,6 +89,9 @@ def locate(
         if bad_params:
             return broken_state(bad_params + bad_buffers, policy.precision, scale, optimizer)
         diag = _locate(model, loss_fn, batch, policy, scale, keep)
+        diag = _mask_checked(model, loss_fn, batch, policy, scale, keep, diag, rng_state)
+        if diag.module == "" and diag.op and not diag.ok:  # the root's own code: what fed it
+            diag.stats["root_parameters"] = [n for n, _ in model.named_parameters(recurse=False)]
         if bad_buffers:
             return with_poisoned_buffers(diag, bad_buffers)
         if diag.ok and optimizer is not None:  # a benign probe too: the batch itself is fine
@@ -122,16 +129,70 @@ def _locate(
     if low.failed:
         diag = _low_failed(model, loss_fn, batch, policy, keep, low, ref)
         return _replayed(_check_fix(model, loss_fn, batch, policy, keep, diag), low)
-    none = Diagnosis(
-        "none",
-        None,
-        None,
-        None,
-        {"loss": low.loss, "loss_fp32": ref.loss},
-        policy.precision,
-        scale,
-    )
-    return _replayed(silent(low, ref) or none, low)
+    found = silent(low, ref)
+    if found is not None:
+        return _replayed(found, low)
+    errors = {m: round(v, 4) for m, v in grad_errors(low, ref).items()}
+    stats = {"loss": low.loss, "loss_fp32": ref.loss, "grad_rel_error": errors}
+    return _replayed(Diagnosis("none", None, None, None, stats, policy.precision, scale), low)
+
+
+def _dropouts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The dropout modules that draw a mask in this forward (training mode, p > 0)."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+
+
+def _answer(d: Diagnosis) -> dict[str, Any]:
+    return {"kind": d.kind, "code": d.code, "phase": d.phase, "module": d.module, "op": d.op}
+
+
+def _mask_checked(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    scale: float,
+    keep: Preserved,
+    diag: Diagnosis,
+    rng_state: Any,
+) -> Diagnosis:
+    """Say which dropout mask the replays ran, and, without ``rng_state``, check the answer
+    against the same batch with dropout disabled: a finding there does not depend on the
+    global RNG, so it is the answer; a finding that needs the mask says so
+    (``stats["dropout"]``: ``modules``, ``mask``, ``stable``, the other answer)."""
+    drops = _dropouts(model)
+    if not drops:
+        return diag
+    names = [n for n, _ in drops]
+    if rng_state is not None:
+        diag.stats["dropout"] = {"modules": names, "mask": "the failing step's (rng_state=)"}
+        return diag
+    keep.off = {id(m) for _, m in drops}
+    try:
+        keep.reset()
+        off = _locate(model, loss_fn, batch, policy, scale, keep)
+    finally:
+        keep.off = set()
+    stable = _answer(off) == _answer(diag)
+    if not off.ok or stable:
+        off.stats["dropout"] = {
+            "modules": names,
+            "mask": "none: dropout disabled in the probe (no global RNG draw)",
+            "stable": stable,
+            "with_global_rng_mask": _answer(diag),
+        }
+        return off
+    diag.stats["dropout"] = {  # only a mask makes the batch fail: the answer depends on it
+        "modules": names,
+        "mask": "the global RNG's at the call (pass rng_state= for the failing step's)",
+        "stable": False,
+        "without_dropout": _answer(off),
+    }
+    return diag
 
 
 def _replayed(diag: Diagnosis, low: Run) -> Diagnosis:
@@ -216,6 +277,11 @@ def _low_failed(
         default=0.0,
     )
     safe = 2.0 ** math.floor(math.log2(MAX[name] / peak)) if peak > 0 else None
+    probe = {"module": e.module, "op": e.op, "scale": low.scale, "max_safe_scale": safe}
+    real = _behind_probe(model, loss_fn, batch, policy, keep, ref, at_one, safe)
+    if real is not None:  # a benign probe never hides a real finding of the same batch
+        real.stats["scaler_probe"] = probe
+        return real
     return Diagnosis(
         "none",
         e.phase,
@@ -226,6 +292,27 @@ def _low_failed(
         low.scale,
         benign=True,
     )
+
+
+def _behind_probe(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    batch: Any,
+    policy: Any,
+    keep: Preserved,
+    ref: Run,
+    at_one: Run,
+    safe: float | None,
+) -> Diagnosis | None:
+    """What the batch gets wrong once the scaler backed off its probe: the silent checks
+    (absorbed forward overflow, dead or underflowing layers) on a replay at the largest safe
+    scale, where the scaler settles (at scale 1 when that replay overflows again)."""
+    run = at_one
+    if safe is not None and safe > 1.0:
+        keep.reset()
+        at_safe = replay(model, loss_fn, batch, policy, safe)
+        run = at_one if at_safe.failed else at_safe
+    return silent(run, ref)
 
 
 def _check_fix(

@@ -33,6 +33,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import os
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -101,6 +103,26 @@ class OpEvent(NamedTuple):
     numel: int
     intentional: bool
     row: int | None
+    source: str | None = None  # ``file:line`` of the user's code, for forward ops outside the model
+
+
+def user_line() -> str | None:
+    """``file:line`` of the innermost frame outside torch and ampguard (the user's code that
+    ran the op), or None. Cost: a walk up the Python stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(part in name for part in _LIBRARY_PATHS):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+_LIBRARY_PATHS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    "<frozen ",
+)
 
 
 _NAMES: dict[Any, str] = {}
@@ -330,6 +352,7 @@ class OpTrace:
             _floating([out]) if isinstance(out, torch.Tensor) else _floating(flatten_tensors(out))
         )
         name = op_name(func)
+        module = self.current_module()
         row = None
         if self.numerics and (inputs or outputs):
             row = len(self._rows)
@@ -364,7 +387,7 @@ class OpTrace:
             OpEvent(
                 index=len(self.events),
                 phase=self.phase,
-                module=self.current_module(),
+                module=module,
                 op=name,
                 dtype=dtype,
                 out_dtype=first_out.dtype if first_out is not None else None,
@@ -372,6 +395,7 @@ class OpTrace:
                 numel=max((t.numel() for t in inputs), default=0),
                 intentional=intentional,
                 row=row,
+                source=user_line() if module is None and self.phase == "forward" else None,
             )
         )
 

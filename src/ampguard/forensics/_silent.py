@@ -29,10 +29,18 @@ from ampguard.core.policy import dtype_of
 from ampguard.forensics._optrace import OpEvent, is_new
 from ampguard.forensics._replay import Run
 
-__all__ = ["UNDERFLOW_SHARE", "LOSSY_BITS", "absorbed_overflow", "partial_underflow"]
+__all__ = [
+    "UNDERFLOW_SHARE",
+    "LOSSY_BITS",
+    "REL_ERROR",
+    "absorbed_overflow",
+    "grad_errors",
+    "partial_underflow",
+]
 
 UNDERFLOW_SHARE = 0.10  # a layer losing more than this share of its gradient elements fires
 LOSSY_BITS = 4  # a subnormal with this many significant bits or fewer counts as lost
+REL_ERROR = 0.25  # a layer whose gradient is this far (relative L2) from fp32's is wrong
 
 
 def _rows(run: Run, phase: str) -> list[tuple[OpEvent, list[float]]]:
@@ -119,3 +127,25 @@ def partial_underflow(low: Run, ref: Run) -> dict[str, Any] | None:
         "threshold": UNDERFLOW_SHARE,
         "lossy_bits": LOSSY_BITS,
     }
+
+
+def grad_errors(low: Run, ref: Run) -> dict[str, float]:
+    """Per layer (the module owning the parameters), the relative L2 error of the low-precision
+    gradient against fp32's, both unscaled: ``||g/scale - r|| / ||r||`` over the layer's
+    parameters; layers whose fp32 gradient is zero are left out. Cost: two reductions per
+    gradient and one host sync."""
+    names = [n for n in low.order if n in low.grad_tensors and n in ref.grad_tensors]
+    if not names:
+        return {}
+    parts = []
+    for n in names:
+        g = low.grad_tensors[n].float() / low.scale
+        r = ref.grad_tensors[n].float() / ref.scale
+        parts.append(torch.stack([(g - r).pow(2).sum(), r.pow(2).sum()]))
+    sums = torch.stack(parts).tolist()
+    layers: dict[str, list[float]] = {}
+    for n, (err, norm) in zip(names, sums, strict=True):
+        acc = layers.setdefault(n.rpartition(".")[0], [0.0, 0.0])
+        acc[0] += err
+        acc[1] += norm
+    return {m: math.sqrt(e / z) for m, (e, z) in layers.items() if z > 0 and math.isfinite(e)}

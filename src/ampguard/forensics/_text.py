@@ -8,6 +8,7 @@ from ampguard import precisions
 from ampguard.findings.codes import lookup
 from ampguard.forensics import _optimizer
 from ampguard.forensics._fixcheck import eps_text, keep_fp32_text
+from ampguard.forensics._silent import REL_ERROR
 
 __all__ = ["explain", "title_for", "fix_for", "where"]
 
@@ -16,10 +17,11 @@ def _g(value: Any) -> str:
     return "n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def where(module: str | None) -> str:
-    """``'blocks.1.fc'``, ``the root module ('')`` or ``code outside the model (loss_fn)``."""
+def where(module: str | None, source: str | None = None) -> str:
+    """``'blocks.1.fc'``, ``the root module ('')`` or ``code outside the model (loss_fn)`` (with
+    the line that ran it, when known)."""
     if module is None:
-        return "code outside the model (loss_fn)"
+        return f"the loss code at {source}" if source else "code outside the model (loss_fn)"
     return "the root module ('')" if module == "" else repr(module)
 
 
@@ -66,6 +68,10 @@ def fix_for(d: Any) -> str:
             "learning rate too high, or with fp16/bf16 weights an eps their dtype cannot hold "
             "(ampguard.locate(model, loss_fn, batch, optimizer=opt) checks it)."
         )
+    if d.module is None and d.op and not d.benign and d.kind.startswith("fp16_"):
+        return _loss_code_fix(d)
+    if d.module == "" and d.op and not d.benign and d.kind.startswith("fp16_"):
+        return _root_fix(d)
     target = d.module if d.module is not None else "<module>"
     flushed = (d.stats.get("flushed_by") or {}).get("module")
     if d.benign:
@@ -90,7 +96,7 @@ def fix_for(d: Any) -> str:
             "or smaller loss scale does not help: the overflow is in the forward pass."
         ),
         "fp16_underflow": _underflow_fix(d, flushed)
-        if "underflow_share" in d.stats
+        if "underflow_share" in d.stats or "rel_error" in d.stats
         else (
             "Raise the loss scale (ScalerConfig(init_scale=..., min_scale=...)), "
             f"keep {where(flushed if flushed is not None else d.module)} in fp32 "
@@ -114,7 +120,16 @@ def explain(d: Any) -> str:
         return _optimizer.explain(d)
     s = d.stats
     low = d.precision
-    at = f"{d.op} in {where(d.module)}" if d.op else where(d.module)
+    at = (
+        f"{d.op} in {where(d.module, s.get('source'))}"
+        if d.op
+        else where(d.module, s.get("source"))
+    )
+    if d.module == "" and d.op:  # name what fed the op, not just "the root"
+        own = ", ".join(map(repr, (s.get("root_parameters") or [])[:4]))
+        at = f"{d.op} in the root module's own forward code" + (
+            f" (its own parameters: {own})" if own else " (no parameter of its own: its inputs)"
+        )
     counts = (
         "non-finite values"
         if s.get("inf_count") is None
@@ -131,7 +146,7 @@ def explain(d: Any) -> str:
         text = (
             f"Loss and gradients are finite in {low} at loss scale {_g(d.scale)} and no "
             "layer's gradients flush to zero: mixed precision is fine for this batch."
-        )
+        ) + _rounding_note(s)
     elif d.kind == "fp16_overflow":
         text = _overflow(d, at, counts) + _poisoned(s)
     elif d.kind == "fp16_underflow":
@@ -160,7 +175,42 @@ def explain(d: Any) -> str:
             "between the step and the replay, loss_fn draws its own randomness, or an op is "
             f"non-deterministic), so what follows describes the replay, not the step. {text}"
         )
-    return f"{text} Fix: {fix_for(d)}"
+    stopped = s.get("fallback_stopped")
+    halt = (
+        f" auto_fallback stopped here: after it kept {stopped['first_fallback']!r} in fp32 "
+        f"(step {stopped['step']}), {stopped['reason']}."
+        if stopped
+        else ""
+    )
+    return f"{text}{_probe_note(s)}{_mask_note(s)}{halt} Fix: {fix_for(d)}"
+
+
+def _mask_note(s: dict[str, Any]) -> str:
+    """Which dropout mask the replays ran, and whether another gives another answer."""
+    info = s.get("dropout")
+    if not info:
+        return ""
+    mods = ", ".join(map(repr, info["modules"][:4]))
+    other = info.get("with_global_rng_mask") or info.get("without_dropout")
+    run = "the global RNG mask" if "with_global_rng_mask" in info else "dropout off"
+    differs = (
+        f"; the other run ({run}) says {other['code']} at {where(other['module'])}"
+        if other and info.get("stable") is False
+        else ""
+    )
+    return f" Dropout ({mods}): mask {info['mask']}{differs}."
+
+
+def _probe_note(s: dict[str, Any]) -> str:
+    """A scaler probe found in the same batch as a real finding: said, never in its place."""
+    probe = s.get("scaler_probe")
+    if not probe:
+        return ""
+    return (
+        f" (At loss scale {_g(probe['scale'])} the backward of {where(probe['module'])} also "
+        f"overflows: only the scaler probing, it settles near {_g(probe['max_safe_scale'])}; "
+        "the finding above is what stays wrong at that scale.)"
+    )
 
 
 def _overflow(d: Any, at: str, counts: str) -> str:
@@ -236,6 +286,19 @@ def _underflow(d: Any, at: str) -> str:
             f"The loss and the gradients stay finite, so nothing skips: the layer just learns "
             f"from a fraction of its gradient.{also}"
         )
+    if "rel_error" in s:
+        by = s.get("flushed_by") or {}
+        scaler = (
+            "without a loss scaler (scale 1)" if d.scale == 1.0 else f"at loss scale {_g(d.scale)}"
+        )
+        return (
+            f"{low} {scaler} gets the gradient of {where(d.module)} {s['rel_error']:.0%} wrong "
+            f"(relative L2 error against fp32; threshold {s.get('rel_error_threshold'):.0%}), "
+            f"although none of its elements is zero: upstream, {by.get('op')} in "
+            f"{where(by.get('module'))} produced backward values below {low}'s smallest "
+            "normal value in fp32 too, so the contributions that flushed there are missing "
+            "from the sum. This is gradient underflow; nothing skips."
+        )
     if "dead_parameters" in s:
         dead = ", ".join(s["dead_parameters"][:4])
         by = s.get("flushed_by")
@@ -249,6 +312,52 @@ def _underflow(d: Any, at: str) -> str:
         f"In the {d.phase} pass {at} produced non-finite values from an input that flushed "
         f"to zero in {low} (its fp32 input max |x| is {_g(s.get('input_max_abs_fp32'))}, "
         f"below {low}'s smallest normal value)."
+    )
+
+
+def _root_fix(d: Any) -> str:
+    """An op in the root module's own forward: keep_fp32=[''] would run the whole model in fp32."""
+    own = ", ".join(map(repr, (d.stats.get("root_parameters") or [])[:4]))
+    fed = f" (fed by {own})" if own else ""
+    return (
+        f"{d.op} runs in the root module's own forward{fed}, not in a submodule, so "
+        "keep_fp32=[''] would put the whole model in fp32: compute that op in fp32 there "
+        "(cast its inputs with .float() first, or wrap it in torch.autocast(device_type, "
+        "enabled=False)), or move it into a small submodule and keep_fp32 that one; or train "
+        "in bf16 (precision='bf16')."
+    )
+
+
+def _loss_code_fix(d: Any) -> str:
+    """An op outside every module (the loss code): keep_fp32 cannot reach it; name the op, the
+    line, and the fixes that apply there."""
+    at = f" at {d.stats['source']}" if d.stats.get("source") else " in loss_fn"
+    if d.kind == "fp16_underflow":
+        return (
+            f"{d.op} runs in the loss code{at}, outside every module, so keep_fp32 cannot reach "
+            "it: compute it in fp32 there (cast its inputs with .float() first, or wrap it in "
+            "torch.autocast(device_type, enabled=False)), or scale the values up before it; or "
+            "train in bf16 (precision='bf16')."
+        )
+    return (
+        f"{d.op} runs in the loss code{at}, outside every module, so keep_fp32 cannot reach it: "
+        "compute it in fp32 there (cast its inputs with .float() first, or wrap it in "
+        "torch.autocast(device_type, enabled=False)), or rescale before it (divide by the max, "
+        "use logsumexp, or F.cross_entropy / F.mse_loss on .float() outputs, which autocast "
+        "runs in fp32); or train in bf16 (precision='bf16')."
+    )
+
+
+def _rounding_note(s: dict[str, Any]) -> str:
+    """A layer whose gradient is far off fp32's without any underflow: said, not called fine."""
+    wrong = {m: v for m, v in (s.get("grad_rel_error") or {}).items() if v > REL_ERROR}
+    if not wrong:
+        return ""
+    worst = max(wrong, key=lambda m: wrong[m])
+    return (
+        f" But the gradient of {where(worst)} is {wrong[worst]:.0%} off fp32's (relative L2 "
+        "error) with no value below the smallest normal: rounding, not underflow; compare "
+        "keep_fp32 on it or bf16 before trusting this batch's updates."
     )
 
 

@@ -124,7 +124,10 @@ class BlockScaled:
                 restore(module)
 
     def watch(self, telemetry: Fp8Log | None, clock: WindowClock, *, rescue: bool = False) -> None:
-        """Nothing: block-scaled layers have no per-layer telemetry or rescue of their own."""
+        """Record which layers run in the format (``meta.json["lowp"]``: the report names
+        them); block-scaled layers have no per-layer telemetry or rescue of their own."""
+        if telemetry is not None:
+            telemetry.annotate("lowp", self.summary())
 
     def state(self) -> dict[str, Any]:
         """Guard state ``"fp8"``: ``{"format": fmt, "converted": [layer names]}``."""

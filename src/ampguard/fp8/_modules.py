@@ -8,8 +8,9 @@ weights and stay in bf16 under ``precision="fp8"``, often holding most of a mode
   :func:`conv1d_to_linear` swaps it for ``nn.Linear`` exactly;
 - ``nn.MultiheadAttention``'s input projection (``in_proj_weight``, a bare parameter; its
   ``out_proj`` is a Linear and is converted);
-- ``nn.Bilinear``, and convolutions (``nn.Conv1d/2d/3d`` and their transposes: fp8 training has
-  no convolution kernels).
+- ``nn.Bilinear``, and 1x1 convolutions (``nn.Conv1d/2d/3d`` and their transposes: fp8 training
+  has no convolution kernels; a 1x1 one is a Linear over the channels). Larger kernels (a ViT's
+  patch embedding) are not reported: no rewrite applies to them.
 
 :func:`unconvertible` finds them (the plan reports them: AG355). This module needs torch only;
 ``Conv1D`` is recognised by its class name and layout, without importing transformers.
@@ -90,6 +91,8 @@ def _describe(module: nn.Module) -> dict[str, Any] | None:
             "fix": "none in fp8 training; it trains in bf16",
         }
     if isinstance(module, _CONVS):
+        if any(k != 1 for k in module.kernel_size):
+            return None  # a real convolution (a ViT's patch embedding): no Linear to write
         return {
             "shape": [int(module.in_channels), int(module.out_channels)],
             "reason": f"{type(module).__name__}: fp8 training has no convolution kernels, it "

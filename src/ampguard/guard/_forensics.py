@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from ampguard import runlog
+from ampguard._util.cadence import early_or_every
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import StepResult
 from ampguard.core.scaler import ScalerConfig
@@ -230,12 +231,12 @@ class GuardForensics:
         )
 
     def _scan_due(self) -> bool:
-        """auto_fallback scans the forward of every scan_every-th window for absorbed fp16
-        overflow (see ampguard.forensics._absorbed_scan)."""
+        """auto_fallback scans the forward of windows 1, 2, 4, ... and then of every
+        scan_every-th window for absorbed fp16 overflow (see ampguard.forensics._absorbed_scan)."""
         return (
             self.auto_fallback
             and self.guard.policy.entry.low_dtype == "float16"  # fp16's range can overflow
-            and (self.guard.steps + 1) % scan_every(self.guard) == 0
+            and early_or_every(self.guard.steps + 1, scan_every(self.guard))  # 1, 2, 4 .. 100
         )
 
     def _warming_up(self) -> bool:
@@ -251,6 +252,8 @@ class GuardForensics:
             return
         self.diagnoses.append((step, diag, via))
         self._armed = ARM_STEPS  # a recurring overflow is caught again
+        if self.auto_fallback and _cascades(diag, self.changes):
+            return  # said in the diagnosis (stats["fallback_stopped"]); no more fp32 modules
         if (
             self.auto_fallback
             and diag.kind in ("fp16_overflow", "fp16_overflow_absorbed")
@@ -347,3 +350,26 @@ class GuardForensics:
         runlog.write_json_atomic(telemetry.run_dir / FORENSICS_FILE, self.to_dict())
         if self.coverage is not None:
             runlog.write_json_atomic(telemetry.run_dir / COVERAGE_FILE, self.coverage.to_dict())
+
+
+def _cascades(diag: Diagnosis, changes: list[dict[str, Any]]) -> bool:
+    """A backward overflow after a backward fallback already ran: keeping that module in fp32
+    only moved the cast-down of the same large gradient upstream, so more fallbacks would
+    send every matmul module to fp32 one by one. Stop at the cause: the gradient flowing in
+    (the loss's scale, or the layer after the first fallback). Marks ``diag.stats``."""
+    if diag.phase != "backward" or diag.kind != "fp16_overflow" or diag.module is None:
+        return False
+    first = next(
+        (c for c in changes if c.get("reason") == "auto_fallback" and c.get("phase") == "backward"),
+        None,
+    )
+    if first is None or first["module"] == diag.module:
+        return False
+    diag.stats["fallback_stopped"] = {
+        "first_fallback": first["module"],
+        "step": first["step"],
+        "reason": "the backward overflow moved upstream after the first fallback: the large "
+        "gradient comes from the loss or a later layer, not from this module; reduce the loss's "
+        "scale (or the loss scale), or keep the loss's last layers in fp32",
+    }
+    return True

@@ -53,8 +53,23 @@ def attach(
     warnings.warn(
         f"precision={policy.precision!r}: no Linear layer is converted (none eligible, or the "
         f"plan keeps them all in {UNCONVERTED}); training runs in {UNCONVERTED} "
-        f"(guard.precision is {UNCONVERTED!r}, guard.requested_precision {requested!r})",
+        f"(guard.precision is {UNCONVERTED!r}, guard.requested_precision {requested!r})"
+        + _unconvertible_note(model),
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )
     return conversion, resolve_precision(UNCONVERTED, device)
+
+
+def _unconvertible_note(model: torch.nn.Module) -> str:
+    """The matmul modules that are not nn.Linear (transformers Conv1D ...), and the fix."""
+    from ampguard.fp8._modules import CONV1D_FIX, is_hf_conv1d, unconvertible
+
+    names = list(unconvertible(model))
+    if not names:
+        return ""
+    shown = ", ".join(n or "(root)" for n in names[:6]) + (", ..." if len(names) > 6 else "")
+    conv1d = any(is_hf_conv1d(m) for m in model.modules())
+    return f". Not nn.Linear, so never eligible: {shown}" + (
+        f". Fix for transformers Conv1D: {CONV1D_FIX}" if conv1d else ""
+    )

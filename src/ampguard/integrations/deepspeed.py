@@ -95,6 +95,7 @@ def watch(engine: Any, telemetry: Any) -> Watch:
         framework="deepspeed",
         loss_from_scaler=True,
         requested_precision=precision,
+        clip_grad_norm=float(engine.gradient_clipping() or 0.0) or None,  # the engine clips
     )
 
 

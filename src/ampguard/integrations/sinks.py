@@ -60,11 +60,20 @@ def step_metrics(
     return {_PREFIX + k: float(v) for k, v in values.items() if v is not None}
 
 
+def wandb_init_kwargs(run_dir: str | os.PathLike, init_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``wandb.init``'s arguments for a new run: ``dir=<run_dir>`` unless the caller chose one
+    (``dir=`` in ``init_kwargs``, or the ``WANDB_DIR`` environment variable, which is kept)."""
+    if "dir" in init_kwargs or os.environ.get("WANDB_DIR"):
+        return dict(init_kwargs)
+    return {"dir": str(run_dir), **init_kwargs}
+
+
 class WandbSink:
     """Logs ampguard's step records to a W&B run.
 
     ``run``: an existing ``wandb`` run (left open on close), else ``wandb.run`` when one is
-    active, else a new run from ``wandb.init(dir=<run_dir>, **init_kwargs)`` (finished on close).
+    active, else a new run from ``wandb.init(dir=<run_dir>, **init_kwargs)`` (finished on close;
+    ``WANDB_DIR`` in the environment, or ``dir=``, wins over ``<run_dir>``).
     """
 
     def __init__(self, run: Any = None, **init_kwargs: Any) -> None:
@@ -79,8 +88,7 @@ class WandbSink:
         self._layers = list(layers)
         run = self._given if self._given is not None else self._wandb.run
         if run is None:
-            kwargs = {"dir": str(run_dir), **self._init_kwargs}
-            run = self._wandb.init(**kwargs)
+            run = self._wandb.init(**wandb_init_kwargs(run_dir, self._init_kwargs))
             self._owned = True
         run.define_metric(_PREFIX + "step")
         run.define_metric(_PREFIX + "*", step_metric=_PREFIX + "step")

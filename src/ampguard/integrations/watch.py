@@ -150,6 +150,7 @@ class Watch:
         grads_from_optimizer_hooks: bool = True,
         requested_precision: str | None = None,
         ema: Any = None,
+        clip_grad_norm: float | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,6 +162,8 @@ class Watch:
         self.framework = framework
         enabled = watched is not None and watched.scaled
         self.precision = _resolve_precision(precision, enabled, requested_precision is not None)
+        if self.precision == "fp16" and not enabled:
+            _warn_no_scaler(framework)
         if self.policy.active and not (watched is not None and enabled and watched.correctable):
             what = (
                 "this loop has none"
@@ -191,6 +194,7 @@ class Watch:
         )
         if requested_precision is not None:
             self.source.requested_precision = requested_precision
+        self.source.clip_grad_norm = clip_grad_norm  # a framework that clips says at what norm
         self.telemetry = _resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
         self._hooks: list[Any] = []
@@ -584,4 +588,17 @@ def _resolve_telemetry(telemetry: Any) -> Any:
     raise TypeError(
         "telemetry must be a run folder path or an ampguard.Telemetry, got "
         f"{type(telemetry).__name__}"
+    )
+
+
+def _warn_no_scaler(framework: str | None) -> None:
+    """An fp16 loop with no loss scale: said once at attach, whatever its gradients turn out."""
+    where = f"{framework}'s fp16 step" if framework else "this fp16 loop"
+    warnings.warn(
+        f"{where} has no loss scaler: gradients below fp16's smallest normal (6.1e-05) "
+        "lose precision or flush to zero, and nothing skips a step that overflows. Use "
+        "torch.amp.GradScaler (or ag.Guard(precision='fp16')), or train in bf16; AG171 "
+        "reports a layer that loses its gradient",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
     )

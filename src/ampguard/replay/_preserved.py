@@ -39,6 +39,7 @@ class Preserved:
         # the replays start from ``rng`` (the failing step's, so dropout draws the same mask);
         # close() puts back the RNG as it was when the snapshot was taken
         self._replay_rng = self._rng if rng is None else rng
+        self.off: set[int] = set()  # ids of modules the next replays run in eval mode
 
     def reset(self) -> None:
         """Values, modes and RNG (the replay's: ``rng`` if given) as at the snapshot; gradients
@@ -51,11 +52,12 @@ class Preserved:
         for p, _ in self._grads:
             p.grad = None
         for m, mode in self._modes:
-            m.training = mode
+            m.training = mode and id(m) not in self.off
         _set_rng_state(self._device_type, self._replay_rng)
 
     def close(self) -> None:
         """Restore everything, gradients and the caller's RNG included, and free the copies."""
+        self.off = set()
         self.reset()
         _set_rng_state(self._device_type, self._rng)
         for p, grad in self._grads:

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from ampguard import rules, runlog
 from ampguard._util.atomic import write_text
 from ampguard.findings import Finding
+from ampguard.reporting._unscaled import what_ran, without_loss_scale
 from ampguard.reporting.html import render
 from ampguard.reporting.summary import run_facts, summary_text
 
@@ -84,7 +85,14 @@ def _write(
 
     _save_findings(run, found)
     with matplotlib.rc_context({"text.usetex": False}):  # user text is never LaTeX
-        figures = [(title, make(run)) for _, title, make in FIGURES]
+        figures: list[tuple[str, bytes | str | None]] = [
+            (title, make(run)) for _, title, make in FIGURES
+        ]
+    if without_loss_scale(run):  # no flat 2^0 panel: say what ran instead
+        figures = [
+            ("Loss scale: none", what_ran(run)) if key == "scale" else fig
+            for (key, _, _), fig in zip(FIGURES, figures, strict=True)
+        ]
     page = render(run, found, facts, causes, figures)
     target = run.run_dir / runlog.REPORT
     write_text(target, page)

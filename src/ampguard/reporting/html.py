@@ -9,6 +9,7 @@ from typing import Any
 
 from ampguard.findings import Finding
 from ampguard.reporting._fp8 import html_section
+from ampguard.reporting._unscaled import what_ran, without_loss_scale
 from ampguard.runlog import COVERAGE, RunLog, read_coverage
 
 __all__ = ["render"]
@@ -152,7 +153,9 @@ def _meta(run: RunLog) -> str:
         ("run folder", str(run.run_dir)),
         ("model", m.get("model")),
         ("precision", f"{m.get('precision')} (requested {m.get('requested_precision')})"),
-        ("scaler", m.get("scaler")),
+        ("scaler", m.get("scaler"))
+        if not without_loss_scale(run)
+        else ("loss scale", what_ran(run)),
         ("guard", m.get("guard")),
         ("telemetry", m.get("telemetry")),
         ("device", m.get("device")),
@@ -179,7 +182,7 @@ def render(
     findings: list[Finding],
     facts: dict[str, Any],
     causes: dict[str, list[int]],
-    figures: list[tuple[str, bytes | None]],
+    figures: list[tuple[str, bytes | str | None]],
 ) -> str:
     """The whole page as a string (UTF-8, no external resources)."""
     if findings:
@@ -190,6 +193,9 @@ def render(
     for title, png in figures:
         if png is None:
             figs.append(f"<h2>{_e(title)}</h2><p>Not recorded in this run.</p>")
+            continue
+        if isinstance(png, str):  # a panel that does not apply: what ran instead
+            figs.append(f"<h2>{_e(title)}</h2><p>{_e(png)}</p>")
             continue
         data = base64.b64encode(png).decode("ascii")
         figs.append(

@@ -237,10 +237,19 @@ def _plain_log_labels(ax: Axes) -> None:
 
     class Plain(LogFormatter):  # matplotlib decides which ticks get a label; we say how
         def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
-            return f"{x:.3g}"
+            return f"{x:.{_digits(x, vmin, vmax)}g}"
 
     ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
     ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
+
+
+def _digits(x: float, vmin: float, vmax: float) -> int:
+    """Significant digits that tell ticks apart on a narrow range (10.95, 11, 11.05: not
+    "11, 11, 11"): three, plus one per decade the value stands above the axis span."""
+    span = abs(vmax - vmin)
+    if not (span > 0 and x) or not math.isfinite(span):
+        return 3
+    return max(3, min(8, math.ceil(math.log10(abs(x) / span)) + 2))
 
 
 def _mark_skipped(ax: Axes, x: np.ndarray, y: np.ndarray, size: float, label: str) -> None:

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ampguard._util.cadence import early_or_every, early_windows
 from ampguard.telemetry._staging import HostStaging
 
-__all__ = ["AbsorbedCounter", "EVENT_KIND"]
+__all__ = ["AbsorbedCounter", "EVENT_KIND", "counter_for_run"]
 
 EVENT_KIND = "absorbed"
 _LOW = (torch.float16, torch.bfloat16)
@@ -261,3 +262,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def counter_for_run(
+    model: torch.nn.Module, device: torch.device, flush_every: int, range_every: int
+) -> AbsorbedCounter:
+    """The AG170 counter of a run: slots for a flush's range-sampled windows and for windows
+    1, 2, 4, ... below ``range_every`` (a failure present from step 0 shows early), armed for
+    window 1 when it is one of them. Cost: none until armed."""
+    counter = AbsorbedCounter(
+        model, device, flush_every // range_every + 1 + early_windows(range_every)
+    )
+    if early_or_every(1, range_every):
+        counter.arm(1)
+    return counter

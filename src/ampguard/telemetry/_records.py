@@ -166,9 +166,11 @@ def _extras(
 def _grad_norms(
     facts: Facts, values: Values, before: list[float], shape: Shape, out: list[str]
 ) -> None:
-    """Add ``grad_norm`` (and per-layer norms) to the steps that have them: a gradient sample
-    (per-tensor norms, unscaled here when the sample carried the loss scale), else the
-    producer's own norm."""
+    """Add ``grad_norm`` (and per-layer norms) to the steps that have them: the producer's own
+    total norm where it computed one (a Guard's clip, a DeepSpeed engine's
+    ``get_global_grad_norm()``: exactly that value), else the gradient sample's (per-tensor
+    norms, unscaled here when the sample carried the loss scale); per-layer norms come from the
+    sample."""
     rows = [(i, slot) for i, slot in enumerate(facts.stats_slot) if slot >= 0]
     if rows:
         # plain Python: a few values per sample, where each numpy call costs more than the
@@ -185,8 +187,10 @@ def _grad_norms(
             squares.extend(per_layer)
         texts = number_texts([math.sqrt(x) for x in squares])
         width = 1 + len(shape.layers)
+        mine = [i for i, _ in rows if facts.guard_norm[i]]
+        own_text = dict(zip(mine, number_texts(values.fixed[NORM, mine]), strict=True))
         for k, (i, _) in enumerate(rows):
-            out[i] += ',"grad_norm":' + texts[k * width]
+            out[i] += ',"grad_norm":' + own_text.get(i, texts[k * width])
             if shape.layer_stats:
                 layers = ",".join(texts[k * width + 1 : (k + 1) * width])
                 out[i] += ',"layers":{"grad_norm":[' + layers + "]}"

@@ -67,6 +67,7 @@ class RunWriter:
         self.meta: dict[str, Any] = {}
         self._tb: Any = None  # the TensorBoard sink, once open
         self._recorded: set[str] = set()  # findings already in the run log
+        self.final: list[Finding] | None = None  # the findings last written (close's)
 
     @property
     def events(self) -> Path:
@@ -264,9 +265,21 @@ class RunWriter:
         except OSError as exc:  # EIO on a failing disk
             self.failures.failed(self.events, exc)
         found = rules.evaluate(runlog.load_run(self.run_dir))
+        self.final = list(found)
         self.write_json(self.run_dir / runlog.FINDINGS, [f.to_dict() for f in found])
         self.raise_error()
         return found
+
+    def final_findings(self) -> list[Finding]:
+        """After close: the findings close wrote, else ``findings.json`` as written ([] when it
+        never was). Cost: none, or one read of ``findings.json``."""
+        if self.final is not None:
+            return list(self.final)
+        try:
+            data = json.loads((self.run_dir / runlog.FINDINGS).read_text(encoding="utf-8"))
+            return [Finding.from_dict(d) for d in data]
+        except (OSError, ValueError, TypeError, KeyError):
+            return []
 
     # ------------------------------------------------------------------ close and release
     def close(self, error: TelemetryError | None) -> TelemetryError | None:

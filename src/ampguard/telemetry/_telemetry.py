@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from ampguard import runlog
+from ampguard._util.cadence import early_or_every
 from ampguard._util.checks import check_bool, check_int
 from ampguard.findings import Finding
 from ampguard.telemetry import _layers
-from ampguard.telemetry._absorbed import AbsorbedCounter
+from ampguard.telemetry._absorbed import counter_for_run
 from ampguard.telemetry._device import DeviceBuffer, host_view
 from ampguard.telemetry._range_sample import RangeSampler
 from ampguard.telemetry._records import Facts, RunTally, Shape, build_lines
@@ -167,14 +168,11 @@ class Telemetry:
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._ranger = RangeSampler(layout, self._device) if self.range_every else None
-        # absorbed fp16 overflow: counted on the range-sampled windows' forwards (AG170)
-        self._absorbed = (
-            AbsorbedCounter(source.model, self._device, self.flush_every // self.range_every + 1)
+        self._absorbed = (  # absorbed fp16 overflow (AG170), on the range-sampled forwards
+            counter_for_run(source.model, self._device, self.flush_every, self.range_every)
             if self.range_every and self.absorbed
             else None
         )
-        if self._absorbed is not None and 1 % self.range_every == 0:
-            self._absorbed.arm(1)
         self._cells = DeviceBuffer(
             self.flush_every,
             len(layout.params),
@@ -292,10 +290,10 @@ class Telemetry:
         self._micro = 0
         absorbed = self._absorbed
         if absorbed is not None and (
-            absorbed.armed_step is not None or not (step + 1) % self.range_every
+            absorbed.armed_step is not None or early_or_every(step + 1, self.range_every)
         ):
             absorbed.disarm()
-            if not (step + 1) % self.range_every:
+            if early_or_every(step + 1, self.range_every):
                 absorbed.arm(step + 1)
         if step >= self.next_sample:
             self.next_sample = self._due_after(step)
@@ -519,10 +517,11 @@ class Telemetry:
 
     # ------------------------------------------------------------------ findings and close
     def findings(self) -> list[Finding]:
-        """Flush, evaluate the AG1xx rules over the whole run log, write ``findings.json``.
-
-        Cost: one sync (the flush) and a read of the run log.
-        """
+        """Flush, evaluate the AG1xx rules over the whole run log, write ``findings.json``; after
+        :meth:`close`, the findings close wrote (nothing is written again). Cost: one sync (the
+        flush) and a read of the run log; none after close (or one read of ``findings.json``)."""
+        if self._closed:
+            return self._writer.final_findings()
         self.flush()
         return self._writer.findings()
 
