@@ -173,6 +173,20 @@ REGISTRY: dict[str, Precision] = {
             watchable=False,
             hook="ampguard.fp8._block:Nvfp4",
         ),
+        Precision(
+            name="fp8_blockwise",
+            summary=(
+                "bf16 autocast; the Linear layers that fit train in block-wise fp8 (1x128 "
+                "tiles, 128x128 weight blocks; emulated)"
+            ),
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",  # a scale per tile / block
+            needs_bf16=True,
+            audit_code=6,
+            watchable=False,
+            hook="ampguard.fp8._block:Fp8Blockwise",
+        ),
     )
 }
 

@@ -16,6 +16,7 @@ __all__ = ["LOWP_VARIANTS", "prepare", "judge_lowp", "lowp_lines"]
 LOWP_VARIANTS = {
     "mxfp8": "MXFP8 (e4m3, a scale per 32) for every fitting Linear, emulated; bf16 around it",
     "nvfp4": "NVFP4 (e2m1, scales per 16 and per tensor) for every fitting Linear, emulated",
+    "fp8_blockwise": "block-wise fp8 (1x128 tiles, 128x128 weight blocks) per fitting Linear",
 }
 
 

@@ -90,8 +90,8 @@ class Guard:
         precision: ``"auto"`` (bf16 where the device supports it, else fp16) or a name in
             ``ampguard.precisions.REGISTRY``: ``"fp16"`` (with a dynamic loss scaler),
             ``"bf16"``, ``"fp32"``, ``"fp8"`` (torchao float8 linears, see ``fp8_plan``),
-            ``"mxfp8"`` or ``"nvfp4"`` (block-scaled linears, emulated: their numerics, not
-            their speed).
+            ``"mxfp8"``, ``"nvfp4"`` or ``"fp8_blockwise"`` (block-scaled linears, emulated:
+            their numerics, not their speed).
         scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
             ``on_collapse``); used only when the precision resolves to fp16.
         accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
