@@ -40,6 +40,7 @@ __all__ = ["Cast", "ELEMENTS", "round_to_grid", "CASTS"]
 
 _EPS = 1e-12  # torchao float8's floor on amax before dividing
 _E8M0_BIAS = 127
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
 _NVFP4_SCALE_MIN = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao's E4M3_EPS
 
 
@@ -119,7 +120,9 @@ def mxfp8(op: Operand, role: str) -> Cast:
     el = _element("mxfp8", role)
     amax = op.block_amax(32).unsqueeze(-1)
     # the unbiased e8m0 exponent, an integer in float32 (torchao stores it biased, in uint8)
-    e = torch.ceil(torch.log2(amax / el.max)).clamp_(-_E8M0_BIAS, _E8M0_BIAS)
+    # (amax floored at float32's smallest normal: the same exponent once clamped, and no
+    # log2(0) = -inf for an all-zero block, which ag.locate would see as a non-finite value)
+    e = torch.ceil(torch.log2(amax.clamp(min=_F32_TINY) / el.max)).clamp_(-_E8M0_BIAS, _E8M0_BIAS)
     rcp = torch.where(e == -_E8M0_BIAS, 1.0, torch.exp2(-e))
     scale = torch.pow(torch.full_like(e, 2.0), e)  # torchao's get_fp_scale
     t = torch.mul(_blocks(op.x, 32), rcp, out=_blocks(op.scratch(0), 32))
