@@ -187,6 +187,20 @@ REGISTRY: dict[str, Precision] = {
             watchable=False,
             hook="ampguard.fp8._block:Fp8Blockwise",
         ),
+        Precision(
+            name="recipe",
+            summary=(
+                "bf16 autocast; each Linear in the format a {layer: format} recipe or a "
+                "certificate names (emulated): Guard(precision=<dict or certificate>)"
+            ),
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",
+            needs_bf16=True,
+            audit_code=7,
+            watchable=False,
+            hook="ampguard.fp8._layered:LayerRecipe",
+        ),
     )
 }
 

@@ -49,7 +49,7 @@ from ampguard.findings import Finding
 from ampguard.forensics._live import check as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8._conversion import Conversion
-from ampguard.guard import _flags, _fp8, _step
+from ampguard.guard import _flags, _fp8, _recipe, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
@@ -91,7 +91,8 @@ class Guard:
             ``ampguard.precisions.REGISTRY``: ``"fp16"`` (with a dynamic loss scaler),
             ``"bf16"``, ``"fp32"``, ``"fp8"`` (torchao float8 linears, see ``fp8_plan``),
             ``"mxfp8"``, ``"nvfp4"`` or ``"fp8_blockwise"`` (block-scaled linears, emulated:
-            their numerics, not their speed).
+            their numerics, not their speed); or a ``{layer: format}`` dict / an
+            ``ampguard.RecipeCertificate``: each Linear in its own format (emulated).
         scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
             ``on_collapse``); used only when the precision resolves to fp16.
         accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
@@ -141,7 +142,7 @@ class Guard:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-        precision: str = "auto",
+        precision: Any = "auto",
         scaler: ScalerConfig | None = None,
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
@@ -180,6 +181,7 @@ class Guard:
             "restore_buffers_on_skip", restore_buffers_on_skip
         )
         device = device_of(params)
+        precision, fp8_plan = _recipe.split(precision, fp8_plan)  # a {layer: format} recipe
         policy = resolve_precision(precision, device)
         check_parameters(params, policy, argument="optimizer")
         # ampguard's own collectives wait at most peer_timeout seconds (None: the group's own
