@@ -89,7 +89,17 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         ("Telemetry", "TelemetryError", "RuleConfig", "report", "Finding"),
     ),
     ("Forensics and autocast coverage", ("locate", "Diagnosis", "coverage", "Coverage")),
-    ("Compare and the advisor", ("Experiment", "Comparison", "compare", "inspect_model")),
+    (
+        "Compare and the advisor",
+        (
+            "Experiment",
+            "Comparison",
+            "compare",
+            "inspect_model",
+            "recipe_search",
+            "RecipeCertificate",
+        ),
+    ),
     ("Lint", ("lint_source", "lint_paths")),
     ("Distributed", ("DesyncError",)),
     ("Integrations", ("watch",)),
