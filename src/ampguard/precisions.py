@@ -76,6 +76,7 @@ class Precision:
     param_advice: str = ""
     hook: str | None = None
     extra: str | None = None
+    by_name: bool = True  # False: chosen by passing its value (a recipe), not a CLI choice
 
     @property
     def needs_scaler(self) -> bool:
@@ -200,6 +201,7 @@ REGISTRY: dict[str, Precision] = {
             audit_code=7,
             watchable=False,
             hook="ampguard.fp8._layered:LayerRecipe",
+            by_name=False,
         ),
     )
 }
@@ -211,9 +213,10 @@ def names(*, watchable: bool = False) -> tuple[str, ...]:
     return tuple(n for n, p in REGISTRY.items() if p.watchable or not watchable)
 
 
-def requests() -> tuple[str, ...]:
-    """What ``precision=`` accepts: ``"auto"`` and every registered precision."""
-    return (AUTO, *names())
+def requests(*, by_name: bool = False) -> tuple[str, ...]:
+    """What ``precision=`` accepts: ``"auto"`` and every registered precision (with
+    ``by_name=True`` only those a name alone selects: the CLI's choices)."""
+    return (AUTO, *(n for n in names() if REGISTRY[n].by_name or not by_name))
 
 
 def get(

@@ -42,7 +42,7 @@ class RecipeCertificate:
     seeds: tuple[int, ...]
     formats: tuple[str, ...] = ()
     branches: list[dict[str, Any]] = field(default_factory=list)
-    meter: dict[str, dict[str, float]] = field(default_factory=dict)
+    meter: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (non-finite numbers as None), with ``"schema"``."""

@@ -11,9 +11,11 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
    layer cosine and relative error of the recipe's weight gradient against bf16's, on the first
    shadow micro-batches) promotes every layer outside its limits one format up, until none is
    (no training step spent).
-4. **bf16's noise.** Two bf16 branches (``seeds[0]`` and ``seeds[1]``) give bf16's run-to-run
-   spread at the same steps, and the tolerance as ``ag.compare`` judges fp8: three times that
-   noise, at least 0.5% of bf16's loss (``tolerance=`` overrides it).
+4. **bf16's noise.** Two bf16 branches from the one start, trained under ``seeds[0]`` and
+   ``seeds[1]`` (dropout, sampling: what differs between two runs of the same start), give
+   bf16's run-to-run spread at the same steps (0 for a deterministic model), and the tolerance
+   as ``ag.compare`` judges fp8: three times that noise, at least 0.5% of bf16's loss
+   (``tolerance=`` overrides it).
 5. **Branches.** The recipe trains a short branch (``steps`` steps, ``seeds[0]``, the same
    batches as bf16); it passes when its final loss (the mean of the last tenth) is at most
    bf16's plus the tolerance. A failing recipe promotes the riskiest layer still in the lowest
@@ -51,7 +53,8 @@ from ampguard.fp8._recipe import HIGH
 
 __all__ = ["recipe_search"]
 
-DEFAULT_FORMATS = ("mxfp8", "nvfp4")
+# the microscaling formats (a scale per 32 or 16 values): MXFP8 and NVFP4
+DEFAULT_FORMATS = tuple(n for n, f in FORMATS.items() if f.block in (16, 32))
 SHADOW_BATCHES = 2  # micro-batches the meter compares gradients on
 
 
@@ -105,7 +108,7 @@ def recipe_search(
         history.append({"kind": "meter", "promoted": bad, "recipe": dict(recipe)})
 
     bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
-    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt)
+    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt, start=seeds[0])
     noise = bf16_noise(_Losses(bf16), _Losses(again))
     tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
     base = _tail(bf16)[1]
@@ -164,6 +167,7 @@ def _linears(model: nn.Module) -> list[str]:
 
 def _fits(model: nn.Module, layer: str, fmt: str) -> bool:
     m = model.get_submodule(layer)
+    assert isinstance(m, nn.Linear)
     return fmt == HIGH or FORMATS[fmt].shape_ok(m.in_features, m.out_features)
 
 
@@ -214,11 +218,14 @@ def _train(
     recipe: dict[str, str],
     seed: int,
     make_opt: Callable[[Any], torch.optim.Optimizer],
+    start: int | None = None,
 ) -> list[float]:
-    """One branch: a fresh model under ``seed``, the recipe emulated, bf16 autocast around it;
-    the per-step losses (one host sync at the end)."""
-    torch.manual_seed(seed)
+    """One branch: a fresh model built under ``start`` (default ``seed``), trained under
+    ``seed``, the recipe emulated, bf16 autocast around it; the per-step losses (one host sync
+    at the end)."""
+    torch.manual_seed(seed if start is None else start)
     model = factory()
+    torch.manual_seed(seed)
     layers = converted(model, recipe)
     opt = make_opt(model.parameters())
     device = next(model.parameters()).device.type

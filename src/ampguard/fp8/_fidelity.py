@@ -34,12 +34,23 @@ MAX_REL_ERROR = 0.5  # NVFP4 on a healthy layer: about 0.25
 
 def converted(model: nn.Module, recipe: dict[str, str]) -> list[str]:
     """Emulate each layer of ``recipe`` in its format (``"bf16"``: left as it is); the names of
-    the converted layers (undo with ``restore`` on each)."""
+    the converted layers (undo with ``restore`` on each); all or nothing."""
     done: list[str] = []
-    for fmt in dict.fromkeys(f for f in recipe.values() if f != HIGH):
-        names = {n for n, f in recipe.items() if f == fmt}
-        done += emulate(model, fmt, lambda m, name, s=names: name in s)
+    try:
+        for fmt in dict.fromkeys(f for f in recipe.values() if f != HIGH):
+            done += emulate(model, fmt, _named({n for n, f in recipe.items() if f == fmt}))
+    except BaseException:  # all or nothing
+        for name in done:
+            restore(model.get_submodule(name))
+        raise
     return done
+
+
+def _named(names: set[str]) -> Callable[[nn.Module, str], bool]:
+    def keep(module: nn.Module, name: str) -> bool:
+        return name in names
+
+    return keep
 
 
 def _weight_grads(
@@ -65,7 +76,7 @@ def gradient_fidelity(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     batches: Sequence[Any],
     recipe: dict[str, str],
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """``{layer: {"cosine", "rel_error", "format"}}`` of every Linear with a weight gradient
     (see the module docstring). Cost: two forward+backward passes per batch, one host sync."""
     saved = {n: p.grad for n, p in model.named_parameters()}
@@ -107,7 +118,7 @@ def _column_error(ref: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return err[used].median() if bool(used.any()) else ref.new_zeros(())
 
 
-def failing(meter: dict[str, dict[str, float]]) -> list[str]:
+def failing(meter: dict[str, dict[str, Any]]) -> list[str]:
     """The layers in a low-precision format whose gradient is outside the meter's limits (a
     NaN figure fails)."""
     return [

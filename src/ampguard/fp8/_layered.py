@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.fp8._emulate import EmulatedLinear, emulate, restore
+from ampguard.fp8._emulate import EmulatedLinear, restore
+from ampguard.fp8._fidelity import converted as emulate_recipe
 from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._recipe import HIGH
 
@@ -104,15 +105,7 @@ class LayerRecipe:
 
     def convert(self) -> None:
         """Each chosen layer emulated in its format; all or nothing."""
-        converted: list[str] = []
-        try:
-            for fmt in dict.fromkeys(self._chosen.values()):
-                names = {n for n, f in self._chosen.items() if f == fmt}
-                converted += emulate(self.model, fmt, lambda m, name, s=names: name in s)
-        except BaseException:
-            for name in converted:
-                restore(self.model.get_submodule(name))
-            raise
+        converted = emulate_recipe(self.model, self._chosen)
         self.layers = [n for n in self._all if n in set(converted)]
         self.kept = [n for n in self._all if n not in set(converted)]
 
@@ -127,7 +120,7 @@ class LayerRecipe:
 
     def formats(self) -> dict[str, str]:
         """``{layer: format}`` of the converted layers now."""
-        return {n: self.model.get_submodule(n).lowp_format for n in self.layers}
+        return {n: str(self.model.get_submodule(n).__dict__["lowp_format"]) for n in self.layers}
 
     def watch(self, telemetry: Fp8Log | None, clock: WindowClock, *, rescue: bool = False) -> None:
         """Nothing: no per-layer telemetry or rescue of its own."""
