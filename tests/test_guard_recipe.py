@@ -115,3 +115,40 @@ def test_a_recipe_of_bf16_only_trains_in_bf16_with_a_warning():
     with pytest.warns(RuntimeWarning, match="no Linear layer is converted"):
         guard = _guard(model, {"a": "bf16"})
     assert guard.precision == "bf16"
+
+
+class RowSpike(nn.Module):
+    """Every 16th sample 300x the others: the neighbouring layers' weight gradients span a range
+    that NVFP4's blocks along the batch flush (planted drift)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.ones(x.shape[0], 1, dtype=x.dtype)
+        s[::16] = 300.0
+        return x * s
+
+
+def test_recheck_moves_a_drifting_layer_up_one_format_and_the_guard_lists_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(a=nn.Linear(64, 128), t=nn.GELU(), s=RowSpike(), b=nn.Linear(128, 128),
+                    t2=nn.Tanh(), c=nn.Linear(128, 16))
+    )  # fmt: skip
+    guard = _guard(model, {"a": "nvfp4", "b": "nvfp4", "c": "nvfp4"})
+    gen = torch.Generator().manual_seed(2)
+    shadow = [(torch.randn(32, 64, generator=gen), torch.randn(32, 16, generator=gen))]
+
+    def loss(m, b):
+        return nn.functional.mse_loss(m(b[0]).float(), b[1])
+
+    moves = {m["module"]: m for m in guard.fp8.recheck(loss, shadow, step=10)}
+    assert (moves["a"]["from"], moves["a"]["to"], moves["a"]["step"]) == ("nvfp4", "mxfp8", 10)
+    assert (moves["b"]["from"], moves["b"]["to"]) == ("nvfp4", "mxfp8")
+    # "c" (128x16) takes no block-scaled 8-bit format: when it moves, to tensorwise
+    assert moves.get("c", {"to": "tensorwise"})["to"] == "tensorwise"
+    assert guard.fp8.formats()["a"] == guard.fp8.formats()["b"] == "mxfp8"
+    assert guard.fp8.rescue.changes == list(moves.values())
+    assert guard.diagnostics()["fallbacks"] == list(moves.values())  # the Guard lists them
+    again = {m["module"]: m["to"] for m in guard.fp8.recheck(loss, shadow, step=20)}
+    assert again["a"] == again["b"] == "bf16"  # MXFP8 still ruins them: up to bf16
+    assert "a" not in guard.fp8.formats() and type(model.a) is nn.Linear
+    assert all(p.grad is None for p in model.parameters())

@@ -15,7 +15,9 @@ a dict of strings, a layer that is not a Linear of the model, an unknown format,
 layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``) is ``{"format": "recipe",
 "recipe": {layer: format}}`` of the converted layers; a resumed Guard converts exactly those, in
 those formats (a warning when this Guard had a different recipe). No telemetry of its own and
-no rescue (:meth:`LayerRecipe.watch` does nothing). Cost: none at construction.
+no automatic rescue (:meth:`LayerRecipe.watch` does nothing); :meth:`LayerRecipe.recheck` reads
+the gradient-fidelity meter on shadow micro-batches and moves a drifting layer one format up.
+Cost: none at construction.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from torch import nn
 from ampguard._util.stack import user_stacklevel
 from ampguard.fp8._emulate import EmulatedLinear, restore
 from ampguard.fp8._fidelity import converted as emulate_recipe
+from ampguard.fp8._fidelity import failing, gradient_fidelity
 from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._recipe import HIGH
 
 if TYPE_CHECKING:
     from ampguard.findings import Finding
-    from ampguard.fp8._conversion import Conversion, Rescues
+    from ampguard.fp8._conversion import Conversion
     from ampguard.fp8._stats import Fp8Log, WindowClock
 
 __all__ = ["LayerRecipe", "check_recipe", "RECIPE_FORMAT"]
@@ -81,7 +84,7 @@ class LayerRecipe:
     """A Guard's Linear layers, each in the format its recipe names (emulated)."""
 
     emulated = True
-    rescue: Rescues | None = None
+    rescue: _Moves | None = None
     format = RECIPE_FORMAT
 
     def __init__(self, model: nn.Module, device: torch.device, plan: Any = None) -> None:
@@ -121,6 +124,44 @@ class LayerRecipe:
     def formats(self) -> dict[str, str]:
         """``{layer: format}`` of the converted layers now."""
         return {n: str(self.model.get_submodule(n).__dict__["lowp_format"]) for n in self.layers}
+
+    def recheck(
+        self, loss_fn: Any, batches: Any, *, step: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Read the gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`) on ``batches`` (a
+        list of shadow micro-batches, ``loss_fn(model, batch)``) with the current weights, and
+        move every converted layer outside its limits one format up (the lowest-bits format
+        above its own that its shape takes, block-scaled first; else bf16). Returns the moves
+        (``module``, ``step``, ``from``, ``to``, ``reason``), also listed in :attr:`rescue` and
+        so in the Guard's fallbacks. Call it every K steps, between steps. Cost: two
+        forward+backward passes per micro-batch and one host sync.
+        """
+        current = self.formats()
+        for name in self.layers:  # the meter converts by itself: start from plain Linear
+            restore(self.model.get_submodule(name))
+        try:
+            meter = gradient_fidelity(self.model, loss_fn, list(batches), current)
+        finally:
+            emulate_recipe(self.model, current)
+        moves: list[dict[str, Any]] = []
+        for name in failing(meter):
+            module = self.model.get_submodule(name)
+            assert isinstance(module, nn.Linear)
+            up = _higher(current[name], module.in_features, module.out_features)
+            m = meter[name]
+            moves.append({"module": name, "step": step, "from": current[name], "to": up,
+                          "reason": f"gradient cosine {m['cosine']:.3f}, relative error "
+                                    f"{m['rel_error']:.3f} against bf16"})  # fmt: skip
+        if moves:
+            self.revert()
+            for mv in moves:
+                current[mv["module"]] = mv["to"]
+            self._chosen = {n: f for n, f in current.items() if f != HIGH}
+            self.convert()
+            if self.rescue is None:
+                self.rescue = _Moves()
+            self.rescue.changes.extend(moves)
+        return moves
 
     def watch(self, telemetry: Fp8Log | None, clock: WindowClock, *, rescue: bool = False) -> None:
         """Nothing: no per-layer telemetry or rescue of its own."""
@@ -175,6 +216,22 @@ class LayerRecipe:
     def findings(self) -> list[Finding]:
         """None of its own."""
         return []
+
+
+class _Moves:
+    """The layers :meth:`LayerRecipe.recheck` moved up (the Guard lists them as fallbacks)."""
+
+    def __init__(self) -> None:
+        self.changes: list[dict[str, Any]] = []
+
+
+def _higher(fmt: str, fin: int, fout: int) -> str:
+    """The next format up from ``fmt`` that a ``fin x fout`` layer takes (bf16 when none)."""
+    bits = FORMATS[fmt].bits
+    order = list(FORMATS)
+    up = [f for f, spec in FORMATS.items() if spec.bits > bits and spec.shape_ok(fin, fout)]
+    up.sort(key=lambda f: (FORMATS[f].bits, FORMATS[f].block <= 0, order.index(f)))
+    return up[0] if up else HIGH
 
 
 if TYPE_CHECKING:
