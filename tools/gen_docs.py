@@ -97,7 +97,17 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Forensics and autocast coverage", ("locate", "Diagnosis", "coverage", "Coverage")),
     ("Loss spikes", ("autopsy", "SpikeDiagnosis", "LossSpikeError")),
     ("Triage: hardware or math", ("triage", "TriageEvent", "SignatureRecorder")),
-    ("Compare and the advisor", ("Experiment", "Comparison", "compare", "inspect_model")),
+    (
+        "Compare and the advisor",
+        (
+            "Experiment",
+            "Comparison",
+            "compare",
+            "inspect_model",
+            "recipe_search",
+            "RecipeCertificate",
+        ),
+    ),
     ("Lint", ("lint_source", "lint_paths")),
     ("Distributed", ("DesyncError",)),
     ("Integrations", ("watch",)),
@@ -228,14 +238,15 @@ def precisions_list() -> str:
     """The README's sentence naming every precision, between its markers."""
     from ampguard import precisions
 
-    names = ", ".join(f"`{n}`" for n in precisions.names())
+    names = ", ".join(f"`{n}`" for n in precisions.requests(by_name=True)[1:])
     scaled = precisions.scaled()
     return "\n".join(
         [
             LIST_START,
             f'`precision=` takes `"{precisions.AUTO}"` or any entry of '
             f"`ampguard.precisions.REGISTRY`: {names} (`{scaled}` is the one with a loss "
-            "scale). Each entry says what it runs and needs ([the table](docs/guarded-step.md)).",
+            "scale), or a `{layer: format}` recipe. Each entry says what it runs and needs "
+            "([the table](docs/guarded-step.md)).",
             LIST_END,
         ]
     )

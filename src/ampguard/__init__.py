@@ -42,6 +42,8 @@ _EXPORTS: dict[str, str] = {
     "Experiment": "ampguard.experiments",
     "Comparison": "ampguard.experiments",
     "compare": "ampguard.experiments",
+    "recipe_search": "ampguard.experiments",
+    "RecipeCertificate": "ampguard.experiments",
     "inspect_model": "ampguard.experiments.advisor",
     "watch": "ampguard.integrations.watch",
     "watch_ema": "ampguard.core.ema",
@@ -83,7 +85,9 @@ if TYPE_CHECKING:  # the names for type checkers and the docs (griffe): mirrors 
     from ampguard.distributed import PeerFailureError as PeerFailureError
     from ampguard.experiments import Comparison as Comparison
     from ampguard.experiments import Experiment as Experiment
+    from ampguard.experiments import RecipeCertificate as RecipeCertificate
     from ampguard.experiments import compare as compare
+    from ampguard.experiments import recipe_search as recipe_search
     from ampguard.experiments.advisor import inspect_model as inspect_model
     from ampguard.findings import Finding as Finding
     from ampguard.forensics import Diagnosis as Diagnosis

@@ -82,6 +82,7 @@ class Precision:
     hook: str | None = None
     extra: str | None = None
     formats: tuple[str, ...] = ()
+    by_name: bool = True  # False: chosen by passing its value (a recipe), not a CLI choice
 
     @property
     def needs_scaler(self) -> bool:
@@ -182,6 +183,36 @@ REGISTRY: dict[str, Precision] = {
             hook="ampguard.fp8._block:Nvfp4",
             formats=("nvfp4",),
         ),
+        Precision(
+            name="fp8_blockwise",
+            summary=(
+                "bf16 autocast; the Linear layers that fit train in block-wise fp8 (1x128 "
+                "tiles, 128x128 weight blocks; emulated)"
+            ),
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",  # a scale per tile / block
+            needs_bf16=True,
+            audit_code=6,
+            watchable=False,
+            hook="ampguard.fp8._block:Fp8Blockwise",
+            formats=("fp8_blockwise",),
+        ),
+        Precision(
+            name="recipe",
+            summary=(
+                "bf16 autocast; each Linear in the format a {layer: format} recipe or a "
+                "certificate names (emulated): Guard(precision=<dict or certificate>)"
+            ),
+            autocast_dtype="bfloat16",
+            low_dtype="bfloat16",
+            loss_scale="none",
+            needs_bf16=True,
+            audit_code=7,
+            watchable=False,
+            hook="ampguard.fp8._layered:LayerRecipe",
+            by_name=False,
+        ),
     )
 }
 
@@ -192,9 +223,10 @@ def names(*, watchable: bool = False) -> tuple[str, ...]:
     return tuple(n for n, p in REGISTRY.items() if p.watchable or not watchable)
 
 
-def requests() -> tuple[str, ...]:
-    """What ``precision=`` accepts: ``"auto"`` and every registered precision."""
-    return (AUTO, *names())
+def requests(*, by_name: bool = False) -> tuple[str, ...]:
+    """What ``precision=`` accepts: ``"auto"`` and every registered precision (with
+    ``by_name=True`` only those a name alone selects: the CLI's choices)."""
+    return (AUTO, *(n for n in names() if REGISTRY[n].by_name or not by_name))
 
 
 def get(

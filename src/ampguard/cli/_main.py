@@ -26,7 +26,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="fp16",
-        choices=precisions.requests(),
+        choices=precisions.requests(by_name=True),
         help="precision (default fp16, the one with a loss scaler; fp8: plan, then torchao "
         "float8 on a model with an outlier-feature layer)",
     )

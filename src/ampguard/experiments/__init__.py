@@ -23,7 +23,9 @@ are judged against bf16 too, with verdicts ``fp8_ok``/``fp8_keep_layers``/``fp8_
 ``ampguard.compare`` function with the module.)
 """
 
+from ampguard.experiments._certificate import RecipeCertificate
 from ampguard.experiments._compare import compare
+from ampguard.experiments._recipe_search import recipe_search
 from ampguard.experiments._results import VERDICTS, Comparison, Experiment, VariantResult
 from ampguard.experiments._variants import VARIANTS, seed_all
 
@@ -35,4 +37,6 @@ __all__ = [
     "VERDICTS",
     "compare",
     "seed_all",
+    "recipe_search",
+    "RecipeCertificate",
 ]

@@ -2,8 +2,9 @@
 
 A low precision's range limits are those of its ``low_dtype`` (fp16's largest finite value and
 smallest normal, bf16's); the full precision (autocast off) is the reference every replay is
-compared with; what locate accepts are the low precisions autocast alone reproduces (a
-precision with a conversion hook, fp8, changes the model, which a replay cannot).
+compared with; what locate accepts are the low precisions: autocast alone reproduces fp16 and
+bf16, and the low-precision formats (fp8, MXFP8, NVFP4, block-wise fp8) are replayed with their
+Linear layers emulated (:mod:`ampguard.forensics._lowp`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,5 @@ LOW_DTYPES = tuple(
 """The distinct low dtypes (fp16, bf16): a backward value in one of them is range limited."""
 FULL = next(name for name, entry in REGISTRY.items() if entry.is_full)
 """The full precision (fp32): the reference run."""
-REPLAYABLE = (
-    *(n for n, e in REGISTRY.items() if e.low_dtype is not None and e.hook is None),
-    AUTO,
-)
+REPLAYABLE = (*(n for n, e in REGISTRY.items() if e.low_dtype is not None), AUTO)
 """What ``locate(precision=)`` accepts."""

@@ -28,6 +28,7 @@ from ampguard.forensics._classify import (
 from ampguard.forensics._diagnosis import Diagnosis
 from ampguard.forensics._fixcheck import check_keep_fp32, tiny_eps
 from ampguard.forensics._limits import FULL, LOW_DTYPES, MAX, REPLAYABLE
+from ampguard.forensics._lowp import emulated_format, emulating
 from ampguard.forensics._replay import Preserved, Run, nonfinite_leaves, replay
 from ampguard.forensics._silent import grad_errors
 
@@ -47,7 +48,10 @@ def locate(
     """Find the module and op where ``batch`` first goes non-finite, and classify why.
 
     ``loss_fn(model, batch)`` returns the scalar loss. The batch runs like a training step in
-    ``precision`` ("fp16" | "bf16" | "auto") with the backward of ``loss * scale`` (default
+    ``precision`` ("fp16" | "bf16" | "auto", or a low-precision format: "fp8" | "mxfp8" |
+    "nvfp4" | "fp8_blockwise", replayed with every Linear layer that fits the format emulated in
+    it under bf16 autocast, ``stats["emulated"]`` naming them; "fp8" is torchao float8's
+    tensorwise recipe) with the backward of ``loss * scale`` (default
     ``2**16`` under fp16, as ``torch.amp.GradScaler`` starts; 1 under bf16), then in fp32, and,
     for a backward overflow, once more at scale 1 to tell a scaler probe from a real overflow.
     Parameters, buffers, gradients, RNG state and training modes are restored afterwards and
@@ -119,7 +123,7 @@ def _locate(
     diagnosis carries the low-precision replay's loss (``stats["replay_loss"]``)."""
     fp32 = resolve_precision(FULL, policy.device_type)
     bad = nonfinite_leaves(batch)
-    low = replay(model, loss_fn, batch, policy, scale)
+    low = _low_replay(model, loss_fn, batch, policy, scale)
     if bad:
         return _replayed(input_nonfinite(low, bad, scale), low)
     keep.reset()
@@ -195,8 +199,22 @@ def _mask_checked(
     return diag
 
 
+def _low_replay(
+    model: torch.nn.Module, loss_fn: Callable, batch: Any, policy: Any, scale: float
+) -> Run:
+    """The low-precision replay: under the policy's autocast, with the Linear layers emulated
+    in the precision's format for fp8 / MXFP8 / NVFP4 / block-wise fp8."""
+    with emulating(model, policy.precision) as layers:
+        run = replay(model, loss_fn, batch, policy, scale)
+    run.emulated = layers
+    return run
+
+
 def _replayed(diag: Diagnosis, low: Run) -> Diagnosis:
     diag.stats.setdefault("replay_loss", low.loss)  # the low-precision replay's loss
+    fmt = emulated_format(low.precision)
+    if fmt is not None:  # which layers computed in which format
+        diag.stats.setdefault("emulated", {"format": fmt, "layers": list(low.emulated)})
     return diag
 
 
@@ -262,7 +280,7 @@ def _low_failed(
     if e is None or e.phase == "forward" or low.scale <= 1.0:
         return diag
     keep.reset()
-    at_one = replay(model, loss_fn, batch, policy, 1.0)
+    at_one = _low_replay(model, loss_fn, batch, policy, 1.0)
     if at_one.failed:  # real: no loss scale helps; say where it breaks at scale 1 as well
         e1 = first_new(at_one)
         if e1 is not None:
@@ -328,7 +346,8 @@ def _check_fix(
     if diag.kind != "fp16_overflow" or diag.benign or not diag.module:
         return diag
     diag.stats["tiny_eps"] = tiny_eps(model, diag.module, diag.precision)
-    diag.stats["keep_fp32_check"] = check_keep_fp32(
-        model, loss_fn, batch, policy, diag.scale, keep, diag.module, first_new
-    )
+    with emulating(model, policy.precision):  # the check replays in the same format
+        diag.stats["keep_fp32_check"] = check_keep_fp32(
+            model, loss_fn, batch, policy, diag.scale, keep, diag.module, first_new
+        )
     return diag

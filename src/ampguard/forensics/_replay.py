@@ -37,6 +37,7 @@ class Run:
     entered: dict[str, bool] = field(default_factory=dict)  # module -> autocast on at entry
     # name -> the gradient itself (detached; the model's .grad is reset after the run)
     grad_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    emulated: list[str] = field(default_factory=list)  # Linear layers in a low-precision format
 
     @property
     def failed(self) -> bool:

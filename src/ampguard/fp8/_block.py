@@ -1,23 +1,23 @@
-"""The Guard's block-scaled precisions (``"mxfp8"``, ``"nvfp4"``): Linear layers trained in the
-format by emulation, bf16 autocast around them.
+"""The Guard's block-scaled precisions (``"mxfp8"``, ``"nvfp4"``, ``"fp8_blockwise"``): Linear
+layers trained in the format by emulation, bf16 autocast around them.
 
 :class:`BlockScaled` is the conversion hook (an :class:`ampguard.fp8._conversion.Conversion`)
-of the registry entries ``mxfp8`` (:class:`Mxfp8`) and ``nvfp4`` (:class:`Nvfp4`): the entry's
+of the registry entries ``mxfp8`` (:class:`Mxfp8`), ``nvfp4`` (:class:`Nvfp4`) and
+``fp8_blockwise`` (:class:`Fp8Blockwise`): the entry's
 ``hook`` string alone picks the format, since each subclass only names it. Every matmul of a
 converted layer (forward, input and weight gradient) quantises its operands as the format
 stores them and multiplies in float32 (:mod:`ampguard.fp8._emulate`): the numerics of training
 in MXFP8 / NVFP4 on any device (a CPU too), not their speed. No torchao is needed.
 
-Which layers: every ``nn.Linear`` whose shape fits the format (``FORMATS[fmt].shape_ok``: in
-and out features multiples of 32 for MXFP8, of 16 for NVFP4). With ``fp8_plan=`` (an
-``ag.fp8_plan(..., formats=(..., fmt))``, which must have measured the format) a layer converts
-when the plan's default recipe (``plan.recipe()``) puts it in a low-precision format, not bf16,
-and the plan found it ready in *this* format. The recipe picks the lowest precision within
-tolerance, so those are the layers whose recipe is this format or a lower precision (fewer
-bits: a layer ready in NVFP4 under ``precision="mxfp8"``) whose verdict in this format is also
-"ready"; a layer the recipe keeps in bf16 (the first and last Linear, small layers, a layer no
-format suits) stays in bf16. With no layer chosen the Guard trains in bf16 and warns
-(``ampguard.guard._fp8``).
+Which layers: every ``nn.Linear`` whose shape fits the format (``FORMATS[fmt].shape_ok``: in and out
+features multiples of 32 for MXFP8, of 16 for NVFP4, of 128 for block-wise fp8). With ``fp8_plan=``
+(an ``ag.fp8_plan(..., formats=(..., fmt))``, which must have measured the format) a layer converts
+when the plan's default recipe (``plan.recipe()``) puts it in a low-precision format, not bf16, and
+the plan found it ready in *this* format. The recipe picks the lowest precision within tolerance, so
+those are the layers whose recipe is this format or a lower precision (fewer bits: a layer ready in
+NVFP4 under ``precision="mxfp8"``) whose verdict in this format is also "ready"; a layer the recipe
+keeps in bf16 (the first and last Linear, small layers, a layer no format suits) stays in bf16. With
+no layer chosen the Guard trains in bf16 and warns (``ampguard.guard._fp8``).
 
 Converting changes the class of the chosen modules only (``EmulatedLinear``): parameters,
 optimizer state and the model's state dict stay as they are, and :meth:`BlockScaled.revert`
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ampguard.fp8._conversion import Conversion, Rescues
     from ampguard.fp8._stats import Fp8Log, WindowClock
 
-__all__ = ["BlockScaled", "Mxfp8", "Nvfp4"]
+__all__ = ["BlockScaled", "Mxfp8", "Nvfp4", "Fp8Blockwise"]
 
 _warned: set[str] = set()  # formats whose emulation was announced in this process
 
@@ -211,6 +211,13 @@ class Nvfp4(BlockScaled):
     """NVFP4: e2m1 values, an e4m3 scale per 16 and an fp32 scale per tensor."""
 
     format = "nvfp4"
+
+
+class Fp8Blockwise(BlockScaled):
+    """Block-wise fp8 (DeepSeek-V3): e4m3 values, an fp32 scale per 1x128 tile of an input or
+    gradient and per 128x128 block of a weight."""
+
+    format = "fp8_blockwise"
 
 
 def _checked_plan(plan: Any, fmt: str, model: nn.Module) -> Any:

@@ -15,7 +15,16 @@ format         values (forward / gradient)  block    scale
 ``rowwise``    e4m3 / e4m3                  row      power of two per row (torchao float8)
 ``mxfp8``      e4m3 / e5m2                  32       e8m0 per block (OCP MX, RCEIL rounding)
 ``nvfp4``      e2m1 / e2m1                  16       e4m3 per block x fp32 per tensor
+``fp8_blockw`` e4m3 / e4m3                  128      fp32 ``448 / amax`` per 1x128 tile of an
+``ise``                                              input/gradient, per 128x128 weight block
 =============  ===========================  =======  ======================================
+
+``fp8_blockwise`` is DeepSeek-V3's (and TransformerEngine's block scaling) fp8: activations and
+gradients share a scale per 1x128 tile along the matmul's reduction dimension, weights per
+128x128 block (rows x columns: the same blocks under transposition, so the weight's forward and
+backward casts agree); in and out features must be multiples of 128. The weight's blocks are
+whole 128-row groups of the tensor it is given (the plan's sampled rows: an approximation of the
+true blocks there; emulation casts the whole weight, exactly).
 
 ``tensorwise`` and ``rowwise`` are cast in plain torch (:mod:`ampguard.fp8._cast`, what torchao's
 float8 training does); ``mxfp8`` and ``nvfp4`` use torchao's own quantisers
@@ -37,7 +46,15 @@ import torch
 
 from ampguard.fp8._cast import E4M3, E5M2, RECIPES
 
-__all__ = ["LowpFormat", "FORMATS", "Quantized", "lookup", "check_formats"]
+__all__ = [
+    "LowpFormat",
+    "FORMATS",
+    "Quantized",
+    "lookup",
+    "check_formats",
+    "tile_amax",
+    "BLOCKWISE_TILE",
+]
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (dequantised float32 values, per-value scale)
 
@@ -101,6 +118,33 @@ def _torchao_mx() -> tuple[Any, Any]:
     return MXTensor, NVFP4Tensor
 
 
+BLOCKWISE_TILE = 128  # fp8_blockwise: 1x128 tiles, 128x128 weight blocks
+
+
+def tile_amax(t: torch.Tensor, tile: int = BLOCKWISE_TILE) -> torch.Tensor:
+    """The amax of each ``tile x tile`` block of a 2-D ``t`` (rows padded with zeros to whole
+    tiles; the width must divide), one per row and column block: shape (rows, width / tile)."""
+    rows = t.shape[0]
+    b = t.abs().reshape(rows, -1, tile).amax(dim=-1)
+    pad = -rows % tile
+    if pad:
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad))
+    blocks = b.view(-1, tile, b.shape[-1]).amax(dim=1)
+    return blocks.repeat_interleave(tile, dim=0)[:rows]
+
+
+def _fp8_blockwise(x: torch.Tensor, role: str) -> Quantized:
+    xf = x.float().reshape(-1, x.shape[-1])
+    tile = BLOCKWISE_TILE
+    amax = tile_amax(xf) if role == "weight" else xf.abs().view(xf.shape[0], -1, tile).amax(-1)
+    fmax = torch.finfo(E4M3).max
+    scale = (fmax / amax.clamp(min=1e-12)).unsqueeze(-1)
+    blocks = xf.view(xf.shape[0], -1, tile)
+    q = (blocks * scale).clamp(-fmax, fmax).to(E4M3).float() / scale
+    per_value = (1.0 / scale).expand_as(blocks)
+    return q.reshape(x.shape), per_value.reshape(x.shape)
+
+
 def _mxfp8(x: torch.Tensor, role: str) -> Quantized:
     mx_tensor, _ = _torchao_mx()
     dtype = E5M2 if role == "grad" else E4M3
@@ -145,6 +189,11 @@ FORMATS: dict[str, LowpFormat] = {
         LowpFormat(
             "nvfp4", 4, "e2m1", "e2m1", 1, 16, 16,
             "NVFP4: e2m1 values, an e4m3 scale per 16 and an fp32 scale per tensor", _nvfp4,
+        ),
+        LowpFormat(
+            "fp8_blockwise", 8, "e4m3", "e4m3", 3, 128, 128,
+            "fp8 e4m3, an fp32 scale per 1x128 tile (per 128x128 block of a weight; DeepSeek-V3)",
+            _fp8_blockwise,
         ),
     )
 }  # fmt: skip

@@ -8,6 +8,7 @@ format           the cast reproduced (tested bitwise against it, ``tests/test_lo
 ``rowwise``      torchao float8: a power of two per row, e4m3 for every role
 ``mxfp8``        torchao ``MXTensor.to_mx(x, dtype, 32, RCEIL)`` then ``dequantize``
 ``nvfp4``        torchao ``NVFP4Tensor.to_nvfp4(x, 16, per_tensor_scale)`` then ``dequantize``
+``fp8_blockwise`` the registry's plain-torch cast (``448 / amax`` per 1x128 tile / 128x128 block)
 ===============  ===========================================================================
 
 Why not call torchao: its MX / NVFP4 quantisers are written for GPUs (NVFP4's element cast is
@@ -32,13 +33,14 @@ from typing import NamedTuple
 
 import torch
 
-from ampguard.fp8._formats import FORMATS
+from ampguard.fp8._formats import BLOCKWISE_TILE, FORMATS, tile_amax
 from ampguard.fp8._operand import Operand
 
 __all__ = ["Cast", "ELEMENTS", "round_to_grid", "CASTS"]
 
 _EPS = 1e-12  # torchao float8's floor on amax before dividing
 _E8M0_BIAS = 127
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
 _NVFP4_SCALE_MIN = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao's E4M3_EPS
 
 
@@ -118,7 +120,9 @@ def mxfp8(op: Operand, role: str) -> Cast:
     el = _element("mxfp8", role)
     amax = op.block_amax(32).unsqueeze(-1)
     # the unbiased e8m0 exponent, an integer in float32 (torchao stores it biased, in uint8)
-    e = torch.ceil(torch.log2(amax / el.max)).clamp_(-_E8M0_BIAS, _E8M0_BIAS)
+    # (amax floored at float32's smallest normal: the same exponent once clamped, and no
+    # log2(0) = -inf for an all-zero block, which ag.locate would see as a non-finite value)
+    e = torch.ceil(torch.log2(amax.clamp(min=_F32_TINY) / el.max)).clamp_(-_E8M0_BIAS, _E8M0_BIAS)
     rcp = torch.where(e == -_E8M0_BIAS, 1.0, torch.exp2(-e))
     scale = torch.pow(torch.full_like(e, 2.0), e)  # torchao's get_fp_scale
     t = torch.mul(_blocks(op.x, 32), rcp, out=_blocks(op.scratch(0), 32))
@@ -143,9 +147,23 @@ def nvfp4(op: Operand, role: str) -> Cast:
     return Cast(q.view(op.rows, op.width), scale, amax)
 
 
+def fp8_blockwise(op: Operand, role: str) -> Cast:
+    """DeepSeek-V3's fp8: ``scale = 448 / amax`` (fp32) per 1x128 tile of an input or
+    gradient, per 128x128 block of a weight (the scale and amax repeated on each row of the
+    block, so every figure reads them as per-row blocks); values e4m3."""
+    el = _element("fp8_blockwise", role)
+    tile = BLOCKWISE_TILE
+    amax = (tile_amax(op.x) if role == "weight" else op.block_amax(tile)).unsqueeze(-1)
+    scale = el.max / amax.clamp(min=_EPS)
+    t = torch.mul(_blocks(op.x, tile), scale, out=_blocks(op.scratch(0), tile))
+    q = round_to_grid(t.clamp_(-el.max, el.max), el, op.scratch(1)).div_(scale)
+    return Cast(q.view(op.rows, op.width), 1.0 / scale, amax)
+
+
 CASTS: dict[str, Callable[[Operand, str], Cast]] = {
     "tensorwise": tensorwise,
     "rowwise": rowwise,
     "mxfp8": mxfp8,
     "nvfp4": nvfp4,
+    "fp8_blockwise": fp8_blockwise,
 }

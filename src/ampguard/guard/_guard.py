@@ -53,7 +53,7 @@ from ampguard.findings import Finding
 from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _flags, _fp8, _rescue, _signatures, _spikes, _step
+from ampguard.guard import _flags, _fp8, _recipe, _rescue, _signatures, _spikes, _step
 from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _state as guard_state
 from ampguard.guard._step_state import StepState
@@ -94,7 +94,8 @@ class Guard:
         precision: ``"auto"`` (bf16 where the device supports it, else fp16) or a name in
             ``ampguard.precisions.REGISTRY`` (``ampguard.precisions.names()``; the precision
             table of the docs says what each runs and needs: fp16 has a dynamic loss scaler,
-            fp8 converts the linears planned by ``fp8_plan``).
+            fp8 converts the linears planned by ``fp8_plan``); or a ``{layer: format}`` dict /
+            an ``ampguard.RecipeCertificate``: each Linear in its own format (emulated).
         scaler: An ``ampguard.ScalerConfig`` for the fp16 loss scaler (floor, cap, hysteresis,
             ``on_collapse``); used only when the precision resolves to fp16.
         accumulation_steps: Micro-batches per optimizer step; ``backward()`` divides the loss
@@ -163,7 +164,7 @@ class Guard:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-        precision: str = "auto",
+        precision: Any = "auto",
         scaler: ScalerConfig | None = None,
         accumulation_steps: int = 1,
         clip_grad_norm: float | None = None,
@@ -211,6 +212,7 @@ class Guard:
             "restore_buffers_on_skip", restore_buffers_on_skip
         )
         device = device_of(params)
+        precision, fp8_plan = _recipe.split(precision, fp8_plan)  # a {layer: format} recipe
         policy = resolve_precision(precision, device)
         check_parameters(params, policy, argument="optimizer")
         # ampguard's own collectives wait at most peer_timeout seconds (None: the group's own

@@ -1,0 +1,339 @@
+"""``ag.recipe_search``: search a per-layer low-precision recipe on the user's model, verified
+against bf16's own run-to-run noise.
+
+The search, from one start (``model_factory()`` under ``seeds[0]``) on identical batches:
+
+1. **Risk order.** ``ag.fp8_plan(model, loss_fn, batches[0], formats=formats)`` measures every
+   Linear in every format; layers are ordered by their risk in the lowest format (not ready
+   first, then by ``sqnr_loss_db``, the SQNR lost to the layer's value distribution).
+2. **Start.** Every Linear in the lowest-precision format its shape takes (``"bf16"`` when none).
+3. **Prune with the meter.** The gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`: per
+   layer cosine and relative error of the recipe's weight gradient against bf16's, on the first
+   shadow micro-batches) promotes every layer outside its limits one format up, until none is
+   (no training step spent).
+4. **bf16's noise.** Two bf16 branches from the one start, trained under ``seeds[0]`` and
+   ``seeds[1]`` (dropout, sampling: what differs between two runs of the same start), give
+   bf16's run-to-run spread at the same steps (0 for a deterministic model), and the tolerance
+   as ``ag.compare`` judges fp8: three times that noise, at least 0.5% of bf16's loss
+   (``tolerance=`` overrides it).
+5. **Branches.** The recipe trains a short branch (``steps`` steps, ``seeds[0]``, the same
+   batches as bf16); it passes when its final loss (the mean of the last tenth) is at most
+   bf16's plus the tolerance. A failing recipe promotes the riskiest layer still in the lowest
+   format present one format up and trains again; a passing one tries to demote the layers the
+   search promoted, most recent first (a demotion the meter flags is pruned without a branch),
+   keeping a demotion that still passes. The search stops
+   when the branch budget is spent.
+
+Budget: ``budget`` is the share of ``len(batches)`` (one full run) that all branches together
+may train, bf16's two included: ``steps = max(2, total // 6)`` per branch, ``total // steps``
+branches (at least 3). The meter and the plan cost forward+backward passes, not steps.
+Every branch trains with ``optimizer(model.parameters())`` (default AdamW, lr 1e-3) under bf16
+autocast, the recipe's layers emulated (:mod:`ampguard.fp8._emulate`). Bad input (an unknown
+format, an empty batch list, a factory that returns different models on two calls, a budget out
+of range) is one error naming it, before any step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampguard._util.checks import check_finite
+from ampguard.experiments._certificate import RecipeCertificate
+from ampguard.experiments._fp8 import _tail, bf16_noise
+from ampguard.experiments._fp8 import tolerance as bf16_tolerance
+from ampguard.fp8._emulate import restore
+from ampguard.fp8._fidelity import converted, failing, gradient_fidelity
+from ampguard.fp8._formats import FORMATS, check_formats
+from ampguard.fp8._recipe import HIGH
+
+__all__ = ["recipe_search"]
+
+# the microscaling formats (a scale per 32 or 16 values): MXFP8 and NVFP4
+DEFAULT_FORMATS = tuple(n for n, f in FORMATS.items() if f.block in (16, 32))
+SHADOW_BATCHES = 2  # micro-batches the meter compares gradients on
+
+
+class _Losses:
+    def __init__(self, losses: list[float]) -> None:
+        self.losses = losses
+
+
+def recipe_search(
+    model_factory: Callable[[], nn.Module],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    formats: tuple[str, ...] | str = DEFAULT_FORMATS,
+    budget: float = 0.1,
+    tolerance: float | None = None,
+    *,
+    seeds: tuple[int, int] = (0, 1),
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> RecipeCertificate:
+    """Search a ``{layer: format}`` recipe and certify it against bf16 (module docstring).
+
+    Returns a :class:`~ampguard.RecipeCertificate`. Raises ``ValueError``/``TypeError`` naming
+    the argument for bad input. Cost: ``budget * len(batches)`` training steps at most, plus
+    one plan and two forward+backward passes per shadow micro-batch per meter reading; one
+    host sync per branch and per meter reading.
+    """
+    names = check_formats(formats)
+    batches = _check_batches(batches)
+    total = _check_budget(budget, len(batches))
+    check_finite("tolerance", tolerance, optional=True)
+    if tolerance is not None and tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0 (a loss difference), got {tolerance!r}")
+    seeds = _check_seeds(seeds)
+    make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+    start = _check_factory(model_factory, seeds[0])
+    steps = max(2, total // 6)
+    branches_left = max(3, total // steps) - 2
+    data = batches[:steps]
+
+    ladder = [*sorted(names, key=lambda n: FORMATS[n].bits), HIGH]
+    order = _risk_order(start, loss_fn, batches[0], names, ladder[0])
+    recipe = {n: _lowest_fit(start, n, ladder) for n in order}
+    history: list[dict[str, Any]] = []
+    shadow = batches[:SHADOW_BATCHES]
+    for _ in range(len(ladder)):  # prune: promote what the meter flags, until nothing is
+        bad = failing(gradient_fidelity(start, loss_fn, shadow, recipe))
+        if not bad:
+            break
+        for n in bad:
+            recipe[n] = _up(start, n, recipe[n], ladder)
+        history.append({"kind": "meter", "promoted": bad, "recipe": dict(recipe)})
+
+    bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
+    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt, start=seeds[0])
+    noise = bf16_noise(_Losses(bf16), _Losses(again))
+    tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
+    base = _tail(bf16)[1]
+
+    def judge(r: dict[str, str], kind: str) -> tuple[bool, float]:
+        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt)
+        delta = _tail(losses)[1] - base
+        ok = math.isfinite(delta) and delta <= tol
+        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok})
+        return ok, delta
+
+    promoted: list[str] = [n for h in history for n in h.get("promoted", [])]
+    passed, delta = judge(recipe, "branch")
+    branches_left -= 1
+    while not passed and branches_left > 0:
+        layer = _next_to_promote(recipe, order, ladder)
+        if layer is None:
+            break
+        recipe[layer] = _up(start, layer, recipe[layer], ladder)
+        promoted.append(layer)
+        passed, delta = judge(recipe, "promote")
+        branches_left -= 1
+    for layer in reversed(dict.fromkeys(promoted)):  # demote what passing allows
+        if not passed or branches_left <= 0:
+            break
+        lower = _down(start, layer, recipe[layer], ladder)
+        if lower is None:
+            continue
+        trial = {**recipe, layer: lower}
+        if layer in failing(gradient_fidelity(start, loss_fn, shadow, trial)):
+            continue  # the meter prunes it: no branch spent
+        ok, d = judge(trial, "demote")
+        branches_left -= 1
+        if ok:
+            recipe, delta = trial, d
+    meter = gradient_fidelity(start, loss_fn, shadow, recipe)
+    return RecipeCertificate(
+        recipe={n: recipe.get(n, HIGH) for n in _linears(start)},
+        passed=passed,
+        loss_delta=delta,
+        noise=noise,
+        tolerance=tol,
+        flop_share=_flop_share(start, loss_fn, batches[0], recipe),
+        steps=steps,
+        seeds=tuple(seeds),
+        formats=names,
+        branches=history,
+        meter=meter,
+    )
+
+
+# ---------------------------------------------------------------------- the search's parts
+def _linears(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _fits(model: nn.Module, layer: str, fmt: str) -> bool:
+    m = model.get_submodule(layer)
+    assert isinstance(m, nn.Linear)
+    return fmt == HIGH or FORMATS[fmt].shape_ok(m.in_features, m.out_features)
+
+
+def _lowest_fit(model: nn.Module, layer: str, ladder: list[str]) -> str:
+    return next(f for f in ladder if _fits(model, layer, f))
+
+
+def _up(model: nn.Module, layer: str, fmt: str, ladder: list[str]) -> str:
+    i = ladder.index(fmt)
+    return (
+        next(f for f in ladder[i + 1 :] if _fits(model, layer, f)) if i + 1 < len(ladder) else fmt
+    )
+
+
+def _down(model: nn.Module, layer: str, fmt: str, ladder: list[str]) -> str | None:
+    i = ladder.index(fmt)
+    return next((f for f in reversed(ladder[:i]) if _fits(model, layer, f)), None)
+
+
+def _next_to_promote(recipe: dict[str, str], order: list[str], ladder: list[str]) -> str | None:
+    """The riskiest layer among those in the lowest format the recipe still uses."""
+    low = [f for f in ladder if f != HIGH and f in recipe.values()]
+    if not low:
+        return None
+    return next(n for n in order if recipe[n] == low[0])
+
+
+def _risk_order(
+    model: nn.Module, loss_fn: Callable, batch: Any, formats: tuple[str, ...], lowest: str
+) -> list[str]:
+    """The traced Linear layers, riskiest first in the lowest format (the plan's figures)."""
+    from ampguard.fp8._plan import fp8_plan
+
+    plan = fp8_plan(model, loss_fn, batch, formats=formats)
+
+    def risk(name: str) -> tuple[int, float]:
+        fig = plan.layers[name].get("formats", {}).get(lowest, {})
+        loss = fig.get("sqnr_loss_db", math.inf)
+        return (0 if fig.get("ready") else 1, -(loss if math.isfinite(loss) else math.inf))
+
+    return sorted(plan.order, key=risk)
+
+
+def _train(
+    factory: Callable[[], nn.Module],
+    loss_fn: Callable,
+    batches: Sequence[Any],
+    recipe: dict[str, str],
+    seed: int,
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+    start: int | None = None,
+) -> list[float]:
+    """One branch: a fresh model built under ``start`` (default ``seed``), trained under
+    ``seed``, the recipe emulated, bf16 autocast around it; the per-step losses (one host sync
+    at the end)."""
+    torch.manual_seed(seed if start is None else start)
+    model = factory()
+    torch.manual_seed(seed)
+    layers = converted(model, recipe)
+    opt = make_opt(model.parameters())
+    device = next(model.parameters()).device.type
+    losses = []
+    try:
+        for batch in batches:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = loss_fn(model, batch)
+            loss.float().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach().float())
+    finally:
+        for name in layers:
+            restore(model.get_submodule(name))
+    return [v if math.isfinite(v) else math.nan for v in torch.stack(losses).tolist()]
+
+
+def _flop_share(
+    model: nn.Module, loss_fn: Callable, batch: Any, recipe: dict[str, str]
+) -> dict[str, float]:
+    """``{format: share of the Linear matmul FLOPs}`` over one forward of ``batch`` (rows x in x
+    out per call; the backward's two matmuls scale every layer alike)."""
+    flops: dict[str, float] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            fmt = recipe.get(name, HIGH)
+
+            def hook(mod: nn.Module, args: Any, out: Any, fmt: str = fmt) -> None:
+                rows = args[0].numel() // args[0].shape[-1]
+                flops[fmt] = flops.get(fmt, 0.0) + rows * mod.in_features * mod.out_features
+
+            hooks.append(m.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            loss_fn(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    total = sum(flops.values())
+    return {f: v / total for f, v in flops.items()} if total else {}
+
+
+# ---------------------------------------------------------------------- argument checks
+def _check_batches(batches: Any) -> list[Any]:
+    if not isinstance(batches, (list, tuple)) or not batches:
+        raise ValueError(
+            "batches must be a non-empty list of batches (loss_fn(model, batch) for each), got "
+            + ("an empty list" if isinstance(batches, (list, tuple)) else type(batches).__name__)
+        )
+    return list(batches)
+
+
+def _check_budget(budget: Any, n: int) -> int:
+    check_finite("budget", budget, positive=True)
+    if budget > 1:
+        raise ValueError(f"budget must be a share of one run's steps in (0, 1], got {budget!r}")
+    total = math.floor(budget * n)
+    if total < 6:
+        raise ValueError(
+            f"budget={budget!r} of {n} batches is {total} training steps: the search needs at "
+            "least 6 (two bf16 branches and one recipe branch of 2 steps); give more batches "
+            "or a larger budget"
+        )
+    return total
+
+
+def _check_seeds(seeds: Any) -> tuple[int, int]:
+    if (
+        not isinstance(seeds, (tuple, list))
+        or len(seeds) != 2
+        or not all(isinstance(s, int) for s in seeds)
+        or seeds[0] == seeds[1]
+    ):
+        raise ValueError(f"seeds must be two different ints (bf16's two runs), got {seeds!r}")
+    return int(seeds[0]), int(seeds[1])
+
+
+def _check_factory(factory: Any, seed: int) -> nn.Module:
+    """Two calls under the same seed must build the same model (the branches' one start)."""
+    if not callable(factory):
+        raise TypeError(f"model_factory must be callable, got {type(factory).__name__}")
+    torch.manual_seed(seed)
+    a = factory()
+    torch.manual_seed(seed)
+    b = factory()
+    if not isinstance(a, nn.Module):
+        raise TypeError(f"model_factory must return a torch.nn.Module, got {type(a).__name__}")
+    if a is b:
+        raise ValueError(
+            "model_factory returned the same model object on two calls: it must build a new "
+            "model each call (every branch starts from a fresh copy)"
+        )
+    sa, sb = a.state_dict(), b.state_dict()
+    if list(sa) != list(sb) or any(
+        sa[k].shape != sb[k].shape or not torch.equal(sa[k], sb[k]) for k in sa
+    ):
+        diff = next(
+            (k for k in sa if k not in sb or sa[k].shape != sb[k].shape
+             or not torch.equal(sa[k], sb[k])),
+            next(iter(set(sb) - set(sa)), "?"),
+        )  # fmt: skip
+        raise ValueError(
+            f"model_factory returned different models on two calls under the same seed "
+            f"({diff!r} differs): the search compares branches from one start, so the factory "
+            "must build the same model each call (seed inside it or build deterministically)"
+        )
+    if not any(isinstance(m, nn.Linear) for m in a.modules()):
+        raise ValueError("model_factory's model has no nn.Linear layer: nothing to search")
+    return a

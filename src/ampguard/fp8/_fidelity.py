@@ -1,0 +1,133 @@
+"""The gradient-fidelity meter: how far a recipe's weight gradients are from bf16's.
+
+For a model and a per-layer recipe (``{layer: format}``), :func:`gradient_fidelity` runs each shadow
+micro-batch twice from the same weights: once in plain bf16 autocast, once with the recipe's layers
+emulated in their formats (:mod:`ampguard.fp8._emulate`), and compares every Linear's weight
+gradient: ``cosine`` (1 is the same direction), ``rel_error`` (``|g - g_bf16| / |g_bf16|``) and
+``column_rel_error`` (the median over input features of that error per weight column: an outlier
+feature that holds most of the norm hides what the format does to the other columns from the first
+two), summed over the micro-batches. A layer's figures include what the layers after it (in the
+backward) cost its gradient: they are what its optimizer step sees.
+
+:func:`failing` names the layers outside the limits (``MIN_COSINE``, ``MAX_REL_ERROR``): the
+layers ``ampguard.recipe_search`` promotes before it trains a branch. The weights, gradients and
+classes of the model are as before afterwards. Cost: two forward+backward passes per micro-batch
+and one host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampguard.fp8._emulate import emulate, restore
+from ampguard.fp8._recipe import HIGH
+
+__all__ = ["gradient_fidelity", "failing", "MIN_COSINE", "MAX_REL_ERROR", "converted"]
+
+MIN_COSINE = 0.9  # NVFP4 on a healthy layer: about 0.97; an outlier layer: below 0.5
+MAX_REL_ERROR = 0.5  # NVFP4 on a healthy layer: about 0.25
+
+
+def converted(model: nn.Module, recipe: dict[str, str]) -> list[str]:
+    """Emulate each layer of ``recipe`` in its format (``"bf16"``: left as it is); the names of
+    the converted layers (undo with ``restore`` on each); all or nothing."""
+    done: list[str] = []
+    try:
+        for fmt in dict.fromkeys(f for f in recipe.values() if f != HIGH):
+            done += emulate(model, fmt, _named({n for n, f in recipe.items() if f == fmt}))
+    except BaseException:  # all or nothing
+        for name in done:
+            restore(model.get_submodule(name))
+        raise
+    return done
+
+
+def _named(names: set[str]) -> Callable[[nn.Module, str], bool]:
+    def keep(module: nn.Module, name: str) -> bool:
+        return name in names
+
+    return keep
+
+
+def _weight_grads(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Sequence[Any]
+) -> dict[str, torch.Tensor]:
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for m in linears.values():
+        m.weight.grad = None
+    device = next(model.parameters()).device.type
+    for batch in batches:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = loss_fn(model, batch)
+        loss.float().backward()
+    out = {n: m.weight.grad.detach().float().clone() for n, m in linears.items()
+           if m.weight.grad is not None}  # fmt: skip
+    for m in linears.values():
+        m.weight.grad = None
+    return out
+
+
+def gradient_fidelity(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    recipe: dict[str, str],
+) -> dict[str, dict[str, Any]]:
+    """``{layer: {"cosine", "rel_error", "format"}}`` of every Linear with a weight gradient
+    (see the module docstring). Cost: two forward+backward passes per batch, one host sync."""
+    saved = {n: p.grad for n, p in model.named_parameters()}
+    try:
+        ref = _weight_grads(model, loss_fn, batches)
+        layers = converted(model, recipe)
+        try:
+            low = _weight_grads(model, loss_fn, batches)
+        finally:
+            for name in layers:
+                restore(model.get_submodule(name))
+    finally:
+        for n, p in model.named_parameters():
+            p.grad = saved[n]
+    names = [n for n in ref if n in low]
+    if not names:
+        return {}
+    parts = []
+    for n in names:
+        a, b = ref[n].reshape(-1), low[n].reshape(-1)
+        col = _column_error(ref[n], low[n])
+        parts.append(torch.stack([torch.dot(a, b), a.norm(), b.norm(), (a - b).norm(), col]))
+    values = torch.stack(parts).tolist()  # the one host sync
+    out = {}
+    for n, (dot, na, nb, diff, col) in zip(names, values, strict=True):
+        cos = dot / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+        rel = diff / na if na > 0 else (0.0 if diff == 0 else float("inf"))
+        out[n] = {"cosine": cos, "rel_error": rel, "column_rel_error": col,
+                  "format": recipe.get(n, HIGH)}  # fmt: skip
+    return out
+
+
+def _column_error(ref: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The median over input features (weight columns) of each column's relative error: a
+    column the format ruins counts even when one outlier column holds most of the norm."""
+    na = ref.norm(dim=0)
+    err = (ref - low).norm(dim=0) / na.clamp(min=1e-30)
+    used = na > 0
+    return err[used].median() if bool(used.any()) else ref.new_zeros(())
+
+
+def failing(meter: dict[str, dict[str, Any]]) -> list[str]:
+    """The layers in a low-precision format whose gradient is outside the meter's limits (a
+    NaN figure fails)."""
+    return [
+        n
+        for n, m in meter.items()
+        if m["format"] != HIGH
+        and not (
+            m["cosine"] >= MIN_COSINE
+            and m["rel_error"] <= MAX_REL_ERROR
+            and m["column_rel_error"] <= MAX_REL_ERROR
+        )
+    ]

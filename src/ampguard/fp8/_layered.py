@@ -1,0 +1,240 @@
+"""The Guard's per-layer precision: ``Guard(precision={layer: format})`` (or a certificate's
+recipe) trains each named Linear layer in its own format, by emulation, bf16 around them.
+
+:class:`LayerRecipe` is the conversion hook (an :class:`ampguard.fp8._conversion.Conversion`)
+of the registry entry ``recipe``; the Guard hands it the recipe as its ``plan`` argument
+(``ampguard.guard._recipe`` turns ``precision=<dict or certificate>`` into that). A recipe maps
+Linear layers (their ``named_modules`` names) to a format of :data:`ampguard.fp8._formats.FORMATS`
+(``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``, ``"nvfp4"``, ``"fp8_blockwise"``) or ``"bf16"``;
+a Linear the recipe does not name stays in bf16. Every converted layer's matmuls run as
+:mod:`ampguard.fp8._emulate` runs them (the format's casts of every operand, float32 math): the
+numerics of each format, not its speed.
+
+Bad input, each one ``ValueError`` naming it before anything is converted: a recipe that is not
+a dict of strings, a layer that is not a Linear of the model, an unknown format, a format the
+layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``) is ``{"format": "recipe",
+"recipe": {layer: format}}`` of the converted layers; a resumed Guard converts exactly those, in
+those formats (a warning when this Guard had a different recipe). No telemetry of its own and
+no automatic rescue (:meth:`LayerRecipe.watch` does nothing); :meth:`LayerRecipe.recheck` reads
+the gradient-fidelity meter on shadow micro-batches and moves a drifting layer one format up.
+Cost: none at construction.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ampguard._util.stack import user_stacklevel
+from ampguard.fp8._emulate import EmulatedLinear, restore
+from ampguard.fp8._fidelity import converted as emulate_recipe
+from ampguard.fp8._fidelity import failing, gradient_fidelity
+from ampguard.fp8._formats import FORMATS
+from ampguard.fp8._recipe import HIGH
+
+if TYPE_CHECKING:
+    from ampguard.findings import Finding
+    from ampguard.fp8._conversion import Conversion
+    from ampguard.fp8._stats import Fp8Log, WindowClock
+
+__all__ = ["LayerRecipe", "check_recipe", "RECIPE_FORMAT"]
+
+RECIPE_FORMAT = "recipe"  # the registry entry's name and the saved state's "format"
+
+
+def check_recipe(recipe: Any, model: nn.Module, *, argument: str = "precision") -> dict[str, str]:
+    """``recipe`` as ``{layer: format}`` after checking it against ``model``: ``TypeError`` /
+    ``ValueError`` naming ``argument`` and the first bad layer or format. Nothing changes."""
+    if not isinstance(recipe, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in recipe.items()
+    ):
+        raise TypeError(
+            f"{argument} must be a precision name, a {{layer: format}} dict of strings or an "
+            f"ampguard.RecipeCertificate, got {type(recipe).__name__}"
+        )
+    if not recipe:
+        raise ValueError(f"{argument}: the recipe names no layer")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    allowed = (*FORMATS, HIGH)
+    for name, fmt in recipe.items():
+        if name not in linears:
+            near = sorted(linears)[:5]
+            raise ValueError(
+                f"{argument}: the recipe names {name!r}, which is not a Linear layer of this "
+                f"model (its Linear layers: {near}{'...' if len(linears) > 5 else ''})"
+            )
+        if fmt not in allowed:
+            raise ValueError(
+                f"{argument}: layer {name!r} has unknown format {fmt!r}; allowed: {allowed}"
+            )
+        m = linears[name]
+        if fmt != HIGH and not FORMATS[fmt].shape_ok(m.in_features, m.out_features):
+            raise ValueError(
+                f"{argument}: layer {name!r} ({m.in_features}x{m.out_features}) cannot train in "
+                f"{fmt!r}: it needs in and out features that are multiples of "
+                f"{FORMATS[fmt].multiple}"
+            )
+    return dict(recipe)
+
+
+class LayerRecipe:
+    """A Guard's Linear layers, each in the format its recipe names (emulated)."""
+
+    emulated = True
+    rescue: _Moves | None = None
+    format = RECIPE_FORMAT
+
+    def __init__(self, model: nn.Module, device: torch.device, plan: Any = None) -> None:
+        if plan is None:
+            raise ValueError(
+                "precision='recipe' needs the recipe itself: Guard(..., precision={layer: "
+                "format}) or precision=<an ampguard.RecipeCertificate>"
+            )
+        self.model = model
+        self.device = device
+        self.recipe = check_recipe(plan, model)
+        self._all = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self._chosen = {n: f for n, f in self.recipe.items() if f != HIGH}
+        self.layers: list[str] = []
+        self.kept: list[str] = list(self._all)
+
+    @property
+    def chosen(self) -> bool:
+        """True when at least one layer trains in a low-precision format."""
+        return bool(self._chosen)
+
+    def convert(self) -> None:
+        """Each chosen layer emulated in its format; all or nothing."""
+        converted = emulate_recipe(self.model, self._chosen)
+        self.layers = [n for n in self._all if n in set(converted)]
+        self.kept = [n for n in self._all if n not in set(converted)]
+
+    def revert(self) -> None:
+        """Every converted layer a plain ``nn.Linear`` again. Cost: no device op."""
+        for name in self.layers:
+            module = self.model.get_submodule(name)
+            if isinstance(module, EmulatedLinear):
+                restore(module)
+        self.layers = []
+        self.kept = list(self._all)
+
+    def formats(self) -> dict[str, str]:
+        """``{layer: format}`` of the converted layers now."""
+        return {n: str(self.model.get_submodule(n).__dict__["lowp_format"]) for n in self.layers}
+
+    def recheck(
+        self, loss_fn: Any, batches: Any, *, step: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Read the gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`) on ``batches`` (a
+        list of shadow micro-batches, ``loss_fn(model, batch)``) with the current weights, and
+        move every converted layer outside its limits one format up (the lowest-bits format
+        above its own that its shape takes, block-scaled first; else bf16). Returns the moves
+        (``module``, ``step``, ``from``, ``to``, ``reason``), also listed in :attr:`rescue` and
+        so in the Guard's fallbacks. Call it every K steps, between steps. Cost: two
+        forward+backward passes per micro-batch and one host sync.
+        """
+        current = self.formats()
+        for name in self.layers:  # the meter converts by itself: start from plain Linear
+            restore(self.model.get_submodule(name))
+        try:
+            meter = gradient_fidelity(self.model, loss_fn, list(batches), current)
+        finally:
+            emulate_recipe(self.model, current)
+        moves: list[dict[str, Any]] = []
+        for name in failing(meter):
+            module = self.model.get_submodule(name)
+            assert isinstance(module, nn.Linear)
+            up = _higher(current[name], module.in_features, module.out_features)
+            m = meter[name]
+            moves.append({"module": name, "step": step, "from": current[name], "to": up,
+                          "reason": f"gradient cosine {m['cosine']:.3f}, relative error "
+                                    f"{m['rel_error']:.3f} against bf16"})  # fmt: skip
+        if moves:
+            self.revert()
+            for mv in moves:
+                current[mv["module"]] = mv["to"]
+            self._chosen = {n: f for n, f in current.items() if f != HIGH}
+            self.convert()
+            if self.rescue is None:
+                self.rescue = _Moves()
+            self.rescue.changes.extend(moves)
+        return moves
+
+    def watch(self, telemetry: Fp8Log | None, clock: WindowClock, *, rescue: bool = False) -> None:
+        """Nothing: no per-layer telemetry or rescue of its own."""
+
+    def state(self) -> dict[str, Any]:
+        """Guard state ``"fp8"``: ``{"format": "recipe", "recipe": {layer: format}}``."""
+        return {"format": RECIPE_FORMAT, "recipe": self.formats()}
+
+    def check_state(self, value: Any) -> list[dict[str, Any]]:
+        """Validate a saved state (``ValueError`` naming the field, nothing changed);
+        ``[{"module": name, "format": fmt}, ...]`` to convert."""
+        if value is None:
+            return []
+        recipe = value.get("recipe") if isinstance(value, dict) else None
+        if not isinstance(value, dict) or value.get("format") != RECIPE_FORMAT:
+            raise ValueError(
+                f"malformed Guard state: 'fp8' must be {{'format': 'recipe', 'recipe': "
+                f"{{layer: format}}}} under a per-layer precision, got {value!r:.80}"
+            )
+        try:
+            checked = check_recipe(recipe, self.model, argument="Guard state 'fp8.recipe'")
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed Guard state: {e}") from None
+        return [{"module": n, "format": f} for n, f in checked.items()]
+
+    def load(self, changes: list[dict[str, Any]], telemetry: Fp8Log | None) -> None:
+        """Convert exactly the saved layers in their saved formats (warns when they differ from
+        this Guard's). Cost: no device op."""
+        wanted = {c["module"]: c["format"] for c in changes}
+        if wanted == self.formats():
+            return
+        warnings.warn(
+            f"precision=<recipe>: the Guard state trained {wanted}, this Guard's recipe is "
+            f"{self.formats()}; resuming with the saved formats",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+        self.revert()
+        self._chosen = {n: f for n, f in wanted.items() if f != HIGH}
+        self.convert()
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: the per-layer formats, emulated, converted and kept layers."""
+        return {
+            "format": RECIPE_FORMAT,
+            "emulated": True,
+            "recipe": self.formats(),
+            "converted": list(self.layers),
+            "kept_bf16": list(self.kept),
+        }
+
+    def findings(self) -> list[Finding]:
+        """None of its own."""
+        return []
+
+
+class _Moves:
+    """The layers :meth:`LayerRecipe.recheck` moved up (the Guard lists them as fallbacks)."""
+
+    def __init__(self) -> None:
+        self.changes: list[dict[str, Any]] = []
+
+
+def _higher(fmt: str, fin: int, fout: int) -> str:
+    """The next format up from ``fmt`` that a ``fin x fout`` layer takes (bf16 when none)."""
+    bits = FORMATS[fmt].bits
+    order = list(FORMATS)
+    up = [f for f, spec in FORMATS.items() if spec.bits > bits and spec.shape_ok(fin, fout)]
+    up.sort(key=lambda f: (FORMATS[f].bits, FORMATS[f].block <= 0, order.index(f)))
+    return up[0] if up else HIGH
+
+
+if TYPE_CHECKING:
+
+    def _is_conversion(hook: LayerRecipe) -> Conversion:
+        return hook

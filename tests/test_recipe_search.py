@@ -1,0 +1,138 @@
+"""ag.recipe_search: a per-layer recipe searched on the model (risk order from the plan, the
+gradient-fidelity meter's pruning, short branches judged against bf16's noise), returned as an
+ag.RecipeCertificate that saves, loads and trains in a Guard; bad input is one error."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import ampguard as ag
+from ampguard.fp8._fidelity import failing, gradient_fidelity
+
+pytest.importorskip("torchao")  # the plan's fp8 verdict (the risk order) is torchao's recipe
+
+
+class RowSpike(nn.Module):
+    """Every 16th sample of the batch 300x the others: the weight gradients of the layers around
+    it span a range that a block-scaled cast along the batch flushes (planted)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        s[::16] = 300.0
+        return x * s
+
+
+def factory() -> nn.Sequential:
+    torch.manual_seed(torch.initial_seed())  # the search's seed: the same model on every call
+    return nn.Sequential(
+        OrderedDict(
+            a=nn.Linear(64, 128), t=nn.GELU(), spike=RowSpike(), b=nn.Linear(128, 128),
+            t2=nn.Tanh(), c=nn.Linear(128, 16),
+        )
+    )  # fmt: skip
+
+
+def healthy() -> nn.Sequential:
+    torch.manual_seed(torch.initial_seed())
+    return nn.Sequential(
+        OrderedDict(a=nn.Linear(64, 64), t=nn.GELU(), b=nn.Linear(64, 64), c=nn.Linear(64, 16))
+    )
+
+
+def _batches(n: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    teacher = torch.randn(64, 16, generator=gen) / 8
+    out = []
+    for _ in range(n):
+        x = torch.randn(32, 64, generator=gen)
+        out.append((x, torch.tanh(x @ teacher)))
+    return out
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]).float(), batch[1])
+
+
+def test_the_meter_flags_the_layers_whose_gradient_the_format_ruins():
+    torch.manual_seed(0)
+    model = factory()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    meter = gradient_fidelity(
+        model, loss_fn, _batches(2), {"a": "nvfp4", "b": "nvfp4", "c": "nvfp4"}
+    )
+    assert failing(meter) == ["a", "b"]
+    assert meter["c"]["cosine"] > 0.9 and meter["a"]["cosine"] < 0.5
+    assert all(type(m) in (nn.Linear, nn.GELU, nn.Tanh, RowSpike, nn.Sequential)
+               for m in model.modules())  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_search_keeps_the_ruined_layers_high_and_certifies_the_recipe(tmp_path):
+    cert = ag.recipe_search(factory, loss_fn, _batches(24), budget=1.0, tolerance=1.0)
+    assert isinstance(cert, ag.RecipeCertificate)
+    assert cert.recipe == {"a": "bf16", "b": "bf16", "c": "nvfp4"}
+    assert cert.passed and cert.loss_delta <= cert.tolerance == 1.0
+    assert [h["kind"] for h in cert.branches][:2] == ["meter", "meter"]  # nvfp4, then mxfp8
+    assert cert.steps == 4 and cert.seeds == (0, 1) and cert.noise >= 0
+    assert cert.flop_share["nvfp4"] == pytest.approx(128 * 16 / (64 * 128 + 128 * 128 + 128 * 16))
+    assert sum(cert.flop_share.values()) == pytest.approx(1.0)
+    assert set(cert.meter) == {"a", "b", "c"} and not failing(cert.meter)
+    cert.save(tmp_path / "cert.json")
+    again = ag.RecipeCertificate.load(tmp_path / "cert.json")
+    assert again.recipe == cert.recipe and again.passed and again.steps == cert.steps
+    assert json.loads((tmp_path / "cert.json").read_text())["schema"].startswith("ampguard.")
+    model = factory()
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision=again)
+    assert guard.fp8.formats() == {"c": "nvfp4"} and guard.fp8.kept == ["a", "b"]
+
+
+def test_a_recipe_that_fails_its_branch_is_promoted_in_risk_order():
+    cert = ag.recipe_search(
+        healthy, loss_fn, _batches(24), budget=1.0, tolerance=0.0,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+    )  # fmt: skip
+    kinds = [h["kind"] for h in cert.branches]
+    assert kinds == ["branch", "promote", "promote", "promote"]  # all NVFP4 ends above bf16
+    first = cert.branches[0]
+    assert first["recipe"] == {"a": "nvfp4", "b": "nvfp4", "c": "nvfp4"} and not first["passed"]
+    # promoted one layer at a time, riskiest first; "c" (64x16) cannot take MXFP8: to bf16
+    assert cert.branches[1]["recipe"] == {"a": "nvfp4", "b": "nvfp4", "c": "bf16"}
+    assert cert.branches[2]["recipe"] == {"a": "nvfp4", "b": "mxfp8", "c": "bf16"}
+    assert (len(kinds) + 2) * cert.steps <= 24  # the budget: every branch, bf16's two included
+    assert cert.passed is cert.branches[-1]["passed"]
+
+
+def test_bad_input_is_one_error_before_any_step():
+    b = _batches(24)
+    with pytest.raises(ValueError, match=r"formats: unknown format 'fp4'"):
+        ag.recipe_search(healthy, loss_fn, b, formats=("nvfp4", "fp4"))
+    with pytest.raises(ValueError, match="batches must be a non-empty list"):
+        ag.recipe_search(healthy, loss_fn, [])
+    with pytest.raises(ValueError, match="budget=0.1 of 24 batches is 2 training steps"):
+        ag.recipe_search(healthy, loss_fn, b, budget=0.1)
+    widths = itertools.count(64, 16)
+    with pytest.raises(ValueError, match="returned different models on two calls"):
+        ag.recipe_search(lambda: nn.Linear(next(widths), 64), loss_fn, b, budget=1.0)
+    unseeded = iter([nn.Linear(64, 16), nn.Linear(64, 16)])
+    with pytest.raises(ValueError, match=r"different models .*'weight' differs"):
+        ag.recipe_search(lambda: next(unseeded), loss_fn, b, budget=1.0)
+    one = nn.Linear(64, 16)
+    with pytest.raises(ValueError, match="the same model object"):
+        ag.recipe_search(lambda: one, loss_fn, b, budget=1.0)
+
+
+def test_a_file_that_is_not_a_certificate_is_refused(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"recipe": {}}')
+    with pytest.raises(ValueError, match="not a recipe certificate"):
+        ag.RecipeCertificate.load(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        ag.RecipeCertificate.load(path)
