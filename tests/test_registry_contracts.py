@@ -47,6 +47,15 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, WIDTH, generator=gen), torch.randn(8, WIDTH, generator=gen)
 
 
+def _request(name: str, model: nn.Module) -> Any:
+    """What ``precision=`` takes for entry ``name``: its name, or for an entry chosen by its value
+    (``by_name=False``: a per-layer recipe) such a value, every Linear in one block format."""
+    if precisions.REGISTRY[name].by_name:
+        return name
+    fmt = precisions.single_format()[0]
+    return {n: fmt for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 def _trained(name: str, seed: int = 0, **model_kw: Any) -> tuple[nn.Module, Any, ag.Guard]:
     """A model, AdamW and a Guard in precision ``name`` (skipped where its extra is missing)."""
     model = _model(seed, **model_kw)
@@ -54,7 +63,7 @@ def _trained(name: str, seed: int = 0, **model_kw: Any) -> tuple[nn.Module, Any,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the block formats say they are emulated
         try:
-            guard = ag.Guard(model, opt, precision=name)
+            guard = ag.Guard(model, opt, precision=_request(name, model))
         except ImportError as exc:  # an entry whose hook needs an extra that is not installed
             entry = precisions.REGISTRY[name]
             if entry.extra is None:

@@ -162,7 +162,7 @@ class Watch:
         self.framework = framework
         enabled = watched is not None and watched.scaled
         self.precision = _resolve_precision(precision, enabled, requested_precision is not None)
-        if self.precision == "fp16" and not enabled:
+        if precisions.REGISTRY[self.precision].needs_scaler and not enabled:
             _warn_no_scaler(framework)
         if self.policy.active and not (watched is not None and enabled and watched.correctable):
             what = (

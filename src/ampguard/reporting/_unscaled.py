@@ -53,7 +53,7 @@ def what_ran(run: RunLog) -> str:
     entry = precisions.REGISTRY.get(name)
     if entry is not None and entry.low_dtype == "float16":
         why = "fp16 without a loss scaler: small gradients flush to zero (see AG171)"
-    elif name in ("fp8", "mxfp8", "nvfp4"):
+    elif entry is not None and entry.hook is not None:  # converted layers: fp8, mxfp8, ...
         why = "each tensor or block carries its own scale"
     elif entry is not None and entry.is_full:
         why = "full precision"
