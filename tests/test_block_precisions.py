@@ -4,6 +4,7 @@ format by emulation (ampguard.fp8._block, ampguard.fp8._emulate), on a CPU, with
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections import OrderedDict
 
@@ -15,14 +16,17 @@ from torch import nn
 import ampguard as ag
 from ampguard import cli, precisions
 from ampguard.fp8._emulate import EmulatedLinear
+from ampguard.fp8._formats import FORMATS as PLAN_FORMATS
 from ampguard.fp8._operand import Operand
 from ampguard.fp8._quant import CASTS
 
 FORMATS = block_scaled()
-pytestmark = pytest.mark.filterwarnings("ignore:precision='(mxfp8|nvfp4)' is emulated")
+# wide enough for every block format's matmul dimensions (fp8_blockwise: multiples of 128)
+WIDTH = math.lcm(32, *(PLAN_FORMATS[f].multiple for f in FORMATS))
+pytestmark = pytest.mark.filterwarnings("ignore:precision='[a-z0-9_]+' is emulated")
 
 
-def _model(width: int = 32, seed: int = 0) -> nn.Sequential:
+def _model(width: int = WIDTH, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
         OrderedDict(
@@ -31,13 +35,13 @@ def _model(width: int = 32, seed: int = 0) -> nn.Sequential:
     )
 
 
-def _data(width: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(16, width, generator=gen)
     return x, torch.tanh(x @ torch.randn(width, width, generator=gen) / width**0.5)
 
 
-def _steps(guard: ag.Guard, model: nn.Module, n: int, width: int = 32) -> list[float]:
+def _steps(guard: ag.Guard, model: nn.Module, n: int, width: int = WIDTH) -> list[float]:
     x, y = _data(width)
     losses = []
     for _ in range(n):
@@ -74,7 +78,7 @@ def test_the_layers_compute_in_the_format(fmt):
     model = _model()
     plain = copy.deepcopy(model)
     guard = _guard(model, fmt)
-    x = torch.randn(8, 32)
+    x = torch.randn(8, WIDTH)
     with guard.autocast(), torch.no_grad():
         y = model.a(x)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
@@ -91,7 +95,7 @@ def test_the_layers_compute_in_the_format(fmt):
 def test_an_all_zero_operand_quantises_to_zeros_not_nan():
     model = _model()
     guard = _guard(model, "nvfp4")
-    x = torch.zeros(4, 32, requires_grad=True)
+    x = torch.zeros(4, WIDTH, requires_grad=True)
     with guard.autocast():
         y = model.a(x)
     torch.testing.assert_close(y.float(), model.a.bias.detach().expand(4, -1), atol=1e-2, rtol=0)
@@ -139,7 +143,7 @@ def _deep(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for name in ("a", "b", "c"):
-        layers[name] = nn.Linear(64, 64)
+        layers[name] = nn.Linear(WIDTH, WIDTH)
         layers[f"{name}_act"] = nn.Tanh()
     return nn.Sequential(layers)
 
@@ -151,7 +155,7 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def plan():
     pytest.importorskip("torchao")  # ag.fp8_plan's fp8 verdict is torchao's recipe
-    return ag.fp8_plan(_deep(), _loss, torch.randn(64, 64), formats=tuple(FORMATS))
+    return ag.fp8_plan(_deep(), _loss, torch.randn(64, WIDTH), formats=tuple(FORMATS))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -167,7 +171,7 @@ def test_a_plan_converts_the_layers_its_recipe_puts_in_low_precision(plan, fmt):
 
 
 def test_a_plan_that_did_not_measure_the_format_is_refused(plan):
-    only_mx = ag.fp8_plan(_deep(), _loss, torch.randn(64, 64), formats=("mxfp8",))
+    only_mx = ag.fp8_plan(_deep(), _loss, torch.randn(64, WIDTH), formats=("mxfp8",))
     model = _deep()
     with pytest.raises(ValueError, match=r"fp8_plan did not measure 'nvfp4'.*formats="):
         _guard(model, "nvfp4", fp8_plan=only_mx)
@@ -182,10 +186,10 @@ def test_a_checkpoint_resumes_with_the_same_layers_and_the_same_losses(plan, tmp
     model = _deep()
     guard = _guard(model, "mxfp8", fp8_plan=plan)
     opt = guard.optimizers[0]
-    _steps(guard, model, 4, width=64)
+    _steps(guard, model, 4)
     path = ag.save_checkpoint(tmp_path / "ck.pt", model=model, optimizer=opt, guard=guard)
     assert guard.state_dict()["fp8"] == {"format": "mxfp8", "converted": ["b"]}
-    after = _steps(guard, model, 3, width=64)
+    after = _steps(guard, model, 3)
 
     # the resumed Guard is built without the plan, so it chooses every layer; the saved state
     # wins and it trains exactly "b" in mxfp8 again, with a warning saying so
@@ -195,7 +199,7 @@ def test_a_checkpoint_resumes_with_the_same_layers_and_the_same_losses(plan, tmp
     with pytest.warns(RuntimeWarning, match="resuming with the saved layers"):
         ag.load_checkpoint(path, model=model2, optimizer=guard2.optimizers[0], guard=guard2)
     assert guard2.fp8.layers == ["b"] and type(model2.a) is nn.Linear
-    assert _steps(guard2, model2, 3, width=64) == after
+    assert _steps(guard2, model2, 3, width=WIDTH) == after
 
     # the same plan again: the same layers, nothing to warn about
     model3 = _deep(seed=8)

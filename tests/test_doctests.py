@@ -25,6 +25,7 @@ import ampguard as ag
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampguard"
 # Docstrings (doctest names) whose examples need what a doctest cannot build here.
 SKIP = {
+    "ampguard.testing.inject_fault": "needs the user's model (an fc1 layer) and training loop",
     "ampguard.forensics._locate.locate": "needs a model that overflows in fp16",
     "ampguard.forensics.autocast_coverage.coverage": "needs a model with an escaped module",
     "ampguard.checkpoint.distributed": "needs a torch.distributed process group",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 
 import pytest
@@ -18,15 +19,17 @@ from ampguard.fp8._formats import FORMATS
 pytest.importorskip("torchao")
 
 
-def _layer(seed: int = 0) -> nn.Linear:
+def _layer(seed: int = 0, shape: tuple[int, int] = (64, 32)) -> nn.Linear:
     torch.manual_seed(seed)
-    return nn.Linear(64, 32)
+    return nn.Linear(*shape)
 
 
 @pytest.mark.parametrize("fmt", block_scaled())
 def test_emulated_forward_and_gradients_are_the_quantised_matmuls(fmt):
-    ref, lin = _layer(), _layer()
-    x = torch.randn(48, 64, requires_grad=True)
+    m = FORMATS[fmt].multiple  # 64 x 32, or wider where the format needs it
+    shape = (math.lcm(64, m), math.lcm(32, m))
+    ref, lin = _layer(shape=shape), _layer(shape=shape)
+    x = torch.randn(48, shape[0], requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
     assert emulate(lin, fmt) == [""] and isinstance(lin, EmulatedLinear)
     y, y_ref = lin(x), ref(x2)
@@ -36,7 +39,7 @@ def test_emulated_forward_and_gradients_are_the_quantised_matmuls(fmt):
     q = FORMATS[fmt].quantize
     expect = q(x.detach(), "input")[0] @ q(ref.weight.detach(), "weight")[0].T + ref.bias
     torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
-    bits = 8 if fmt == "mxfp8" else 4
+    bits = FORMATS[fmt].bits
     for got, want in ((x.grad, x2.grad), (lin.weight.grad, ref.weight.grad)):
         err = (got - want).norm() / want.norm()
         assert 0 < err < (0.1 if bits == 8 else 0.4), (fmt, float(err))  # quantised, close

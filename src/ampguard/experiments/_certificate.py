@@ -115,3 +115,8 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+RecipeCertificate.__module__ = (
+    "ampguard.experiments"  # its public home: repr and pickles name that path
+)

@@ -46,10 +46,15 @@ from ampguard._util.checks import check_finite
 from ampguard.experiments._certificate import RecipeCertificate
 from ampguard.experiments._fp8 import _tail, bf16_noise
 from ampguard.experiments._fp8 import tolerance as bf16_tolerance
-from ampguard.fp8._emulate import restore
-from ampguard.fp8._fidelity import converted, failing, gradient_fidelity
-from ampguard.fp8._formats import FORMATS, check_formats
-from ampguard.fp8._recipe import HIGH
+from ampguard.fp8 import (
+    FORMATS,
+    HIGH,
+    check_formats,
+    converted,
+    failing,
+    gradient_fidelity,
+    restore,
+)
 
 __all__ = ["recipe_search"]
 
@@ -199,7 +204,7 @@ def _risk_order(
     model: nn.Module, loss_fn: Callable, batch: Any, formats: tuple[str, ...], lowest: str
 ) -> list[str]:
     """The traced Linear layers, riskiest first in the lowest format (the plan's figures)."""
-    from ampguard.fp8._plan import fp8_plan
+    from ampguard.fp8 import fp8_plan
 
     plan = fp8_plan(model, loss_fn, batch, formats=formats)
 

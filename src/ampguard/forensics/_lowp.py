@@ -41,7 +41,7 @@ def emulating(model: nn.Module, precision: str) -> Iterator[list[str]]:
     if fmt is None:
         yield []
         return
-    from ampguard.fp8._emulate import emulate, restore
+    from ampguard.fp8 import emulate, restore
 
     layers = emulate(model, fmt)
     try:

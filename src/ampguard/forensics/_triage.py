@@ -434,3 +434,6 @@ def _plain(event: TriageEvent) -> dict[str, Any]:
         "evidence": event.evidence,
         "phase": event.phase,
     }
+
+
+TriageEvent.__module__ = "ampguard.forensics"  # its public home: repr and pickles name that path

@@ -27,10 +27,13 @@ A layer is *ready* when it is eligible and no figure crosses its :class:`Fp8Thre
 """
 
 from ampguard.fp8._conversion import Conversion
-from ampguard.fp8._emulate import emulate
-from ampguard.fp8._formats import FORMATS
-from ampguard.fp8._modules import conv1d_to_linear
+from ampguard.fp8._emulate import emulate, restore
+from ampguard.fp8._fidelity import converted, failing, gradient_fidelity
+from ampguard.fp8._formats import FORMATS, check_formats
+from ampguard.fp8._layered import RECIPE_FORMAT
+from ampguard.fp8._modules import CONV1D_FIX, conv1d_to_linear, is_hf_conv1d, unconvertible
 from ampguard.fp8._plan import FIXES, Fp8Plan, Fp8Thresholds, fp8_plan
+from ampguard.fp8._recipe import HIGH
 from ampguard.fp8._torchao import Fp8UnavailableError, require_torchao
 
 __all__ = [
@@ -42,6 +45,16 @@ __all__ = [
     "conv1d_to_linear",
     "Conversion",
     "emulate",
+    "restore",
+    "converted",
+    "failing",
+    "gradient_fidelity",
+    "check_formats",
+    "RECIPE_FORMAT",
+    "CONV1D_FIX",
+    "is_hf_conv1d",
+    "unconvertible",
+    "HIGH",
     "Fp8UnavailableError",
     "require_torchao",
 ]

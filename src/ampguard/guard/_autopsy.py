@@ -224,3 +224,6 @@ def _mechanism(name: str, suspect: str | None, last: str | None) -> tuple[str, s
     if name == "fp32_layer":
         return "lowp_amax_jump", suspect
     return "update_outlier", suspect
+
+
+SpikeDiagnosis.__module__ = "ampguard.guard"  # its public home: repr and pickles name that path

@@ -197,7 +197,8 @@ class GuardForensics:
                 found = diagnose_absorbed(trace, self.guard.precision, self._scale_used())
                 if found is not None:
                     self._handle(result.step, found, "scan")
-            return
+                return
+            trace = None  # a scanned window that skipped: diagnosed by the replay below
         armed = trace is not None and trace.numerics
         if not (armed or (batch is not None and loss_fn is not None and self.enabled)):
             return

@@ -63,7 +63,7 @@ def attach(
 
 def _unconvertible_note(model: torch.nn.Module) -> str:
     """The matmul modules that are not nn.Linear (transformers Conv1D ...), and the fix."""
-    from ampguard.fp8._modules import CONV1D_FIX, is_hf_conv1d, unconvertible
+    from ampguard.fp8 import CONV1D_FIX, is_hf_conv1d, unconvertible
 
     names = list(unconvertible(model))
     if not names:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampguard.fp8._layered import RECIPE_FORMAT
+from ampguard.fp8 import RECIPE_FORMAT
 
 __all__ = ["split"]
 

@@ -157,3 +157,6 @@ class LossSpikeError(RuntimeError):
     def __init__(self, message: str, *, step: int, loss: float, bound: float) -> None:
         super().__init__(message)
         self.step, self.loss, self.bound = step, loss, bound
+
+
+LossSpikeError.__module__ = "ampguard.replay"  # its public home: repr and pickles name that path

@@ -168,11 +168,6 @@ class Telemetry:
         n_layers = len(layout.names)
         self._sharded = any(hasattr(p, "to_local") for p in layout.params)
         self._ranger = RangeSampler(layout, self._device) if self.range_every else None
-        self._absorbed = (  # absorbed fp16 overflow (AG170), on the range-sampled forwards
-            counter_for_run(source.model, self._device, self.flush_every, self.range_every)
-            if self.range_every and self.absorbed
-            else None
-        )
         self._cells = DeviceBuffer(
             self.flush_every,
             len(layout.params),
@@ -204,6 +199,11 @@ class Telemetry:
         self._tally = RunTally(source.accumulation_steps)
         meta = _layers.run_meta(source, layout, self.config())
         self._writer.open(meta, self.layers)
+        self._absorbed = (  # AG170 (after open: a failed open leaves no hook)
+            counter_for_run(source.model, self._device, self.flush_every, self.range_every)
+            if self.range_every and self.absorbed
+            else None
+        )
 
     def _read_source(self) -> None:
         """Take the source's precision and loss scaler (at attach, on_fallback and on_resume)."""
