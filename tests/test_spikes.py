@@ -104,6 +104,23 @@ def test_warn_is_the_default_and_applies_the_step() -> None:
     assert result.applied and result.loss_spike and result.skip_cause is None
 
 
+def test_warn_on_a_step_skipped_for_another_cause_says_skipped_not_applied() -> None:
+    model = _model()
+    guard = _guard(model)
+    data = _Data()
+    _train(guard, data, range(1, SPIKE))
+    batch = data.batch(SPIKE, SPIKE)
+    with guard.autocast():
+        loss = _loss_fn(model, batch)
+    guard.backward(loss)
+    model[0].weight.grad.view(-1)[0] = float("inf")  # the same window: non-finite gradients
+    with pytest.warns(RuntimeWarning, match="skipped anyway \\(non-finite gradients\\)"):
+        result = guard.step(batch=batch, loss_fn=_loss_fn)
+        assert not result.applied and result.loss_spike
+    (finding,) = [f for f in guard.findings() if f.code == "AG180"]
+    assert "skipped anyway" in finding.message and "applied" not in finding.message
+
+
 def test_raise_skips_then_raises_loss_spike_error() -> None:
     model = _model()
     guard = _guard(model, on_spike="raise")

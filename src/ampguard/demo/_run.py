@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +85,9 @@ def run_demo(
     loss_before = _eval_loss(model, data)
     scale_start = guard.scale
     started = time.perf_counter()
-    skipped, scales = _train(guard, model, data, progress)
+    with warnings.catch_warnings():  # the summary lists the spikes (AG180 findings)
+        warnings.filterwarnings("ignore", "loss spike at step", RuntimeWarning)
+        skipped, scales = _train(guard, model, data, progress)
     seconds = time.perf_counter() - started
     checkpoint = save_checkpoint(
         run_dir / "checkpoint.pt",

@@ -62,6 +62,7 @@ def _record(state: StepState, step: int, flags: results.Decoded) -> None:
     if state.spikes is not None:
         scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
         if flags.spike:  # warn, rewind or raise (ampguard.guard._spikes)
-            state.spikes.on_spike(step, scale)
+            other = "fp16 overflow" if flags.overflow else "non-finite" if flags.nonfinite else None
+            state.spikes.on_spike(step, scale, skipped_for=other and f"{other} gradients")
         elif (flags.nonfinite or flags.loss_nonfinite) and state.spikes.dumper is not None:
             state.spikes.dumper.dump("nonfinite", step)

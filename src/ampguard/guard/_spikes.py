@@ -291,12 +291,15 @@ class SpikeWatch:
             self.dumper.dump(type(err).__name__, step)
 
     # ------------------------------------------------------------------ on the host
-    def on_spike(self, step: int, scale: Any) -> SpikeEvent:
+    def on_spike(self, step: int, scale: Any, skipped_for: str | None = None) -> SpikeEvent:
         """Window ``step``'s flags, read on the host, say its loss spiked: act on it (see the
-        module docstring). Cost: one host sync (the loss and bound, for the message)."""
+        module docstring). ``skipped_for``: the other cause that skipped the window (an fp16
+        overflow), said instead of "applied". Cost: one host sync (the loss and bound)."""
         loss, bound, level = self._recorded(step)
         action = self.config.on_spike
         event = SpikeEvent(step, loss, bound, level, action)
+        if skipped_for is not None:
+            event.extra["skipped_for"] = skipped_for
         self.events.append(event)
         if self.snapshots is not None:  # a snapshot taken after the spike holds its damage
             self.snapshots.drop_from(step)
@@ -306,9 +309,10 @@ class SpikeWatch:
         if self.dumper is not None:
             self.dumper.dump("loss_spike", step)
         if action == "warn":
+            did = _outcome(event)
             warnings.warn(
-                msg + "; the step was applied (on_spike='warn'). ampguard.autopsy(guard) names "
-                "the cause; on_spike='skip' or 'rewind' keeps such a step out of the weights",
+                f"{msg}; {did} (on_spike='warn'). ampguard.autopsy(guard) names the cause; "
+                "on_spike='skip' or 'rewind' keeps such a step out of the weights",
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
@@ -356,7 +360,7 @@ class SpikeWatch:
         out = []
         for e in self.events:
             did = {
-                "warn": "the step was applied",
+                "warn": _outcome(e),
                 "skip": "the step was skipped",
                 "raise": "the step was skipped and the run stopped",
                 "rewind": (
@@ -423,3 +427,10 @@ def attach(
 
 def _finite(v: float) -> float | None:
     return round(v, 6) if math.isfinite(v) else None
+
+
+def _outcome(event: SpikeEvent) -> str:
+    """What happened to a spike's step under ``on_spike="warn"``: applied, or skipped for its
+    other cause (an fp16 overflow in the same window)."""
+    other = event.extra.get("skipped_for")
+    return "the step was applied" if other is None else f"the step was skipped anyway ({other})"
