@@ -794,3 +794,38 @@ for _name, _fault, _kinds in (
 ):
     for _kind in _kinds:
         SCENARIOS[f"{_name}_{_kind}"] = _per_wrapping(_fault, _kind)
+
+
+def serve(
+    table: dict[str, Callable[[int, int, str], Any]],
+    rank: int,
+    world: int,
+    port: int,
+    scenarios: list[str],
+    queue: Any,
+    tmp: str,
+    pg_timeout: float = 30.0,
+) -> None:
+    """A rank's body for :func:`run_ranks` over another module's scenario ``table`` (each
+    ``f(rank, world, tmp)``): join the gloo group, run the scenarios in order, report each."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    try:
+        for name in scenarios:
+            try:
+                value = table[name](rank, world, tmp)
+            except BaseException as exc:
+                queue.put((name, rank, "error", f"{exc!r}\n" + traceback.format_exc(limit=8)))
+                raise
+            queue.put((name, rank, "ok", _plain(value)))
+    finally:
+        queue.close()
+        queue.join_thread()
+    dist.destroy_process_group()

@@ -3,14 +3,10 @@ spike planted in one rank's batch. Reuses the process plumbing of ``_distributed
 
 from __future__ import annotations
 
-import traceback
-import warnings
-from datetime import timedelta
 from typing import Any
 
 import _distributed_scenarios as S
 import torch
-import torch.distributed as dist
 
 import ampguard as ag
 
@@ -52,25 +48,5 @@ SCENARIOS = {spike_on_one_rank.__name__: spike_on_one_rank}
 
 
 def rank_main(rank, world, port, scenarios, queue, tmp, pg_timeout=30.0) -> None:
-    """The per-rank body for ``S.run_ranks`` (its ``_rank_main`` with this module's scenarios)."""
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=pg_timeout),
-    )
-    try:
-        for name in scenarios:
-            try:
-                value = SCENARIOS[name](rank, world, tmp)
-            except BaseException as exc:
-                queue.put((name, rank, "error", f"{exc!r}\n" + traceback.format_exc(limit=6)))
-                raise
-            queue.put((name, rank, "ok", S._plain(value)))
-    finally:
-        queue.close()
-        queue.join_thread()
-    dist.destroy_process_group()
+    """The per-rank body for ``S.run_ranks``: this module's scenarios (``S.serve``)."""
+    S.serve(SCENARIOS, rank, world, port, scenarios, queue, tmp, pg_timeout)
