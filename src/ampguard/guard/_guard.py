@@ -24,43 +24,27 @@ import torch
 
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import (
-    as_optimizers,
     check_backward,
-    check_flag,
     check_grads_present,
-    check_model,
-    check_window,
     results,
     scheduler_callback,
 )
-from ampguard.core.buffer_restore import BufferSnapshot
 from ampguard.core.containment import MicrobatchBuffer
-from ampguard.core.loss_scale import make_loss_scale
-from ampguard.core.policy import PrecisionPolicy, check_parameters, device_of, resolve_precision
+from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import StepResult
-from ampguard.core.resume import ResumeTracker, ResumeWarmup
-from ampguard.core.scale_history import ScaleHistory
+from ampguard.core.resume import ResumeWarmup
 from ampguard.core.scaler import ScaleCollapseError, ScaledLossScale, ScalerConfig
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import (
     DistributedState,
-    check_distributed_options,
-    rank_telemetry,
-    resolve_peer_timeout,
 )
-from ampguard.distributed import attach as attach_distributed
 from ampguard.findings import Finding
-from ampguard.forensics import check_arguments as check_forensics_arguments
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _flags, _fp8, _recipe, _rescue, _signatures, _spikes, _step
-from ampguard.guard import _forensics as guard_forensics
+from ampguard.guard import _config, _flags, _parts, _rescue, _spikes, _step
 from ampguard.guard import _state as guard_state
-from ampguard.guard._step_state import StepState
 from ampguard.reporting import write_report
 from ampguard.telemetry import Telemetry
-from ampguard.telemetry import attach as attach_telemetry
-from ampguard.telemetry import check_argument as check_telemetry_argument
 
 __all__ = ["Guard"]
 
@@ -193,117 +177,18 @@ class Guard:
         on_spike: str | None = "warn",
         signatures: bool | int = False,
     ) -> None:
-        # All or nothing: 1. check every argument, 2. create the resources (peer
-        # group, run folder), 3. only then touch the model (fp8 layers, keep_fp32 hooks); a
-        # failure in 3 undoes 3 and releases the run folder, so the model is as it was.
-        optimizers = as_optimizers(optimizer)
-        params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-        check_model(model, params)
-        check_window(accumulation_steps, clip_grad_norm)
-        skip_nonfinite = check_flag("skip_nonfinite", skip_nonfinite)
-        # bf16/fp16 weights: the share of updates that round away (ampguard.core.stagnation)
-        self._stagnation = StagnationProbe.of(model, params)
-        rescue = _rescue.check(stagnation_rescue, fp32_optimizer_states, ema, model, optimizers)
-        if scaler is not None and not isinstance(scaler, ScalerConfig):
-            raise TypeError(f"scaler must be an ampguard.ScalerConfig, got {type(scaler).__name__}")
-        config = scaler or ScalerConfig()
-        # a skipped window's forward leaves no trace in the buffers (ampguard.core.buffer_restore)
-        self.restore_buffers_on_skip = check_flag(
-            "restore_buffers_on_skip", restore_buffers_on_skip
-        )
-        device = device_of(params)
-        precision, fp8_plan = _recipe.split(precision, fp8_plan)  # a {layer: format} recipe
-        policy = resolve_precision(precision, device)
-        check_parameters(params, policy, argument="optimizer")
-        # ampguard's own collectives wait at most peer_timeout seconds (None: the group's own
-        # timeout when the user set one, else 10 min; ampguard.distributed._peers)
-        self.peer_timeout = resolve_peer_timeout(peer_timeout, process_group)
-        check_distributed_options(audit_every, on_desync)
-        check_telemetry_argument(telemetry)
-        check_forensics_arguments(model, keep_fp32, forensics, auto_fallback, coverage_step)
-        spike_config = _spikes.check(
-            flight_recorder, snapshot_every, snapshot, on_spike, optimizers, list(schedulers)
-        )
-        signatures_every = _signatures.check(signatures)
-        # the precision's conversion hook (fp8: ampguard.fp8._convert): the plan checked,
-        # torchao imported, the layers chosen; converted to torchao's Float8Linear in step 3
-        conversion, policy = _fp8.attach(policy, precision, model, device, fp8_plan)
-        # the buffers a forward updates (fp8's swap to Float8Linear in step 3 adds none)
-        self._buffer_snapshot = BufferSnapshot.of(model) if self.restore_buffers_on_skip else None
-        # containment: a dropped micro-batch's forward is undone too (one more snapshot)
-        self._micro_snapshot = (
-            BufferSnapshot.of(model)
-            if self._buffer_snapshot is not None and contain_nonfinite_microbatches
-            else None
-        )
+        # All or nothing: 1. check every argument (ampguard.guard._config), 2. create the
+        # resources (peer group, run folder), 3. only then touch the model (fp8 layers, keep_fp32
+        # hooks); a failure in 3 undoes 3 and releases the run folder (ampguard.guard._parts)
+        config = _config.check(**_config.arguments(locals()))
+        self.restore_buffers_on_skip = config.restore_buffers_on_skip
+        self.peer_timeout = config.peer_timeout
+        self.resume_warmup = config.resume_warmup
         # the step's state, shared with the helpers of this package (ampguard.guard._step_state)
-        loss_scale_kind = policy.entry.loss_scale
-        state = self._state = StepState(
-            model=model,
-            optimizers=optimizers,
-            params=params,
-            device=device,
-            config=config,
-            accumulation_steps=accumulation_steps,
-            clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
-            skip_nonfinite=skip_nonfinite,
-            contain_microbatches=bool(contain_nonfinite_microbatches),
-            requested_precision=precision,
-            policy=policy,
-            loss_scale=make_loss_scale(loss_scale_kind, config, device),
-            history=ScaleHistory(config.init_scale if policy.needs_scaler else 1.0, device),
-            fp8=conversion,
-        )
-        self._callbacks: list[Callable[[StepResult], Any]] = []
-        for sched in schedulers:
+        self._state = _parts.step_state(config)
+        for sched in config.schedulers:
             self.on_applied(scheduler_callback(sched))
-        self._resume = ResumeTracker(resume_warmup)
-        self.resume_warmup = resume_warmup
-        # 2. distributed (ampguard.distributed): None unless a process group is in play;
-        # ampguard's own collectives wait at most peer_timeout seconds (distributed._peers)
-        state.dist = attach_distributed(
-            model,
-            device,
-            audit_every=audit_every,
-            on_desync=on_desync,
-            process_group=process_group,
-            containment=state.contain_microbatches,
-            params=params,
-            peer_timeout=self.peer_timeout,
-        )
-        # the flight recorder and on_spike (ampguard.guard._spikes): None when both are off
-        state.spikes = _spikes.attach(spike_config, state, list(schedulers), telemetry)
-        telemetry = rank_telemetry(state.dist, telemetry)  # distributed: rank 0 writes the log
-        # telemetry (ampguard.telemetry): device-side step records, flushed every N steps; the
-        # run folder is created and locked here (TelemetryError naming it if it cannot be)
-        state.telemetry = attach_telemetry(telemetry, self)
-        try:  # 3. the model
-            if conversion is not None:
-                conversion.convert()
-                # fp8 telemetry: per-layer amax and flushed shares; with auto_fallback a layer
-                # drifting out of fp8's window moves back to bf16 (ampguard.fp8._rescue)
-                conversion.watch(state.telemetry, state, rescue=auto_fallback)
-            # forensics (ampguard.guard._forensics): keep_fp32 islands, armed tracing,
-            # auto_fallback, coverage_step; None (zero cost) unless one of them is used
-            state.forensics = guard_forensics.attach(
-                self,
-                keep_fp32=keep_fp32,
-                forensics=forensics,
-                auto_fallback=auto_fallback,
-                coverage_step=coverage_step,
-            )
-            # stagnation rescue: fp32 steps of bf16/fp16 weights, EMA watches (guard._rescue)
-            state.rescue = _rescue.attach(model, optimizers, params, rescue)
-        except BaseException:
-            if state.rescue is not None:
-                state.rescue.close()
-            if conversion is not None:
-                conversion.revert()
-            if state.telemetry is not None:
-                state.telemetry.release()
-            raise
-        # sync-free signatures for ampguard.triage (ampguard.guard._signatures); last: hooks
-        self._signatures = _signatures.attach(model, signatures_every, lambda: self.steps)
+        _parts.attach(self, self._state, config)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -338,7 +223,7 @@ class Guard:
     def resume(self) -> dict[str, Any] | None:
         """Set after a resume: ``{"step", "scale_reset", "saved_scale", "gap_bits", "warmup"}``
         (plus ``"previous_scale"`` once known); else None."""
-        return self._resume.info
+        return self._state.resume.info
 
     @property
     def steps(self) -> int:
@@ -431,11 +316,11 @@ class Guard:
             else contextlib.nullcontext()
         )
         if (
-            self._buffer_snapshot is not None and self._state.micro == 0
+            self._state.buffer_snapshot is not None and self._state.micro == 0
         ):  # the window's first forward
-            self._buffer_snapshot.take(self._state.steps + 1)
-        if self._micro_snapshot is not None:  # every micro-batch's forward, under containment
-            self._micro_snapshot.take(self._micro_key(self._state.micro))
+            self._state.buffer_snapshot.take(self._state.steps + 1)
+        if self._state.micro_snapshot is not None:  # every micro-batch's forward, under containment
+            self._state.micro_snapshot.take(self._micro_key(self._state.micro))
         with (
             self._peers("the forward's collectives"),
             self._grad_sync_context(),
@@ -516,23 +401,24 @@ class Guard:
         self._state.steps += 1
         if self._state.spikes is not None:  # the flight recorder: loss, LRs, the spike flag
             self._state.spikes.begin(self._state.steps, losses)
-        self._resume.before_step(
+        self._state.resume.before_step(
             self._state.optimizers, self._state.steps
         )  # resume warm-up LR ramp
-        if self._stagnation is not None:  # a sampled window: the weights before the step
-            self._stagnation.before(self._state.steps)
+        if self._state.stagnation is not None:  # a sampled window: the weights before the step
+            self._state.stagnation.before(self._state.steps)
         try:
             with self._peers(
                 "Guard.step()", self._state.steps
             ):  # e.g. FSDP2's grad-norm all-reduce
                 result = _step.run(self._state, self, kwargs)
-            if self._stagnation is not None and self._stagnation.sampling(self._state.steps):
-                self._stagnation.after(
+            probe = self._state.stagnation
+            if probe is not None and probe.sampling(self._state.steps):
+                probe.after(
                     self._state.steps, _step.skip_flag(self._state, result)
                 )  # before zero_grad
             if self._state.rescue is not None:  # EMA measurement, "auto"'s decision
                 self._state.rescue.after_window(
-                    self._state.steps, _step.skip_flag(self._state, result), self._stagnation
+                    self._state.steps, _step.skip_flag(self._state, result), self._state.stagnation
                 )
         except BaseException as err:
             if self._state.rescue is not None:  # a step that raised between the rescue's hooks
@@ -541,18 +427,18 @@ class Guard:
                 self._state.telemetry.on_abort()
             if self._state.spikes is not None:  # the flight recorder dumps its ring
                 self._state.spikes.on_error(err, self._state.steps)
-            if self._buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
-                self._buffer_snapshot.restore(
+            if self._state.buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
+                self._state.buffer_snapshot.restore(
                     self._state.steps
                 )  # the collapsing window was skipped too
             raise
         finally:
-            self._resume.after_step(self._state.steps)
+            self._state.resume.after_step(self._state.steps)
             # also on an exception: the window's grads are already unscaled/clipped in place and
             # must not leak into the next window
             for opt in self._state.optimizers:
                 opt.zero_grad(set_to_none=True)
-        if self._buffer_snapshot is not None:  # before forensics replays the window's batch
+        if self._state.buffer_snapshot is not None:  # before forensics replays the window's batch
             self._restore_buffers(result)
         if len(self._state.pending) >= _flags.DRAIN_EVERY:
             _flags.drain(self._state)
@@ -560,8 +446,8 @@ class Guard:
             self._state.dist.maybe_audit(self)  # cross-rank audit every `audit_every` windows
         if self._state.forensics is not None:  # diagnose an armed/replayable overflow, fall back
             self._state.forensics.on_step(result, batch, loss_fn)
-        if self._callbacks and result.applied:
-            for fn in self._callbacks:
+        if self._state.callbacks and result.applied:
+            for fn in self._state.callbacks:
                 fn(result)
         if self._state.spikes is not None:  # update ratios, the batch, a snapshot (schedulers
             self._state.spikes.after_step(self._state, batch, loss_fn)  # stepped: after them)
@@ -575,19 +461,19 @@ class Guard:
         """
         if not callable(fn):
             raise TypeError(f"on_applied needs a callable, got {type(fn).__name__}")
-        self._callbacks.append(fn)
+        self._state.callbacks.append(fn)
         return fn
 
     # ------------------------------------------------------------------ step internals
     def _restore_buffers(self, result: StepResult) -> None:
         """A skipped window's forward leaves the buffers as they were before it. Cost: no host
         sync (fused optimizers' lazy flags act on the device)."""
-        assert self._buffer_snapshot is not None
+        assert self._state.buffer_snapshot is not None
         skipped = _step.skip_flag(self._state, result)
         if isinstance(skipped, torch.Tensor):  # fused: flags still on the device
-            self._buffer_snapshot.restore_where(self._state.steps, skipped)
+            self._state.buffer_snapshot.restore_where(self._state.steps, skipped)
         elif skipped:
-            self._buffer_snapshot.restore(self._state.steps)
+            self._state.buffer_snapshot.restore(self._state.steps)
 
     def _contain_microbatch(self) -> None:
         if self._state.contain is None:
@@ -595,8 +481,9 @@ class Guard:
                 self._state.params, self._state.accumulation_steps
             )
         dropped = self._state.contain.absorb(self._state.params)
-        if self._micro_snapshot is not None:  # a dropped micro-batch's forward leaves no trace
-            self._micro_snapshot.restore_where(self._micro_key(self._state.micro - 1), dropped)
+        snap = self._state.micro_snapshot
+        if snap is not None:  # a dropped micro-batch's forward leaves no trace
+            snap.restore_where(self._micro_key(self._state.micro - 1), dropped)
 
     def _micro_key(self, micro: int) -> int:
         """A number unique to micro-batch ``micro`` of the window in progress."""
@@ -639,8 +526,8 @@ class Guard:
             "consecutive_skips": c.consecutive_skips,
             "microbatches_dropped": c.dropped_microbatches,
             "fallbacks": self._fallbacks(),
-            "resume": dict(self._resume.info) if self._resume.info else None,
-            "resume_warmup_active": self._resume.ramp is not None,
+            "resume": dict(self._state.resume.info) if self._state.resume.info else None,
+            "resume_warmup_active": self._state.resume.ramp is not None,
         }
 
     def _fallbacks(self) -> list[dict[str, Any]]:
@@ -671,7 +558,7 @@ class Guard:
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
-        return guard_state.to_dict(self._state, self._resume.state_dict())
+        return guard_state.to_dict(self._state, self._state.resume.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict`` output; raises ``ValueError`` on a malformed state.
@@ -694,7 +581,7 @@ class Guard:
         warm-up). Cost: one host sync (pending flags, the resume check)."""
         saved = guard_state.apply(self._state, plan)
         self._mark_resume(scale_reset=plan.restart_scale, saved_scale=saved)
-        self._resume.load_state_dict(plan.resume)  # a warm-up ramp still running
+        self._state.resume.load_state_dict(plan.resume)  # a warm-up ramp still running
 
     def _mark_resume(self, *, scale_reset: bool, saved_scale: float | None = None) -> None:
         # telemetry continues the run log (and the step count, for a checkpoint without Guard
@@ -703,7 +590,7 @@ class Guard:
         if self._state.telemetry is not None:
             resumed = self._state.telemetry.on_resume(self._state.steps, scale_reset, saved_scale)
             self._state.steps, previous = resumed.step, resumed.previous_scale
-        self._resume.mark(self._state.steps, scale_reset=scale_reset, saved_scale=saved_scale)
+        self._state.resume.mark(self._state.steps, scale_reset=scale_reset, saved_scale=saved_scale)
         if previous is not None:
             self.check_resume(previous)
 
@@ -715,7 +602,7 @@ class Guard:
         Cost: one host sync.
         """
         current = self.scale if self._state.scaled else None
-        return self._resume.check(self._state.steps, previous_scale, current)
+        return self._state.resume.check(self._state.steps, previous_scale, current)
 
     # ------------------------------------------------------------------ telemetry
     @property
@@ -728,7 +615,7 @@ class Guard:
         """The probe measuring, per layer, the share of updates that round away in bf16/fp16
         weights (``.shares()``, ``.stagnant()``: one host sync each; AG175 in ``findings()``),
         or None when every trained parameter is fp32."""
-        return self._stagnation
+        return self._state.stagnation
 
     @property
     def rescue(self) -> _rescue.GuardRescue | None:
@@ -749,7 +636,7 @@ class Guard:
     def signatures(self) -> Any:
         """The ``ampguard.SignatureRecorder`` of ``signatures=`` (what ``ampguard.triage``
         reads), or None."""
-        return self._signatures
+        return self._state.signatures
 
     @property
     def coverage(self) -> Any:
@@ -771,7 +658,7 @@ class Guard:
                 self._state.forensics is None
                 and self._state.dist is None
                 and self._state.fp8 is None
-                and self._stagnation is None
+                and self._state.stagnation is None
                 and self._state.rescue is None
             ):
                 warnings.warn(
@@ -790,7 +677,7 @@ class Guard:
         out = self._state.forensics.findings() if self._state.forensics is not None else []
         # AG175: bf16/fp16 weights whose updates round away; AG176/AG177: states, rescue
         out += _rescue.stagnation_findings(
-            self._state.rescue, self._stagnation, self._state.optimizers
+            self._state.rescue, self._state.stagnation, self._state.optimizers
         )
         if self._state.fp8 is not None:  # AG111/AG112: fp8 layers drifting out of fp8's window
             out += self._state.fp8.findings()

@@ -9,18 +9,23 @@ counters change every window.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ampguard.core.buffer_restore import BufferSnapshot
 from ampguard.core.containment import MicrobatchBuffer
 from ampguard.core.loss_scale import LossScale, make_loss_scale
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import Counters, StepResult
+from ampguard.core.resume import ResumeTracker
 from ampguard.core.scale_history import ScaleHistory
 from ampguard.core.scaler import ScalerConfig
+from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import DistributedState
+from ampguard.forensics import SignatureRecorder
 from ampguard.fp8 import Conversion
 from ampguard.guard._forensics import GuardForensics
 from ampguard.guard._rescue import GuardRescue
@@ -49,6 +54,7 @@ class StepState:
     policy: PrecisionPolicy
     loss_scale: LossScale
     history: ScaleHistory
+    resume: ResumeTracker  # the resume record and its warm-up ramp
     # what the Guard attached (None: not in use)
     telemetry: Telemetry | None = None
     dist: DistributedState | None = None
@@ -56,6 +62,11 @@ class StepState:
     fp8: Conversion | None = None
     rescue: GuardRescue | None = None  # stagnation_rescue / fp32_optimizer_states / ema
     spikes: SpikeWatch | None = None  # the flight recorder and on_spike (ampguard.guard._spikes)
+    stagnation: StagnationProbe | None = None  # bf16/fp16 weights' lost updates (AG175)
+    buffer_snapshot: BufferSnapshot | None = None  # restore_buffers_on_skip: the window's
+    micro_snapshot: BufferSnapshot | None = None  # ... and, under containment, each micro-batch's
+    signatures: SignatureRecorder | None = None  # signatures= (ampguard.guard._signatures)
+    callbacks: list[Callable[[StepResult], Any]] = field(default_factory=list)  # on_applied
     # the counters
     steps: int = 0  # windows completed
     micro: int = 0  # micro-batches into the window in progress
