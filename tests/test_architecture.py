@@ -477,7 +477,11 @@ def test_every_package_init_holds_only_imports():
 
 
 # Rooms with a size budget (lines), so that what was split out does not grow back.
-SIZE_BUDGET = {"telemetry/_telemetry.py": 600, "telemetry/_run_writer.py": 400}
+SIZE_BUDGET = {
+    "telemetry/_telemetry.py": 600,
+    "telemetry/_run_writer.py": 400,
+    "guard/_guard.py": 600,
+}
 
 
 def test_split_rooms_stay_within_their_size_budget():
@@ -487,3 +491,37 @@ def test_split_rooms_stay_within_their_size_budget():
         if (lines := len((SRC / name).read_text(encoding="utf-8").splitlines())) > limit
     }
     assert not over, f"over their line budget {SIZE_BUDGET}: {over}"
+
+
+# Functions with a length budget (lines, signature included, as ``ast`` counts them).
+FUNCTION_BUDGET = {("guard/_guard.py", "Guard", "__init__"): 70}
+
+
+def test_long_functions_stay_within_their_length_budget():
+    over = {}
+    for (name, cls, func), limit in FUNCTION_BUDGET.items():
+        tree = ast.parse((SRC / name).read_text(encoding="utf-8"))
+        (node,) = [
+            f
+            for c in tree.body
+            if isinstance(c, ast.ClassDef) and c.name == cls
+            for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name == func
+        ]
+        assert node.end_lineno is not None
+        if (lines := node.end_lineno - node.lineno + 1) > limit:
+            over[f"{name}:{cls}.{func}"] = lines
+    assert not over, f"over their length budget {FUNCTION_BUDGET}: {over}"
+
+
+def test_the_guard_config_checks_exactly_the_guard_s_arguments():
+    """``guard._config.check`` takes the Guard's arguments by their names (the Guard passes its
+    ``locals()``): same names, order and kinds, so neither can drift from the other."""
+    import inspect
+
+    from ampguard import Guard
+    from ampguard.guard import _config
+
+    guard = list(inspect.signature(Guard.__init__).parameters.values())[1:]
+    check = list(inspect.signature(_config.check).parameters.values())
+    assert [(p.name, p.kind) for p in guard] == [(p.name, p.kind) for p in check]

@@ -24,16 +24,12 @@ import torch
 
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import (
-    check_backward,
-    check_grads_present,
-    results,
     scheduler_callback,
 )
-from ampguard.core.containment import MicrobatchBuffer
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeWarmup
-from ampguard.core.scaler import ScaleCollapseError, ScaledLossScale, ScalerConfig
+from ampguard.core.scaler import ScaledLossScale, ScalerConfig
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.distributed import (
     DistributedState,
@@ -41,9 +37,8 @@ from ampguard.distributed import (
 from ampguard.findings import Finding
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _config, _flags, _parts, _rescue, _spikes, _step
+from ampguard.guard import _config, _flags, _parts, _rescue, _spikes, _summary, _window
 from ampguard.guard import _state as guard_state
-from ampguard.reporting import write_report
 from ampguard.telemetry import Telemetry
 
 __all__ = ["Guard"]
@@ -310,23 +305,7 @@ class Guard:
         Under DDP the forward of every micro-batch but the window's last runs in ``no_sync()``,
         so gradients are all-reduced once per window. Cost: no host sync.
         """
-        traced = (
-            self._state.forensics.session("forward")
-            if self._state.forensics
-            else contextlib.nullcontext()
-        )
-        if (
-            self._state.buffer_snapshot is not None and self._state.micro == 0
-        ):  # the window's first forward
-            self._state.buffer_snapshot.take(self._state.steps + 1)
-        if self._state.micro_snapshot is not None:  # every micro-batch's forward, under containment
-            self._state.micro_snapshot.take(self._micro_key(self._state.micro))
-        with (
-            self._peers("the forward's collectives"),
-            self._grad_sync_context(),
-            self._state.policy.autocast(),
-            traced,
-        ):
+        with _window.forward(self._state):
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -334,38 +313,7 @@ class Guard:
 
         ``kwargs`` go to ``Tensor.backward`` (e.g. ``retain_graph``). Cost: no host sync.
         """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(
-                "loss must be a single-element tensor (reduce it with .mean() or .sum()), got "
-                + (
-                    f"shape {tuple(loss.shape)}"
-                    if isinstance(loss, torch.Tensor)
-                    else type(loss).__name__
-                )
-            )
-        check_backward(self._state.micro, self._state.accumulation_steps)
-        self._state.window_losses.append(loss.detach())  # a NaN loss is a forward, not an overflow
-        if self._state.telemetry is not None:
-            self._state.telemetry.on_backward(loss)
-        if self._state.dist is not None and self._state.scaled:
-            self._state.dist.note_loss(
-                loss
-            )  # plain DDP: this rank's overflow origin, no collective
-        if self._state.accumulation_steps > 1:
-            loss = loss / self._state.accumulation_steps
-        loss = self._state.loss_scale.scale_loss(loss)  # the no-op scale: the loss itself
-        with self._peers("the gradient reduction in backward"):  # DDP/FSDP2 collectives
-            if (
-                self._state.forensics is not None
-            ):  # armed or coverage windows trace the backward too
-                self._state.forensics.on_loss(loss)
-                with self._state.forensics.session("backward"):
-                    loss.backward(**kwargs)
-            else:
-                loss.backward(**kwargs)
-        self._state.micro += 1
-        if self._state.contain_microbatches:
-            self._contain_microbatch()
+        _window.backward(self._state, loss, kwargs)
 
     def step(
         self,
@@ -383,75 +331,7 @@ class Guard:
         Cost: see the class docstring (torch's own syncs, no more); an armed forensics window
         or a replay adds its own (see the ``forensics`` argument).
         """
-        if self._state.forensics is not None:
-            self._state.forensics.check_replay(batch, loss_fn)
-        if self._state.micro == 0:
-            raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
-        if self._state.micro < self._state.accumulation_steps:
-            return StepResult.in_window(self._state.steps, len(self._state.optimizers))
-        tel = self._state.telemetry
-        if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update
-            tel.before_update()
-        self._state.micro = 0
-        losses = self._state.window_losses
-        self._state.loss_bad = results.loss_nonfinite(losses)
-        self._state.window_losses = []
-        if not self._state.contain_microbatches:  # containment buffers hold the grads
-            check_grads_present(self._state.params)  # e.g. another Guard's step() cleared them
-        self._state.steps += 1
-        if self._state.spikes is not None:  # the flight recorder: loss, LRs, the spike flag
-            self._state.spikes.begin(self._state.steps, losses)
-        self._state.resume.before_step(
-            self._state.optimizers, self._state.steps
-        )  # resume warm-up LR ramp
-        if self._state.stagnation is not None:  # a sampled window: the weights before the step
-            self._state.stagnation.before(self._state.steps)
-        try:
-            with self._peers(
-                "Guard.step()", self._state.steps
-            ):  # e.g. FSDP2's grad-norm all-reduce
-                result = _step.run(self._state, self, kwargs)
-            probe = self._state.stagnation
-            if probe is not None and probe.sampling(self._state.steps):
-                probe.after(
-                    self._state.steps, _step.skip_flag(self._state, result)
-                )  # before zero_grad
-            if self._state.rescue is not None:  # EMA measurement, "auto"'s decision
-                self._state.rescue.after_window(
-                    self._state.steps, _step.skip_flag(self._state, result), self._state.stagnation
-                )
-        except BaseException as err:
-            if self._state.rescue is not None:  # a step that raised between the rescue's hooks
-                self._state.rescue.abort()
-            if self._state.telemetry is not None:  # the failed window's loss must not join the next
-                self._state.telemetry.on_abort()
-            if self._state.spikes is not None:  # the flight recorder dumps its ring
-                self._state.spikes.on_error(err, self._state.steps)
-            if self._state.buffer_snapshot is not None and isinstance(err, ScaleCollapseError):
-                self._state.buffer_snapshot.restore(
-                    self._state.steps
-                )  # the collapsing window was skipped too
-            raise
-        finally:
-            self._state.resume.after_step(self._state.steps)
-            # also on an exception: the window's grads are already unscaled/clipped in place and
-            # must not leak into the next window
-            for opt in self._state.optimizers:
-                opt.zero_grad(set_to_none=True)
-        if self._state.buffer_snapshot is not None:  # before forensics replays the window's batch
-            self._restore_buffers(result)
-        if len(self._state.pending) >= _flags.DRAIN_EVERY:
-            _flags.drain(self._state)
-        if self._state.dist is not None:
-            self._state.dist.maybe_audit(self)  # cross-rank audit every `audit_every` windows
-        if self._state.forensics is not None:  # diagnose an armed/replayable overflow, fall back
-            self._state.forensics.on_step(result, batch, loss_fn)
-        if self._state.callbacks and result.applied:
-            for fn in self._state.callbacks:
-                fn(result)
-        if self._state.spikes is not None:  # update ratios, the batch, a snapshot (schedulers
-            self._state.spikes.after_step(self._state, batch, loss_fn)  # stepped: after them)
-        return result
+        return _window.step(self._state, self, batch, loss_fn, kwargs)
 
     def on_applied(self, fn: Callable[[StepResult], Any]) -> Callable[[StepResult], Any]:
         """Register ``fn(result)`` to run after every *applied* step (LR schedulers, EMA, ...).
@@ -463,31 +343,6 @@ class Guard:
             raise TypeError(f"on_applied needs a callable, got {type(fn).__name__}")
         self._state.callbacks.append(fn)
         return fn
-
-    # ------------------------------------------------------------------ step internals
-    def _restore_buffers(self, result: StepResult) -> None:
-        """A skipped window's forward leaves the buffers as they were before it. Cost: no host
-        sync (fused optimizers' lazy flags act on the device)."""
-        assert self._state.buffer_snapshot is not None
-        skipped = _step.skip_flag(self._state, result)
-        if isinstance(skipped, torch.Tensor):  # fused: flags still on the device
-            self._state.buffer_snapshot.restore_where(self._state.steps, skipped)
-        elif skipped:
-            self._state.buffer_snapshot.restore(self._state.steps)
-
-    def _contain_microbatch(self) -> None:
-        if self._state.contain is None:
-            self._state.contain = MicrobatchBuffer(
-                self._state.params, self._state.accumulation_steps
-            )
-        dropped = self._state.contain.absorb(self._state.params)
-        snap = self._state.micro_snapshot
-        if snap is not None:  # a dropped micro-batch's forward leaves no trace
-            snap.restore_where(self._micro_key(self._state.micro - 1), dropped)
-
-    def _micro_key(self, micro: int) -> int:
-        """A number unique to micro-batch ``micro`` of the window in progress."""
-        return (self._state.steps + 1) * self._state.accumulation_steps + micro
 
     @property
     def fallback(self) -> dict[str, Any] | None:
@@ -505,40 +360,7 @@ class Guard:
         fallbacks applied, precision, resume and warm-up state. Cost: one host sync (a few
         scalars and the 32-entry scale history); nothing is recomputed.
         """
-        _flags.drain(self._state)
-        c = self._state.counts
-        state = self._state
-        history = state.history.tail(state.steps, last) if state.scaled else []
-        return {
-            "step": self._state.steps,
-            "precision": self._state.policy.precision,
-            "scale": self.scale,
-            "skipped_steps": c.skipped,
-            "skipped_by_cause": {
-                "overflow": c.skipped_overflow,
-                "collapse": c.skipped_collapse,
-                "nonfinite": c.skipped_nonfinite,
-                "nonfinite_forward": c.skipped_nonfinite_loss,
-            },
-            "applied_steps": c.applied,
-            "scale_changes": self._state.history.changes(),
-            "last_scales": [{"step": s, "scale": v} for s, v in history],
-            "consecutive_skips": c.consecutive_skips,
-            "microbatches_dropped": c.dropped_microbatches,
-            "fallbacks": self._fallbacks(),
-            "resume": dict(self._state.resume.info) if self._state.resume.info else None,
-            "resume_warmup_active": self._state.resume.ramp is not None,
-        }
-
-    def _fallbacks(self) -> list[dict[str, Any]]:
-        changes = self._state.forensics.changes if self._state.forensics is not None else []
-        if (
-            self._state.fp8 is not None and self._state.fp8.rescue is not None
-        ):  # fp8 -> bf16 rescues
-            changes = [*changes, *self._state.fp8.rescue.changes]
-        return ([dict(self._state.fallback)] if self._state.fallback else []) + [
-            dict(c) for c in changes
-        ]
+        return _summary.diagnostics(self._state, last)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -652,56 +474,13 @@ class Guard:
         Also writes ``findings.json`` to the run folder. Cost: one host sync (the telemetry
         flush) and a read of the run log.
         """
-        side = self._side_findings()
-        if self._state.telemetry is None:  # what forensics/fp8/distributed found; no rules to run
-            if (
-                self._state.forensics is None
-                and self._state.dist is None
-                and self._state.fp8 is None
-                and self._state.stagnation is None
-                and self._state.rescue is None
-            ):
-                warnings.warn(
-                    "Guard.findings(): without telemetry only forensics, fp8 and distributed "
-                    "findings exist (none are enabled); the AG1xx rules need a run log: create "
-                    "the Guard with telemetry=RUN_DIR (or an ampguard.Telemetry)",
-                    RuntimeWarning,
-                    stacklevel=user_stacklevel(),
-                )
-            return side
-        self._state.telemetry.record_findings(side)
-        return self._state.telemetry.findings()
-
-    def _side_findings(self) -> list[Finding]:
-        """Findings made during the run (forensics AG3xx, distributed AG13x), not by the rules."""
-        out = self._state.forensics.findings() if self._state.forensics is not None else []
-        # AG175: bf16/fp16 weights whose updates round away; AG176/AG177: states, rescue
-        out += _rescue.stagnation_findings(
-            self._state.rescue, self._state.stagnation, self._state.optimizers
-        )
-        if self._state.fp8 is not None:  # AG111/AG112: fp8 layers drifting out of fp8's window
-            out += self._state.fp8.findings()
-        if self._state.dist is not None:
-            out += self._state.dist.findings(self._state.steps)
-        if self._state.spikes is not None:  # AG180: loss spikes
-            out += self._state.spikes.findings()
-        return out
+        return _summary.findings(self._state)
 
     def close(self) -> None:
         """Flush telemetry, write ``findings.json``, close the run log and write ``report.html``
         (no-op without telemetry; idempotent; without matplotlib the report is a one-line
         warning). Cost: one host sync; rendering the report takes about a second."""
-        if self._state.spikes is not None:  # the flight recorder's SIGTERM handler goes
-            self._state.spikes.close()
-        if self._state.telemetry is not None and not self._state.telemetry.closed:
-            try:  # a collapse surfacing here (pending fused flags) still closes the run log
-                self._state.telemetry.record_findings(self._side_findings())
-                self._state.telemetry.annotate("diagnostics", self.diagnostics())  # report header
-                if self._state.dist is not None:
-                    self._state.telemetry.annotate("distributed", self._state.dist.summary())
-            finally:
-                self._state.telemetry.close()
-            write_report(self._state.telemetry.run_dir)  # as the framework integrations do
+        _summary.close(self._state)
 
     def __enter__(self) -> Guard:
         return self
@@ -732,22 +511,6 @@ class Guard:
         return (
             self._state.dist.audit(self, reason="requested") if self._state.dist is not None else {}
         )
-
-    def _peers(self, what: str, step: int | None = None) -> contextlib.AbstractContextManager:
-        """A failed collective in the block -> ``PeerFailureError`` naming the ranks; ``step``:
-        the window (default: the one in progress)."""
-        if self._state.dist is None:
-            return contextlib.nullcontext()
-        return self._state.dist.collectives(what, self._state.steps + 1 if step is None else step)
-
-    def _grad_sync_context(self) -> contextlib.AbstractContextManager:
-        final = self._state.micro >= self._state.accumulation_steps - 1
-        if self._state.dist is not None:
-            return self._state.dist.grad_sync_context(final, self._state.contain_microbatches)
-        no_sync = getattr(self._state.model, "no_sync", None)
-        if final or no_sync is None or not _is_ddp(self._state.model):
-            return contextlib.nullcontext()
-        return no_sync()
 
     # ------------------------------------------------------------------ for ampguard's own modules
     # The Guard's surface for the modules that act on a Guard from outside this class (the
@@ -808,11 +571,6 @@ class Guard:
         )
         self._state.history.reset(float(state["scale"]))  # not init_scale: no spurious scale change
         self._mark_resume(scale_reset=False, saved_scale=float(state["scale"]))
-
-
-# ---------------------------------------------------------------------- helpers
-def _is_ddp(model: torch.nn.Module) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
 Guard.__module__ = "ampguard.guard"  # its public home: repr and pickles name that path

@@ -10,7 +10,7 @@ done and releases the run folder, so the model is as it was. Cost: no host sync.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from ampguard.core.buffer_restore import BufferSnapshot
 from ampguard.core.loss_scale import make_loss_scale
@@ -22,9 +22,14 @@ from ampguard.guard import _forensics as guard_forensics
 from ampguard.guard import _rescue, _signatures, _spikes
 from ampguard.guard._config import GuardConfig
 from ampguard.guard._step_state import StepState
+from ampguard.telemetry import TelemetrySource
 from ampguard.telemetry import attach as attach_telemetry
 
-__all__ = ["attach", "step_state"]
+__all__ = ["Host", "attach", "step_state"]
+
+
+class Host(guard_forensics.ForensicsHost, TelemetrySource, Protocol):
+    """What :func:`attach` reads of the Guard being built: forensics' and telemetry's surface."""
 
 
 def step_state(config: GuardConfig) -> StepState:
@@ -57,7 +62,7 @@ def step_state(config: GuardConfig) -> StepState:
     )
 
 
-def attach(guard: Any, state: StepState, config: GuardConfig) -> None:
+def attach(guard: Host, state: StepState, config: GuardConfig) -> None:
     """Attach distributed, the flight recorder, telemetry, then the model's parts to ``state``.
 
     ``guard``: the Guard being built (telemetry and forensics read it). Raises what an attach
