@@ -3,8 +3,8 @@
 The Guard owns one :class:`StepState` and passes it to the helpers of this package (the one
 step, the pending flags, the collapse policy, the non-finite bound, the state dict); its fields
 are public so that no helper reaches into the Guard's private attributes. The wiring (model,
-optimizers, telemetry, distributed state...) is set once by the Guard's constructor; the
-counters change every window.
+optimizers, telemetry, distributed state...) is set once when the Guard is built
+(:mod:`ampguard.guard._parts`, from its checked arguments); the counters change every window.
 """
 
 from __future__ import annotations
