@@ -23,17 +23,13 @@ from typing import Any
 import torch
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.core import (
-    scheduler_callback,
-)
+from ampguard.core import scheduler_callback
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.core.results import StepResult
 from ampguard.core.resume import ResumeWarmup
 from ampguard.core.scaler import ScaledLossScale, ScalerConfig
 from ampguard.core.stagnation import StagnationProbe
-from ampguard.distributed import (
-    DistributedState,
-)
+from ampguard.distributed import DistributedState
 from ampguard.findings import Finding
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
