@@ -32,10 +32,7 @@ from ampguard._util.tensors import device_type as _device_type
 from ampguard.experiments._range_probe import FP16_MAX, ProbeResult
 from ampguard.findings import Finding, make
 from ampguard.forensics import flatten_tensors, op_name
-
-# private: forensics' replay moves to the replay/ package (its own engineer builds it); the
-# import follows it there rather than making the old module's helper public on the way out
-from ampguard.forensics._replay import Preserved
+from ampguard.replay import Preserved
 
 __all__ = ["inner_findings"]
 

@@ -48,12 +48,9 @@ from ampguard.forensics import (
     soften,
 )
 from ampguard.forensics import check_arguments as check
-
-# private: forensics' replay moves to the replay/ package (its own engineer builds it); the
-# import follows it there rather than making the old module's helper public on the way out
-from ampguard.forensics._replay import rng_state
 from ampguard.forensics.autocast_coverage import Coverage, coverage_from_events
 from ampguard.forensics.islands import Fp32Islands, Pattern, keep_fp32
+from ampguard.replay import rng_state
 from ampguard.telemetry import Telemetry
 
 __all__ = ["ARM_STEPS", "ForensicsHost", "GuardForensics", "attach"]
