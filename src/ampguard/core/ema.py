@@ -145,6 +145,36 @@ class EmaWatch:
         if sampled:
             self._count()
 
+    def probe(self, decay: float) -> list[LayerShare]:
+        """Per EMA layer: the updates one :meth:`update` at ``decay`` would lose, measured on
+        copies (the EMA, its Kahan buffers, generator and counts are left as they are). An
+        element is intended to move where the EMA differs from its source. Cost: a copy and a
+        few elementwise ops per EMA tensor; one host sync."""
+        if not 0.0 <= float(decay) <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {decay!r}")
+        gen = torch.Generator(device=self.generator.device)
+        gen.set_state(self.generator.get_state())
+        rows: dict[str, list] = {}
+        with torch.no_grad():
+            for i, (p, s) in enumerate(zip(self.params, self.sources, strict=True)):
+                stored = p.detach().clone()
+                comp = self.comp[i].clone() if self.comp else None
+                before = kahan_read(stored, comp) if comp is not None else stored.float()
+                value = before.clone().lerp_(s.float(), 1.0 - float(decay))
+                if self.method == "kahan" and comp is not None:
+                    kahan_write(value, stored, comp, gen)
+                elif self.method == "stochastic":
+                    stored.copy_(stochastic_round(value, stored.dtype, gen))
+                else:
+                    stored.copy_(value)
+                after = kahan_read(stored, comp) if comp is not None else stored.float()
+                moving = p.detach() != s.detach().to(p.dtype)
+                lost = int((moving & (after == before)).sum())
+                row = rows.setdefault(self.layers[i], [str(p.dtype).replace("torch.", ""), 0, 0])
+                row[1] += lost
+                row[2] += int(moving.sum())
+        return [LayerShare(n, d, lost, mov) for n, (d, lost, mov) in rows.items()]
+
     def on_window(self, window: int, skipped: bool | torch.Tensor) -> None:
         """The Guard's measurement between windows, for an EMA updated outside :meth:`update`:
         count the pending copy, then copy again on a sampled, applied window. No host sync."""

@@ -521,7 +521,8 @@ CATALOGUE: dict[str, Code] = _table(
         "precision stagnation in the optimizer step",
         "forensics",
         "ag.locate(..., optimizer=opt): one optimizer step on the batch left at least half of a "
-        "bf16/fp16 layer's intended updates rounded away",
+        "bf16/fp16 layer's intended updates rounded away; with ema=..., the same for one lerp_ "
+        "update of an EMA/teacher the optimizer does not own",
         "fp32 master weights, or stochastic rounding / Kahan summation (torchao's "
         "bf16_stochastic_round)",
     ),

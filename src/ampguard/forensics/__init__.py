@@ -20,7 +20,8 @@ kind                      code   meaning
                                  probing its level; GradScaler skips the step and halves the
                                  scale, nothing to fix
 ``"precision_stagnation"``  AG365  ``optimizer=``: one optimizer step left most of a bf16/fp16
-                                 layer's intended updates rounded away (phase "optimizer")
+                                 layer's intended updates rounded away (phase "optimizer");
+                                 ``ema=``: the same for one ``lerp_`` of an EMA/teacher
 ``"eps_underflow"``       AG366  ``optimizer=``: its eps rounds to 0 in the fp16/bf16 weights'
                                  dtype, so Adam writes inf/NaN (phase "optimizer")
 ========================  =====  ==============================================================

@@ -43,6 +43,8 @@ def locate(
     scale: float | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    ema: Any = None,
+    ema_decay: float = 0.999,
     rng_state: dict[str, Any] | torch.Tensor | None = None,
 ) -> Diagnosis:
     """Find the module and op where ``batch`` first goes non-finite, and classify why.
@@ -73,7 +75,10 @@ def locate(
     in bf16/fp16, one real step of it (its state restored afterwards) is judged too, phase
     ``"optimizer"``: ``eps_underflow`` or ``precision_stagnation`` (see
     :mod:`ampguard.forensics._optimizer`); it also names an underflowing eps behind weights that
-    are already non-finite.
+    are already non-finite. ``ema`` (weights the optimizer does not own: an EMA / teacher
+    module of ``model``, an :func:`~ampguard.watch_ema` object, or a list of them): one
+    ``lerp_`` update at ``ema_decay`` is measured on copies too, and the EMA layers whose update
+    rounds away are ``precision_stagnation`` as well (``stats["ema_layers"]``).
 
     Cost: two to five traced forward+backward passes (every op's output reduced on the
     device), a few host syncs, and one copy of the parameters and buffers while it runs; with
@@ -86,6 +91,7 @@ def locate(
     """
     policy, scale = _check_args(model, loss_fn, precision, scale)
     _optimizer.check_optimizer(optimizer)
+    watches = _optimizer.check_ema(ema, model, ema_decay)
     keep = Preserved(model, _check_rng(rng_state))
     try:
         keep.reset()
@@ -98,14 +104,16 @@ def locate(
             diag.stats["root_parameters"] = [n for n, _ in model.named_parameters(recurse=False)]
         if bad_buffers:
             return with_poisoned_buffers(diag, bad_buffers)
-        if diag.ok and optimizer is not None:  # a benign probe too: the batch itself is fine
+        if diag.ok and (optimizer is not None or watches):  # a benign probe too: batch is fine
             keep.reset()
-            found = _optimizer.optimizer_step(model, loss_fn, batch, policy, optimizer)
+            found = None
+            if optimizer is not None:
+                found = _optimizer.optimizer_step(model, loss_fn, batch, policy, optimizer)
+            found = _optimizer.ema_step(watches, ema_decay, found)
             if found is not None:
                 kind, module, stats = found
-                return Diagnosis(
-                    kind, "optimizer", module, "optimizer.step", stats, policy.precision, scale
-                )
+                op = "ema.lerp_" if stats.get("owner") == "ema" else "optimizer.step"
+                return Diagnosis(kind, "optimizer", module, op, stats, policy.precision, scale)
         return diag
     finally:
         keep.close()

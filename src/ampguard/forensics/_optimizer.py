@@ -34,7 +34,7 @@ from ampguard.core.stagnation import (
     stagnation_fix,
 )
 
-__all__ = ["KINDS", "eps_underflows", "optimizer_step", "title", "fix", "explain"]
+__all__ = ["KINDS", "eps_underflows", "optimizer_step", "ema_step", "title", "fix", "explain"]
 
 KINDS = ("precision_stagnation", "eps_underflow")
 
@@ -132,6 +132,49 @@ def optimizer_step(
     )
 
 
+def check_ema(ema: Any, model: torch.nn.Module, decay: Any) -> list[Any]:
+    """``ema=`` as :func:`~ampguard.core.ema.as_watches` takes it; ``ema_decay`` in [0, 1]."""
+    from ampguard.core.ema import as_watches
+
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
+        raise ValueError(f"ema_decay must be a number in [0, 1], got {decay!r}")
+    return as_watches(ema, model, "ema")
+
+
+def ema_step(
+    watches: list[Any], decay: float, found: tuple[str, str | None, dict[str, Any]] | None
+) -> tuple[str, str | None, dict[str, Any]] | None:
+    """Judge one ``lerp_`` update at ``decay`` of each EMA/teacher the optimizer does not own
+    (:meth:`~ampguard.core.ema.EmaWatch.probe`, on copies) and add its stagnant layers to
+    ``found`` (the optimizer's own answer, or None). Cost: a copy and a few elementwise ops
+    per EMA tensor; one host sync per watch."""
+    rows = [r for w in watches for r in w.probe(decay)]
+    stagnant = {
+        r.layer: round(r.share, 4) for r in rows if r.moving and r.share >= STAGNATION_SHARE
+    }
+    if not stagnant:
+        return found
+    dtypes = sorted({_short(getattr(torch, r.dtype)) for r in rows if r.layer in stagnant})
+    if found is not None and found[0] == "precision_stagnation":
+        kind, module, stats = found
+        stats["layers"].update(stagnant)
+        stats["dtype"] = sorted(set(stats["dtype"]) | set(dtypes))
+        stats.update(ema_layers=stagnant, ema_decay=float(decay))
+        return kind, module, stats
+    if found is not None:
+        return found
+    worst = max(stagnant, key=lambda k: stagnant[k])
+    stats = {
+        "layers": stagnant,
+        "dtype": dtypes,
+        "threshold": STAGNATION_SHARE,
+        "ema_layers": stagnant,
+        "ema_decay": float(decay),
+        "owner": "ema",
+    }
+    return "precision_stagnation", worst, stats
+
+
 def _lrs(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(g["lr"]) for g in optimizer.param_groups if isinstance(g.get("lr"), (int, float))]
 
@@ -158,7 +201,15 @@ def fix(d: Any) -> str:
             f"give the optimizer an eps that {dtype} holds (eps=1e-4 or more). Restore the last "
             "good checkpoint if the weights are already non-finite."
         )
-    return stagnation_fix(list(d.stats.get("dtype") or ["bf16"]))
+    own = d.stats.get("owner") == "ema"
+    text = "" if own else stagnation_fix(list(d.stats.get("dtype") or ["bf16"])) + " "
+    if d.stats.get("ema_layers"):
+        text += (
+            "For the EMA/teacher the optimizer does not own: update it with "
+            "ampguard.watch_ema(ema, model, rescue='kahan').update(decay) (the lost part "
+            "carried), or keep the EMA in fp32."
+        )
+    return text.strip()
 
 
 def explain(d: Any) -> str:
@@ -179,12 +230,24 @@ def explain(d: Any) -> str:
             f"forward and backward are not at fault.{seen}"
         )
     else:
-        layers = ", ".join(f"{k!r} ({v:.0%})" for k, v in list(s.get("layers", {}).items())[:6])
+        own = {k: v for k, v in s.get("layers", {}).items() if k not in s.get("ema_layers", {})}
+        layers = ", ".join(f"{k!r} ({v:.0%})" for k, v in list(own.items())[:6])
         text = (
-            f"In the optimizer step: the {'/'.join(s.get('dtype') or [])} weights kept their "
-            f"stored value for most elements the optimizer meant to move: {layers} of the "
-            "intended updates (elements with a nonzero gradient) rounded away, being smaller "
-            "than half a unit in the last place of the weight. Nothing is non-finite; the loss "
-            "stalls."
+            "In the optimizer step:"
+            if not own
+            else (
+                f"In the optimizer step: the {'/'.join(s.get('dtype') or [])} weights kept their "
+                f"stored value for most elements the optimizer meant to move: {layers} of the "
+                "intended updates (elements with a nonzero gradient) rounded away, being smaller "
+                "than half a unit in the last place of the weight. Nothing is non-finite; the loss "
+                "stalls."
+            )
         )
+        if s.get("ema_layers"):
+            ema = ", ".join(f"{k!r} ({v:.0%})" for k, v in list(s["ema_layers"].items())[:6])
+            text += (
+                f" The EMA/teacher weights the optimizer does not own: one lerp_ update at decay "
+                f"{s.get('ema_decay')} (1 - decay times the gap to the model) rounds away for "
+                f"{ema} of the elements it meant to move; the EMA stops following the model."
+            )
     return f"{text} Fix: {fix(d)}"
