@@ -8,6 +8,9 @@ op traced and attributed to the innermost module whose own code ran it:
 - AG361: an fp16 op inside a module turns finite inputs into inf/NaN while the module's fp32
   output is in fp16's range (an attention's ``q @ k.T`` overflows before the ``1 / sqrt(d)``
   scale brings it back down): the module-level probe cannot see it.
+- AG363: an fp16 op of the loss code (outside every module: ``torch.exp(out)`` on the model's
+  fp16 output) overflows or flushes its values to zero, named with its source line
+  (:mod:`ampguard.experiments._loss_probe`).
 - AG362: a sigmoid's output feeds ``binary_cross_entropy`` and in fp16 at least one probability
   rounds to exactly 0 or 1 where fp32 keeps it inside (0, 1): that sample's gradient is exactly
   zero, and a confidently wrong one costs the clamped ``log(0)`` = 100 for good.
@@ -29,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampguard._util.tensors import device_type as _device_type
+from ampguard.experiments._loss_probe import LossOps, loss_finding
 from ampguard.experiments._range_probe import FP16_MAX, ProbeResult
 from ampguard.findings import Finding, make
 from ampguard.forensics import flatten_tensors, op_name
@@ -75,6 +79,7 @@ class _InnerProbe:
         self.known: dict[int, tuple[Any, torch.Tensor]] = {}  # id(out) -> (ref, non-finite)
         self.sigmoids: dict[int, tuple[Any, torch.Tensor, torch.Tensor, str]] = {}
         self.bce: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = []
+        self.loss = LossOps()
 
     def push(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
@@ -91,7 +96,7 @@ class _InnerProbe:
         if not outs:
             return
         self._link(name, args, outs[0])
-        if outs[0].dtype not in _LOW or not self.stack:
+        if outs[0].dtype not in _LOW:
             return
         bad_in = []
         for t in flatten_tensors(list(args) + list(kwargs.values())):
@@ -107,7 +112,10 @@ class _InnerProbe:
         if any(isinstance(a, float) and not math.isfinite(a) for a in args):
             return  # an intentional -inf (a mask): not an overflow
         new = bad & ~torch.stack(bad_in).any() if bad_in else bad
-        self.ops.append(_Op(self.stack[-1], name, func, args, kwargs, new))
+        if self.stack:
+            self.ops.append(_Op(self.stack[-1], name, func, args, kwargs, new))
+        else:  # the loss code, outside every module: the user's line that ran it
+            self.loss.record(name, func, args, kwargs, outs[0], new)
 
     def _link(self, name: str, args: Any, out: torch.Tensor) -> None:
         """Follow sigmoid outputs through casts and reshapes into binary_cross_entropy."""
@@ -184,7 +192,8 @@ def inner_findings(
     probe = _run(model, batch, loss_fn)
     if probe is None:
         return []
-    return [f for f in (_inside(probe, fp32), _bce(probe)) if f is not None]
+    found = (_inside(probe, fp32), _bce(probe), loss_finding(probe.loss))
+    return [f for f in found if f is not None]
 
 
 def _inside(probe: _InnerProbe, fp32: ProbeResult) -> Finding | None:

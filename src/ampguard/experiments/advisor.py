@@ -11,7 +11,9 @@ without custom_fwd/custom_bwd; AG323 optimizer trains fp16 parameters; AG324 Ada
 half precision; AG325 modules already .half(); AG326 fp16 forward overflow predicted; AG327
 activations within 8x of fp16's max; AG328 gradients overflow fp16 at any loss scale; AG329
 gradients flushed to zero at the usable scale; AG330 activations flushed to zero; AG331 the
-precision plan; AG332 non-finite values already in fp32 (not an AMP problem).
+precision plan; AG332 non-finite values already in fp32 (not an AMP problem); AG361/AG362 inside
+modules and AG363 an fp16 op of the loss code (outside every module) that overflows or underflows,
+named with its source line (:mod:`ampguard.experiments._loss_probe`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def inspect_model(
     ``loss_fn(model, batch) -> scalar loss`` enables the gradient checks; without it the batch is
     passed to the model as ``model(batch)`` and only activations are probed. ``model`` may also be
     an :class:`ampguard.Experiment`: its optimizer, first batch and loss_fn are used unless given.
-    The model's buffers, gradients and RNG state are restored after the probe.
+    The model's buffers, gradients and RNG state are restored after the probe. With ``loss_fn``
+    the loss code is probed too: an fp16 op outside every module that overflows or flushes its
+    values is AG363, with its source line and the fix that applies there.
 
     Cost: without a batch, none (no host sync). With a batch, one fp32 forward and backward with
     a host sync per module output and gradient, then one fp16 autocast forward traced op by op

@@ -873,6 +873,17 @@ CATALOGUE: dict[str, Code] = _table(
         "return logits and use F.binary_cross_entropy_with_logits (BCEWithLogitsLoss)",
     ),
     (
+        "AG363",
+        "warning",
+        "fp16 op in the loss code overflows or underflows",
+        "advisor",
+        "ag.inspect_model(model, batch, loss_fn): an fp16 op of the loss code, outside every "
+        "module (torch.exp on the model's fp16 output), overflows or flushes its values to zero "
+        "on the probe batch; named with its source line",
+        "compute it in fp32 there (.float() first), or rescale before it (logsumexp); "
+        "keep_fp32 cannot reach code outside every module",
+    ),
+    (
         "AG355",
         "warning",
         "matmul modules fp8 cannot convert",

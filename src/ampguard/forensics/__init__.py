@@ -46,7 +46,7 @@ from ampguard.forensics._diagnosis import CODES, KINDS, Diagnosis
 from ampguard.forensics._live import check as check_arguments
 from ampguard.forensics._live import diagnose_trace, fallback_finding, reproduced
 from ampguard.forensics._locate import locate
-from ampguard.forensics._optrace import OpTrace, flatten_tensors, op_name
+from ampguard.forensics._optrace import OpTrace, flatten_tensors, op_name, user_line
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature
 from ampguard.forensics._transient import soften
 from ampguard.forensics._triage import CAUSES, TriageEvent, triage, triage_step
@@ -66,6 +66,7 @@ __all__ = [
     "OpTrace",
     "flatten_tensors",
     "op_name",
+    "user_line",
     "soften",
     "advice",
     "verdict",
