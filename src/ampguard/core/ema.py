@@ -36,6 +36,7 @@ from ampguard.core.stagnation import (
     SAMPLE_EVERY,
     STAGNATION_SHARE,
     LayerShare,
+    layer_evidence,
 )
 from ampguard.findings import Finding, make
 
@@ -278,15 +279,7 @@ class EmaWatch:
                 "the gap to the model, below half an ulp). The EMA stops following the model.",
                 detail=", ".join(repr(r.layer) for r in rows[:3]),
                 evidence={
-                    "layers": {
-                        r.layer: {
-                            "share": round(r.share, 4),
-                            "lost": r.lost,
-                            "intended": r.moving,
-                            "dtype": r.dtype,
-                        }
-                        for r in rows
-                    },
+                    "layers": layer_evidence(rows),
                     "module": rows[0].layer,
                     "samples": self.samples,
                     "threshold": threshold,

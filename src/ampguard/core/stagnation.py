@@ -41,6 +41,7 @@ __all__ = [
     "lost_updates",
     "stagnation_fix",
     "owner_names",
+    "layer_evidence",
 ]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -183,15 +184,7 @@ class StagnationProbe:
                 "nothing is non-finite.",
                 detail=", ".join(repr(r.layer) for r in rows[:3]) + more,
                 evidence={
-                    "layers": {
-                        r.layer: {
-                            "share": round(r.share, 4),
-                            "lost": r.lost,
-                            "intended": r.moving,
-                            "dtype": r.dtype,
-                        }
-                        for r in rows
-                    },
+                    "layers": layer_evidence(rows),
                     "module": rows[0].layer,  # the worst layer
                     "samples": self.samples,
                     "threshold": threshold,
@@ -212,3 +205,16 @@ def stagnation_fix(dtypes: list[str]) -> str:
         "any torch.optim optimizer; torchao.optim.AdamW(..., bf16_stochastic_round=True) does "
         "it for AdamW on every layer."
     )
+
+
+def layer_evidence(rows: list[LayerShare]) -> dict[str, dict[str, object]]:
+    """An AG175 finding's per-layer evidence: the lost share, the counts and the dtype."""
+    return {
+        r.layer: {
+            "share": round(r.share, 4),
+            "lost": r.lost,
+            "intended": r.moving,
+            "dtype": r.dtype,
+        }
+        for r in rows
+    }
