@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ampguard._util.atomic import atomic_write
 from ampguard.replay._rng import rng_state, set_rng_state
 
 __all__ = ["Snapshot", "SnapshotStore", "state_bytes"]
@@ -111,12 +112,7 @@ class Snapshot:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"step_{self.step}.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        with open(tmp, "wb") as fh:
-            torch.save(self._payload(), fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, lambda fh: torch.save(self._payload(), fh))  # a failed write: no trace
         self.path = path
         self.model, self.optimizers, self.schedulers, self.scale = {}, [], [], None
         return path
