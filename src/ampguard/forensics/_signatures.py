@@ -8,7 +8,10 @@ for each recorded step, in a ring of device tensors:
 
 * ``forward``: each leaf module's output signature (summed when a module runs twice);
 * ``backward``: the signature of the gradient of each leaf module's output;
-* ``grads``: each parameter's gradient signature (the scaled gradients, before unscaling);
+* ``grads``: each parameter's gradient signature (the scaled gradients, before unscaling):
+  its L2 norm's fp32 bit pattern, all of them in one ``_foreach_norm`` pass when the backward
+  ends; deterministic on one device, it changes unless the changed element is below about
+  ``2e-4`` of the norm;
 * ``bad``: whether a gradient or the loss (:meth:`observe_loss`) held a NaN/inf.
 
 A replay of the same step with the same state and batch gives the same signatures bit for bit;
@@ -20,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
+from torch.autograd import Variable
 
 from ampguard.forensics._replay import rng_state as _rng_state
 
@@ -32,11 +37,14 @@ _INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def bitsum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of ``t``'s bits read as integers (0-dim int64 on its device). No host sync."""
+    """The sum of ``t``'s bits read as integers, modulo ``2**32`` (elements of up to 4 bytes:
+    an int32 accumulator, 4x faster than int64 on the CPU; 8-byte elements: int64), as a
+    0-dim tensor on its device. Still exact, independent of the order, and changed by any
+    single flipped bit (by ``±2**k``, never a multiple of ``2**32``). One kernel (an integer
+    view has the same strides), no host sync."""
     t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.view(_INTS[t.element_size()]).sum(dtype=torch.int64)
+    size = t.element_size()
+    return t.view(_INTS[size]).sum(dtype=torch.int64 if size == 8 else torch.int32)
 
 
 _FWD, _BWD, _GRAD, _SUM = range(4)
@@ -75,10 +83,13 @@ class SignatureRecorder:
     recorder counts the model's forward calls. Gradient-accumulation windows: the last
     micro-batch's signatures are kept.
 
-    Cost per recorded step: per leaf module, two integer reductions (its output and that
-    output's gradient); per parameter, two reductions (its gradient's bits and its float sum,
-    for NaN/inf); Python hooks around each, and a host copy of the RNG state. No host sync;
-    :meth:`read` and :meth:`bad_steps` sync. Unrecorded steps (``every > 1``) cost one hook.
+    Cost per recorded step: one integer reduction per leaf module output, one per gradient of
+    such an output (a pre-hook on its autograd node, no tensor hook) and one per parameter
+    gradient, read in one callback at the end of the backward (no per-parameter hook), plus one
+    ``_foreach_norm`` (max-abs) over the gradients for NaN/inf; a forward hook per leaf for the
+    length of the model's forward, and a host copy of the RNG state. No host sync;
+    :meth:`read` and :meth:`bad_steps` sync. Unrecorded steps (``every > 1``) cost one Python
+    call (the model's forward pre-hook).
     """
 
     def __init__(
@@ -96,6 +107,7 @@ class SignatureRecorder:
                 raise ValueError(f"{name} must be an int in [1, 1000000], got {value!r}")
         self.model, self.every, self.capacity, self._clock = model, every, capacity, clock
         self.leaves = [(n, m) for n, m in model.named_modules() if not any(m.children())]
+        self._index = {id(m): i for i, (_, m) in enumerate(self.leaves)}
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owners = {n: n.rpartition(".")[0] for n, _ in self.params}
         self._device_type = next((p.device.type for _, p in self.params), "cpu")
@@ -107,7 +119,9 @@ class SignatureRecorder:
         self._slot = 0
         self._orders: list[tuple[list[int], list[int]]] = [([], []) for _ in range(capacity)]
         self._step_hooks: list[Any] = []
+        self._queued = True  # the gradient callback of the step being recorded
         self._rng: list[Any] = [None] * capacity
+        self._grad_index: list[list[int]] = [[] for _ in range(capacity)]
         self.paused = False
         self._root = model.register_forward_pre_hook(self._begin)
 
@@ -115,7 +129,7 @@ class SignatureRecorder:
     def _begin(self, _m: Any, _args: Any) -> None:
         step = self._clock() if self._clock is not None else self._forwards
         self._forwards += 1
-        if self._step_hooks:  # a previous step's hooks: a step is one forward
+        if self._step_hooks:  # a forward that raised: its hooks
             self._detach()
         if self.paused or step % self.every:
             return
@@ -124,45 +138,58 @@ class SignatureRecorder:
         self._rng[slot] = _rng_state(self._device_type)
         self._rows[slot] = []
         self._orders[slot] = ([], [])
-        for i, (_, m) in enumerate(self.leaves):
-            self._step_hooks.append(m.register_forward_hook(self._output_hook(i)))
-        for j, (_, p) in enumerate(self.params):
-            self._step_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(j)))
+        self._grad_index[slot] = []
+        self._queued = False
+        # registered now, so they run after the module's own hooks (they see what its
+        # consumers see); the model's post-hook takes them off when the forward returns
+        hook = self._output_hook
+        self._step_hooks = [m.register_forward_hook(hook) for _, m in self.leaves]
+        self._step_hooks.append(self.model.register_forward_hook(self._end))
 
-    def _output_hook(self, i: int) -> Callable[..., None]:
-        def hook(_m: Any, _args: Any, out: Any) -> None:
-            slot = self._slot
+    def _end(self, _m: Any, _args: Any, _out: Any) -> None:
+        self._detach()
+
+    def _output_hook(self, module: Any, _args: Any, out: Any) -> None:
+        i = self._index[id(module)]
+        if type(out) is torch.Tensor:
+            tensors = [out] if out.is_floating_point() else []
+        else:
             tensors = _floats(out)
-            if not tensors:
-                return
-            fwd_order, bwd_order = self._orders[slot]
-            fwd_order.append(i)
-            row = self._rows[slot]
-            for t in tensors:
-                row.append((_FWD, i, bitsum(t)))
-                if t.requires_grad:
-                    t.register_hook(self._output_grad_hook(row, i, bwd_order))
-
-        return hook
+        if not tensors:
+            return
+        slot = self._slot
+        fwd_order, bwd_order = self._orders[slot]
+        fwd_order.append(i)
+        row = self._rows[slot]
+        for t in tensors:
+            row.append((_FWD, i, bitsum(t)))
+            node = t.grad_fn
+            if node is not None:
+                node.register_prehook(self._output_grad_hook(row, i, bwd_order, t.output_nr))
 
     def _output_grad_hook(
-        self, row: list[tuple[int, int, torch.Tensor]], i: int, order: list[int]
-    ) -> Callable[[torch.Tensor], None]:
-        def hook(g: torch.Tensor) -> None:
+        self, row: list[tuple[int, int, torch.Tensor]], i: int, order: list[int], nr: int
+    ) -> Callable[[Any], None]:
+        def hook(grad_outputs: Any) -> None:
+            g = grad_outputs[nr]
+            if g is None:
+                return
             order.append(i)
             row.append((_BWD, i, bitsum(g)))
+            if not self._queued:  # the parameters' gradients: once, when the backward ends
+                self._queued = True
+                Variable._execution_engine.queue_callback(partial(self._grads, row))
 
         return hook
 
-    def _grad_hook(self, j: int) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                row = self._rows[self._slot]
-                row.append((_GRAD, j, bitsum(p.grad)))
-                # a float sum is NaN/inf when an element is (or the sum overflows fp32)
-                row.append((_SUM, j, p.grad.detach().sum(dtype=torch.float32)))
-
-        return hook
+    def _grads(self, row: list[tuple[int, int, torch.Tensor]]) -> None:
+        """At the end of the backward: every parameter gradient's signature in one foreach
+        pass (its L2 norm, compared bit for bit), which is also the NaN/inf flag."""
+        present = [(j, p.grad) for j, (_, p) in enumerate(self.params) if p.grad is not None]
+        if present:
+            norms = torch._foreach_norm([g.detach() for _, g in present])
+            row.append((_GRAD, -1, torch.stack([n.float() for n in norms])))
+            self._grad_index[self._slot] = [j for j, _ in present]
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Mark the step being recorded as failed when ``loss`` is NaN/inf (the loss is computed
@@ -200,37 +227,43 @@ class SignatureRecorder:
     def bad_steps(self) -> list[int]:
         """Recorded steps whose gradients or loss (:meth:`observe_loss`) held NaN/inf.
         Cost: one host sync."""
-        sums = [
+        flags = [
             (s, t)
             for s, row in zip(self._steps, self._rows, strict=True)
             if s is not None
             for kind, _, t in row
-            if kind == _SUM
+            if kind in (_SUM, _GRAD)
         ]
-        if not sums:
+        if not flags:
             return []
-        finite = torch.isfinite(torch.stack([t.to(sums[0][1].device) for _, t in sums])).tolist()
-        return sorted({s for (s, _), ok in zip(sums, finite, strict=True) if not ok})
+        device = flags[0][1].device
+        finite = [torch.isfinite(t.to(device)).all() for _, t in flags]
+        ok = torch.stack(finite).tolist()
+        return sorted({s for (s, _), fine in zip(flags, ok, strict=True) if not fine})
 
     def _row(self, step: int, slot: int) -> StepSignature:
         row = self._rows[slot]
-        ints = [t for kind, _, t in row if kind != _SUM]
-        floats = [t for kind, _, t in row if kind == _SUM]
+        ints = [t.long() for kind, _, t in row if kind in (_FWD, _BWD)]
         values = torch.stack(ints).tolist() if ints else []
-        bad = bool(floats) and not bool(torch.isfinite(torch.stack(floats)).all())
+        norms = [t for kind, _, t in row if kind == _GRAD]
+        floats = [t.reshape(-1).float() for kind, _, t in row if kind in (_SUM, _GRAD)]
+        bad = bool(floats) and not bool(torch.isfinite(torch.cat(floats)).all())
         names = [n for n, _ in self.leaves]
-        tables: dict[int, dict[int, int]] = {_FWD: {}, _BWD: {}, _GRAD: {}}
+        tables: dict[int, dict[int, int]] = {_FWD: {}, _BWD: {}}
         it = iter(values)
         for kind, i, _ in row:
-            if kind != _SUM:
+            if kind in tables:
                 table = tables[kind]
                 table[i] = table.get(i, 0) + next(it)
+        # a gradient's signature: its norm's fp32 bit pattern (a NaN equals the same NaN)
+        bits = norms[-1].contiguous().view(torch.int32).tolist() if norms else []
+        grads = dict(zip(self._grad_index[slot], bits, strict=True))
         fwd_order, bwd_order = self._orders[slot]
         return StepSignature(
             step,
             {n: tables[_FWD].get(i, 0) for i, n in enumerate(names)},
             {n: tables[_BWD].get(i, 0) for i, n in enumerate(names)},
-            {n: tables[_GRAD].get(j, 0) for j, (n, _) in enumerate(self.params)},
+            {n: grads.get(j, 0) for j, (n, _) in enumerate(self.params)},
             bad,
             _dedup(names, fwd_order),
             _dedup(names, bwd_order),
