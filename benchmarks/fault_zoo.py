@@ -115,11 +115,20 @@ def _record(model, loss_fn, batch, precision, scale):
     return sig, peer, rec.rng_state(sig.step)
 
 
-def _judge(model, loss_fn, batch, precision, scale) -> dict[str, dict[str, Any]]:
+def _judge(model, loss_fn, batch, precision, scale, optimizer=None) -> dict[str, dict[str, Any]]:
     sig, peer, rng = _record(model, loss_fn, batch, precision, scale)
     out = {}
     t0 = time.perf_counter()
-    ev = triage_step(model, loss_fn, batch, sig, precision=precision, scale=scale, rng_state=rng)
+    ev = triage_step(
+        model,
+        loss_fn,
+        batch,
+        sig,
+        precision=precision,
+        scale=scale,
+        rng_state=rng,
+        optimizer=optimizer,
+    )
     out["ampguard"] = {
         "cause": ev.cause,
         "module": ev.module,
@@ -196,14 +205,15 @@ def run_fault(e: dict[str, Any]) -> dict[str, Any]:
     return {"event": e, "want": want, "want_op": _expected_op(e), "fired": inj.fired, **res}
 
 
-def _numerics_cases() -> list[tuple[str, Any, Any, Any, str, float, str]]:
+def _numerics_cases() -> list[tuple[str, Any, Any, Any, str, float, str, Any]]:
     cases = []
     for mod in zoo.discover():
         case = mod.build()
         precision = case.guard_kwargs.get("precision", "fp16")
         scale = case.locate_kwargs.get("scale", 2.0**16 if precision == "fp16" else 1.0)
+        opt = case.locate_kwargs.get("optimizer")
         cases.append(
-            (mod.NAME, case.model, case.loss_fn, case.batches[0], precision, scale, "numerics")
+            (mod.NAME, case.model, case.loss_fn, case.batches[0], precision, scale, "numerics", opt)
         )
 
     class Hot(nn.Module):
@@ -224,12 +234,13 @@ def _numerics_cases() -> list[tuple[str, Any, Any, Any, str, float, str]]:
             "fp16",
             2.0**16,
             "numerics",
+            None,
         )
     )
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     xn = x.clone()
     xn[2, 3] = float("nan")
-    cases.append(("nan_in_batch", _mlp(1), _loss, (xn, y), "bf16", 1.0, "model_or_data"))
+    cases.append(("nan_in_batch", _mlp(1), _loss, (xn, y), "bf16", 1.0, "model_or_data", None))
     cases.append(
         (
             "log_zero",
@@ -239,19 +250,20 @@ def _numerics_cases() -> list[tuple[str, Any, Any, Any, str, float, str]]:
             "bf16",
             1.0,
             "model_or_data",
+            None,
         )
     )
     m = _mlp(3)
     with torch.no_grad():
         m[2].weight[0, 0] = float("inf")
-    cases.append(("inf_weight", m, _loss, (x, y), "bf16", 1.0, "model_or_data"))
+    cases.append(("inf_weight", m, _loss, (x, y), "bf16", 1.0, "model_or_data", None))
     return cases
 
 
 def run_numerics() -> list[dict[str, Any]]:
     rows = []
-    for name, model, loss_fn, batch, precision, scale, want in _numerics_cases():
-        res = _judge(model, loss_fn, batch, precision, scale)
+    for name, model, loss_fn, batch, precision, scale, want, opt in _numerics_cases():
+        res = _judge(model, loss_fn, batch, precision, scale, opt)
         rows.append({"case": name, "want": want, **res})
     return rows
 

@@ -250,3 +250,75 @@ def test_guard_signatures_is_the_default_recorder() -> None:
     assert (event.step, event.cause, event.module) == (2, "transient_fault", "4")
     with pytest.raises(ValueError, match="signatures must be True"):
         ag.Guard(model, opt, precision="bf16", signatures=0)
+
+
+def _recorded(model, loss_fn, batch, precision, scale):
+    """One run of ``batch`` with signatures recorded; the model's state is put back."""
+    from ampguard.replay import Preserved
+
+    keep = Preserved(model)
+    rec = ag.SignatureRecorder(model, capacity=1)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    with torch.autocast("cpu", dtype=dtype):
+        loss = loss_fn(model, batch)
+    (loss.float() * scale).backward()
+    rec.remove()
+    sig = rec.read(rec.steps[-1])
+    keep.close()
+    return sig
+
+
+def test_silent_fp16_underflow_is_numerics() -> None:
+    """Nothing goes non-finite (no scaler: the gradients flush to zero in fp16): the step is
+    still a numerics failure, read from the fp32 replay, not model or data."""
+    from ampguard.forensics import triage_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g))
+
+    def loss_fn(m, b):
+        return F.mse_loss(m(b[0]).float(), b[1]) * 1e-3
+
+    sig = _recorded(model, loss_fn, batch, "fp16", 1.0)
+    assert not sig.bad
+    event = triage_step(model, loss_fn, batch, sig, precision="fp16", scale=1.0)
+    assert event.cause == "numerics", event
+    assert event.diagnosis is not None and event.diagnosis.kind == "fp16_underflow"
+
+
+def test_silent_bf16_stagnation_with_optimizer_is_numerics() -> None:
+    """bf16 weights whose Adam updates round away: finite everywhere, numerics (the optimizer's
+    precision), found with the optimizer passed."""
+    from ampguard.forensics import triage_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(4.0)
+        model[2].weight.mul_(0.05)
+    model = model.to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g))
+
+    def loss_fn(m, b):
+        return F.mse_loss(m(b[0].to(torch.bfloat16)).float(), b[1])
+
+    sig = _recorded(model, loss_fn, batch, "bf16", 1.0)
+    event = triage_step(model, loss_fn, batch, sig, precision="bf16", optimizer=opt)
+    assert event.cause == "numerics", event
+    assert event.diagnosis is not None and event.diagnosis.kind == "precision_stagnation"
+
+
+def test_a_healthy_step_named_by_hand_is_not_numerics_nor_a_fault() -> None:
+    from ampguard.forensics import triage_step
+
+    model = _mlp()
+    b = _batch(0)
+    sig = _recorded(model, _loss, b, "bf16", 1.0)
+    event = triage_step(model, _loss, b, sig, precision="bf16")
+    assert event.cause == "model_or_data" and event.diagnosis is None

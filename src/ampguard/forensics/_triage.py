@@ -40,6 +40,7 @@ from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_
 __all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
 
 CAUSES = ("numerics", "model_or_data", "transient_fault", "persistent_fault")
+_NOT_PRECISION = ("model_nonfinite", "input_nonfinite")
 CODES = {
     "numerics": "AG380",
     "model_or_data": "AG381",
@@ -138,6 +139,7 @@ def triage_step(
     scale: float = 1.0,
     rng_state: dict[str, Any] | None = None,
     rank: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> TriageEvent:
     """Decide why ``recorded``'s step failed, replaying it from the model's current state.
 
@@ -146,6 +148,12 @@ def triage_step(
     ``precision`` and ``scale`` what it ran with; ``rng_state`` the RNG at its forward
     (:meth:`SignatureRecorder.rng_state`). Parameters, buffers, gradients, RNG and modes are
     as before afterwards.
+
+    A *silent* failure (nothing non-finite in the record, the replay or fp32: a spike, an
+    audit mismatch, a step named by ``step=``) reproduces as numerics when ``locate`` finds the
+    low precision at fault in it (an underflow, an absorbed overflow; with ``optimizer``, the
+    one training ``model``, also updates that round away or an eps that underflows); else it is
+    model or data.
 
     Cost: one replay at the step's precision with every leaf's activations copied; then one
     reference pass of every leaf module on the CPU; then one fp32 replay (numerics: plus
@@ -192,14 +200,26 @@ def triage_step(
         fp32 = _run(model, loss_fn, batch, resolve_precision(FULL, policy.device_type), 1.0, False)
         evidence.update(fp32_failed=fp32.bad, fp32_loss=fp32.loss, replays=3)
         failed = recorded.bad or low.bad
-        if not failed or fp32.bad or policy.dtype is None:
+        evidence["silent"] = not (failed or fp32.bad)
+        if fp32.bad or policy.dtype is None:
             culprit = _first_bad_module(low)
             return TriageEvent(
                 recorded.step, "model_or_data", culprit, None, rank, evidence, "forward"
             )
         keep.reset()
-        diag = locate(model, loss_fn, batch, policy.precision, scale, rng_state=rng_state)
+        diag = locate(
+            model,
+            loss_fn,
+            batch,
+            policy.precision,
+            scale,
+            optimizer=optimizer if not failed else None,
+            rng_state=rng_state,
+        )
         evidence["diagnosis"] = diag.kind
+        if not failed and (diag.ok or diag.benign or diag.kind in _NOT_PRECISION):
+            # silent, and the low precision is not to blame: the model or the data
+            return TriageEvent(recorded.step, "model_or_data", None, None, rank, evidence)
         return TriageEvent(
             recorded.step, "numerics", diag.module, diag.op, rank, evidence, diag.phase, diag
         )
@@ -381,6 +401,7 @@ def _triage_one(
             scale=float(guard.scale_used_at(step + 1)),
             rng_state=recorder.rng_state(step),
             rank=_rank(),
+            optimizer=next(iter(getattr(guard, "optimizers", None) or []), None),
         )
     finally:
         recorder.paused = False
