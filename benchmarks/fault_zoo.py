@@ -339,7 +339,7 @@ def _ddp_rank(rank: int, port: int, events: list[dict[str, Any]], out: Any) -> N
             opt,
             precision="bf16",
             snapshot_every=1,
-            signatures=True,
+            signatures=1,
             audit_every=None,
             on_spike=None,
         )

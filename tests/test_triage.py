@@ -237,7 +237,7 @@ def test_events_are_written_to_the_run_folder_and_listed_by_postmortem(tmp_path,
 def test_guard_signatures_is_the_default_recorder() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, signatures=True)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, signatures=1)
     assert isinstance(guard.signatures, ag.SignatureRecorder)
     with inject_fault(model, module="4", step=2, guard=guard, element=5):
         for i in range(3):
@@ -322,3 +322,42 @@ def test_a_healthy_step_named_by_hand_is_not_numerics_nor_a_fault() -> None:
     sig = _recorded(model, _loss, b, "bf16", 1.0)
     event = triage_step(model, _loss, b, sig, precision="bf16")
     assert event.cause == "model_or_data" and event.diagnosis is None
+
+
+def _guarded(model, signatures, steps, fault=None, precision="bf16"):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision=precision, snapshot_every=1, signatures=signatures)
+    inj = fault(model, guard) if fault is not None else None
+    for i in range(steps):
+        b = _batch(i)
+        with guard.autocast():
+            loss = _loss(model, b)
+        guard.backward(loss)
+        guard.step(batch=b, loss_fn=_loss)
+    return guard, inj
+
+
+def test_signatures_true_samples_and_a_sampled_out_step_is_compared_on_its_loss() -> None:
+    """signatures=True records one window in 32; a fault on another window is still found
+    (its replay's loss differs from the flight recorder's), with no module named."""
+    from ampguard.guard._signatures import DEFAULT_EVERY
+
+    model = _mlp()
+    guard, inj = _guarded(model, True, 3, _fault(module="4", bit="exponent_top"))
+    assert guard.signatures.every == DEFAULT_EVERY == 32 and guard.signatures.steps == [0]
+    (event,) = ag.triage(guard, step=2)
+    inj.remove()
+    assert inj.fired_at == [2]
+    assert (event.step, event.cause, event.module) == (2, "transient_fault", None)
+    assert "sampled out" in event.evidence["first_difference"]
+
+
+def test_a_sampled_out_clean_step_replays_equal_even_with_dropout() -> None:
+    """The RNG state of every step is kept, so a dropout model's unrecorded step replays the
+    same masks and the same loss: no fault verdict."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.3), nn.GELU(), nn.Linear(32, 4))
+    guard, _ = _guarded(model, True, 3)
+    (event,) = ag.triage(guard, step=2)
+    assert event.cause not in ("transient_fault", "persistent_fault"), event
+    assert event.evidence["reproduced"] is True

@@ -185,12 +185,15 @@ def reference_check(
 ) -> Deviation | None:
     """The first leaf module (forward order, then backward order) whose own computation on
     the device differs from the reference's on the same inputs; None when every module agrees.
+    A training dropout is not checked (its reference draws another mask).
 
     Cost: one forward and backward of every leaf module on the CPU (about one step), and a
     few host syncs per module.
     """
     modules = dict(model.named_modules())
     for name in captures.order:
+        if _draws_random(modules[name]):
+            continue
         cap = captures.caps[name]
         out, _, _ = _reference_run(modules[name], cap, policy, backward=False)
         if deviates(cap.output, out):
@@ -199,6 +202,8 @@ def reference_check(
         name: [p for p in modules[name].parameters() if p.requires_grad] for name in captures.order
     }
     for name in captures.backward_order:
+        if _draws_random(modules[name]):
+            continue
         cap = captures.caps[name]
         _, gin, gparams = _reference_run(modules[name], cap, policy, backward=True)
         device_gin = [g for g in _pad(cap.grad_input, len(cap.args)) if g is not None]
@@ -208,6 +213,16 @@ def reference_check(
             if p.grad is not None and ref_g is not None and deviates(p.grad, ref_g):
                 return Deviation("backward", name, "parameter gradient", cap, ref_g)
     return None
+
+
+def _draws_random(module: torch.nn.Module) -> bool:
+    """A training dropout: the reference would draw another mask (not a fault), so it is not
+    checked; a fault there still shows in its consumer's inputs."""
+    return (
+        isinstance(module, torch.nn.modules.dropout._DropoutNd)
+        and module.training
+        and module.p > 0
+    )
 
 
 class _OpCheck(TorchDispatchMode):

@@ -21,6 +21,7 @@ record part ways, which is where the fault struck.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -72,6 +73,10 @@ class StepSignature:
     forward_order: list[str] = field(default_factory=list)
     backward_order: list[str] = field(default_factory=list)
     owners: dict[str, str] = field(default_factory=dict)
+    # False: the step was not recorded (sampled out); only its loss is known (``loss``, the
+    # flight recorder's; None when it was NaN/inf), so a replay is compared on the loss alone
+    complete: bool = True
+    loss: float | None = None
 
 
 class SignatureRecorder:
@@ -89,7 +94,8 @@ class SignatureRecorder:
     ``_foreach_norm`` (max-abs) over the gradients for NaN/inf; a forward hook per leaf for the
     length of the model's forward, and a host copy of the RNG state. No host sync;
     :meth:`read` and :meth:`bad_steps` sync. Unrecorded steps (``every > 1``) cost one Python
-    call (the model's forward pre-hook).
+    call (the model's forward pre-hook) and a host copy of the RNG state, so that they can be
+    replayed too (:func:`ampguard.triage` compares an unrecorded step's loss only).
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class SignatureRecorder:
         self._step_hooks: list[Any] = []
         self._queued = True  # the gradient callback of the step being recorded
         self._rng: list[Any] = [None] * capacity
+        self._recent: deque[tuple[int, Any]] = deque(maxlen=capacity)  # every step's RNG
         self._grad_index: list[list[int]] = [[] for _ in range(capacity)]
         self.paused = False
         self._root = model.register_forward_pre_hook(self._begin)
@@ -131,11 +138,15 @@ class SignatureRecorder:
         self._forwards += 1
         if self._step_hooks:  # a forward that raised: its hooks
             self._detach()
-        if self.paused or step % self.every:
+        if self.paused:
+            return
+        rng = _rng_state(self._device_type)  # every step's: an unrecorded one replays too
+        self._recent.append((step, rng))
+        if step % self.every:
             return
         self._slot = slot = (step // self.every) % self.capacity
         self._steps[slot] = step
-        self._rng[slot] = _rng_state(self._device_type)
+        self._rng[slot] = rng
         self._rows[slot] = []
         self._orders[slot] = ([], [])
         self._grad_index[slot] = []
@@ -216,8 +227,14 @@ class SignatureRecorder:
 
     def rng_state(self, step: int) -> dict[str, Any]:
         """The RNG state taken as ``step``'s forward began (``{"cpu": ..., "cuda": [...]}``),
-        for a replay that draws the same dropout masks. Cost: no host sync."""
-        return self._rng[self._slot_of(step)]
+        for a replay that draws the same dropout masks: a recorded step's, or one of the last
+        ``capacity`` steps'. ``KeyError`` otherwise. Cost: no host sync."""
+        if step in self._steps:
+            return self._rng[self._steps.index(step)]
+        for s, state in reversed(self._recent):
+            if s == step:
+                return state
+        raise KeyError(f"step {step}'s RNG state is not kept (neither recorded nor recent)")
 
     def _slot_of(self, step: int) -> int:
         if step not in self._steps:

@@ -20,6 +20,8 @@ the same events with the faulty rank named (:func:`gather_events`).
 
 from __future__ import annotations
 
+import math
+import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,7 +176,7 @@ def triage_step(
             "replay_failed": low.bad,
             "replay_loss": low.loss,
         }
-        diff = first_difference(recorded, low.signature)
+        diff = _compare(recorded, low)
         if diff is not None:
             phase, module, what = diff
             evidence.update(reproduced=False, first_difference=what, replays=1)
@@ -227,6 +229,19 @@ def triage_step(
         keep.close()
 
 
+def _compare(recorded: StepSignature, low: _Replayed) -> tuple[str, str | None, str] | None:
+    """Where the replay parts from the record; a step the recorder sampled out is compared
+    on its loss alone (the flight recorder's fp32 value; None: it was NaN/inf)."""
+    if recorded.complete:
+        return first_difference(recorded, low.signature)
+    finite = math.isfinite(low.loss)
+    if recorded.loss is None:
+        same = not finite
+    else:
+        same = finite and struct.pack("<f", recorded.loss) == struct.pack("<f", low.loss)
+    return None if same else ("forward", None, "the loss (the step's signatures were sampled out)")
+
+
 def _first_bad_module(run: _Replayed) -> str | None:
     """The first leaf (forward order) whose output held a NaN/inf in ``run``."""
     if run.captures is None:
@@ -277,14 +292,17 @@ def triage(
     if not isinstance(recorder, SignatureRecorder):
         raise TypeError(f"recorder must be a SignatureRecorder, got {type(recorder).__name__}")
     watch = getattr(guard, "flight_recorder", None)
-    if step is not None and step not in recorder.steps:
-        raise ValueError(f"step={step} is not recorded (the recorder holds {recorder.steps})")
+    if step is not None and _signature(recorder, watch, step) is None:
+        raise ValueError(
+            f"step={step} is not recorded (the recorder holds {recorder.steps}) nor in the "
+            "flight recorder's ring with its RNG state"
+        )
     steps = [step] if step is not None else _agreed(_failed(recorder, watch))
     events = []
     for s in steps:
         plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
         if plan is not None:
-            events.append(_triage_one(guard, recorder, s, *plan))
+            events.append(_triage_one(guard, recorder, watch, s, *plan))
     merged = _gathered(events)
     if merged:
         _write(guard, merged)
@@ -318,7 +336,28 @@ def _failed(recorder: SignatureRecorder, watch: Any) -> list[int]:
         for row in watch.ring.rows():  # window n is the step whose forward saw steps == n - 1
             if row.get("loss") is None or row.get("spike"):
                 failed.add(int(row["step"]) - 1)
-    return sorted(s for s in failed if s in recorder.steps)
+    return sorted(s for s in failed if _signature(recorder, watch, s) is not None)
+
+
+def _signature(recorder: SignatureRecorder, watch: Any, step: int) -> StepSignature | None:
+    """``step``'s record: the recorder's, or, for a step its sampling left out, the flight
+    recorder's loss (when the ring and the recorder's RNG state still hold it); else None.
+    Cost: a host sync."""
+    if step in recorder.steps:
+        return recorder.read(step)
+    ring = getattr(watch, "ring", None) if watch is not None else None
+    if ring is None:
+        return None
+    try:
+        recorder.rng_state(step)
+    except KeyError:
+        return None
+    for row in ring.rows():
+        if int(row["step"]) - 1 == step:
+            return StepSignature(
+                step, {}, {}, {}, row.get("loss") is None, complete=False, loss=row.get("loss")
+            )
+    return None
 
 
 def _agreed(steps: list[int]) -> list[int]:
@@ -381,6 +420,7 @@ def _plan(
 def _triage_one(
     guard: Any,
     recorder: SignatureRecorder,
+    watch: Any,
     step: int,
     loss_fn: Any,
     batch: Any,
@@ -390,13 +430,15 @@ def _triage_one(
     live = Preserved(guard.model) if restore is not None else None
     recorder.paused = True
     try:
+        recorded = _signature(recorder, watch, step)
+        assert recorded is not None  # _failed and step= kept only such steps
         if restore is not None:
             restore(step)
         return triage_step(
             model,
             loss_fn,
             batch,
-            recorder.read(step),
+            recorded,
             precision=guard.precision,
             scale=float(guard.scale_used_at(step + 1)),
             rng_state=recorder.rng_state(step),

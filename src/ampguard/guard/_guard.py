@@ -128,7 +128,8 @@ class Guard:
             ``"skip"`` the window, ``"rewind"`` to the last snapshot, ``"raise"``
             ``ampguard.LossSpikeError``, or None (no detection). Each is an AG180 finding.
         signatures: Record sync-free per-module bit-sum signatures for ``ampguard.triage``
-            (True: every window, N: one in N; default False). See ``docs/triage.md``.
+            (True: one window in 32, the rest compared on the loss; N: one in N, 1: every
+            window; default False). See ``docs/triage.md``.
 
     Raises:
         TypeError: An argument of the wrong type (the message names it).
