@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 import warnings
@@ -280,44 +281,75 @@ def run_clean(n: int) -> int:
     return alarms
 
 
-def overhead(steps: int = 300, rounds: int = 5) -> dict[str, Any]:
-    """Step time and host syncs of a bf16 Guard step: bare, and with a SignatureRecorder
-    recording every step, one in 8 or one in 32; the loops interleaved in rounds (median of
-    the rounds' medians), so the machine's load hits them alike."""
-    loops = {}
-    for every in (None, 1, 8, 32):
-        model = _mlp(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        guard = ag.Guard(model, opt, precision="bf16", flight_recorder=False, on_spike=None)
-        if every is not None:
-            ag.SignatureRecorder(model, every=every, clock=lambda g=guard: g.steps)
-        x, y = torch.randn(64, 16), torch.randn(64, 4)
+def _toy() -> tuple[nn.Module, Any]:
+    model = _mlp(0)
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    return model, lambda m: _loss(m, (x, y))
 
-        def step(model=model, guard=guard, x=x, y=y) -> None:
+
+def _gpt2() -> tuple[nn.Module, Any]:
+    """The real HF GPT-2 code, small: 2 layers, width 128, 4 heads, 64 positions, vocab 512
+    (dropout 0.1 on, as GPT2Config has it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=512
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
+MODELS = {"toy": (_toy, 64, 31), "gpt2": (_gpt2, 4, 31)}  # (build, steps per round, rounds)
+
+
+def overhead(model_name: str = "toy", rounds: int | None = None) -> dict[str, Any]:
+    """Step time and host syncs of a bf16 Guard step with AdamW: bare, with signatures on
+    every window (``signatures=1``) and with the default (``signatures=True``: one window in
+    32), the three loops interleaved in rounds in a rotating order, so the machine's load hits
+    them alike; the ratio is the median over the rounds of the variant's mean over bare's."""
+    from ampguard.guard._signatures import DEFAULT_EVERY
+
+    build, steps, default_rounds = MODELS[model_name]
+    rounds = rounds or default_rounds
+    loops = {}
+    for name, sig in (("bare", False), ("every=1", 1), (f"default (1 in {DEFAULT_EVERY})", True)):
+        model, loss_of = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        guard = ag.Guard(
+            model, opt, precision="bf16", flight_recorder=False, on_spike=None, signatures=sig
+        )
+
+        def step(model=model, guard=guard, loss_of=loss_of) -> None:
             with guard.autocast():
-                loss = _loss(model, (x, y))
+                loss = loss_of(model)
             guard.backward(loss)
             guard.step()
 
-        for _ in range(20):
+        for _ in range(max(8, steps // 8)):
             step()
         with SyncCounter() as syncs:
-            for _ in range(8):
+            for _ in range(DEFAULT_EVERY):
                 step()
-        loops["bare" if every is None else f"every={every}"] = (step, syncs.count / 8)
-    meds: dict[str, list[float]] = {k: [] for k in loops}
-    for _ in range(rounds):
-        for name, (step, _) in loops.items():
-            times = []
-            for _ in range(steps // rounds):
-                t0 = time.perf_counter()
+        loops[name] = (step, syncs.count / DEFAULT_EVERY)
+    means: dict[str, list[float]] = {k: [] for k in loops}
+    names = list(loops)
+    for r in range(rounds):
+        for name in names[r % 3 :] + names[: r % 3]:
+            step = loops[name][0]
+            t0 = time.perf_counter()
+            for _ in range(steps):
                 step()
-                times.append(time.perf_counter() - t0)
-            times.sort()
-            meds[name].append(times[len(times) // 2])
+            means[name].append((time.perf_counter() - t0) / steps)
+    # each round's variant / bare (chunks next to each other share the machine's load), median
     return {
-        k: {"median_ms": 1e3 * sorted(v)[len(v) // 2], "syncs": loops[k][1]}
-        for k, v in meds.items()
+        k: {
+            "median_ms": 1e3 * statistics.median(v),
+            "ratio": statistics.median(a / b for a, b in zip(v, means["bare"], strict=True)),
+            "syncs": loops[k][1],
+        }
+        for k, v in means.items()
     }
 
 
@@ -416,10 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean", type=int, default=200)
     parser.add_argument("--ddp", type=int, default=24, help="events on 1 of 2 gloo ranks")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--cost", nargs="*", default=["toy", "gpt2"], choices=sorted(MODELS), help="models timed"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    cost = overhead()  # first: the zoo's thousands of replays leave the allocator warm
+    cost = {m: overhead(m) for m in args.cost}  # first: the replays leave the allocator warm
     t0 = time.perf_counter()
     faults = [run_fault(e) for e in _fault_events(args.events, 0)]
     numerics = run_numerics()
@@ -457,10 +492,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     mean = sum(r["ampguard"]["s"] for r in faults) / max(len(faults), 1)
     print(f"ampguard triage: {1e3 * mean:.0f} ms per event (mean)")
-    print(
-        "signature cost (bf16 MLP 16-32-32-4, batch 64, CPU): "
-        + ", ".join(f"{k}: {v['median_ms']:.2f} ms, {v['syncs']} syncs" for k, v in cost.items())
-    )
+    for model_name, res in cost.items():
+        print(
+            f"signature cost, {model_name} (bf16, CPU; bare {res['bare']['median_ms']:.2f} ms "
+            "per step): "
+            + ", ".join(
+                f"{k}: {v['ratio']:.3f}x, {v['syncs']:.0f} syncs/step"
+                for k, v in res.items()
+                if k != "bare"
+            )
+            + f" (bare: {res['bare']['syncs']:.0f} syncs/step)"
+        )
     if args.json is not None:
         args.json.write_text(
             json.dumps(
