@@ -361,3 +361,51 @@ def test_a_sampled_out_clean_step_replays_equal_even_with_dropout() -> None:
     (event,) = ag.triage(guard, step=2)
     assert event.cause not in ("transient_fault", "persistent_fault"), event
     assert event.evidence["reproduced"] is True
+
+
+def test_triage_events_are_guard_findings_also_after_close(tmp_path) -> None:
+    from ampguard.cli import main
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(
+        model,
+        opt,
+        precision="bf16",
+        snapshot_every=1,
+        signatures=1,
+        telemetry=str(tmp_path / "run"),
+    )
+    with inject_fault(model, module="4", step=2, guard=guard, element=5):
+        for i in range(3):
+            b = _batch(i)
+            with guard.autocast():
+                loss = _loss(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=_loss)
+    assert not [f for f in guard.findings() if f.code.startswith("AG38")]
+    (event,) = ag.triage(guard)
+    found = [f for f in guard.findings() if f.code.startswith("AG38")]
+    assert [(f.code, f.step) for f in found] == [("AG382", 2)]
+    guard.close()
+    assert [f.code for f in guard.findings() if f.code.startswith("AG38")] == ["AG382"]
+    assert main(["postmortem", str(tmp_path / "run")]) == 0
+
+
+def test_triage_findings_without_telemetry() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, signatures=1)
+    with inject_fault(model, module="4", step=1, guard=guard, element=5):
+        for i in range(2):
+            b = _batch(i)
+            with guard.autocast():
+                loss = _loss(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=_loss)
+    ag.triage(guard)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [f.code for f in guard.findings()] == ["AG382"]

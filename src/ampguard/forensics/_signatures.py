@@ -130,6 +130,9 @@ class SignatureRecorder:
         self._recent: deque[tuple[int, Any]] = deque(maxlen=capacity)  # every step's RNG
         self._grad_index: list[list[int]] = [[] for _ in range(capacity)]
         self.paused = False
+        # the ampguard.TriageEvent of each step ag.triage decided with this recorder (the
+        # Guard's findings() reads them): step -> event
+        self.events: dict[int, Any] = {}
         self._root = model.register_forward_pre_hook(self._begin)
 
     # -- recording

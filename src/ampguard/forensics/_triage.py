@@ -277,7 +277,10 @@ def triage(
     ``loss_fn`` come from ``guard.step(batch=..., loss_fn=...)`` (the flight recorder keeps
     them) or from ``batch=`` / ``loss_fn=``. The model, its gradients and the RNG are left as
     they were. No failed step: ``[]``. Under ``torch.distributed`` every rank must call it (a
-    collective); all return the same events, with the faulty rank named.
+    collective); all return the same events, with the faulty rank named. Each event is kept
+    on the recorder (``recorder.events``), so ``guard.findings()`` lists it (AG380-AG383),
+    also after ``guard.close()``, and written to ``RUN_DIR/triage/rank<R>.json`` for
+    ``ampguard postmortem``.
 
     Cost: per event, see :func:`triage_step` (about three step-equivalents, host syncs);
     nothing on the training path.
@@ -305,6 +308,9 @@ def triage(
             events.append(_triage_one(guard, recorder, watch, s, *plan))
     merged = _gathered(events)
     if merged:
+        own = getattr(guard, "signatures", None)
+        for rec in (recorder,) if own is None or own is recorder else (recorder, own):
+            rec.events.update((e.step, e) for e in merged)  # guard.findings() lists them
         _write(guard, merged)
     return merged
 

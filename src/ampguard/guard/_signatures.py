@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from ampguard.findings import Finding
 from ampguard.forensics import SignatureRecorder
 
-__all__ = ["DEFAULT_EVERY", "attach", "check"]
+__all__ = ["DEFAULT_EVERY", "attach", "check", "findings"]
 
 DEFAULT_EVERY = 32  # benchmarks/fault_zoo.py: 1.36x on a 0.5 ms CPU step when every window
 
@@ -44,3 +45,11 @@ def attach(
         return None
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     return SignatureRecorder(inner, every=every, clock=clock)
+
+
+def findings(recorder: SignatureRecorder | None) -> list[Finding]:
+    """The AG380-AG383 findings of the steps ``ampguard.triage`` decided with ``recorder``
+    (in step order). Cost: none."""
+    if recorder is None:
+        return []
+    return [recorder.events[s].finding() for s in sorted(recorder.events)]

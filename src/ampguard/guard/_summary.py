@@ -13,7 +13,7 @@ from typing import Any
 
 from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding
-from ampguard.guard import _flags, _rescue
+from ampguard.guard import _flags, _rescue, _signatures
 from ampguard.guard._step_state import StepState
 from ampguard.reporting import write_report
 
@@ -65,6 +65,7 @@ def findings(state: StepState) -> list[Finding]:
             and state.fp8 is None
             and state.stagnation is None
             and state.rescue is None
+            and state.signatures is None
         ):
             warnings.warn(
                 "Guard.findings(): without telemetry only forensics, fp8 and distributed "
@@ -89,6 +90,7 @@ def side_findings(state: StepState) -> list[Finding]:
         out += state.dist.findings(state.steps)
     if state.spikes is not None:  # AG180: loss spikes
         out += state.spikes.findings()
+    out += _signatures.findings(state.signatures)  # AG380-AG383: ampguard.triage's events
     return out
 
 
