@@ -55,7 +55,44 @@ def persistent_on_rank1(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return _fault(rank, world, tmp, persistent=True)
 
 
-SCENARIOS = {f.__name__: f for f in (transient_on_rank1, persistent_on_rank1)}
+def audit_mismatch_on_rank1(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """A memory fault on rank 1 after window 2's update (one weight bit of module "2"): the
+    audit at the end of window 3 finds the replicas apart, and ``ag.triage(guard)``, with no
+    step named, makes that step an event: a transient fault on rank 1 at module "2"."""
+    inner = S.make_model()
+    model = S.ddp(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = ag.Guard(
+        model,
+        opt,
+        precision="bf16",
+        snapshot_every=1,
+        signatures=1,
+        audit_every=1,
+        on_desync="warn",
+    )
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        b = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+        with guard.autocast():
+            loss = _loss(model, b)
+        guard.backward(loss)
+        guard.step(batch=b, loss_fn=_loss)
+        if step == 1 and rank == 1:
+            with torch.no_grad():
+                inner[2].weight.view(-1).view(torch.int32)[7] ^= 1 << 22  # a mantissa bit
+    mismatches = [dict(m) for m in guard.distributed.mismatches]
+    events = ag.triage(guard)
+    return {
+        "mismatches": mismatches,
+        "events": [(e.step, e.cause, e.module, e.rank, e.evidence.get("trigger")) for e in events],
+        "codes": [f.code for f in guard.findings() if f.code.startswith("AG38")],
+    }
+
+
+SCENARIOS = {
+    f.__name__: f for f in (transient_on_rank1, persistent_on_rank1, audit_mismatch_on_rank1)
+}
 
 
 def rank_main(rank, world, port, scenarios, queue, tmp, pg_timeout=30.0) -> None:

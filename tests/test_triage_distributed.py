@@ -21,3 +21,16 @@ def test_faults_on_one_rank_are_named_by_every_rank(tmp_path):
             status, value = results[name][rank]
             assert status == "ok", value
             assert [list(e) for e in value["events"]] == want[name], (name, rank, value)
+
+
+@pytest.mark.slow  # multi-process (gloo)
+@pytest.mark.timeout(150)
+def test_an_audit_mismatch_is_a_triage_event_by_itself(tmp_path):
+    name = "audit_mismatch_on_rank1"
+    results = S.run_ranks(T.rank_main, 2, [name], 120, str(tmp_path), 30.0)
+    for rank in (0, 1):
+        status, value = results[name][rank]
+        assert status == "ok", value
+        assert [m["step"] for m in value["mismatches"]] == [2], value
+        assert [list(e) for e in value["events"]] == [[2, "transient_fault", "2", 1, "audit"]]
+        assert value["codes"] == ["AG382"]

@@ -51,6 +51,9 @@ def run_audit(state: Any, guard: Any, reason: str) -> dict[str, dict[int, Any]]:
     diffs, odd = compare_rows(rows, top.ranks)
     if not diffs:
         return diffs
+    # the window the audit checked is a failed step for ampguard.triage (numbered as its
+    # forward saw guard.steps), kept before any raise or repair
+    state.mismatches.append({"step": guard.steps - 1, "ranks": odd, "fields": sorted(diffs)})
     message = _desync_message(guard.steps, reason, state.audit_every, diffs, odd)
     unrepairable = state.on_desync == "repair" and "precision" in diffs
     if state.on_desync == "raise" or unrepairable:

@@ -90,6 +90,9 @@ class DistributedState:
         self.counters = RankCounters(topology.world_size, topology.rank, device)  # origin
         self.last_rows: torch.Tensor | None = None
         self.audits = 0
+        # the audits that found replicas apart: {"step", "ranks", "fields"} (ampguard.triage
+        # replays each such step: an audit mismatch is a failed step)
+        self.mismatches: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ accumulation
     def grad_sync_context(

@@ -37,6 +37,7 @@ from ampguard.forensics._faultcheck import Captures, bisect_op, floats, referenc
 from ampguard.forensics._limits import FULL
 from ampguard.forensics._replay import Preserved
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
+from ampguard.forensics._triage_audit import audit_steps, explain_audit
 from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_atomic
 
 __all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
@@ -58,7 +59,8 @@ class TriageEvent:
     ``cause`` is one of :data:`CAUSES`; ``module`` the leaf module where the first wrong
     value appeared (None when the loss itself, or nothing, is to blame); ``op`` the aten op
     (persistent faults; numerics: ``locate``'s); ``rank`` the process the fault is on (the
-    triaging rank for numerics and model/data); ``phase`` "forward" | "backward" | None;
+    triaging rank for numerics and model/data); ``phase`` "forward" | "backward" | "update"
+    (an audit mismatch outside both) | None;
     ``evidence`` plain JSON values; ``diagnosis`` ``locate``'s for numerics.
     """
 
@@ -267,8 +269,10 @@ def triage(
     ``recorder``: the :class:`SignatureRecorder` attached to the model before the steps
     (default: the Guard's own, ``Guard(signatures=True)``; or
     ``SignatureRecorder(model, clock=lambda: guard.steps)``). Failed steps: the recorded steps
-    whose loss, outputs or gradients held NaN/inf, and those whose loss the Guard's flight
-    recorder saw non-finite or spiking; ``step=`` names one instead. A step is numbered by
+    whose loss, outputs or gradients held NaN/inf, those whose loss the Guard's flight
+    recorder saw non-finite or spiking, and those whose end the DDP audit found the replicas'
+    checksums apart at (``guard.distributed.mismatches``:
+    :mod:`ampguard.forensics._triage_audit`); ``step=`` names one instead. A step is numbered by
     ``guard.steps`` during its forward (its ``StepResult.step`` minus one).
 
     Each step is replayed from the state it started from: the flight recorder's snapshot taken
@@ -300,13 +304,18 @@ def triage(
             f"step={step} is not recorded (the recorder holds {recorder.steps}) nor in the "
             "flight recorder's ring with its RNG state"
         )
-    steps = [step] if step is not None else _agreed(_failed(recorder, watch))
+    audits = audit_steps(guard)
+    failed = _failed(recorder, watch) + [s for s in audits if _signature(recorder, watch, s)]
+    steps = [step] if step is not None else _agreed(sorted(set(failed)))
     events = []
     for s in steps:
         plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
         if plan is not None:
             events.append(_triage_one(guard, recorder, watch, s, *plan))
     merged = _gathered(events)
+    merged = [
+        explain_audit(e, audits[e.step], guard.model) if e.step in audits else e for e in merged
+    ]
     if merged:
         own = getattr(guard, "signatures", None)
         for rec in (recorder,) if own is None or own is recorder else (recorder, own):
