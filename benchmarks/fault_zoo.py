@@ -116,6 +116,22 @@ def _record(model, loss_fn, batch, precision, scale):
     return sig, peer, rec.rng_state(sig.step)
 
 
+def _step_time(model, loss_fn, batch, precision, scale) -> float:
+    """One step-equivalent: a forward+backward of the step at its precision (the median of
+    3, after one warm-up), the state put back."""
+    keep = Preserved(model)
+    try:
+        times = []
+        for _ in range(4):
+            keep.reset()
+            t0 = time.perf_counter()
+            _step(model, loss_fn, batch, precision, scale)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    finally:
+        keep.close()
+
+
 def _judge(model, loss_fn, batch, precision, scale, optimizer=None) -> dict[str, dict[str, Any]]:
     sig, peer, rng = _record(model, loss_fn, batch, precision, scale)
     out = {}
@@ -130,11 +146,13 @@ def _judge(model, loss_fn, batch, precision, scale, optimizer=None) -> dict[str,
         rng_state=rng,
         optimizer=optimizer,
     )
+    spent = time.perf_counter() - t0
     out["ampguard"] = {
         "cause": ev.cause,
         "module": ev.module,
         "op": ev.op,
-        "s": time.perf_counter() - t0,
+        "s": spent,
+        "step_equiv": spent / _step_time(model, loss_fn, batch, precision, scale),
     }
     out["megatron"] = megatron(model, loss_fn, batch, precision, scale, peer)
     out["torchtitan"] = torchtitan(model, loss_fn, batch, precision, scale, peer)
@@ -269,16 +287,86 @@ def run_numerics() -> list[dict[str, Any]]:
     return rows
 
 
-def run_clean(n: int) -> int:
-    """Fault verdicts over ``n`` clean steps named as failed (a false alarm each)."""
-    alarms = 0
-    for i in range(n):
-        model = _mlp(i % 5)
-        g = torch.Generator().manual_seed(10_000 + i)
-        batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
-        res = _judge(model, _loss, batch, "bf16", 1.0)
-        alarms += res["ampguard"]["cause"] in FAULTS
-    return alarms
+def _clean_models() -> dict[str, Any]:
+    """Small models for the clean steps: name -> (build(seed) -> (model, loss_fn, batch(i)),
+    precision, scale)."""
+
+    def mlp(seed):
+        return _mlp(seed % 5), _loss, lambda i: _pair(i, (8, 16), (8, 4))
+
+    def ln_dropout(seed):
+        torch.manual_seed(seed % 5)
+        m = nn.Sequential(
+            nn.Linear(16, 32), nn.LayerNorm(32), nn.Dropout(0.1), nn.GELU(), nn.Linear(32, 4)
+        )
+        return m, _loss, lambda i: _pair(i, (8, 16), (8, 4))
+
+    def conv(seed):
+        torch.manual_seed(seed % 5)
+        m = nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 4)
+        )
+        return m, _loss, lambda i: _pair(i, (4, 3, 8, 8), (4, 4))
+
+    def gpt2(seed):
+        import transformers
+
+        torch.manual_seed(seed % 5)
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64
+        )
+        m = transformers.GPT2LMHeadModel(config)
+
+        def batch(i):
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))
+            return (ids,)
+
+        return m, lambda model, b: model(input_ids=b[0], labels=b[0]).loss, batch
+
+    return {
+        "MLP bf16": (mlp, "bf16", 1.0),
+        "MLP fp16 (scale 2**16)": (mlp, "fp16", 2.0**16),
+        "LayerNorm+dropout MLP bf16": (ln_dropout, "bf16", 1.0),
+        "conv net bf16": (conv, "bf16", 1.0),
+        "GPT-2 (1 layer, width 32) bf16": (gpt2, "bf16", 1.0),
+    }
+
+
+def _pair(i: int, xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + i)
+    return torch.randn(*xs, generator=g), torch.randn(*ys, generator=g)
+
+
+def run_clean(n: int) -> dict[str, dict[str, Any]]:
+    """``n`` clean steps (no fault), split over the small models of :func:`_clean_models`, each
+    recorded and then triaged by ampguard as if named failed: any fault verdict is a false
+    alarm. A model is rebuilt every 50 steps (new seed)."""
+    from collections import Counter
+
+    models = _clean_models()
+    per = max(1, n // len(models))
+    out = {}
+    for name, (build, precision, scale) in models.items():
+        causes: Counter[str] = Counter()
+        spent = 0.0
+        for i in range(per):
+            if i % 50 == 0:
+                model, loss_fn, batch_of = build(i // 50)
+            batch = batch_of(i)
+            sig, _, rng = _record(model, loss_fn, batch, precision, scale)
+            t0 = time.perf_counter()
+            ev = triage_step(
+                model, loss_fn, batch, sig, precision=precision, scale=scale, rng_state=rng
+            )
+            spent += time.perf_counter() - t0
+            causes[ev.cause] += 1
+        out[name] = {
+            "steps": per,
+            "alarms": sum(causes[c] for c in FAULTS),
+            "causes": dict(causes),
+            "ms_per_step": 1e3 * spent / per,
+        }
+    return out
 
 
 def _toy() -> tuple[nn.Module, Any]:

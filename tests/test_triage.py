@@ -409,3 +409,33 @@ def test_triage_findings_without_telemetry() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [f.code for f in guard.findings()] == ["AG382"]
+
+
+class _Tied(nn.Module):
+    """An embedding and a head sharing one weight (as GPT-2's wte and lm_head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix = nn.Embedding(32, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def test_a_tied_weight_is_not_a_persistent_fault() -> None:
+    """The head's weight gradient also holds the embedding's: the reference of the head alone
+    differs from it, and that is no fault (found on HF GPT-2's tied wte/lm_head)."""
+    from ampguard.forensics import triage_step
+
+    model = _Tied()
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[0]).float().flatten(0, 1), b[0].flatten())
+
+    sig = _recorded(model, loss_fn, (ids,), "bf16", 1.0)
+    event = triage_step(model, loss_fn, (ids,), sig, precision="bf16")
+    assert event.cause not in ("transient_fault", "persistent_fault"), event

@@ -14,6 +14,7 @@ value corrupted after its kernel wrote it, the op that produced it).
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +186,8 @@ def reference_check(
 ) -> Deviation | None:
     """The first leaf module (forward order, then backward order) whose own computation on
     the device differs from the reference's on the same inputs; None when every module agrees.
-    A training dropout is not checked (its reference draws another mask).
+    A training dropout is not checked (its reference draws another mask), nor the gradient of
+    a weight tied between modules (GPT-2's embedding and head: it sums both uses).
 
     Cost: one forward and backward of every leaf module on the CPU (about one step), and a
     few host syncs per module.
@@ -201,6 +203,8 @@ def reference_check(
     params_of = {
         name: [p for p in modules[name].parameters() if p.requires_grad] for name in captures.order
     }
+    users = Counter(id(p) for ps in params_of.values() for p in ps)
+    shared = {i for i, n in users.items() if n > 1}
     for name in captures.backward_order:
         if _draws_random(modules[name]):
             continue
@@ -210,6 +214,8 @@ def reference_check(
         if gin and deviates(device_gin, [g for g in gin if g is not None]):
             return Deviation("backward", name, "input gradient", cap, gin)
         for p, ref_g in zip(params_of[name], gparams, strict=False):
+            if id(p) in shared:  # a tied weight's gradient sums its other users' too
+                continue
             if p.grad is not None and ref_g is not None and deviates(p.grad, ref_g):
                 return Deviation("backward", name, "parameter gradient", cap, ref_g)
     return None
@@ -219,9 +225,7 @@ def _draws_random(module: torch.nn.Module) -> bool:
     """A training dropout: the reference would draw another mask (not a fault), so it is not
     checked; a fault there still shows in its consumer's inputs."""
     return (
-        isinstance(module, torch.nn.modules.dropout._DropoutNd)
-        and module.training
-        and module.p > 0
+        isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0
     )
 
 
