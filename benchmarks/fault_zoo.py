@@ -568,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     right = sum(r["ampguard"]["cause"] == r["want"] for r in numerics)
     print(
         f"ampguard on numerics/model cases: {right}/{len(numerics)} right class; "
-        f"clean steps: {alarms} fault verdicts in {args.clean}"
+        f"clean steps: {sum(c['alarms'] for c in alarms.values())} fault verdicts in "
+        f"{sum(c['steps'] for c in alarms.values())}"
     )
     if ddp:
         s = _score(ddp, "ampguard")
@@ -578,8 +579,22 @@ def main(argv: list[str] | None = None) -> int:
             f"module {s['module']}/{s['events']}, op {s['op']}/{s['persistent']}, "
             f"rank named {ranks}/{len(ddp)} (every rank returns the same events)"
         )
+    for name, c in alarms.items():
+        print(
+            f"  clean, {name}: {c['alarms']} fault verdicts in {c['steps']} steps "
+            f"({c['ms_per_step']:.0f} ms of triage per step; {c['causes']})"
+        )
     mean = sum(r["ampguard"]["s"] for r in faults) / max(len(faults), 1)
     print(f"ampguard triage: {1e3 * mean:.0f} ms per event (mean)")
+    print("replay cost per event, in step-equivalents (one forward+backward at the precision):")
+    print(f"  {'class':<22} {'events':>6} {'median':>7} {'mean':>6} {'max':>6}")
+    for cls in ("transient_fault", "persistent_fault", "numerics", "model_or_data"):
+        eq = sorted(r["ampguard"]["step_equiv"] for r in faults + numerics if r["want"] == cls)
+        if eq:
+            print(
+                f"  {cls:<22} {len(eq):>6} {statistics.median(eq):>7.1f} "
+                f"{sum(eq) / len(eq):>6.1f} {eq[-1]:>6.1f}"
+            )
     for model_name, res in cost.items():
         print(
             f"signature cost, {model_name} (bf16, CPU; bare {res['bare']['median_ms']:.2f} ms "
@@ -597,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "faults": faults,
                     "numerics": numerics,
-                    "clean_alarms": alarms,
+                    "clean": alarms,
                     "overhead": cost,
                     "ddp": ddp,
                 },
