@@ -44,7 +44,11 @@ def _fault(rank: int, world: int, tmp: str, persistent: bool) -> dict[str, Any]:
         guard.step(batch=b, loss_fn=_loss)
     events = ag.triage(guard, recorder=rec, step=FAULT_STEP)
     inj.remove()
-    return {"events": [(e.step, e.cause, e.module, e.op, e.rank) for e in events]}
+    return {
+        "events": [(e.step, e.cause, e.module, e.op, e.rank) for e in events],
+        "reference": [e.evidence.get("reference") for e in events],
+        "peer": [e.evidence.get("peer_replay") for e in events],
+    }
 
 
 def transient_on_rank1(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -14,8 +14,10 @@ step started from:
    data**; when it does not, it is **numerics** (the low precision), and ``locate``'s
    :class:`Diagnosis` of the batch is attached.
 
-Under DDP every rank triages its own replay and the verdicts are gathered, so each rank reports
-the same events with the faulty rank named (:func:`gather_events`).
+Under DDP every rank triages its own replay, a peer replays its batch too
+(:mod:`ampguard.forensics._triage_peer`: a rank whose record a peer does not reproduce computes
+wrongly), and the verdicts are gathered, so each rank reports the same events with the faulty
+rank named.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ampguard.forensics._limits import FULL
 from ampguard.forensics._replay import Preserved
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
 from ampguard.forensics._triage_audit import audit_steps, explain_audit
+from ampguard.forensics._triage_peer import exchange, judge
 from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_atomic
 
 __all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
@@ -310,8 +313,11 @@ def triage(
     events = []
     for s in steps:
         plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
-        if plan is not None:
-            events.append(_triage_one(guard, recorder, watch, s, *plan))
+        event = _triage_one(guard, recorder, watch, s, *plan) if plan is not None else None
+        if _distributed():  # a peer replays this rank's batch (collectives: every rank)
+            event = _peer(guard, recorder, watch, s, plan, event)
+        if event is not None:
+            events.append(event)
     merged = _gathered(events)
     merged = [
         explain_audit(e, audits[e.step], guard.model) if e.step in audits else e for e in merged
@@ -464,6 +470,61 @@ def _triage_one(
         recorder.paused = False
         if live is not None:
             live.close()
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _peer(
+    guard: Any,
+    recorder: SignatureRecorder,
+    watch: Any,
+    step: int,
+    plan: tuple[Any, Any, Callable[[int], None] | None] | None,
+    event: TriageEvent | None,
+) -> TriageEvent | None:
+    """``event`` judged with a peer's replay of this rank's batch (:mod:`._triage_peer`)."""
+    import torch.distributed as dist
+
+    mine, replay = None, None
+    if plan is not None and event is not None:
+        loss_fn, batch, restore = plan
+        recorded = _signature(recorder, watch, step)
+        mine = (
+            None
+            if recorded is None
+            else {"batch": batch, "signature": recorded, "rng": recorder.rng_state(step)}
+        )
+        model = recorder.model
+        scale = float(guard.scale_used_at(step + 1))
+        policy = resolve_precision(guard.precision, device_of(model.parameters()))
+
+        def replay(peer_batch: Any, signature: StepSignature, rng: Any) -> Any:
+            live = Preserved(guard.model) if restore is not None else None
+            recorder.paused = True
+            try:
+                if restore is not None:
+                    restore(step)
+                keep = Preserved(model, rng)
+                try:
+                    keep.reset()
+                    run = _run(model, loss_fn, peer_batch, policy, scale, capture=False)
+                finally:
+                    keep.close()
+                return _compare(signature, run)
+            finally:
+                recorder.paused = False
+                if live is not None:
+                    live.close()
+
+    device = next((p.device for p in recorder.model.parameters()), torch.device("cpu"))
+    differs = exchange(mine, replay if mine is not None else None, device)
+    if event is None:
+        return None
+    return judge(event, differs, dist.get_rank(), dist.get_world_size())
 
 
 def _rank() -> int:
