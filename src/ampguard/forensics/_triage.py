@@ -41,6 +41,7 @@ from ampguard.forensics._replay import Preserved
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
 from ampguard.forensics._triage_audit import audit_steps, explain_audit
 from ampguard.forensics._triage_peer import exchange, judge
+from ampguard.forensics._triage_plan import agreed, failed, plan, signature
 from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_atomic
 
 __all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
@@ -306,20 +307,20 @@ def triage(
     if not isinstance(recorder, SignatureRecorder):
         raise TypeError(f"recorder must be a SignatureRecorder, got {type(recorder).__name__}")
     watch = getattr(guard, "flight_recorder", None)
-    if step is not None and _signature(recorder, watch, step) is None:
+    if step is not None and signature(recorder, watch, step) is None:
         raise ValueError(
             f"step={step} is not recorded (the recorder holds {recorder.steps}) nor in the "
             "flight recorder's ring with its RNG state"
         )
     audits = audit_steps(guard)
-    failed = _failed(recorder, watch) + [s for s in audits if _signature(recorder, watch, s)]
-    steps = [step] if step is not None else _agreed(sorted(set(failed)))
+    failed_steps = failed(recorder, watch) + [s for s in audits if signature(recorder, watch, s)]
+    steps = [step] if step is not None else agreed(sorted(set(failed_steps)))
     events = []
     for s in steps:
-        plan = _plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
-        event = _triage_one(guard, recorder, watch, s, *plan) if plan is not None else None
+        todo = plan(guard, watch, recorder, s, loss_fn, batch, restore, single=step is not None)
+        event = _triage_one(guard, recorder, watch, s, *todo) if todo is not None else None
         if _distributed():  # a peer replays this rank's batch (collectives: every rank)
-            event = _peer(guard, recorder, watch, s, plan, event)
+            event = _peer(guard, recorder, watch, s, todo, event)
         if event is not None:
             events.append(event)
     merged = _gathered(events)
@@ -355,93 +356,6 @@ def _write(guard: Any, events: list[TriageEvent]) -> None:
         warnings.warn(f"ag.triage could not write {path} ({err})", RuntimeWarning, stacklevel=3)
 
 
-def _failed(recorder: SignatureRecorder, watch: Any) -> list[int]:
-    failed = set(recorder.bad_steps())
-    if watch is not None and getattr(watch, "ring", None) is not None:
-        for row in watch.ring.rows():  # window n is the step whose forward saw steps == n - 1
-            if row.get("loss") is None or row.get("spike"):
-                failed.add(int(row["step"]) - 1)
-    return sorted(s for s in failed if _signature(recorder, watch, s) is not None)
-
-
-def _signature(recorder: SignatureRecorder, watch: Any, step: int) -> StepSignature | None:
-    """``step``'s record: the recorder's, or, for a step its sampling left out, the flight
-    recorder's loss (when the ring and the recorder's RNG state still hold it); else None.
-    Cost: a host sync."""
-    if step in recorder.steps:
-        return recorder.read(step)
-    ring = getattr(watch, "ring", None) if watch is not None else None
-    if ring is None:
-        return None
-    try:
-        recorder.rng_state(step)
-    except KeyError:
-        return None
-    for row in ring.rows():
-        if int(row["step"]) - 1 == step:
-            return StepSignature(
-                step, {}, {}, {}, row.get("loss") is None, complete=False, loss=row.get("loss")
-            )
-    return None
-
-
-def _agreed(steps: list[int]) -> list[int]:
-    """Under ``torch.distributed``: the union of the ranks' failed steps (one collective)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return steps
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, steps)
-    return sorted({s for r in rows for s in r})
-
-
-def _plan(
-    guard: Any,
-    watch: Any,
-    recorder: SignatureRecorder,
-    step: int,
-    loss_fn: Any,
-    batch: Any,
-    restore: Callable[[int], None] | None,
-    single: bool,
-) -> tuple[Any, Any, Callable[[int], None] | None] | None:
-    """``(loss_fn, batch, restore)`` for replaying ``step``; None (or, for ``step=``, an
-    error naming what is missing) when it cannot be replayed."""
-    recorded = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
-    if batch is None and recorded is not None:
-        batch, loss_fn = recorded[0], loss_fn or recorded[1]
-    elif batch is not None and step != max(recorder.steps) and recorded is None:
-        batch = None  # batch= is the latest step's
-    missing = None
-    if batch is None:
-        missing = (
-            f"the batch of step {step}: pass guard.step(batch=..., loss_fn=...) so the flight "
-            "recorder keeps it, or batch= for the latest step"
-        )
-    elif loss_fn is None or not callable(loss_fn):
-        missing = "loss_fn=: loss_fn(model, batch) -> the scalar loss"
-    if restore is None and missing is None:
-        snaps = getattr(watch, "snapshots", None) if watch is not None else None
-        snap = snaps.before(step + 1) if snaps is not None else None
-        if snap is not None and snap.step == step:
-            state = snap.loaded().model
-
-            def restore(_s: int, state: Any = state) -> None:
-                guard.model.load_state_dict(state)
-
-        elif step != guard.steps - 1:
-            missing = (
-                f"the state step {step} started from: Guard(snapshot_every=1) keeps it, or pass "
-                "restore=(a function restoring your snapshot)"
-            )
-    if missing is None:
-        return loss_fn, batch, restore
-    if single:
-        raise ValueError(f"ag.triage cannot replay step {step}: it needs {missing}")
-    return None
-
-
 def _triage_one(
     guard: Any,
     recorder: SignatureRecorder,
@@ -455,7 +369,7 @@ def _triage_one(
     live = Preserved(guard.model) if restore is not None else None
     recorder.paused = True
     try:
-        recorded = _signature(recorder, watch, step)
+        recorded = signature(recorder, watch, step)
         assert recorded is not None  # _failed and step= kept only such steps
         if restore is not None:
             restore(step)
@@ -496,7 +410,7 @@ def _peer(
     mine, replay = None, None
     if plan is not None and event is not None:
         loss_fn, batch, restore = plan
-        recorded = _signature(recorder, watch, step)
+        recorded = signature(recorder, watch, step)
         mine = (
             None
             if recorded is None
