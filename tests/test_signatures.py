@@ -99,3 +99,24 @@ def test_bad_arguments() -> None:
         ag.SignatureRecorder(model, capacity=True)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         ag.SignatureRecorder("model")
+
+
+def test_guard_default_signatures_add_no_host_sync_recorded_or_not() -> None:
+    """Guard(signatures=True): a recorded window (0, 32) and a sampled-out one (1) each cost
+    the host syncs of the same Guard without signatures."""
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    counts = {}
+    for sig in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = ag.Guard(model, opt, precision="bf16", flight_recorder=False, signatures=sig)
+        per_step = []
+        for _ in range(34):
+            with SyncCounter() as c:
+                _step(model, guard, x, y)
+            per_step.append(c.count)
+        counts[sig] = per_step
+        if sig:
+            assert guard.signatures.steps == [0, 32]
+    assert counts[True] == counts[False]
