@@ -31,7 +31,6 @@ integration with its own scaler implements the protocol in its own file.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +43,6 @@ from ampguard import telemetry as _telemetry
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.ema import as_watches
-from ampguard.core.policy import device_of
 from ampguard.core.scaler import ScaleCollapseError
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
@@ -52,11 +50,17 @@ from ampguard.integrations import _findings, _seam
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
-from ampguard.integrations._seam import ScalerInfo, ScaleView, StepOutcome, WatchableScaler
+from ampguard.integrations._seam import StepOutcome, WatchableScaler
+from ampguard.integrations._source import (
+    PRECISIONS,
+    WatchSource,
+    as_tensor,
+    resolve_precision,
+    resolve_telemetry,
+    warn_no_scaler,
+)
 
 __all__ = ["watch", "Watch", "WatchSource", "PRECISIONS"]
-
-PRECISIONS = precisions.names(watchable=True)
 
 
 def watch(
@@ -161,9 +165,9 @@ class Watch:
         self.policy = policy or AttachPolicy()
         self.framework = framework
         enabled = watched is not None and watched.scaled
-        self.precision = _resolve_precision(precision, enabled, requested_precision is not None)
+        self.precision = resolve_precision(precision, enabled, requested_precision is not None)
         if precisions.REGISTRY[self.precision].needs_scaler and not enabled:
-            _warn_no_scaler(framework)
+            warn_no_scaler(framework)
         if self.policy.active and not (watched is not None and enabled and watched.correctable):
             what = (
                 "this loop has none"
@@ -195,7 +199,7 @@ class Watch:
         if requested_precision is not None:
             self.source.requested_precision = requested_precision
         self.source.clip_grad_norm = clip_grad_norm  # a framework that clips says at what norm
-        self.telemetry = _resolve_telemetry(telemetry)
+        self.telemetry = resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
         self._hooks: list[Any] = []
         self._notes: list[Finding] = []  # findings an integration adds (e.g. AG122)
@@ -384,14 +388,14 @@ class Watch:
                 scale,
                 tracker,
                 before if isinstance(before, torch.Tensor) else scale.new_full((), before),
-                _as_tensor(outcome.found_all, scale.device),
+                as_tensor(outcome.found_all, scale.device),
             )
             status = results.add_collapse(
-                _as_tensor(status, scale.device), collapse, len(self.optimizers)
+                as_tensor(status, scale.device), collapse, len(self.optimizers)
             )
             self._count_interventions(kinds, step)
         norm = outcome.grad_norm
-        self._record_step(status, None if norm is None else _as_tensor(norm, self.source.device))
+        self._record_step(status, None if norm is None else as_tensor(norm, self.source.device))
 
     def _status(self, outcome: StepOutcome) -> torch.Tensor | int:
         """The packed flags: on the device where the scaler's flags are device tensors, an int
@@ -402,7 +406,7 @@ class Watch:
         status: torch.Tensor | int
         if tensors:
             dev = tensors[0].device
-            status = results.pack([_as_tensor(f, dev) for f in found], None)
+            status = results.pack([as_tensor(f, dev) for f in found], None)
         else:
             status = sum(1 << i for i, f in enumerate(found) if f)
         if outcome.nonfinite is not None:
@@ -517,88 +521,3 @@ class Watch:
         merged = [f for f in rules_found if f.code not in codes] + own
         runlog.write_json_atomic(self._findings_path, [f.to_dict() for f in merged])
         return merged
-
-
-# ---------------------------------------------------------------------- the telemetry source
-class WatchSource:
-    """The :class:`ampguard.telemetry.source.TelemetrySource` of a watched loop: what
-    :class:`ampguard.Telemetry` reads about a loop that ampguard observes but does not run.
-
-    Fixed for the run (a watched loop has one precision and one scaler); the step numbers travel
-    with the telemetry hooks. Cost: one host sync when made (the scale at attach time).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizers: list[torch.optim.Optimizer],
-        scaler: WatchableScaler | None,
-        precision: str,
-        policy: AttachPolicy,
-        framework: str | None,
-    ) -> None:
-        self.model = model
-        self.optimizers = optimizers
-        own = scaler.grad_params() if scaler is not None else None
-        self.params = list(own) if own is not None else params_of(optimizers)
-        self.device = device_of(self.params)
-        self.precision = self.requested_precision = precision
-        self.loss_scaler = (
-            ScaleView(scaler, self.device) if scaler is not None and scaler.scaled else None
-        )
-        self.scaler_config = ScalerInfo(scaler, policy, framework)
-        self.accumulation_steps = 1  # the loop's own accumulation is invisible: one per step
-        self.clip_grad_norm: float | None = None
-        self.contain_nonfinite_microbatches = False
-
-
-def _resolve_precision(precision: str | None, scaled: bool, framework_knows: bool = False) -> str:
-    """The precision a watched loop computes in. ``framework_knows``: an integration that read
-    its framework's settings names it (e.g. fp32 under an enabled scaler when Accelerate's
-    autocast is off); a user's ``watch()`` call must agree with its scaler."""
-    if precision is None:
-        if not scaled:
-            raise ValueError(
-                "watch() without an enabled GradScaler needs precision='bf16' or "
-                "'fp32' (the loop's autocast dtype)"
-            )
-        return "fp16"
-    entry = precisions.get(precision, allowed=PRECISIONS)
-    if scaled and not entry.needs_scaler and not framework_knows:
-        raise ValueError(
-            f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
-            "scaling); pass precision='fp16' or None"
-        )
-    return precision
-
-
-def _as_tensor(value: torch.Tensor | float | int, device: torch.device) -> torch.Tensor:
-    """A 0-dim fp32 tensor on ``device``: a tensor as it is (moved there), a host number by a
-    fill (no sync)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device).float().reshape(())
-    return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
-def _resolve_telemetry(telemetry: Any) -> Any:
-    if isinstance(telemetry, (str, os.PathLike)):
-        return _telemetry.Telemetry(telemetry)
-    if isinstance(telemetry, _telemetry.Telemetry):
-        return telemetry
-    raise TypeError(
-        "telemetry must be a run folder path or an ampguard.Telemetry, got "
-        f"{type(telemetry).__name__}"
-    )
-
-
-def _warn_no_scaler(framework: str | None) -> None:
-    """An fp16 loop with no loss scale: said once at attach, whatever its gradients turn out."""
-    where = f"{framework}'s fp16 step" if framework else "this fp16 loop"
-    warnings.warn(
-        f"{where} has no loss scaler: gradients below fp16's smallest normal (6.1e-05) "
-        "lose precision or flush to zero, and nothing skips a step that overflows. Use "
-        "torch.amp.GradScaler (or ag.Guard(precision='fp16')), or train in bf16; AG171 "
-        "reports a layer that loses its gradient",
-        RuntimeWarning,
-        stacklevel=user_stacklevel(),
-    )
