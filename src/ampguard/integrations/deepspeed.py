@@ -48,6 +48,7 @@ from ampguard import precisions
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._extras import require
 from ampguard.integrations._seam import NOT_MINE, ScalerListener, StepOutcome
+from ampguard.integrations._skip import CANNOT_SKIP
 from ampguard.integrations.watch import Watch
 
 require("deepspeed", "ampguard.integrations.deepspeed")
@@ -187,6 +188,10 @@ class LossScalerWatch:
 
     scaled = True
     correctable = False
+    cannot_skip = (
+        "the loop steps its optimizer itself after DeepSpeed's update_scale(overflow), with no "
+        "flag ampguard can set"
+    )
 
     def __init__(self, loss_scaler: Any) -> None:
         self.loss_scaler = loss_scaler
@@ -249,6 +254,7 @@ class EngineScaler:
     """
 
     correctable = False
+    cannot_skip = CANNOT_SKIP["deepspeed"]
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -46,10 +46,13 @@ from ampguard.core.ema import as_watches
 from ampguard.core.scaler import ScaleCollapseError
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
-from ampguard.integrations import _findings, _seam
+from ampguard.forensics import SignatureRecorder
+from ampguard.guard import DEFAULT_CAPACITY, SpikeWatch, attach_signatures, check_signatures
+from ampguard.integrations import _findings, _seam, _skip, _triage
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list, params_of
 from ampguard.integrations._policy import AttachPolicy, PolicyState
+from ampguard.integrations._recorder import AttachRecorder, RecorderOptions, spike_config
 from ampguard.integrations._seam import StepOutcome, WatchableScaler
 from ampguard.integrations._source import (
     PRECISIONS,
@@ -76,6 +79,10 @@ def watch(
     consecutive_hysteresis: bool = False,
     on_collapse: str = "warn",
     ema: Any = None,
+    flight_recorder: int | bool = DEFAULT_CAPACITY,
+    on_spike: str | None = "warn",
+    snapshot_every: int | None = None,
+    signatures: bool | int = False,
 ) -> Watch:
     """Observe a loop that calls ``scaler.scale/step/update`` itself; return a :class:`Watch`.
 
@@ -97,6 +104,17 @@ def watch(
     updated anywhere in the loop: their lost updates are measured between the first optimizer's
     steps (AG175 naming ``ema.*`` layers; see :mod:`ampguard.core.ema`).
 
+    The Guard's flight recorder and loss-spike detection (``docs/spikes.md``), sync-free:
+    ``flight_recorder`` (windows the device ring keeps; False: none), ``on_spike``
+    (``"warn"``, ``"skip"``, ``"rewind"``, ``"raise"`` or None, checked as the Guard checks
+    them; a GradScaler's step or a scaler-free optimizer's step is skipped, see
+    :mod:`ampguard.integrations._skip`; ``"rewind"`` skips: attach mode cannot rewind),
+    ``snapshot_every`` (None: no snapshots; N: the Guard's in-memory snapshots every N steps,
+    for ``ampguard.triage`` of a step before the last) and ``signatures`` (the Guard's
+    ``signatures=``, for ``ampguard.triage(handle)``; hand each batch to
+    :meth:`Watch.record_batch`). A spike or non-finite step dumps the ring into
+    ``RUN_DIR/flight_recorder`` (``ampguard postmortem RUN_DIR``).
+
     Without a scaler the gradients are sampled when each backward pass ends (before the loop
     clips them: the recorded norm is the unscaled total norm before clipping, as with a scaler),
     and every step's gradients are checked for NaN/inf (recorded, never changed: the loop's step
@@ -115,6 +133,7 @@ def watch(
         precision=precision,
         policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
         ema=ema,
+        recorder=RecorderOptions(flight_recorder, on_spike, snapshot_every, signatures),
     )
 
 
@@ -155,6 +174,7 @@ class Watch:
         requested_precision: str | None = None,
         ema: Any = None,
         clip_grad_norm: float | None = None,
+        recorder: RecorderOptions | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -177,6 +197,10 @@ class Watch:
             raise ValueError(
                 f"min_scale, max_scale and hysteresis need an enabled GradScaler (fp16); {what}"
             )
+        options = recorder or RecorderOptions()
+        every = check_signatures(options.signatures)
+        cannot = _cannot(watched, self.optimizers)
+        config = spike_config(options, self.optimizers, framework or "this loop", cannot)
         #: the scaler handed to watch() while it scales the loss (None: no loss scale in use)
         self.scaler = scaler if enabled else None
         self._scaler: WatchableScaler | None = watched
@@ -210,6 +234,19 @@ class Watch:
         self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
         self._first_intervention = torch.zeros(3, dtype=torch.int64, device=dev)
         self._backward_end: BackwardEnd | None = None
+        #: the Guard's flight recorder and spike policy on this loop (None: both off)
+        scaled = self.source.loss_scaler is not None
+        self.recorder = (
+            None
+            if config is None
+            else AttachRecorder(config, model, self.optimizers, dev, self.telemetry, scaled)
+        )
+        self._signatures = attach_signatures(model, every, lambda: self._done)
+        self._batches = 0  # batches handed to record_batch (ampguard.triage replays them)
+        self._skipped_window = 0
+        if watched is None and self.recorder is not None and self.recorder.acts:
+            for opt in self.optimizers:  # bf16/fp32: the step is skipped in Python
+                self.on_close(_skip.wrap_step(opt, self._decide, self._skipped))
         if watched is not None:
             watched.attach(self, {id(o) for o in self.optimizers})
         else:
@@ -267,6 +304,8 @@ class Watch:
             and loss.numel() == 1
         ):
             self.telemetry.on_backward(loss.detach())
+            if self.recorder is not None:
+                self.recorder.add_loss(loss)
 
     def findings(self) -> list[Finding]:
         """The AG1xx findings over the run so far (rules + attach mode); writes findings.json.
@@ -303,7 +342,11 @@ class Watch:
             self._backward_end.close()
         while self._on_close:
             self._on_close.pop()()
+        if self._signatures is not None:
+            self._signatures.remove()
         try:
+            if self.recorder is not None:
+                self.recorder.close()  # the last spikes warn; the SIGTERM handler goes
             self.telemetry.close()
             self._check_collapse(in_step=False)
             path = self._findings_path
@@ -319,6 +362,41 @@ class Watch:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ ampguard.triage
+    @property
+    def model(self) -> torch.nn.Module:
+        """The watched model."""
+        return self.source.model
+
+    @property
+    def flight_recorder(self) -> SpikeWatch | None:
+        """The Guard's flight recorder on this loop (``.ring``, ``.events``, ``.snapshots``);
+        None with ``flight_recorder=False`` and ``on_spike=None``."""
+        return None if self.recorder is None else self.recorder.spikes
+
+    @property
+    def signatures(self) -> SignatureRecorder:
+        """The step signatures ``ampguard.triage(handle)`` compares its replays with.
+        ``ValueError`` saying what is missing: ``signatures=True``, or the batches (which only
+        the HF Trainer and Lightning callbacks take themselves)."""
+        return _triage.signatures_of(self, self._signatures, self._batches)
+
+    def record_batch(self, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], Any]) -> None:
+        """Keep this step's ``batch`` and ``loss_fn(model, batch)`` (the scalar loss) for
+        ``ampguard.triage(handle)``: call it before the forward, in a loop whose framework does
+        not hand ampguard the batch (plain loops, Accelerate). Cost: a reference, no copy."""
+        if self.recorder is not None and not self._closed:
+            self._batches += 1
+            self.recorder.keep_batch(self._done + 1, batch, loss_fn)
+
+    def scale_used_at(self, step: int) -> float:
+        """The loss scale window ``step`` ran with (1.0 without one). Cost: one host sync."""
+        if self.source.loss_scaler is None:
+            return 1.0
+        if self.recorder is None:
+            return float(self.source.loss_scaler.scale_tensor.reshape(-1)[0])
+        return self.recorder.scale_used_at(step)
 
     # ------------------------------------------------------------------ for integrations
     # What the framework integrations (ampguard.integrations.*) tell a Watch. No sync.
@@ -351,6 +429,8 @@ class Watch:
     def observe_grads(self) -> None:
         """Sample the (unscaled) gradients of a scaler-free step once (an integration calls it
         where they are final). Cost: no host sync."""
+        if self._scaler is None and not self._closed and self.recorder is not None:
+            self.recorder.begin(self._done + 1)  # the window's gradients are final here
         if self._scaler is None and not self._closed and not self._grads_seen:
             self._grads_seen = True
             self.telemetry.on_grads(self._done + 1, False)
@@ -366,13 +446,25 @@ class Watch:
         """``scaler.scale(loss)`` was called with this (unscaled) loss."""
         if self._loss_from_scaler:
             self.telemetry.on_backward(loss)
+            if self.recorder is not None:
+                self.recorder.add_loss(loss)
 
     def on_scaler_grads(self, scaled: bool) -> None:
         """The gradients are final and not yet unscaled (``scaled``: they carry the scale)."""
+        view = self.source.loss_scaler
+        if self.recorder is not None:  # the window begins: detector, ring, gradient norms
+            self.recorder.begin(self._done + 1, view.inv_scale() if scaled and view else None)
         if self._grads_seen:
             return  # one gradient sample per step, taken before the first unscale
         self._grads_seen = True
         self.telemetry.on_grads(self._done + 1, scaled and self.source.loss_scaler is not None)
+
+    def on_scaler_step(self, optimizer: Any) -> torch.Tensor | None:
+        """The scaler is about to step ``optimizer``: the flag that skips it on a loss spike."""
+        if self.recorder is None:
+            return None
+        self.recorder.begin(self._done + 1)
+        return self.recorder.skip_flag(self._done + 1)
 
     def on_scaler_update(self, outcome: StepOutcome) -> None:
         """The step is over: record its flags (and, with guard features, correct the scale)."""
@@ -395,7 +487,12 @@ class Watch:
             )
             self._count_interventions(kinds, step)
         norm = outcome.grad_norm
-        self._record_step(status, None if norm is None else as_tensor(norm, self.source.device))
+        dev = self.source.device
+        self._record_step(
+            status,
+            None if norm is None else as_tensor(norm, dev),
+            as_tensor(outcome.scale_before, dev) if self.source.loss_scaler else None,
+        )
 
     def _status(self, outcome: StepOutcome) -> torch.Tensor | int:
         """The packed flags: on the device where the scaler's flags are device tensors, an int
@@ -465,6 +562,8 @@ class Watch:
         if not self._closed:
             self._grads_seen = True
             self.telemetry.on_grads(self._done + 1, False)
+            if self.recorder is not None:
+                self.recorder.sample_grads()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._closed:
@@ -473,16 +572,39 @@ class Watch:
             found = nonfinite_flag(self.source.params, self.source.device)
             self._record_step(results.observed(found, len(self.optimizers)))
 
+    def _decide(self) -> bool:
+        """A scaler-free step is about to run: skip it on a loss spike. Cost: one host sync."""
+        assert self.recorder is not None
+        self.recorder.begin(self._done + 1)
+        return not self._closed and self.recorder.decide(self._done + 1)
+
+    def _skipped(self) -> None:
+        """The scaler-free step was skipped for the spike: record it (its post-hook won't)."""
+        if self._skipped_window != self._done + 1:  # once per window (several optimizers)
+            self._skipped_window = self._done + 1
+            self._record_step(torch.zeros((), device=self.source.device))
+
     def _record_step(
-        self, status: torch.Tensor | int | None, grad_norm: torch.Tensor | None = None
+        self,
+        status: torch.Tensor | int | None,
+        grad_norm: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> None:
-        tel = self.telemetry
+        tel, window, rec = self.telemetry, self._done + 1, self.recorder
         flushes = tel.flushes
-        tel.on_step(self._done + 1, status, grad_norm)
+        if rec is not None and status is not None:
+            rec.begin(window)  # a window no earlier event began (no gradients seen)
+            bits = rec.status_bits(len(self.optimizers))
+            status = status if bits is None else bits + status
+        tel.on_step(window, status, grad_norm)
         self._done += 1
         self._grads_seen = False
+        if rec is not None:
+            rec.end(window, None if isinstance(status, int) or status is None else status, scale)
         if tel.flushes != flushes:
             self._check_collapse(in_step=True)
+            if rec is not None:
+                rec.settle()  # the flush read the device anyway: the spikes warn now
 
     # ------------------------------------------------------------------ collapse
     def _check_collapse(self, in_step: bool) -> None:
@@ -521,3 +643,15 @@ class Watch:
         merged = [f for f in rules_found if f.code not in codes] + own
         runlog.write_json_atomic(self._findings_path, [f.to_dict() for f in merged])
         return merged
+
+
+def _cannot(watched: WatchableScaler | None, optimizers: list[Any]) -> str | None:
+    """Why a spiked step of this loop cannot be skipped (None: it can, see
+    :mod:`ampguard.integrations._skip`)."""
+    if watched is not None:
+        return getattr(
+            watched, "cannot_skip", f"{watched.name} gives ampguard no flag to skip its step"
+        )
+    if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
+        return "torch.optim.LBFGS evaluates its closure several times per step"
+    return None
