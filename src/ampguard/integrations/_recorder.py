@@ -46,6 +46,7 @@ from ampguard.guard import (
     SpikeWatch,
     attach_flight_recorder,
     check_flight_recorder,
+    check_signatures,
 )
 from ampguard.replay import FlightRecorder
 
@@ -61,6 +62,20 @@ class RecorderOptions:
     on_spike: Any = "warn"
     snapshot_every: Any = None  # None: no snapshots (attach mode does not rewind)
     signatures: Any = False
+
+    def validate(self) -> None:
+        """The Guard's checks now (a callback made before its run): ``TypeError`` /
+        ``ValueError`` naming the argument."""
+        every = self.snapshot_every
+        check_flight_recorder(
+            self.flight_recorder,
+            DEFAULT_SNAPSHOT_EVERY if every is None else every,
+            every is not None or self.on_spike == "rewind",
+            self.on_spike,
+            [],
+            [],
+        )
+        check_signatures(self.signatures)
 
 
 def spike_config(

@@ -32,7 +32,7 @@ import torch
 
 from ampguard._util.tensors import is_fused
 
-__all__ = ["CANNOT_SKIP", "fold", "unfold", "wrap_step"]
+__all__ = ["CANNOT_SKIP", "SkipSteps", "cannot_skip", "fold", "unfold", "wrap_step"]
 
 _MISSING = object()
 
@@ -108,3 +108,45 @@ def wrap_step(
                 optimizer.__dict__["step"] = previous
 
     return undo
+
+
+def cannot_skip(watched: Any, optimizers: list[Any]) -> str | None:
+    """Why a spiked step of this loop cannot be skipped (None: it can, see
+    :mod:`ampguard.integrations._skip`)."""
+    if watched is not None:
+        return getattr(
+            watched, "cannot_skip", f"{watched.name} gives ampguard no flag to skip its step"
+        )
+    if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
+        return "torch.optim.LBFGS evaluates its closure several times per step"
+    return None
+
+
+class SkipSteps:
+    """The Watch's side of a scaler-free step skipped for a loss spike (a mixin of the Watch:
+    :func:`wrap_step` calls ``_decide`` and ``_skipped``)."""
+
+    recorder: Any
+    source: Any
+    _closed: bool
+    _done: int
+    _skipped_window: int
+    _record_step: Callable[..., None]  # the Watch's
+
+    def _decide(self) -> bool:
+        """A scaler-free step is about to run: skip it on a loss spike. Cost: one host sync."""
+        assert self.recorder is not None
+        self.recorder.begin(self._done + 1)
+        return not self._closed and self.recorder.decide(self._done + 1)
+
+    def _skipped(self) -> None:
+        """The scaler-free step was skipped for the spike: record it (its post-hook won't)."""
+        if self._skipped_window != self._done + 1:  # once per window (several optimizers)
+            self._skipped_window = self._done + 1
+            self._record_step(torch.zeros((), device=self.source.device))
+
+    @property
+    def spike_skipped_last(self) -> bool:
+        """The last step recorded was a scaler-free step skipped for a loss spike (host bool,
+        no sync)."""
+        return self._skipped_window == self._done and self._done > 0

@@ -21,6 +21,7 @@ __all__ = [
     "PRECISIONS",
     "WatchSource",
     "as_tensor",
+    "refuse_engine",
     "resolve_precision",
     "resolve_telemetry",
     "warn_no_scaler",
@@ -111,3 +112,18 @@ def warn_no_scaler(framework: str | None) -> None:
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+def refuse_engine(*given: Any) -> None:
+    """A DeepSpeed engine has its own entry point: it reads the engine's precision, scale and
+    skips (checked by class name: this module never imports DeepSpeed)."""
+    for obj in given:
+        if any(
+            c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
+            for c in type(obj).__mro__
+        ):
+            raise TypeError(
+                "ag.watch was given a DeepSpeedEngine: use "
+                "ampguard.integrations.deepspeed.watch(engine, telemetry=...), which reads the "
+                "engine's precision, loss scale, skips and grad norm"
+            )

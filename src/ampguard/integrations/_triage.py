@@ -20,12 +20,15 @@ raises one ``ValueError`` saying what and how to get it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["NO_REPLAY", "hf_loss", "lightning_loss", "signatures_of"]
+from ampguard.forensics import SignatureRecorder
+from ampguard.guard import SpikeWatch
+
+__all__ = ["NO_REPLAY", "TriageSurface", "hf_loss", "lightning_loss", "signatures_of"]
 
 NO_REPLAY = {
     "deepspeed": (
@@ -84,3 +87,51 @@ def lightning_loss(module: Any, batch: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise ValueError("training_step returned no loss tensor")
     return loss
+
+
+class TriageSurface:
+    """What ``ampguard.triage`` reads of a :class:`~ampguard.integrations.watch.Watch` besides
+    ``steps``, ``precision`` and ``telemetry`` (a mixin of the Watch: it reads the Watch's
+    own state)."""
+
+    source: Any
+    recorder: Any
+    framework: str | None
+    _signatures: SignatureRecorder | None
+    _batches: int
+    _closed: bool
+    _done: int
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The watched model."""
+        return self.source.model
+
+    @property
+    def flight_recorder(self) -> SpikeWatch | None:
+        """The Guard's flight recorder on this loop (``.ring``, ``.events``, ``.snapshots``);
+        None with ``flight_recorder=False`` and ``on_spike=None``."""
+        return None if self.recorder is None else self.recorder.spikes
+
+    @property
+    def signatures(self) -> SignatureRecorder:
+        """The step signatures ``ampguard.triage(handle)`` compares its replays with.
+        ``ValueError`` saying what is missing: ``signatures=True``, or the batches (which only
+        the HF Trainer and Lightning callbacks take themselves)."""
+        return signatures_of(self, self._signatures, self._batches)
+
+    def record_batch(self, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], Any]) -> None:
+        """Keep this step's ``batch`` and ``loss_fn(model, batch)`` (the scalar loss) for
+        ``ampguard.triage(handle)``: call it before the forward, in a loop whose framework does
+        not hand ampguard the batch (plain loops, Accelerate). Cost: a reference, no copy."""
+        if self.recorder is not None and not self._closed:
+            self._batches += 1
+            self.recorder.keep_batch(self._done + 1, batch, loss_fn)
+
+    def scale_used_at(self, step: int) -> float:
+        """The loss scale window ``step`` ran with (1.0 without one). Cost: one host sync."""
+        if self.source.loss_scaler is None:
+            return 1.0
+        if self.recorder is None:
+            return float(self.source.loss_scaler.scale_tensor.reshape(-1)[0])
+        return self.recorder.scale_used_at(step)

@@ -46,22 +46,25 @@ from ampguard.core.ema import as_watches
 from ampguard.core.scaler import ScaleCollapseError
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
-from ampguard.forensics import SignatureRecorder
-from ampguard.guard import DEFAULT_CAPACITY, SpikeWatch, attach_signatures, check_signatures
-from ampguard.integrations import _findings, _seam, _skip, _triage
+from ampguard.guard import DEFAULT_CAPACITY, attach_signatures, check_signatures
+from ampguard.integrations import _findings, _seam, _skip
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
-from ampguard.integrations._optim import as_optimizer_list, params_of
+from ampguard.integrations._optim import as_optimizer_list
 from ampguard.integrations._policy import AttachPolicy, PolicyState
+from ampguard.integrations._probes import UpdateProbes
 from ampguard.integrations._recorder import AttachRecorder, RecorderOptions, spike_config
 from ampguard.integrations._seam import StepOutcome, WatchableScaler
+from ampguard.integrations._skip import SkipSteps
 from ampguard.integrations._source import (
     PRECISIONS,
     WatchSource,
     as_tensor,
+    refuse_engine,
     resolve_precision,
     resolve_telemetry,
     warn_no_scaler,
 )
+from ampguard.integrations._triage import TriageSurface
 
 __all__ = ["watch", "Watch", "WatchSource", "PRECISIONS"]
 
@@ -124,7 +127,7 @@ def watch(
     except the telemetry flush every ``flush_every`` steps. Without a scaler: one multi-tensor
     finiteness check per step and a cheap hook call per parameter per backward pass.
     """
-    _refuse_engine(scaler, model, optimizer)
+    refuse_engine(scaler, model, optimizer)
     return Watch(
         scaler,
         model,
@@ -137,22 +140,7 @@ def watch(
     )
 
 
-def _refuse_engine(*given: Any) -> None:
-    """A DeepSpeed engine has its own entry point: it reads the engine's precision, scale and
-    skips (checked by class name: this module never imports DeepSpeed)."""
-    for obj in given:
-        if any(
-            c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
-            for c in type(obj).__mro__
-        ):
-            raise TypeError(
-                "ag.watch was given a DeepSpeedEngine: use "
-                "ampguard.integrations.deepspeed.watch(engine, telemetry=...), which reads the "
-                "engine's precision, loss scale, skips and grad norm"
-            )
-
-
-class Watch:
+class Watch(TriageSurface, SkipSteps, UpdateProbes):
     """Handle returned by :func:`watch`: ``findings()``, ``report()``, ``close()``; a context
     manager (``close`` on exit).
 
@@ -199,7 +187,7 @@ class Watch:
             )
         options = recorder or RecorderOptions()
         every = check_signatures(options.signatures)
-        cannot = _cannot(watched, self.optimizers)
+        cannot = _skip.cannot_skip(watched, self.optimizers)
         config = spike_config(options, self.optimizers, framework or "this loop", cannot)
         #: the scaler handed to watch() while it scales the loss (None: no loss scale in use)
         self.scaler = scaler if enabled else None
@@ -363,41 +351,6 @@ class Watch:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ ampguard.triage
-    @property
-    def model(self) -> torch.nn.Module:
-        """The watched model."""
-        return self.source.model
-
-    @property
-    def flight_recorder(self) -> SpikeWatch | None:
-        """The Guard's flight recorder on this loop (``.ring``, ``.events``, ``.snapshots``);
-        None with ``flight_recorder=False`` and ``on_spike=None``."""
-        return None if self.recorder is None else self.recorder.spikes
-
-    @property
-    def signatures(self) -> SignatureRecorder:
-        """The step signatures ``ampguard.triage(handle)`` compares its replays with.
-        ``ValueError`` saying what is missing: ``signatures=True``, or the batches (which only
-        the HF Trainer and Lightning callbacks take themselves)."""
-        return _triage.signatures_of(self, self._signatures, self._batches)
-
-    def record_batch(self, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], Any]) -> None:
-        """Keep this step's ``batch`` and ``loss_fn(model, batch)`` (the scalar loss) for
-        ``ampguard.triage(handle)``: call it before the forward, in a loop whose framework does
-        not hand ampguard the batch (plain loops, Accelerate). Cost: a reference, no copy."""
-        if self.recorder is not None and not self._closed:
-            self._batches += 1
-            self.recorder.keep_batch(self._done + 1, batch, loss_fn)
-
-    def scale_used_at(self, step: int) -> float:
-        """The loss scale window ``step`` ran with (1.0 without one). Cost: one host sync."""
-        if self.source.loss_scaler is None:
-            return 1.0
-        if self.recorder is None:
-            return float(self.source.loss_scaler.scale_tensor.reshape(-1)[0])
-        return self.recorder.scale_used_at(step)
-
     # ------------------------------------------------------------------ for integrations
     # What the framework integrations (ampguard.integrations.*) tell a Watch. No sync.
     def add_finding(self, finding: Finding) -> None:
@@ -516,42 +469,6 @@ class Watch:
         first = self._first_intervention
         first.copy_(torch.where(kinds & (first == 0), step, first))
 
-    def _watch_stagnation(self, model: torch.nn.Module) -> StagnationProbe | None:
-        """Sample the first optimizer's low-precision weights around its step (AG175, as the
-        Guard does). Only that optimizer's: the window is its step, and another optimizer's
-        weights would not have moved yet. Cost: nothing unless its weights are bf16/fp16; then
-        a copy of them before a sampled step and a count after it, no host sync."""
-        primary = self.optimizers[0]
-        probe = StagnationProbe.of(model, params_of([primary]))
-        if probe is not None:
-            self._hooks += [
-                primary.register_step_pre_hook(self._before_update),
-                primary.register_step_post_hook(self._after_update),
-            ]
-        return probe
-
-    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # the window is fixed here: the step may be recorded (and counted) before _after_update
-        self._update_window = self._done + 1
-        if self._stagnation is not None and not self._closed:
-            self._stagnation.before(self._update_window)
-
-    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        probe, window = self._stagnation, self._update_window
-        if probe is not None and probe.sampling(window):
-            # a fused optimizer stepped by a GradScaler skips inside its kernel: GradScaler lends
-            # it its found_inf flag for the step (a skipped window adds nothing; no sync)
-            found = getattr(optimizer, "found_inf", None)
-            probe.after(window, found.bool() if isinstance(found, torch.Tensor) else False)
-
-    def _after_ema(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._ema_window += 1
-        found = getattr(optimizer, "found_inf", None)  # a fused step GradScaler skipped
-        for w in self.emas:
-            w.on_window(
-                self._ema_window, found.bool() if isinstance(found, torch.Tensor) else False
-            )
-
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._grads_from_hooks:
             self.observe_grads()
@@ -571,18 +488,6 @@ class Watch:
             # gradients, change nothing (one multi-tensor check, no sync)
             found = nonfinite_flag(self.source.params, self.source.device)
             self._record_step(results.observed(found, len(self.optimizers)))
-
-    def _decide(self) -> bool:
-        """A scaler-free step is about to run: skip it on a loss spike. Cost: one host sync."""
-        assert self.recorder is not None
-        self.recorder.begin(self._done + 1)
-        return not self._closed and self.recorder.decide(self._done + 1)
-
-    def _skipped(self) -> None:
-        """The scaler-free step was skipped for the spike: record it (its post-hook won't)."""
-        if self._skipped_window != self._done + 1:  # once per window (several optimizers)
-            self._skipped_window = self._done + 1
-            self._record_step(torch.zeros((), device=self.source.device))
 
     def _record_step(
         self,
@@ -643,15 +548,3 @@ class Watch:
         merged = [f for f in rules_found if f.code not in codes] + own
         runlog.write_json_atomic(self._findings_path, [f.to_dict() for f in merged])
         return merged
-
-
-def _cannot(watched: WatchableScaler | None, optimizers: list[Any]) -> str | None:
-    """Why a spiked step of this loop cannot be skipped (None: it can, see
-    :mod:`ampguard.integrations._skip`)."""
-    if watched is not None:
-        return getattr(
-            watched, "cannot_skip", f"{watched.name} gives ampguard no flag to skip its step"
-        )
-    if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
-        return "torch.optim.LBFGS evaluates its closure several times per step"
-    return None
