@@ -205,14 +205,15 @@ class AttachRecorder:
         flag = self.spikes.flag
         if status is not None:
             self.spikes.on_status(window, status, scale)
-        batch, fn = self._batch[1:] if self._batch[0] == window else (None, None)
-        self.spikes.after_step(_window(window, scale), batch, fn)
         if flag is not None:
             self._pending.append((window, flag, status))
-            # "raise": raised from the step it skipped; snapshots: the one before a spike is
-            # pinned before a later one replaces it (both cost one host sync per window)
+            # "raise": raised from the step it skipped; snapshots: a spike is settled before
+            # this window's snapshot, as the Guard does (its pinned snapshot is the one before);
+            # both cost one host sync per window
             if self.spikes.config.on_spike == "raise" or self.spikes.snapshots is not None:
                 self.settle()
+        batch, fn = self._batch[1:] if self._batch[0] == window else (None, None)
+        self.spikes.after_step(_window(window, scale), batch, fn)
 
     def keep_batch(self, window: int, batch: Any, loss_fn: Any) -> None:
         """The batch of ``window`` and ``loss_fn(model, batch)``, for ``ampguard.triage``.

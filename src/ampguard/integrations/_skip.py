@@ -25,6 +25,7 @@ already consults:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,7 @@ def wrap_step(
             return original(*args, **kwargs)
         return original(lambda: loss, *args, **kwargs)
 
+    functools.update_wrapper(step, original)  # keeps an LR scheduler's mark on the step
     optimizer.__dict__["step"] = step
 
     def undo() -> None:

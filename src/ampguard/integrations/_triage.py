@@ -8,7 +8,8 @@ with a ``loss_fn(model, batch)``:
 * the **HF Trainer** callback takes the batch from the model's forward (the keyword arguments
   ``Trainer.training_step`` calls it with) and replays ``model(**batch).loss``;
 * the **Lightning** callback takes the batch from ``on_train_batch_start`` and replays
-  ``training_step(batch, 0)``;
+  ``training_step(batch, 0)``; a step's signatures start at the module's own forward, so the
+  ``training_step`` must call the module (``self(x)``), as Lightning's examples do;
 * **plain loops and Accelerate** own their forward: the loop hands each batch to
   ``handle.record_batch(batch, loss_fn)``;
 * **DeepSpeed** owns the forward of a converted (fp16/bf16) and partitioned module, so no step
@@ -67,6 +68,17 @@ def signatures_of(handle: Any, recorder: Any, batches: int) -> Any:
         raise ValueError(
             f"ag.triage needs the failed step's batch to replay it, and {framework} does not "
             f"hand it to ampguard: {where}"
+        )
+    if not recorder.steps:
+        raise ValueError(
+            f"ag.triage found no recorded step on this {framework} run: a step's signatures "
+            "start at the model's own forward, and none ran"
+            + (
+                " (the LightningModule's training_step must call the module, self(x), not only "
+                "its submodules)"
+                if framework == "lightning"
+                else ""
+            )
         )
     return recorder
 
