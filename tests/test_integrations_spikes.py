@@ -102,6 +102,7 @@ def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
 
 
 @pytest.mark.slow  # a real transformers Trainer run of 64 steps
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_hf_trainer_skips_a_spike_and_its_scheduler_step(tmp_path, capsys, precision) -> None:
     trainer, callback, weights = _hf_run(tmp_path, precision=precision, on_spike="skip")
@@ -116,6 +117,7 @@ def test_hf_trainer_skips_a_spike_and_its_scheduler_step(tmp_path, capsys, preci
 
 
 @pytest.mark.slow  # a real transformers Trainer run of 64 steps
+@pytest.mark.timeout(240)
 def test_hf_trainer_triage_replays_the_spiked_step_from_its_batch(tmp_path) -> None:
     # skipped: the model is as the spiked step found it, so no snapshot is needed
     trainer, callback, _ = _hf_run(
@@ -184,6 +186,7 @@ def _lightning_run(tmp_path, *, precision="16-mixed", spike=SPIKE, **options):
 
 
 @pytest.mark.slow  # a real Lightning fit of 64 steps
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_lightning_skips_a_spike(tmp_path, capsys, precision) -> None:
     _, callback, weights = _lightning_run(tmp_path, precision=precision, on_spike="skip")
@@ -200,6 +203,7 @@ def test_lightning_skips_a_spike(tmp_path, capsys, precision) -> None:
 
 
 @pytest.mark.slow  # a real Lightning fit of 64 steps
+@pytest.mark.timeout(240)
 def test_lightning_warn_applies_and_triage_replays_training_step(tmp_path) -> None:
     _, callback, weights = _lightning_run(
         tmp_path, precision="bf16-mixed", spike=STEPS, signatures=True, snapshot_every=1
