@@ -207,3 +207,56 @@ def test_triage_of_a_skipped_spike_on_an_attached_loop(tmp_path, scaled) -> None
     assert [e.step for e in events] == [SPIKE - 1]  # numbered by handle.steps at its forward
     assert events[0].cause == "model_or_data"  # the outlier batch spikes in fp32 as well
     assert (tmp_path / "run" / "triage" / "rank0.json").is_file()
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaler", "bf16"])
+def test_skip_mode_changes_no_number_on_a_clean_run(tmp_path, scaled) -> None:
+    """Armed to skip, a run without a spike is bitwise the bare loop's (the fold and the
+    wrapper call through unchanged)."""
+
+    def bare() -> list[torch.Tensor]:
+        model = model_of()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+        for step in range(1, STEPS + 1):
+            batch = batch_of(step, None)  # outside autocast, as _loop makes it
+            with torch.autocast("cpu", dtype=torch.float16 if scaled else torch.bfloat16):
+                loss = loss_fn(model, batch)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    _, weights = _loop(tmp_path / "run", scaled=scaled, spike_at=None, on_spike="skip")
+    assert _same(weights[STEPS], bare())
+
+
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_a_closure_step_is_run_once_and_skipped_at_the_spike(tmp_path, keyword) -> None:
+    model = model_of()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    calls = []
+    after = {}
+    with ag.watch(None, model, opt, _telemetry(tmp_path / "run"), precision="fp32",
+                  on_spike="skip") as handle:  # fmt: skip
+        for step in range(1, STEPS + 1):
+
+            def closure(step=step):
+                calls.append(step)
+                opt.zero_grad()
+                loss = loss_fn(model, batch_of(step))
+                handle.record_loss(loss)
+                loss.backward()
+                return loss
+
+            out = opt.step(closure=closure) if keyword else opt.step(closure)
+            assert isinstance(out, torch.Tensor)  # the closure's loss, as optimizers return it
+            after[step] = [p.detach().clone() for p in model.parameters()]
+    assert calls == list(range(1, STEPS + 1))  # each closure ran once
+    assert _same(after[SPIKE], after[SPIKE - 1]) and _spikes(handle) == [SPIKE]
+    assert "step" not in opt.__dict__  # the wrapper is gone after close

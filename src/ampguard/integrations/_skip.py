@@ -83,11 +83,14 @@ def wrap_step(
     this step is left out, then ``skipped()`` records it. Returns the undo (the instance's
     previous ``step`` attribute comes back: an LR scheduler's wrapper stays)."""
     previous = optimizer.__dict__.get("step", _MISSING)
-    original = optimizer.step
+    original: Callable[..., Any] = optimizer.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        closure = kwargs.pop("closure", args[0] if args else None)
-        args = args[1:] if args else args
+        closure = None
+        if "closure" in kwargs:
+            closure = kwargs.pop("closure")
+        elif args:
+            closure, args = args[0], args[1:]
         loss = None
         if closure is not None:  # forward and backward run here (Lightning)
             with torch.enable_grad():
