@@ -260,3 +260,19 @@ def test_a_closure_step_is_run_once_and_skipped_at_the_spike(tmp_path, keyword) 
     assert calls == list(range(1, STEPS + 1))  # each closure ran once
     assert _same(after[SPIKE], after[SPIKE - 1]) and _spikes(handle) == [SPIKE]
     assert "step" not in opt.__dict__  # the wrapper is gone after close
+
+
+def test_a_loop_that_records_no_loss_leaves_the_ring_empty(tmp_path) -> None:
+    model = model_of()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with ag.watch(None, model, opt, _telemetry(tmp_path / "run"), precision="fp32") as handle:
+        for step in range(1, 12):
+            loss_fn(model, batch_of(step, None)).backward()  # record_loss never called
+            opt.step()
+            opt.zero_grad()
+    assert handle.steps == 11 and handle.flight_recorder.ring.rows() == []
+    with pytest.raises(ValueError, match="needs the flight recorder"):
+        with ag.watch(None, model, opt, tmp_path / "b", precision="fp32", on_spike=None,
+                      flight_recorder=False, signatures=True) as off:  # fmt: skip
+            pass
+        ag.triage(off)

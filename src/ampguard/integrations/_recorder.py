@@ -148,6 +148,7 @@ class AttachRecorder:
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         self._batch: tuple[int, Any, Any] = (0, None, None)  # (window, batch, loss_fn)
         self._acted: set[int] = set()  # windows whose spike decide() acted on
+        self._recording = False  # the window begun has its row in the ring (a loss came)
 
     @property
     def acts(self) -> bool:
@@ -175,6 +176,10 @@ class AttachRecorder:
         self.window = window
         losses, self._losses = self._losses, []
         self.spikes.begin(window, [x.float().reshape(()) for x in losses])
+        self._recording = bool(losses)
+        if not losses:  # no loss reached the watch: the window has no row in the ring
+            self._sampled = False
+            return
         if self._sampled:
             self._sampled = False
             self.spikes.ring.put_vector(window, "grad_norm", self._sample.grad_norm[0])
@@ -186,12 +191,18 @@ class AttachRecorder:
         skip on: not acting, or no loss recorded)."""
         if not self.acts or window != self.window:
             return None
-        return self.spikes.flag
+        return self._flag()
+
+    def _flag(self) -> torch.Tensor | None:
+        """The window's spike flag, agreed by the ranks where a spike skips (waits for the
+        flag's async all-reduce; no host sync)."""
+        got = self.spikes.spike_flag()
+        return None if got is None else got[0]
 
     def status_bits(self, n: int) -> torch.Tensor | None:
         """The window's spike bits for its packed flags (``ampguard.core.results.pack``'s bits
         n + 3 and, when it skips, n + 4), or None."""
-        flag = self.spikes.flag
+        flag = self._flag()
         if flag is None:
             return None
         return flag * float(2 ** (n + 3) + (2 ** (n + 4) if self.acts else 0))
@@ -202,8 +213,8 @@ class AttachRecorder:
         kept for the next host read. Cost: device ops; a snapshot's device-to-host copy."""
         if window != self.window:
             return  # no loss reached this window: the detector did not see it
-        flag = self.spikes.flag
-        if status is not None:
+        flag = self._flag()
+        if status is not None and self._recording:
             self.spikes.on_status(window, status, scale)
         if flag is not None:
             self._pending.append((window, flag, status))

@@ -52,6 +52,11 @@ def signatures_of(handle: Any, recorder: Any, batches: int) -> Any:
         raise ValueError(
             f"ag.triage is not available on an attached {framework} run: {NO_REPLAY[framework]}"
         )
+    if handle.recorder is None:
+        raise ValueError(
+            "ag.triage needs the flight recorder, which keeps the failed step's batch: attach "
+            "without flight_recorder=False / on_spike=None"
+        )
     if recorder is None:
         how = _HOW.get(framework, "ag.watch(..., signatures=True)")
         raise ValueError(
