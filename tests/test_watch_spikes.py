@@ -86,8 +86,8 @@ def _spikes(handle) -> list[int]:
 
 @pytest.mark.parametrize(
     ("scaled", "fused"),
-    [(True, False), (True, True), (False, False)],
-    ids=["scaler", "fused", "bf16"],
+    [(True, False), (True, True), (False, False), (False, True)],
+    ids=["scaler", "fused", "bf16", "bf16-fused"],
 )
 def test_skip_keeps_the_spiked_step_out_of_the_weights(tmp_path, scaled, fused) -> None:
     handle, weights = _loop(tmp_path / "run", scaled=scaled, fused=fused, on_spike="skip")
@@ -183,6 +183,27 @@ def test_the_recorder_adds_no_host_sync_per_step(tmp_path) -> None:
         return counter.count
 
     assert run(on_spike="skip") == run(flight_recorder=False, on_spike=None)
+
+
+def test_a_fused_optimizer_without_scaler_skips_on_the_device(tmp_path) -> None:
+    """Without a scaler a fused optimizer gets the spike flag as its found_inf: no host sync."""
+    from ampguard.testing import SyncCounter
+
+    counts = {}
+    for name, kw in (("skip", {"on_spike": "skip"}), ("off", {"flight_recorder": False})):
+        model = model_of()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        tel = Telemetry(tmp_path / name, flush_every=1000)
+        with ag.watch(None, model, opt, tel, precision="fp32", **kw) as handle:
+            for step in range(1, 20):
+                loss = loss_fn(model, batch_of(step, None))
+                handle.record_loss(loss)
+                loss.backward()
+                with SyncCounter() as counter:
+                    opt.step()
+                opt.zero_grad()
+        counts[name] = counter.count
+    assert counts["skip"] == counts["off"] == 0
 
 
 def test_triage_needs_signatures_and_batches_and_says_which(tmp_path) -> None:

@@ -14,7 +14,10 @@ already consults:
 * **no scaler** (bf16/fp32): the optimizer's ``step`` is wrapped on the instance
   (:func:`wrap_step`); the wrapper reads the window's flag on the host (one host sync per
   optimizer step, the one ``Guard.step()`` makes there too) and does not call the step when it
-  is set. A closure (Lightning runs forward and backward inside ``optimizer.step(closure)``) is
+  is set. A fused optimizer (``AdamW(fused=True)``...) is stepped with the flag as its
+  ``found_inf`` instead, as ``GradScaler`` hands it one: its kernel skips on the device, no host
+  sync (the framework then sees a step it cannot tell was skipped, as for fused overflows).
+  A closure (Lightning runs forward and backward inside ``optimizer.step(closure)``) is
   evaluated first, once, and handed to the step as its result, so optimizers that evaluate their
   closure once (SGD, Adam, AdamW...) step exactly as before; ``torch.optim.LBFGS``, which calls
   it repeatedly, is not wrapped (its spikes warn).
@@ -78,10 +81,13 @@ def wrap_step(
     optimizer: torch.optim.Optimizer,
     skip: Callable[[], bool],
     skipped: Callable[[], None],
+    flag: Callable[[], torch.Tensor | None],
 ) -> Callable[[], None]:
-    """Wrap ``optimizer.step`` on the instance: ``skip()`` (after a closure ran) says whether
-    this step is left out, then ``skipped()`` records it. Returns the undo (the instance's
+    """Wrap ``optimizer.step`` on the instance: ``skip()`` (after a closure ran; a host read)
+    says whether this step is left out, then ``skipped()`` records it; a fused optimizer gets
+    ``flag()`` (the device flag) as its ``found_inf`` instead. Returns the undo (the instance's
     previous ``step`` attribute comes back: an LR scheduler's wrapper stays)."""
+    fused = is_fused(optimizer)
     previous = optimizer.__dict__.get("step", _MISSING)
     original: Callable[..., Any] = optimizer.step
 
@@ -95,12 +101,24 @@ def wrap_step(
         if closure is not None:  # forward and backward run here (Lightning)
             with torch.enable_grad():
                 loss = closure()
+        run = (
+            (lambda: original(*args, **kwargs))
+            if closure is None
+            else (lambda: original(lambda: loss, *args, **kwargs))
+        )
+        if fused:  # the kernel skips on found_inf, on the device (GradScaler's contract)
+            found = flag()
+            if found is None or getattr(optimizer, "found_inf", None) is not None:
+                return run()
+            optimizer.found_inf = found  # type: ignore[attr-defined]
+            try:
+                return run()
+            finally:
+                del optimizer.found_inf  # type: ignore[attr-defined]
         if skip():
             skipped()
             return loss
-        if closure is None:
-            return original(*args, **kwargs)
-        return original(lambda: loss, *args, **kwargs)
+        return run()
 
     functools.update_wrapper(step, original)  # keeps an LR scheduler's mark on the step
     optimizer.__dict__["step"] = step
@@ -143,6 +161,12 @@ class SkipSteps:
         assert self.recorder is not None
         self.recorder.begin(self._done + 1)
         return not self._closed and self.recorder.decide(self._done + 1)
+
+    def _flag_now(self) -> torch.Tensor | None:
+        """The device flag that skips this scaler-free step (a fused optimizer's found_inf)."""
+        assert self.recorder is not None
+        self.recorder.begin(self._done + 1)
+        return None if self._closed else self.recorder.skip_flag(self._done + 1)
 
     def _skipped(self) -> None:
         """The scaler-free step was skipped for the spike: record it (its post-hook won't)."""

@@ -234,7 +234,7 @@ class Watch(TriageSurface, SkipSteps, UpdateProbes):
         self._skipped_window = 0
         if watched is None and self.recorder is not None and self.recorder.acts:
             for opt in self.optimizers:  # bf16/fp32: the step is skipped in Python
-                self.on_close(_skip.wrap_step(opt, self._decide, self._skipped))
+                self.on_close(_skip.wrap_step(opt, self._decide, self._skipped, self._flag_now))
         if watched is not None:
             watched.attach(self, {id(o) for o in self.optimizers})
         else:
