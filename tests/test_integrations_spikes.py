@@ -273,3 +273,15 @@ def test_accelerate_triage_says_the_loop_must_hand_it_the_batch(tmp_path) -> Non
         handle, *_ = _accelerate_run(tmp_path, spike=None, signatures=True)
     with pytest.raises(ValueError, match=r"accelerate does not hand it.*handle.record_batch"):
         ag.triage(handle)
+
+
+@pytest.mark.parametrize("module", ["transformers", "lightning"])
+def test_callback_options_get_the_guards_errors_when_made(module) -> None:
+    pytest.importorskip(module)
+    import importlib
+
+    callback = importlib.import_module(f"ampguard.integrations.{module}").AmpGuardCallback
+    with pytest.raises(ValueError, match="on_spike must be None, 'warn', 'skip'"):
+        callback(on_spike="sometimes")
+    with pytest.raises(ValueError, match="flight_recorder must be a number of windows"):
+        callback(flight_recorder=1)

@@ -44,8 +44,9 @@ class WatchingCallback:
     ) -> None:
         check_bool("report", report)
         #: the flight recorder, spike policy and triage options, as in :func:`ampguard.watch`
-        self.recorder = RecorderOptions(flight_recorder, on_spike, snapshot_every, signatures)
-        self.recorder.validate()
+        options = RecorderOptions(flight_recorder, on_spike, snapshot_every, signatures)
+        options.validate()
+        self.recorder_options = options
         self.telemetry = telemetry
         self.report = report
         self.policy = AttachPolicy(

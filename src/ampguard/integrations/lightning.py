@@ -110,7 +110,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.watch is not None and self.recorder.signatures:  # for ampguard.triage
+        if self.watch is not None and self.recorder_options.signatures:  # for ampguard.triage
             self.watch.record_batch(batch, lightning_loss)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -137,7 +137,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
             policy=self.policy,
             framework="lightning",
             grads_from_optimizer_hooks=False,
-            recorder=self.recorder,
+            recorder=self.recorder_options,
             requested_precision=(
                 None
                 if self.requested_precision is None

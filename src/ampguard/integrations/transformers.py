@@ -84,14 +84,14 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             policy=self.policy,
             framework="transformers",
             requested_precision=_trainer_request(args),
-            recorder=self.recorder,
+            recorder=self.recorder_options,
         )
         if note is not None:
             self.watch.add_finding(note)
         observe_skip_flags(self.watch, optimizer)
         if self.watch.scaler is None:
             self._loss_hook = model.register_forward_hook(self._record_output_loss)
-        if self.recorder.signatures:  # ampguard.triage replays model(**batch).loss
+        if self.recorder_options.signatures:  # ampguard.triage replays model(**batch).loss
             self._batch_hook = model.register_forward_pre_hook(self._keep_batch, with_kwargs=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
