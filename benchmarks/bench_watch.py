@@ -4,7 +4,10 @@ Run: ``python benchmarks/bench_watch.py [--rounds 15] [--steps 50] [--quick]``. 
 its own copy of the same MLP in fp16 autocast on the CPU, in one process; rounds are interleaved
 (bare, watched, bare, ...) and each loop's median step time is divided by its bare twin's. Rows:
 plain (foreach) AdamW and fused AdamW, each with ``ag.watch`` and a default ``ag.Telemetry``
-(grad stats every 10 steps, range stats every 100, flush every 100). Host syncs per step are
+(grad stats every 10 steps, range stats every 100, flush every 100): with the flight recorder
+and spike detector (the default, ``on_spike="warn"``), without them (``flight_recorder=False,
+on_spike=None``), and with ``on_spike="skip"`` (the flag folded into the GradScaler's
+``found_inf``). Host syncs per step are
 counted with a TorchDispatchMode on ``aten._local_scalar_dense`` (plus ``Tensor.tolist``).
 """
 
@@ -16,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,14 +30,20 @@ import ampguard as ag  # noqa: E402
 
 
 def loop(
-    width: int, depth: int, fused: bool, run_dir: Path | None, x: torch.Tensor, y: torch.Tensor
+    width: int,
+    depth: int,
+    fused: bool,
+    run_dir: Path | None,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    **options: Any,
 ) -> Callable[[], None]:
     """One training step of the user's loop; under ag.watch when ``run_dir`` is given."""
     model = mlp(width, depth, torch.nn.GELU)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     scaler = torch.amp.GradScaler("cpu")
     if run_dir is not None:
-        ag.watch(scaler, model, opt, telemetry=run_dir)
+        ag.watch(scaler, model, opt, telemetry=run_dir, **options)
     return partial(bare_step, model, opt, scaler, x, y)
 
 
@@ -51,25 +61,35 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="ampguard-bench-watch-"))
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 8)
     loops: dict[str, Callable[[], None]] = {}
+    variants = {
+        "watch": {},
+        "no recorder": {"flight_recorder": False, "on_spike": None},
+        "skip": {"on_spike": "skip"},
+    }
     for kind, fused in (("plain", False), ("fused", True)):
         loops[f"bare {kind}"] = loop(args.width, args.depth, fused, None, x, y)
-        loops[f"watch {kind}"] = loop(args.width, args.depth, fused, root / kind, x, y)
+        for name, options in variants.items():
+            folder = root / f"{kind}-{name.replace(' ', '-')}"
+            loops[f"{name} {kind}"] = loop(args.width, args.depth, fused, folder, x, y, **options)
     med = interleaved_medians(loops, rounds, steps, warmup=steps)  # warm-up: first flush too
     print(
         f"MLP width {args.width} depth {args.depth} batch {args.batch}, fp16 autocast on CPU; "
         f"{rounds} interleaved rounds x {steps} steps, median"
     )
     for kind in ("plain", "fused"):
-        bare, watched = med[f"bare {kind}"], med[f"watch {kind}"]
+        bare = med[f"bare {kind}"]
         n = 200
         b = syncs_per_step(loops[f"bare {kind}"], n)
-        w = syncs_per_step(loops[f"watch {kind}"], n)
-        extra = sum(wi - bi for wi, bi in zip(w, b, strict=True))
-        print(
-            f"  {kind:5s} AdamW: bare {bare * 1e3:.2f} ms/step, watch {watched * 1e3:.2f} "
-            f"ms/step, ratio {watched / bare:.3f}x; host syncs/step bare {sum(b) / n:.2f}, "
-            f"watch {sum(w) / n:.2f} (extra syncs over {n} steps: {extra}, at flushes)"
-        )
+        for name in variants:
+            watched = med[f"{name} {kind}"]
+            w = syncs_per_step(loops[f"{name} {kind}"], n)
+            extra = sum(wi - bi for wi, bi in zip(w, b, strict=True))
+            print(
+                f"  {kind:5s} AdamW, {name:11s}: bare {bare * 1e3:.2f} ms/step, watched "
+                f"{watched * 1e3:.2f} ms/step, ratio {watched / bare:.3f}x; host syncs/step bare "
+                f"{sum(b) / n:.2f}, watched {sum(w) / n:.2f} (extra over {n} steps: {extra}, "
+                "at flushes)"
+            )
     return 0
 
 

@@ -15,7 +15,10 @@ skips without a scale; ``_state`` the versioned state dict (check everything, th
 ``auto_fallback`` / ``coverage_step`` around the step; ``_spikes`` the flight recorder and
 ``on_spike`` (over :mod:`ampguard.replay`), ``_recorder`` its dumps into the run folder and
 ``_autopsy`` ``ampguard.autopsy``, the counterfactual replay of a loss spike (its replays and
-interventions in ``_replay_run``).
+interventions in ``_replay_run``). Attach mode (``ampguard.integrations``) keeps the same
+flight recorder and spike policy on a loop it watches: ``check_flight_recorder`` /
+``attach_flight_recorder`` and ``check_signatures`` / ``attach_signatures`` are the Guard's own
+argument checks and factories, public for it.
 
 >>> guard = Guard(model, optimizer, precision="fp16", clip_grad_norm=1.0)
 >>> for x, y in data:
@@ -28,5 +31,23 @@ interventions in ``_replay_run``).
 from ampguard.core.results import StepResult
 from ampguard.guard._autopsy import SpikeDiagnosis, autopsy
 from ampguard.guard._guard import Guard
+from ampguard.guard._signatures import attach as attach_signatures
+from ampguard.guard._signatures import check as check_signatures
+from ampguard.guard._spikes import DEFAULT_CAPACITY, DEFAULT_SNAPSHOT_EVERY, SpikeConfig, SpikeWatch
+from ampguard.guard._spikes import attach as attach_flight_recorder
+from ampguard.guard._spikes import check as check_flight_recorder
 
-__all__ = ["Guard", "SpikeDiagnosis", "StepResult", "autopsy"]
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "DEFAULT_SNAPSHOT_EVERY",
+    "Guard",
+    "SpikeConfig",
+    "SpikeDiagnosis",
+    "SpikeWatch",
+    "StepResult",
+    "attach_flight_recorder",
+    "attach_signatures",
+    "autopsy",
+    "check_flight_recorder",
+    "check_signatures",
+]

@@ -7,8 +7,10 @@ from typing import Any
 
 from ampguard._util.checks import check_bool
 from ampguard.findings import Finding
+from ampguard.guard import DEFAULT_CAPACITY
 from ampguard.integrations._finish import close_and_report
 from ampguard.integrations._policy import AttachPolicy
+from ampguard.integrations._recorder import RecorderOptions
 from ampguard.integrations.watch import Watch
 
 __all__ = ["WatchingCallback"]
@@ -20,6 +22,9 @@ class WatchingCallback:
 
     The framework class attaches ``self.watch`` when training starts and calls ``_close()`` when
     it ends; ``_detach()`` is where it removes hooks of its own before the watch closes.
+    Options as in :func:`ampguard.watch`: the guard features (fp16 only), ``flight_recorder``,
+    ``on_spike``, ``snapshot_every`` and ``signatures`` (the framework hands the batch to
+    ``ampguard.triage`` itself).
     """
 
     def __init__(
@@ -32,8 +37,16 @@ class WatchingCallback:
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
         on_collapse: str = "warn",
+        flight_recorder: int | bool = DEFAULT_CAPACITY,
+        on_spike: str | None = "warn",
+        snapshot_every: int | None = None,
+        signatures: bool | int = False,
     ) -> None:
         check_bool("report", report)
+        #: the flight recorder, spike policy and triage options, as in :func:`ampguard.watch`
+        options = RecorderOptions(flight_recorder, on_spike, snapshot_every, signatures)
+        options.validate()
+        self.recorder_options = options
         self.telemetry = telemetry
         self.report = report
         self.policy = AttachPolicy(

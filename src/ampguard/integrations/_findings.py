@@ -35,6 +35,9 @@ def attach_findings(watch: Any) -> list[Finding]:
         watch, "emas", ()
     ):  # AG175: EMA / teacher weights the optimizer does not own
         out.extend(ema.findings())
+    recorder = getattr(watch, "recorder", None)
+    if recorder is not None:  # AG180: loss spikes (the Guard's flight recorder)
+        out.extend(recorder.findings())
     return out
 
 

@@ -92,6 +92,12 @@ class ScalerListener(Protocol):
         """The step is over (applied or skipped) and the scale updated."""
         ...
 
+    def on_scaler_step(self, optimizer: Any) -> torch.Tensor | None:
+        """The scaler is about to step ``optimizer`` (its gradients final): a 0-dim device
+        flag that makes it skip the step (a loss spike, ``on_spike="skip"``), or None. A scaler
+        that can skip (:attr:`WatchableScaler.cannot_skip` is None) asks; others never do."""
+        ...
+
 
 @runtime_checkable
 class WatchableScaler(Protocol):
@@ -117,6 +123,10 @@ class WatchableScaler(Protocol):
     def correctable(self) -> bool:
         """The attach-mode floor, cap and hysteresis can act on it (:meth:`guard_tensors`)."""
         ...
+
+    # Optional (read with getattr; absent means "cannot"): ``cannot_skip``, None where the
+    # scaler skips a step on :meth:`ScalerListener.on_scaler_step`'s flag, else a sentence
+    # saying why it cannot (``on_spike="skip"`` then warns, naming it).
 
     def scale(self) -> torch.Tensor | float:
         """The scale now: a device tensor updated in place, or a host float. No sync."""

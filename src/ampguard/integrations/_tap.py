@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ampguard.integrations import _skip
 from ampguard.integrations._seam import NOT_MINE, ScalerListener, StepOutcome
 
 __all__ = [
@@ -52,6 +53,7 @@ class TorchScaler:
 
     correctable = True  # floor, cap and hysteresis correct _scale / _growth_tracker in place
     scaled = True
+    cannot_skip = None  # a loss spike is folded into the scaler's found_inf (integrations._skip)
 
     def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
@@ -133,6 +135,7 @@ class ScalerTap:
         self.watched = watched
         self.active = True
         self._seen: set[int] = set()  # optimizers whose gradients were observed this iteration
+        self._folded: list[Any] = []  # spike flags added to found_inf this iteration (_skip)
         self._originals = {m: getattr(scaler, m) for m in _METHODS}
         self._installed: dict[str, Callable[..., Any]] = {}
         for name, wrapper in (
@@ -166,11 +169,33 @@ class ScalerTap:
 
     def _step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         self._observe(optimizer)
-        return self._originals["step"](optimizer, *args, **kwargs)
+        flag = self._spike(optimizer)
+        if flag is None:
+            return self._originals["step"](optimizer, *args, **kwargs)
+        folded = _skip.fold(self.scaler, optimizer, flag)  # the scaler skips it like an overflow
+        try:
+            return self._originals["step"](optimizer, *args, **kwargs)
+        finally:
+            if isinstance(folded, tuple):
+                self._folded.append(folded)  # taken out before update(): the scale stays
+            else:
+                _skip.unfold(folded)
+
+    def _spike(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The listener's flag that skips this step (a loss spike), or None."""
+        ask = getattr(self.listener, "on_scaler_step", None)
+        if not (self.active and self.scaler.is_enabled() and callable(ask)):
+            return None
+        if id(optimizer) not in self.watched or scaler_stage(self.scaler, optimizer) == "STEPPED":
+            return None
+        flag: torch.Tensor | None = ask(optimizer)
+        return flag
 
     def _update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not (self.active and self.scaler.is_enabled()) or self.scaler._scale is None:
             return self._originals["update"](new_scale)  # torch raises its own error if unused
+        while self._folded:  # a spike skipped a step: the scale moves on the overflow alone
+            _skip.unfold(self._folded.pop())
         states = self.scaler._per_optimizer_states
         # torch adds the found_inf tensors up *in place* into the first one, so read them first.
         per_opt = {

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 
 from ampguard import precisions
+from ampguard.guard import DEFAULT_CAPACITY
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
 from ampguard.integrations._policy import AttachPolicy
+from ampguard.integrations._recorder import RecorderOptions
 from ampguard.integrations.watch import Watch
 
 require("accelerate", "ampguard.integrations.accelerate")
@@ -54,6 +56,10 @@ def watch_accelerator(
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
     on_collapse: str = "warn",
+    flight_recorder: int | bool = DEFAULT_CAPACITY,
+    on_spike: str | None = "warn",
+    snapshot_every: int | None = None,
+    signatures: bool | int = False,
 ) -> Watch:
     """Attach ampguard to a prepared Accelerate loop; return the :class:`Watch` handle.
 
@@ -61,7 +67,12 @@ def watch_accelerator(
     Records the scale and skips from ``accelerator.scaler`` under fp16, or every optimizer step
     under bf16/fp32, the loss given to ``accelerator.backward`` (before its division by the
     accumulation steps) and the unscaled gradient statistics. Guard options as in
-    :func:`ampguard.watch` (fp16 only). Cost: as :func:`ampguard.watch`.
+    :func:`ampguard.watch` (fp16 only). ``flight_recorder``, ``on_spike``, ``snapshot_every``,
+    ``signatures`` as in :func:`ampguard.watch`: a spike is skipped through
+    ``accelerator.scaler`` (fp16) or the optimizer's step (bf16/fp32); either way
+    ``optimizer_step_was_skipped`` is True for it, so a prepared scheduler does not advance.
+    ``ampguard.triage(handle)`` needs the loop to hand each batch to ``handle.record_batch``.
+    Cost: as :func:`ampguard.watch`.
     """
     if not hasattr(accelerator, "backward") or not hasattr(accelerator, "mixed_precision"):
         raise TypeError(
@@ -84,6 +95,7 @@ def watch_accelerator(
         loss_from_scaler=False,
         policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
         requested_precision=requested_precision(accelerator.mixed_precision),
+        recorder=RecorderOptions(flight_recorder, on_spike, snapshot_every, signatures),
     )
     if note is not None:
         handle.add_finding(note)
@@ -148,9 +160,12 @@ def observe_skip_flags(handle: Watch, optimizer: Any) -> None:
     """
     opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in opts:
-        if not isinstance(opt, AcceleratedOptimizer) or opt.scaler is None:
-            continue  # without a scaler Accelerate never reports a skip
-        _wrap_step(handle, opt)
+        if not isinstance(opt, AcceleratedOptimizer):
+            continue
+        if opt.scaler is not None:
+            _wrap_step(handle, opt)
+        elif handle.recorder is not None and handle.recorder.acts:
+            _report_spike_skips(handle, opt)  # without a scaler Accelerate reports no skip
 
 
 def _wrap_step(handle: Watch, opt: AcceleratedOptimizer) -> None:
@@ -161,6 +176,21 @@ def _wrap_step(handle: Watch, opt: AcceleratedOptimizer) -> None:
         result = original(*args, **kwargs)
         if handle.steps != before:  # a real step (not an accumulation micro-batch)
             handle.note_framework_skip(opt.step_was_skipped)
+        return result
+
+    opt.__dict__["step"] = step
+    handle.on_close(lambda: opt.__dict__.get("step") is step and opt.__dict__.pop("step"))
+
+
+def _report_spike_skips(handle: Watch, opt: AcceleratedOptimizer) -> None:
+    """Without a scaler, a step ampguard skipped for a loss spike (``on_spike="skip"``) is
+    reported as skipped by ``step_was_skipped`` (Accelerate's own flag, which it sets only from
+    its GradScaler), so a prepared scheduler (and the HF Trainer's) does not advance on it."""
+    original = opt.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        opt._is_overflow = handle.spike_skipped_last
         return result
 
     opt.__dict__["step"] = step

@@ -45,9 +45,12 @@ from typing import Any
 import torch
 
 from ampguard import precisions
+from ampguard.guard import DEFAULT_CAPACITY
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._extras import require
+from ampguard.integrations._recorder import RecorderOptions
 from ampguard.integrations._seam import NOT_MINE, ScalerListener, StepOutcome
+from ampguard.integrations._skip import CANNOT_SKIP
 from ampguard.integrations.watch import Watch
 
 require("deepspeed", "ampguard.integrations.deepspeed")
@@ -66,7 +69,13 @@ __all__ = ["watch", "EngineScaler", "LossScalerWatch", "engine_precision", "watc
 _MARK = "__ampguard_deepspeed__"
 
 
-def watch(engine: Any, telemetry: Any) -> Watch:
+def watch(
+    engine: Any,
+    telemetry: Any,
+    *,
+    flight_recorder: int | bool = DEFAULT_CAPACITY,
+    on_spike: str | None = "warn",
+) -> Watch:
     """Attach ampguard to a ``DeepSpeedEngine``; return the :class:`~ampguard.integrations.watch.
     Watch` handle (``findings()``, ``report()``, ``close()``; a context manager).
 
@@ -76,7 +85,11 @@ def watch(engine: Any, telemetry: Any) -> Watch:
     ``param.grad`` when backward ends: ZeRO stages 0 and 1, and stage 2 where DeepSpeed leaves
     them there; stage 3 partitions the parameters themselves, so it records no per-layer
     statistics. At every stage the scale, the skips, the loss and the engine's grad norm are
-    recorded. Cost: as :func:`ampguard.watch`.
+    recorded. ``flight_recorder`` and ``on_spike`` as in :func:`ampguard.watch`: spikes are
+    detected, recorded (AG180) and dumped, but ``engine.step()`` owns the update, so
+    ``on_spike="skip"`` / ``"rewind"`` / ``"raise"`` warn once and then act as ``"warn"``;
+    ``ampguard.triage`` is not available (the engine owns the forward). Cost: as
+    :func:`ampguard.watch`.
     """
     if not isinstance(engine, DeepSpeedEngine):
         raise TypeError(
@@ -96,6 +109,7 @@ def watch(engine: Any, telemetry: Any) -> Watch:
         loss_from_scaler=True,
         requested_precision=precision,
         clip_grad_norm=float(engine.gradient_clipping() or 0.0) or None,  # the engine clips
+        recorder=RecorderOptions(flight_recorder, on_spike),
     )
 
 
@@ -187,6 +201,10 @@ class LossScalerWatch:
 
     scaled = True
     correctable = False
+    cannot_skip = (
+        "the loop steps its optimizer itself after DeepSpeed's update_scale(overflow), with no "
+        "flag ampguard can set"
+    )
 
     def __init__(self, loss_scaler: Any) -> None:
         self.loss_scaler = loss_scaler
@@ -249,6 +267,7 @@ class EngineScaler:
     """
 
     correctable = False
+    cannot_skip = CANNOT_SKIP["deepspeed"]
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -29,6 +29,7 @@ from ampguard import precisions
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
+from ampguard.integrations._triage import lightning_loss
 from ampguard.integrations.watch import Watch
 
 require("lightning", "ampguard.integrations.lightning")
@@ -60,7 +61,11 @@ class AmpGuardCallback(WatchingCallback, Callback):
     (needs matplotlib). ``precision``: the ``precision`` given to the Trainer; Lightning replaces
     ``"16-mixed"`` by ``"bf16-mixed"`` on CPU without keeping the request, so only with it can
     ampguard report that switch (AG122). Guard options as in :func:`ampguard.watch` (16-mixed
-    only). After the fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
+    only). ``flight_recorder``, ``on_spike``, ``snapshot_every``, ``signatures`` as in
+    :func:`ampguard.watch`: a spike is skipped through the plugin's GradScaler (16-mixed) or the
+    optimizer's step (bf16/32; the closure is run first); Lightning still steps its LR
+    schedulers. ``ampguard.triage(callback.watch)`` replays ``training_step(batch, 0)``.
+    After the fit, ``findings()`` returns the run's findings and ``run_dir`` its folder.
     """
 
     def __init__(
@@ -102,7 +107,15 @@ class AmpGuardCallback(WatchingCallback, Callback):
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()
 
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.watch is not None and self.recorder_options.signatures:  # for ampguard.triage
+            self.watch.record_batch(batch, lightning_loss)
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.watch is not None and self.watch.recorder is not None:
+            self.watch.recorder.on_error(exception)  # the flight recorder dumps its ring
         self._close()  # keep what was recorded up to the failure
 
     # ------------------------------------------------------------------ helpers
@@ -124,6 +137,7 @@ class AmpGuardCallback(WatchingCallback, Callback):
             policy=self.policy,
             framework="lightning",
             grads_from_optimizer_hooks=False,
+            recorder=self.recorder_options,
             requested_precision=(
                 None
                 if self.requested_precision is None

@@ -24,6 +24,7 @@ from ampguard.findings import Finding
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
+from ampguard.integrations._triage import hf_loss
 from ampguard.integrations.watch import Watch
 
 require("transformers", "ampguard.integrations.transformers")
@@ -41,10 +42,15 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
     ``<output_dir>/ampguard``. ``report``: write ``report.html`` when training ends (needs
     matplotlib). Guard options (``min_scale``, ``max_scale``, ``hysteresis``,
     ``consecutive_hysteresis``, ``on_collapse``) as in :func:`ampguard.watch`, fp16 only.
+    ``flight_recorder``, ``on_spike``, ``snapshot_every``, ``signatures`` as in
+    :func:`ampguard.watch`: a spike is skipped through the GradScaler (fp16; the LR scheduler
+    does not advance) or the optimizer's step (bf16/fp32), and ``ampguard.triage(callback.watch)``
+    replays ``model(**batch).loss`` from the batch the Trainer gave the model.
     After training, ``findings()`` returns the run's findings and ``run_dir`` its folder.
     """
 
     _loss_hook: Any = None  # the forward hook taking the loss when there is no scaler
+    _batch_hook: Any = None  # the forward pre-hook keeping the batch for ampguard.triage
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(
@@ -78,12 +84,15 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             policy=self.policy,
             framework="transformers",
             requested_precision=_trainer_request(args),
+            recorder=self.recorder_options,
         )
         if note is not None:
             self.watch.add_finding(note)
         observe_skip_flags(self.watch, optimizer)
         if self.watch.scaler is None:
             self._loss_hook = model.register_forward_hook(self._record_output_loss)
+        if self.recorder_options.signatures:  # ampguard.triage replays model(**batch).loss
+            self._batch_hook = model.register_forward_pre_hook(self._keep_batch, with_kwargs=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
@@ -96,10 +105,16 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.watch.record_loss(loss)
 
+    def _keep_batch(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        # Trainer.training_step calls model(**inputs): the batch is the keyword arguments
+        if module.training and self.watch is not None and not args:
+            self.watch.record_batch(dict(kwargs), hf_loss)
+
     def _detach(self) -> None:
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
+        for hook in (self._loss_hook, self._batch_hook):
+            if hook is not None:
+                hook.remove()
+        self._loss_hook = self._batch_hook = None
 
 
 # TrainingArguments' precision flags -> ampguard's precisions (checked against the registry)

@@ -31,7 +31,6 @@ integration with its own scaler implements the protocol in its own file.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -44,19 +43,30 @@ from ampguard import telemetry as _telemetry
 from ampguard._util.stack import user_stacklevel
 from ampguard.core import results
 from ampguard.core.ema import as_watches
-from ampguard.core.policy import device_of
 from ampguard.core.scaler import ScaleCollapseError
 from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
-from ampguard.integrations import _findings, _seam
+from ampguard.guard import DEFAULT_CAPACITY, attach_signatures, check_signatures
+from ampguard.integrations import _findings, _seam, _skip
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
-from ampguard.integrations._optim import as_optimizer_list, params_of
+from ampguard.integrations._optim import as_optimizer_list
 from ampguard.integrations._policy import AttachPolicy, PolicyState
-from ampguard.integrations._seam import ScalerInfo, ScaleView, StepOutcome, WatchableScaler
+from ampguard.integrations._probes import UpdateProbes
+from ampguard.integrations._recorder import AttachRecorder, RecorderOptions, spike_config
+from ampguard.integrations._seam import StepOutcome, WatchableScaler
+from ampguard.integrations._skip import SkipSteps
+from ampguard.integrations._source import (
+    PRECISIONS,
+    WatchSource,
+    as_tensor,
+    refuse_engine,
+    resolve_precision,
+    resolve_telemetry,
+    warn_no_scaler,
+)
+from ampguard.integrations._triage import TriageSurface
 
 __all__ = ["watch", "Watch", "WatchSource", "PRECISIONS"]
-
-PRECISIONS = precisions.names(watchable=True)
 
 
 def watch(
@@ -72,6 +82,10 @@ def watch(
     consecutive_hysteresis: bool = False,
     on_collapse: str = "warn",
     ema: Any = None,
+    flight_recorder: int | bool = DEFAULT_CAPACITY,
+    on_spike: str | None = "warn",
+    snapshot_every: int | None = None,
+    signatures: bool | int = False,
 ) -> Watch:
     """Observe a loop that calls ``scaler.scale/step/update`` itself; return a :class:`Watch`.
 
@@ -93,6 +107,17 @@ def watch(
     updated anywhere in the loop: their lost updates are measured between the first optimizer's
     steps (AG175 naming ``ema.*`` layers; see :mod:`ampguard.core.ema`).
 
+    The Guard's flight recorder and loss-spike detection (``docs/spikes.md``), sync-free:
+    ``flight_recorder`` (windows the device ring keeps; False: none), ``on_spike``
+    (``"warn"``, ``"skip"``, ``"rewind"``, ``"raise"`` or None, checked as the Guard checks
+    them; a GradScaler's step or a scaler-free optimizer's step is skipped, see
+    :mod:`ampguard.integrations._skip`; ``"rewind"`` skips: attach mode cannot rewind),
+    ``snapshot_every`` (None: no snapshots; N: the Guard's in-memory snapshots every N steps,
+    for ``ampguard.triage`` of a step before the last) and ``signatures`` (the Guard's
+    ``signatures=``, for ``ampguard.triage(handle)``; hand each batch to
+    :meth:`Watch.record_batch`). A spike or non-finite step dumps the ring into
+    ``RUN_DIR/flight_recorder`` (``ampguard postmortem RUN_DIR``).
+
     Without a scaler the gradients are sampled when each backward pass ends (before the loop
     clips them: the recorded norm is the unscaled total norm before clipping, as with a scaler),
     and every step's gradients are checked for NaN/inf (recorded, never changed: the loop's step
@@ -102,7 +127,7 @@ def watch(
     except the telemetry flush every ``flush_every`` steps. Without a scaler: one multi-tensor
     finiteness check per step and a cheap hook call per parameter per backward pass.
     """
-    _refuse_engine(scaler, model, optimizer)
+    refuse_engine(scaler, model, optimizer)
     return Watch(
         scaler,
         model,
@@ -111,25 +136,11 @@ def watch(
         precision=precision,
         policy=AttachPolicy(min_scale, max_scale, hysteresis, consecutive_hysteresis, on_collapse),
         ema=ema,
+        recorder=RecorderOptions(flight_recorder, on_spike, snapshot_every, signatures),
     )
 
 
-def _refuse_engine(*given: Any) -> None:
-    """A DeepSpeed engine has its own entry point: it reads the engine's precision, scale and
-    skips (checked by class name: this module never imports DeepSpeed)."""
-    for obj in given:
-        if any(
-            c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
-            for c in type(obj).__mro__
-        ):
-            raise TypeError(
-                "ag.watch was given a DeepSpeedEngine: use "
-                "ampguard.integrations.deepspeed.watch(engine, telemetry=...), which reads the "
-                "engine's precision, loss scale, skips and grad norm"
-            )
-
-
-class Watch:
+class Watch(TriageSurface, SkipSteps, UpdateProbes):
     """Handle returned by :func:`watch`: ``findings()``, ``report()``, ``close()``; a context
     manager (``close`` on exit).
 
@@ -151,6 +162,7 @@ class Watch:
         requested_precision: str | None = None,
         ema: Any = None,
         clip_grad_norm: float | None = None,
+        recorder: RecorderOptions | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,9 +173,9 @@ class Watch:
         self.policy = policy or AttachPolicy()
         self.framework = framework
         enabled = watched is not None and watched.scaled
-        self.precision = _resolve_precision(precision, enabled, requested_precision is not None)
+        self.precision = resolve_precision(precision, enabled, requested_precision is not None)
         if precisions.REGISTRY[self.precision].needs_scaler and not enabled:
-            _warn_no_scaler(framework)
+            warn_no_scaler(framework)
         if self.policy.active and not (watched is not None and enabled and watched.correctable):
             what = (
                 "this loop has none"
@@ -173,6 +185,10 @@ class Watch:
             raise ValueError(
                 f"min_scale, max_scale and hysteresis need an enabled GradScaler (fp16); {what}"
             )
+        options = recorder or RecorderOptions()
+        every = check_signatures(options.signatures)
+        cannot = _skip.cannot_skip(watched, self.optimizers)
+        config = spike_config(options, self.optimizers, framework or "this loop", cannot)
         #: the scaler handed to watch() while it scales the loss (None: no loss scale in use)
         self.scaler = scaler if enabled else None
         self._scaler: WatchableScaler | None = watched
@@ -195,7 +211,7 @@ class Watch:
         if requested_precision is not None:
             self.source.requested_precision = requested_precision
         self.source.clip_grad_norm = clip_grad_norm  # a framework that clips says at what norm
-        self.telemetry = _resolve_telemetry(telemetry)
+        self.telemetry = resolve_telemetry(telemetry)
         _telemetry.attach(self.telemetry, self.source)
         self._hooks: list[Any] = []
         self._notes: list[Finding] = []  # findings an integration adds (e.g. AG122)
@@ -206,6 +222,19 @@ class Watch:
         self._interventions = torch.zeros(3, dtype=torch.int64, device=dev)
         self._first_intervention = torch.zeros(3, dtype=torch.int64, device=dev)
         self._backward_end: BackwardEnd | None = None
+        #: the Guard's flight recorder and spike policy on this loop (None: both off)
+        scaled = self.source.loss_scaler is not None
+        self.recorder = (
+            None
+            if config is None
+            else AttachRecorder(config, model, self.optimizers, dev, self.telemetry, scaled)
+        )
+        self._signatures = attach_signatures(model, every, lambda: self._done)
+        self._batches = 0  # batches handed to record_batch (ampguard.triage replays them)
+        self._skipped_window = 0
+        if watched is None and self.recorder is not None and self.recorder.acts:
+            for opt in self.optimizers:  # bf16/fp32: the step is skipped in Python
+                self.on_close(_skip.wrap_step(opt, self._decide, self._skipped, self._flag_now))
         if watched is not None:
             watched.attach(self, {id(o) for o in self.optimizers})
         else:
@@ -263,6 +292,8 @@ class Watch:
             and loss.numel() == 1
         ):
             self.telemetry.on_backward(loss.detach())
+            if self.recorder is not None:
+                self.recorder.add_loss(loss)
 
     def findings(self) -> list[Finding]:
         """The AG1xx findings over the run so far (rules + attach mode); writes findings.json.
@@ -299,7 +330,11 @@ class Watch:
             self._backward_end.close()
         while self._on_close:
             self._on_close.pop()()
+        if self._signatures is not None:
+            self._signatures.remove()
         try:
+            if self.recorder is not None:
+                self.recorder.close()  # the last spikes warn; the SIGTERM handler goes
             self.telemetry.close()
             self._check_collapse(in_step=False)
             path = self._findings_path
@@ -347,6 +382,8 @@ class Watch:
     def observe_grads(self) -> None:
         """Sample the (unscaled) gradients of a scaler-free step once (an integration calls it
         where they are final). Cost: no host sync."""
+        if self._scaler is None and not self._closed and self.recorder is not None:
+            self.recorder.begin(self._done + 1)  # the window's gradients are final here
         if self._scaler is None and not self._closed and not self._grads_seen:
             self._grads_seen = True
             self.telemetry.on_grads(self._done + 1, False)
@@ -362,13 +399,25 @@ class Watch:
         """``scaler.scale(loss)`` was called with this (unscaled) loss."""
         if self._loss_from_scaler:
             self.telemetry.on_backward(loss)
+            if self.recorder is not None:
+                self.recorder.add_loss(loss)
 
     def on_scaler_grads(self, scaled: bool) -> None:
         """The gradients are final and not yet unscaled (``scaled``: they carry the scale)."""
+        view = self.source.loss_scaler
+        if self.recorder is not None:  # the window begins: detector, ring, gradient norms
+            self.recorder.begin(self._done + 1, view.inv_scale() if scaled and view else None)
         if self._grads_seen:
             return  # one gradient sample per step, taken before the first unscale
         self._grads_seen = True
         self.telemetry.on_grads(self._done + 1, scaled and self.source.loss_scaler is not None)
+
+    def on_scaler_step(self, optimizer: Any) -> torch.Tensor | None:
+        """The scaler is about to step ``optimizer``: the flag that skips it on a loss spike."""
+        if self.recorder is None:
+            return None
+        self.recorder.begin(self._done + 1)
+        return self.recorder.skip_flag(self._done + 1)
 
     def on_scaler_update(self, outcome: StepOutcome) -> None:
         """The step is over: record its flags (and, with guard features, correct the scale)."""
@@ -384,14 +433,19 @@ class Watch:
                 scale,
                 tracker,
                 before if isinstance(before, torch.Tensor) else scale.new_full((), before),
-                _as_tensor(outcome.found_all, scale.device),
+                as_tensor(outcome.found_all, scale.device),
             )
             status = results.add_collapse(
-                _as_tensor(status, scale.device), collapse, len(self.optimizers)
+                as_tensor(status, scale.device), collapse, len(self.optimizers)
             )
             self._count_interventions(kinds, step)
         norm = outcome.grad_norm
-        self._record_step(status, None if norm is None else _as_tensor(norm, self.source.device))
+        dev = self.source.device
+        self._record_step(
+            status,
+            None if norm is None else as_tensor(norm, dev),
+            as_tensor(outcome.scale_before, dev) if self.source.loss_scaler else None,
+        )
 
     def _status(self, outcome: StepOutcome) -> torch.Tensor | int:
         """The packed flags: on the device where the scaler's flags are device tensors, an int
@@ -402,7 +456,7 @@ class Watch:
         status: torch.Tensor | int
         if tensors:
             dev = tensors[0].device
-            status = results.pack([_as_tensor(f, dev) for f in found], None)
+            status = results.pack([as_tensor(f, dev) for f in found], None)
         else:
             status = sum(1 << i for i, f in enumerate(found) if f)
         if outcome.nonfinite is not None:
@@ -415,42 +469,6 @@ class Watch:
         first = self._first_intervention
         first.copy_(torch.where(kinds & (first == 0), step, first))
 
-    def _watch_stagnation(self, model: torch.nn.Module) -> StagnationProbe | None:
-        """Sample the first optimizer's low-precision weights around its step (AG175, as the
-        Guard does). Only that optimizer's: the window is its step, and another optimizer's
-        weights would not have moved yet. Cost: nothing unless its weights are bf16/fp16; then
-        a copy of them before a sampled step and a count after it, no host sync."""
-        primary = self.optimizers[0]
-        probe = StagnationProbe.of(model, params_of([primary]))
-        if probe is not None:
-            self._hooks += [
-                primary.register_step_pre_hook(self._before_update),
-                primary.register_step_post_hook(self._after_update),
-            ]
-        return probe
-
-    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # the window is fixed here: the step may be recorded (and counted) before _after_update
-        self._update_window = self._done + 1
-        if self._stagnation is not None and not self._closed:
-            self._stagnation.before(self._update_window)
-
-    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        probe, window = self._stagnation, self._update_window
-        if probe is not None and probe.sampling(window):
-            # a fused optimizer stepped by a GradScaler skips inside its kernel: GradScaler lends
-            # it its found_inf flag for the step (a skipped window adds nothing; no sync)
-            found = getattr(optimizer, "found_inf", None)
-            probe.after(window, found.bool() if isinstance(found, torch.Tensor) else False)
-
-    def _after_ema(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._ema_window += 1
-        found = getattr(optimizer, "found_inf", None)  # a fused step GradScaler skipped
-        for w in self.emas:
-            w.on_window(
-                self._ema_window, found.bool() if isinstance(found, torch.Tensor) else False
-            )
-
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._grads_from_hooks:
             self.observe_grads()
@@ -461,6 +479,8 @@ class Watch:
         if not self._closed:
             self._grads_seen = True
             self.telemetry.on_grads(self._done + 1, False)
+            if self.recorder is not None:
+                self.recorder.sample_grads()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._closed:
@@ -470,15 +490,26 @@ class Watch:
             self._record_step(results.observed(found, len(self.optimizers)))
 
     def _record_step(
-        self, status: torch.Tensor | int | None, grad_norm: torch.Tensor | None = None
+        self,
+        status: torch.Tensor | int | None,
+        grad_norm: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> None:
-        tel = self.telemetry
+        tel, window, rec = self.telemetry, self._done + 1, self.recorder
         flushes = tel.flushes
-        tel.on_step(self._done + 1, status, grad_norm)
+        if rec is not None and status is not None:
+            rec.begin(window)  # a window no earlier event began (no gradients seen)
+            bits = rec.status_bits(len(self.optimizers))
+            status = status if bits is None else bits + status
+        tel.on_step(window, status, grad_norm)
         self._done += 1
         self._grads_seen = False
+        if rec is not None:
+            rec.end(window, None if isinstance(status, int) or status is None else status, scale)
         if tel.flushes != flushes:
             self._check_collapse(in_step=True)
+            if rec is not None:
+                rec.settle()  # the flush read the device anyway: the spikes warn now
 
     # ------------------------------------------------------------------ collapse
     def _check_collapse(self, in_step: bool) -> None:
@@ -517,88 +548,3 @@ class Watch:
         merged = [f for f in rules_found if f.code not in codes] + own
         runlog.write_json_atomic(self._findings_path, [f.to_dict() for f in merged])
         return merged
-
-
-# ---------------------------------------------------------------------- the telemetry source
-class WatchSource:
-    """The :class:`ampguard.telemetry.source.TelemetrySource` of a watched loop: what
-    :class:`ampguard.Telemetry` reads about a loop that ampguard observes but does not run.
-
-    Fixed for the run (a watched loop has one precision and one scaler); the step numbers travel
-    with the telemetry hooks. Cost: one host sync when made (the scale at attach time).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizers: list[torch.optim.Optimizer],
-        scaler: WatchableScaler | None,
-        precision: str,
-        policy: AttachPolicy,
-        framework: str | None,
-    ) -> None:
-        self.model = model
-        self.optimizers = optimizers
-        own = scaler.grad_params() if scaler is not None else None
-        self.params = list(own) if own is not None else params_of(optimizers)
-        self.device = device_of(self.params)
-        self.precision = self.requested_precision = precision
-        self.loss_scaler = (
-            ScaleView(scaler, self.device) if scaler is not None and scaler.scaled else None
-        )
-        self.scaler_config = ScalerInfo(scaler, policy, framework)
-        self.accumulation_steps = 1  # the loop's own accumulation is invisible: one per step
-        self.clip_grad_norm: float | None = None
-        self.contain_nonfinite_microbatches = False
-
-
-def _resolve_precision(precision: str | None, scaled: bool, framework_knows: bool = False) -> str:
-    """The precision a watched loop computes in. ``framework_knows``: an integration that read
-    its framework's settings names it (e.g. fp32 under an enabled scaler when Accelerate's
-    autocast is off); a user's ``watch()`` call must agree with its scaler."""
-    if precision is None:
-        if not scaled:
-            raise ValueError(
-                "watch() without an enabled GradScaler needs precision='bf16' or "
-                "'fp32' (the loop's autocast dtype)"
-            )
-        return "fp16"
-    entry = precisions.get(precision, allowed=PRECISIONS)
-    if scaled and not entry.needs_scaler and not framework_knows:
-        raise ValueError(
-            f"precision={precision!r} but the GradScaler is enabled (fp16 loss "
-            "scaling); pass precision='fp16' or None"
-        )
-    return precision
-
-
-def _as_tensor(value: torch.Tensor | float | int, device: torch.device) -> torch.Tensor:
-    """A 0-dim fp32 tensor on ``device``: a tensor as it is (moved there), a host number by a
-    fill (no sync)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device).float().reshape(())
-    return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
-def _resolve_telemetry(telemetry: Any) -> Any:
-    if isinstance(telemetry, (str, os.PathLike)):
-        return _telemetry.Telemetry(telemetry)
-    if isinstance(telemetry, _telemetry.Telemetry):
-        return telemetry
-    raise TypeError(
-        "telemetry must be a run folder path or an ampguard.Telemetry, got "
-        f"{type(telemetry).__name__}"
-    )
-
-
-def _warn_no_scaler(framework: str | None) -> None:
-    """An fp16 loop with no loss scale: said once at attach, whatever its gradients turn out."""
-    where = f"{framework}'s fp16 step" if framework else "this fp16 loop"
-    warnings.warn(
-        f"{where} has no loss scaler: gradients below fp16's smallest normal (6.1e-05) "
-        "lose precision or flush to zero, and nothing skips a step that overflows. Use "
-        "torch.amp.GradScaler (or ag.Guard(precision='fp16')), or train in bf16; AG171 "
-        "reports a layer that loses its gradient",
-        RuntimeWarning,
-        stacklevel=user_stacklevel(),
-    )
