@@ -15,8 +15,8 @@ For a spike at window ``t`` (the loss of ``t`` was computed with the weights aft
    batch for a spike the update made).
 4. Then once per intervention (:mod:`ampguard.guard._interventions`), smallest first; the first
    that removes the spike is the verified cause. *Removes* has a margin, so that a verdict does
-   not flip on noise: the loss at ``t`` under the detector's bound and its excess over the
-   running level (in log) at most half the plain replay's:
+   not flip on noise: the loss at ``t`` back within half (in log) of the band between the
+   running level and the detector's bound (about 3 of its 6 noise units), not just under it:
 
    ===================  ==========================================  ===========================
    intervention         tried on                                    mechanism
@@ -49,11 +49,13 @@ diagnostic tool, not the hot path).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ampguard.guard import _batches
 from ampguard.guard._interventions import interventions, low_precision_states
 from ampguard.guard._replay_run import NotApplicable, Replay, plain
 from ampguard.replay import Snapshot, rng_state, set_rng_state
@@ -107,21 +109,37 @@ class SpikeDiagnosis:
     verified: bool = False
 
 
-def autopsy(guard: Any) -> list[SpikeDiagnosis]:
+def autopsy(
+    guard: Any,
+    *,
+    batches: Callable[[int], Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> list[SpikeDiagnosis]:
     """One :class:`SpikeDiagnosis` per loss spike the Guard detected (see the module docstring).
 
+    Args:
+        guard: The Guard of the run (with its flight recorder).
+        batches: A batch provider for windows the Guard did not record (no
+            ``guard.step(batch=...)``): ``batches(step)`` returns window ``step``'s batch (a list
+            of its micro-batches with ``accumulation_steps > 1``), what the run trained on.
+        loss_fn: ``loss_fn(model, batch) -> loss``, the run's; required with ``batches``.
+
     Raises ``ValueError`` when ``guard`` has neither a flight recorder nor spike detection
-    (``flight_recorder=False, on_spike=None``). Cost: see the module docstring."""
+    (``flight_recorder=False, on_spike=None``) and ``TypeError``/``ValueError`` naming
+    ``batches``/``loss_fn`` for a bad provider; nothing is replayed then. Cost: see the module
+    docstring."""
     watch = getattr(guard, "flight_recorder", None)
     if watch is None:
         raise ValueError(
             "autopsy needs a Guard that records: create it with flight_recorder=N (the default) "
             "or an on_spike policy; this one has flight_recorder=False and on_spike=None"
         )
+    _batches.check(batches, loss_fn)
+    source = _batches.Batches(watch.batches, batches, loss_fn, guard.accumulation_steps)
     guard.settle_pending()  # spikes of fused optimizers' pending windows
     saved = rng_state(guard.device.type)
     try:
-        return [_diagnose(guard, watch, e.step) for e in watch.events]
+        return [_diagnose(guard, watch, source, e.step) for e in watch.events]
     finally:
         set_rng_state(guard.device.type, saved)
 
@@ -136,7 +154,7 @@ def _last_layer(model: torch.nn.Module) -> str | None:
 REL_TOL = 1e-3  # a replayed loss "equals" the recorded one within this (relative)
 
 
-def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot | None]:
+def _unusable(guard: Any, watch: Any, source: Any, step: int) -> tuple[str | None, Snapshot | None]:
     if guard.distributed is not None:
         return (
             "a distributed model is not replayed: each rank's batch and the gradient "
@@ -148,11 +166,12 @@ def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot |
     snap = watch.snapshots.for_spike(step)
     if snap is None:
         return f"no snapshot from before step {step - 1}", None
-    missing = [s for s in range(snap.step + 1, step + 1) if s not in watch.batches]
+    missing = [s for s in range(snap.step + 1, step + 1) if s not in source]
     if missing:
         return (
             f"no batch recorded for step {missing[0]}: pass guard.step(batch=..., "
-            "loss_fn=...) on every micro-batch so the autopsy can replay",
+            "loss_fn=...) on every micro-batch, or autopsy(guard, batches=..., loss_fn=...), "
+            "so the autopsy can replay",
             None,
         )
     return None, snap
@@ -163,16 +182,18 @@ def _same(got: float, want: Any) -> bool:
 
 
 def _removes(loss: float, bound: float, level: Any, replayed: float) -> bool:
-    """The intervention's loss at ``t`` removes the spike: under the bound, and its log-excess
-    over the running level at most half the plain replay's (a margin against noise)."""
-    if not math.isfinite(loss) or loss > bound:
+    """The intervention's loss at ``t`` removes the spike: back in the lower half (in log) of
+    the band between the running level and the detector's bound, i.e. within about 3 of the
+    detector's 6 noise units of the level; a loss just under the bound is still an anomaly,
+    and a verdict resting on it would flip on noise. Without a level: under the bound."""
+    if not math.isfinite(loss) or loss > bound or loss >= replayed:
         return False
-    if not level or level <= 0 or replayed <= level:
+    if not level or level <= 0 or bound <= level:
         return True
-    return math.log(max(loss, 1e-30) / level) <= 0.5 * math.log(replayed / level)
+    return math.log(max(loss, 1e-30) / level) <= 0.5 * math.log(bound / level)
 
 
-def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
+def _diagnose(guard: Any, watch: Any, source: Any, step: int) -> SpikeDiagnosis:
     rows = {r["step"]: r for r in watch.ring.rows()}
     mech, layer, evidence = signal_read(rows, watch.names, step, _last_layer(guard.model))
     row = rows.get(step, {})
@@ -182,10 +203,10 @@ def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
         evidence["replay"] = why
         return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
 
-    why, snap = _unusable(guard, watch, step)
+    why, snap = _unusable(guard, watch, source, step)
     if why is not None or snap is None:
         return unverified(str(why))
-    rep = Replay(guard, watch, snap, rows)
+    rep = Replay(guard, source, snap, rows)
     try:
         g = rep.new_guard()
         for s in range(snap.step + 1, step - 1):  # up to t - 2, checked against the recording

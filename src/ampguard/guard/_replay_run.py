@@ -31,12 +31,13 @@ Run = Callable[[], float]
 
 
 class Replay:
-    """Copies of the loop, a Guard over them, and the recorded batches."""
+    """Copies of the loop, a Guard over them, and the window's batches (``batches[step]``: its
+    micro-batches' ``(batch, loss_fn)``)."""
 
-    def __init__(self, guard: Any, watch: Any, snap: Snapshot, rows: dict[int, Any]) -> None:
-        self.guard, self.watch, self.rows = guard, watch, rows
+    def __init__(self, guard: Any, batches: Any, snap: Snapshot, rows: dict[int, Any]) -> None:
+        self.guard, self.batches, self.rows = guard, batches, rows
         self.model, self.optimizers, self.schedulers = copy.deepcopy(
-            (guard.model, guard.optimizers, watch.schedulers)
+            (guard.model, guard.optimizers, guard.flight_recorder.schedulers)
         )
         snap.restore(self.model, self.optimizers, self.schedulers)
         self.scale = None if snap.scale is None else snap.scale["scale"].clone()
@@ -84,7 +85,7 @@ class Replay:
 
     def micro(self, step: int) -> list[tuple[Any, Any]]:
         """Window ``step``'s recorded micro-batches, ``(batch, loss_fn)`` each."""
-        return list(self.watch.batches[step])
+        return list(self.batches[step])
 
     def window(
         self,
