@@ -3,7 +3,8 @@ real HF GPT-2, and clean runs; what the Guard's detector and ``ag.autopsy`` say,
 peers' rules.
 
 Run: ``python benchmarks/spike_zoo.py [--seeds 12] [--tune-seeds 3] [--clean-steps 2000]
-[--quick] [--json OUT]`` (``--quick``: 2 seeds, 300 clean steps a model, about a minute).
+[--quick] [--clean-only] [--json OUT]`` (the default: 66 cases and 10,000 clean steps, about
+15 minutes on a loaded 2-core CPU; ``--quick``: 2 seeds, 300 clean steps a model, about 2).
 
 Every run trains in bf16 autocast with AdamW (one param group per module, so an LR can be
 planted in one layer) on a second-order chain (the models must attend to the previous token):
@@ -30,8 +31,10 @@ Seeds ``0 .. tune_seeds - 1`` are the ones the autopsy was developed on; the oth
 apart (held out). The peers' rules, reimplemented on the same losses: Megatron-style (a loss
 above 10x the largest loss of the first 50 windows) and OLMo-style (a loss above the mean + 6
 standard deviations of the last 128 windows, after 20); they detect, they do not diagnose. A
-detection counts at window ``T``. Clean runs (5 models, the GPT-2 among them) count false
-triggers per rule. Measured on a loaded 2-core CPU: the timings are not the point.
+detection counts at window ``T``. Clean runs (5 models, the GPT-2 among them, ``on_spike="warn"``
+so the trajectory is the model's own) count each rule's triggers: false where the loss is under
+1.5x the median of the 50 windows before, else a natural excursion of the clean run. Measured
+on a loaded 2-core CPU: the timings are not the point.
 """
 
 from __future__ import annotations
@@ -132,7 +135,9 @@ def run(mechanism: str | None, seed: int, kind: str, steps: int) -> dict[str, An
     model = build(kind, seed)
     opt = torch.optim.AdamW(groups(model, LR), lr=LR)
     # a snapshot after window T - 2: the replay starts right before the planted window
-    guard = ag.Guard(model, opt, precision="bf16", on_spike="skip", snapshot_every=T - 2)
+    # clean runs only warn: a skip would change the trajectory whose triggers are counted
+    policy = "skip" if mechanism else "warn"
+    guard = ag.Guard(model, opt, precision="bf16", on_spike=policy, snapshot_every=T - 2)
     named = dict(model.named_modules())
     plant = layers(kind).get(mechanism or "", [])
     if mechanism == "adam_second_moment":  # after window T - 2's update, before its snapshot
@@ -178,6 +183,8 @@ def run(mechanism: str | None, seed: int, kind: str, steps: int) -> dict[str, An
     out: dict[str, Any] = {"mechanism": mechanism, "seed": seed, "model": kind, "ours": ours}
     out["peers"] = peer_hits
     if mechanism is None:
+        out["excursion"] = {k: [_excursion(losses, t) for t in v] for k, v in peer_hits.items()}
+        out["excursion"]["ours"] = [_excursion(losses, t) for t in ours]
         return out
     out["spike_ratio"] = losses[T - 1] / statistics.fmean(losses[T - 11 : T - 1])
     out["expected_layers"] = plant or None
@@ -191,6 +198,15 @@ def run(mechanism: str | None, seed: int, kind: str, steps: int) -> dict[str, An
             replay=diag.evidence.get("replay"),
         )
     return out
+
+
+NATURAL = 1.5  # a clean run's trigger at a loss >= 1.5x the median of the 50 windows before
+
+
+def _excursion(losses: list[float], step: int) -> float:
+    """Window ``step``'s loss over the median of the 50 windows before it."""
+    before = losses[max(0, step - 51) : step - 1]
+    return losses[step - 1] / statistics.median(before) if before else 1.0
 
 
 def score(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -225,6 +241,7 @@ def main() -> int:
     ap.add_argument("--gpt2-seeds", type=int, default=2, help="seeds per GPT-2 case")
     ap.add_argument("--clean-steps", type=int, default=2000, help="steps of each clean run")
     ap.add_argument("--quick", action="store_true", help="2 seeds, 1 GPT-2 seed, 300 clean steps")
+    ap.add_argument("--clean-only", action="store_true", help="only the clean runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -234,7 +251,7 @@ def main() -> int:
     start = time.perf_counter()
     cases = [(m, s, MODELS[s % len(MODELS)]) for m in MECHANISMS for s in range(args.seeds)]
     cases += [(m, s, "gpt2") for m in GPT2_CASES for s in range(args.gpt2_seeds)]
-    rows = [run(m, s, k, T) for m, s, k in cases]
+    rows = [] if args.clean_only else [run(m, s, k, T) for m, s, k in cases]
     print(
         f"{'mechanism':24} {'model':9} {'seed':>4} {'ratio':>6} {'ours':>4} {'mega':>4} "
         f"{'olmo':>4} {'autopsy':24} {'layer':26} {'verified':>8}"
@@ -248,10 +265,9 @@ def main() -> int:
         )
     clean = [run(None, 100 + i, kind, args.clean_steps) for i, kind in enumerate(CLEAN)]
     total = len(clean) * args.clean_steps
-    false = {
-        k: sum(len(r["ours"] if k == "ours" else r["peers"][k]) for r in clean)
-        for k in ("ours", "megatron", "olmo")
-    }
+    rules = ("ours", "megatron", "olmo")
+    false = {k: sum(x < NATURAL for r in clean for x in r["excursion"][k]) for k in rules}
+    natural = {k: sum(x >= NATURAL for r in clean for x in r["excursion"][k]) for k in rules}
     tiny = [r for r in rows if r["model"] != "gpt2"]
     splits = {
         "all": score(rows),
@@ -264,14 +280,25 @@ def main() -> int:
         if s["n"]:
             print(_line(name, s))
     print(
-        f"false triggers over {total} clean steps ({len(CLEAN)} models): ours {false['ours']}, "
+        f"false triggers over {total} clean steps ({len(CLEAN)} models; a loss under "
+        f"{NATURAL}x the median of the 50 windows before): ours {false['ours']}, "
         f"megatron-style {false['megatron']}, olmo-style {false['olmo']}\n"
-        f"({time.perf_counter() - start:.0f} s)"
+        f"triggers at a natural excursion of the clean runs (>= {NATURAL}x): ours "
+        f"{natural['ours']}, megatron-style {natural['megatron']}, olmo-style {natural['olmo']}"
+        f"\n({time.perf_counter() - start:.0f} s)"
     )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(
-                {"rows": rows, "clean": clean, "false": false, "splits": splits}, fh, indent=1
+                {
+                    "rows": rows,
+                    "clean": clean,
+                    "false": false,
+                    "natural": natural,
+                    "splits": splits,
+                },
+                fh,
+                indent=1,
             )
     return 0
 
