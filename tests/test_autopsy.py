@@ -210,3 +210,23 @@ def test_a_bad_batch_provider_is_named() -> None:
         ag.autopsy(guard, batches=lambda s: None)
     with pytest.raises(ValueError, match="loss_fn= goes with batches="):
         ag.autopsy(guard, loss_fn=_loss_fn)
+
+
+# ---------------------------------------------------------------------- distributed
+@pytest.mark.slow  # multi-process (gloo)
+@pytest.mark.timeout(150)
+def test_under_ddp_the_autopsy_says_plainly_that_it_does_not_replay(tmp_path):
+    import _distributed_scenarios as S
+    import _spike_scenarios as P
+
+    results = S.run_ranks(P.rank_main, 2, ["autopsy_under_ddp"], 120, str(tmp_path), 30.0)[
+        "autopsy_under_ddp"
+    ]
+    assert sorted(results) == [0, 1], results
+    for rank in (0, 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        assert value["diagnoses"], value  # the ranks agreed on the spike: each has it
+        for d in value["diagnoses"]:
+            assert d["step"] == P.SPIKE and not d["verified"]
+            assert "a distributed model is not replayed" in d["replay"]
