@@ -161,6 +161,40 @@ def test_an_update_spike_is_not_blamed_on_the_batch() -> None:
     assert d.verified and d.mechanism == "output_logit_divergence" and d.layer == "3"
 
 
+def test_bf16_optimizer_states_are_replayed_in_fp32_and_not_blamed_for_an_update() -> None:
+    """A pure-bf16 model (its AdamW states in bf16): the autopsy tries the step with the states
+    in fp32 (the intervention that verifies optimizer_state_rounding); the spike here comes from
+    an outlier update of the output layer, so that replay keeps the spike and the update is
+    named; the later replays load the states back in bf16."""
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
+
+    model = _model().to(torch.bfloat16)
+    head, body = list(model[3].parameters()), list(model[0].parameters())
+    opt = torch.optim.AdamW([{"params": body, "lr": 3e-3}, {"params": head, "lr": 3e-3}])
+    guard = ag.Guard(model, opt, precision="bf16", on_spike="skip", snapshot_every=SPIKE - 2)
+    data = _Data()
+    for step in range(1, SPIKE + 1):
+        opt.param_groups[1]["lr"] = 3.0 if step == SPIKE - 1 else 3e-3
+        batch = data.batch(step)
+        with guard.autocast():
+            loss = loss_fn(model, batch)
+        guard.backward(loss)
+        guard.step(batch=batch, loss_fn=loss_fn)
+    (d,) = ag.autopsy(guard)
+    tried = d.evidence["interventions"]
+    assert tried["fp32_states"] > d.evidence["bound"]  # tried, and the spike stayed
+    assert d.verified and d.mechanism == "output_logit_divergence" and d.layer == "3"
+    assert all(
+        v.dtype == torch.bfloat16
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim()
+    )
+
+
 # ---------------------------------------------------------------------- verdicts
 def test_a_removal_needs_a_margin_not_a_loss_just_under_the_bound() -> None:
     level, bound, spike = 1.0, 1.3, 2.0

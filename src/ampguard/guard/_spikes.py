@@ -295,6 +295,7 @@ class SpikeWatch:
     def on_error(self, err: BaseException, step: int) -> None:
         """An exception leaves ``Guard.step()`` (a peer failure, a collapse, a raised spike):
         every rank that gets here dumps its ring. Never raises."""
+        self._micro = []  # the failed window's micro-batches must not join the next window's
         if self.dumper is not None and isinstance(err, Exception):
             self.dumper.dump(type(err).__name__, step)
 
