@@ -44,7 +44,33 @@ def spike_on_one_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return {"causes": causes, "params": S.flat(model)}
 
 
-SCENARIOS = {spike_on_one_rank.__name__: spike_on_one_rank}
+def autopsy_under_ddp(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The same spike, with the batches recorded (``step(batch=, loss_fn=)``) and snapshots:
+    each rank's autopsy says that it does not replay a distributed model."""
+    model = S.ddp(S.make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = ag.Guard(
+        model, opt, precision="bf16", on_spike="skip", snapshot_every=20, audit_every=None
+    )
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(batch[0]).float(), batch[1])
+
+    for step in range(1, SPIKE + 1):
+        batch = _batch(step, rank, spike=step == SPIKE and rank == world - 1)
+        with guard.autocast():
+            loss = loss_fn(model, batch)
+        guard.backward(loss)
+        guard.step(batch=batch, loss_fn=loss_fn)
+    return {
+        "diagnoses": [
+            {"step": d.step, "verified": d.verified, "replay": d.evidence.get("replay")}
+            for d in ag.autopsy(guard)
+        ]
+    }
+
+
+SCENARIOS = {f.__name__: f for f in (spike_on_one_rank, autopsy_under_ddp)}
 
 
 def rank_main(rank, world, port, scenarios, queue, tmp, pg_timeout=30.0) -> None:

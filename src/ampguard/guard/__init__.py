@@ -14,11 +14,11 @@ skips without a scale; ``_state`` the versioned state dict (check everything, th
 ``ampguard.fp8._convert``); ``_forensics`` runs ``keep_fp32`` / ``forensics`` /
 ``auto_fallback`` / ``coverage_step`` around the step; ``_spikes`` the flight recorder and
 ``on_spike`` (over :mod:`ampguard.replay`), ``_recorder`` its dumps into the run folder and
-``_autopsy`` ``ampguard.autopsy``, the counterfactual replay of a loss spike (its replays and
-interventions in ``_replay_run``). Attach mode (``ampguard.integrations``) keeps the same
-flight recorder and spike policy on a loop it watches: ``check_flight_recorder`` /
-``attach_flight_recorder`` and ``check_signatures`` / ``attach_signatures`` are the Guard's own
-argument checks and factories, public for it.
+``_autopsy`` ``ampguard.autopsy``, the counterfactual replay of a loss spike (its replays in
+``_replay_run``, its interventions in ``_interventions``, its batches in ``_batches``). Attach
+mode (``ampguard.integrations``) keeps the same flight recorder and spike policy on a loop it
+watches: ``check_flight_recorder`` / ``attach_flight_recorder`` and ``check_signatures`` /
+``attach_signatures`` are the Guard's own argument checks and factories, public for it.
 
 >>> guard = Guard(model, optimizer, precision="fp16", clip_grad_norm=1.0)
 >>> for x, y in data:

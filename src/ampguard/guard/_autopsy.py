@@ -3,49 +3,61 @@
 For a spike at window ``t`` (the loss of ``t`` was computed with the weights after ``t - 1``):
 
 1. Restore, into copies of the model, optimizers and schedulers, the last snapshot taken before
-   ``t - 1`` (``Guard(snapshot_every=...)``), and replay the recorded batches
-   (``guard.step(batch=..., loss_fn=...)``) up to ``t - 2``, checking every window's loss against
-   the flight recorder's (the replay must reproduce the run: same RNG, LRs, loss scale).
-2. From there, run windows ``t - 1`` and ``t`` once plainly (the spike must come back) and then
-   once per intervention, smallest first; the first whose loss at ``t`` stays below the
-   detector's bound is the verified cause:
+   ``t - 1`` (``Guard(snapshot_every=...)``), and replay the recorded windows as the Guard saw
+   them (every micro-batch of ``accumulation_steps``, the recorded LRs, the loss scale) up to
+   ``t - 2``, checking every window's loss against the flight recorder's.
+2. Run windows ``t - 1`` and ``t`` once plainly: both replayed losses must equal the recorded
+   ones (relative 1e-3), else nothing is verified and the evidence says which step differed.
+3. Ask whether the data or the update at ``t - 1`` carries the spike: window ``t``'s loss at
+   the weights from before ``t - 1``'s update (``evidence["loss_before_update"]``). Above the
+   detector's bound, the batch is the suspect (``drop_outliers`` is tried first); under it, the
+   update is, and dropping samples is not tried (it lowers any loss a little and would name the
+   batch for a spike the update made).
+4. Then once per intervention (:mod:`ampguard.guard._interventions`), smallest first; the first
+   that removes the spike is the verified cause. *Removes* has a margin, so that a verdict does
+   not flip on noise: the loss at ``t`` back within half (in log) of the band between the
+   running level and the detector's bound (about 3 of its 6 noise units), not just under it:
 
-   ===================  ==============================================  ===========================
-   intervention         what changes                                    mechanism
-   ===================  ==============================================  ===========================
-   ``drop_outliers``    window ``t`` without its samples above 3x the   ``outlier_batch``
-                        median loss (at least one, at most a quarter)
-   ``floor_v``          Adam's ``exp_avg_sq`` of the suspect layer      ``adam_second_moment``
-                        floored at its mean before ``t - 1``'s update
-   ``clip_update``      the suspect layer's update at ``t - 1`` clipped ``attention_logit_growth``,
-                        to the other layers' median update ratio        ``output_logit_divergence``
-                                                                        or ``update_outlier``
-   ``fp32_layer``       the suspect layer in fp32 at ``t - 1`` and      ``lowp_amax_jump``
-                        ``t``
-   ``halve_lr``         the LR of every group halved at ``t - 1``       ``update_outlier``
-   ===================  ==============================================  ===========================
+   ===================  ==========================================  ===========================
+   intervention         tried on                                    mechanism
+   ===================  ==========================================  ===========================
+   ``drop_outliers``    the batch, when it is the suspect           ``outlier_batch``
+   ``fp32_states``      every bf16/fp16 optimizer state             ``optimizer_state_rounding``
+   ``floor_v``          each suspect layer, then all outlier        ``adam_second_moment``
+                        layers together
+   ``clip_update``      each suspect layer, then all outlier        ``attention_logit_growth``
+                        layers together                             (a query/key projection),
+                                                                    ``output_logit_divergence``
+                                                                    (the output layer) or
+                                                                    ``update_outlier``
+   ``fp32_layer``       each suspect layer                          ``lowp_amax_jump``
+   ``halve_lr``         every group                                 ``update_outlier``
+   ===================  ==========================================  ===========================
 
    The suspect layers are the two with the largest update-to-weight ratio at ``t - 1`` in the
-   plain replay (each layer intervention is tried on both). The live model, optimizers,
-   schedulers and the global RNG are left as they were.
+   plain replay; the outlier layers those whose ratio is at least 10x the median layer's. The
+   live model, optimizers, schedulers and the global RNG are left as they were.
 
-Where no replay is possible (no batch recorded, no snapshot before the spike, gradient
-accumulation, a distributed model) or it does not reproduce the run, the diagnosis says why in
-its evidence and gives the mechanism read from the recorded signals, with ``verified=False``.
-Cost: ``t - s + 2 * (1 + interventions)`` replayed windows (``s``: the snapshot's window) plus
-one forward per sample of window ``t``; host syncs throughout (a diagnostic tool, not the hot
-path).
+Where no replay is possible (no batch recorded for a window or a micro-batch, no snapshot before
+the spike, a distributed model) or it does not reproduce the run, the diagnosis says why in
+``evidence["replay"]`` and gives the mechanism read from the recorded signals, with
+``verified=False``. Cost: ``t - s + 2 * (2 + interventions)`` replayed windows (``s``: the
+snapshot's window) plus one forward per sample of window ``t``; host syncs throughout (a
+diagnostic tool, not the hot path).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ampguard.guard._replay_run import NotApplicable, Replay, Run, interventions, plain
+from ampguard.guard import _batches
+from ampguard.guard._interventions import interventions, low_precision_states
+from ampguard.guard._replay_run import NotApplicable, Replay, plain
 from ampguard.replay import Snapshot, rng_state, set_rng_state
 from ampguard.reporting.postmortem import layer_kind, layer_of, signal_read
 
@@ -97,21 +109,37 @@ class SpikeDiagnosis:
     verified: bool = False
 
 
-def autopsy(guard: Any) -> list[SpikeDiagnosis]:
+def autopsy(
+    guard: Any,
+    *,
+    batches: Callable[[int], Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> list[SpikeDiagnosis]:
     """One :class:`SpikeDiagnosis` per loss spike the Guard detected (see the module docstring).
 
+    Args:
+        guard: The Guard of the run (with its flight recorder).
+        batches: A batch provider for windows the Guard did not record (no
+            ``guard.step(batch=...)``): ``batches(step)`` returns window ``step``'s batch (a list
+            of its micro-batches with ``accumulation_steps > 1``), what the run trained on.
+        loss_fn: ``loss_fn(model, batch) -> loss``, the run's; required with ``batches``.
+
     Raises ``ValueError`` when ``guard`` has neither a flight recorder nor spike detection
-    (``flight_recorder=False, on_spike=None``). Cost: see the module docstring."""
+    (``flight_recorder=False, on_spike=None``) and ``TypeError``/``ValueError`` naming
+    ``batches``/``loss_fn`` for a bad provider; nothing is replayed then. Cost: see the module
+    docstring."""
     watch = getattr(guard, "flight_recorder", None)
     if watch is None:
         raise ValueError(
             "autopsy needs a Guard that records: create it with flight_recorder=N (the default) "
             "or an on_spike policy; this one has flight_recorder=False and on_spike=None"
         )
+    _batches.check(batches, loss_fn)
+    source = _batches.Batches(watch.batches, batches, loss_fn, guard.accumulation_steps)
     guard.settle_pending()  # spikes of fused optimizers' pending windows
     saved = rng_state(guard.device.type)
     try:
-        return [_diagnose(guard, watch, e.step) for e in watch.events]
+        return [_diagnose(guard, watch, source, e.step) for e in watch.events]
     finally:
         set_rng_state(guard.device.type, saved)
 
@@ -123,107 +151,200 @@ def _last_layer(model: torch.nn.Module) -> str | None:
 
 
 # ---------------------------------------------------------------------- replay
-def _unusable(guard: Any, watch: Any, step: int) -> tuple[str | None, Snapshot | None]:
-    if guard.accumulation_steps != 1:
-        return "the replay covers accumulation_steps=1 only", None
+REL_TOL = 1e-3  # a replayed loss "equals" the recorded one within this (relative)
+
+
+def _unusable(guard: Any, watch: Any, source: Any, step: int) -> tuple[str | None, Snapshot | None]:
     if guard.distributed is not None:
-        return "a distributed model is not replayed (each rank's batch differs)", None
+        return (
+            "a distributed model is not replayed: each rank's batch and the gradient "
+            "reduction differ from what one process can redo",
+            None,
+        )
     if watch.snapshots is None:
         return "no snapshots (snapshot=False)", None
     snap = watch.snapshots.for_spike(step)
     if snap is None:
         return f"no snapshot from before step {step - 1}", None
-    missing = [s for s in range(snap.step + 1, step + 1) if s not in watch.batches]
+    missing = [s for s in range(snap.step + 1, step + 1) if s not in source]
     if missing:
         return (
             f"no batch recorded for step {missing[0]}: pass guard.step(batch=..., "
-            "loss_fn=...) so the autopsy can replay",
+            "loss_fn=...) on every micro-batch, or autopsy(guard, batches=..., loss_fn=...), "
+            "so the autopsy can replay",
             None,
         )
     return None, snap
 
 
-def _diagnose(guard: Any, watch: Any, step: int) -> SpikeDiagnosis:
+def _same(got: float, want: Any) -> bool:
+    return want is None or math.isclose(got, want, rel_tol=REL_TOL, abs_tol=1e-6)
+
+
+def _removes(loss: float, bound: float, level: Any, replayed: float) -> bool:
+    """The intervention's loss at ``t`` removes the spike: back in the lower half (in log) of
+    the band between the running level and the detector's bound, i.e. within about 3 of the
+    detector's 6 noise units of the level; a loss just under the bound is still an anomaly,
+    and a verdict resting on it would flip on noise. Without a level: under the bound."""
+    if not math.isfinite(loss) or loss > bound or loss >= replayed:
+        return False
+    if not level or level <= 0 or bound <= level:
+        return True
+    return math.log(max(loss, 1e-30) / level) <= 0.5 * math.log(bound / level)
+
+
+def _diagnose(guard: Any, watch: Any, source: Any, step: int) -> SpikeDiagnosis:
     rows = {r["step"]: r for r in watch.ring.rows()}
     mech, layer, evidence = signal_read(rows, watch.names, step, _last_layer(guard.model))
     row = rows.get(step, {})
     evidence.update({"loss": row.get("loss"), "bound": row.get("bound"), "level": row.get("level")})
-    why, snap = _unusable(guard, watch, step)
-    if why is not None or snap is None:
+
+    def unverified(why: str) -> SpikeDiagnosis:
         evidence["replay"] = why
         return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
-    rep = Replay(guard, watch, snap, rows)
-    g = rep.new_guard()
-    for s in range(snap.step + 1, step - 1):  # up to t - 2, checked against the recording
-        got = rep.window(g, s)
-        want = rows.get(s, {}).get("loss")
-        if want is not None and not math.isclose(got, want, rel_tol=1e-3, abs_tol=1e-6):
-            evidence["replay"] = (
-                f"the replay did not reproduce step {s}: loss {got:.6g}, recorded {want:.6g} "
-                "(something outside the Guard consumes the RNG or changes the data)"
-            )
-            return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
-    start = rep.take(step - 2)
-    bound = row.get("bound")
-    replayed, ratios = plain(rep, step)
-    evidence["replayed_loss"] = replayed
-    if bound is None or replayed <= bound:
-        evidence["replay"] = f"the replay did not reproduce the spike: loss {replayed:.6g}"
-        return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
-    suspects = _suspects(ratios) or [layer]
+
+    why, snap = _unusable(guard, watch, source, step)
+    if why is not None or snap is None:
+        return unverified(str(why))
+    rep = Replay(guard, source, snap, rows)
+    try:
+        g = rep.new_guard()
+        for s in range(snap.step + 1, step - 1):  # up to t - 2, checked against the recording
+            got, want = rep.window(g, s), rows.get(s, {}).get("loss")
+            if not _same(got, want):
+                return unverified(_differs(s, got, want))
+        start = rep.take(step - 2)
+        prev, replayed, ratios = plain(rep, step)
+        evidence["replayed_loss"] = replayed
+        for s, got in ((step - 1, prev), (step, replayed)):
+            if not _same(got, rows.get(s, {}).get("loss")):
+                return unverified(_differs(s, got, rows[s]["loss"]))
+        evidence["reproduced"] = True  # the replay's losses at t - 1 and t are the recorded
+        bound = row.get("bound")
+        if bound is None or replayed <= bound:
+            return unverified(f"the replay did not reproduce the spike: loss {replayed:.6g}")
+        rep.restore(start)
+        before = rep.window(rep.new_guard(), step, train=False)
+        evidence["loss_before_update"] = before
+        data = before > bound  # the batch spikes without t - 1's update: the data's
+        return _intervene(rep, step, start, ratios, data, evidence, (mech, layer)) or (
+            SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
+        )
+    finally:
+        rep.release()
+
+
+def _differs(step: int, got: float, want: float) -> str:
+    return (
+        f"the replay did not reproduce step {step}: loss {got:.6g}, recorded {want:.6g} "
+        "(something outside the Guard consumes the RNG or changes the data, or the numbers "
+        "are not deterministic); nothing is verified"
+    )
+
+
+def _intervene(
+    rep: Replay,
+    step: int,
+    start: Snapshot,
+    ratios: dict[str, float],
+    data: bool,
+    evidence: dict[str, Any],
+    read: tuple[str, str | None],
+) -> SpikeDiagnosis | None:
+    """Try the plan's interventions in order; the diagnosis of the first that removes the
+    spike, or None (``evidence`` gets every result either way)."""
+    row = rep.rows[step]
+    bound, level, replayed = row["bound"], row.get("level"), evidence["replayed_loss"]
+    suspects = _suspects(ratios) or ([read[1]] if read[1] else [])
+    outliers = _outliers(ratios)
     evidence["suspect_layers"] = suspects
+    if not data:
+        evidence["not_tried"] = {
+            "drop_outliers": "the batch does not spike at the weights before the update of "
+            f"step {step - 1} (loss {evidence['loss_before_update']:.6g}): the update is the "
+            "suspect, not the data"
+        }
     tried: dict[str, float] = {}
-    for name, suspect, fn in _plan(rep, step, suspects, ratios):
+    evidence["interventions"] = tried
+    last = _last_layer(rep.guard.model)
+    for name, kind, layers in _plan(suspects, outliers, data):
         rep.restore(start)
         try:
-            loss = fn()
+            loss = interventions(rep, step, layers, ratios)[kind]()
         except NotApplicable as err:
             tried[name] = math.nan
             evidence.setdefault("not_applicable", {})[name] = str(err)
             continue
         tried[name] = loss
-        if loss <= bound:
-            evidence["interventions"] = tried
+        if _removes(loss, bound, level, replayed):
             evidence["removed_by"] = name
-            mech_v, layer_v = _mechanism(name.split(":")[0], suspect, _last_layer(guard.model))
-            return SpikeDiagnosis(step, mech_v, layer_v, evidence, FIXES[mech_v], True)
-    evidence["interventions"] = tried
-    return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], False)
+            mech, layer = _mechanism(rep, kind, layers, last)
+            return SpikeDiagnosis(step, mech, layer, evidence, FIXES[mech], True)
+    return None
 
 
-def _suspects(ratios: dict[str, float], top: int = 2) -> list[str | None]:
+def _suspects(ratios: dict[str, float], top: int = 2) -> list[str]:
     """The ``top`` layers with the largest update-to-weight ratio at ``t - 1``."""
-    best: dict[str, float] = {}
-    for n, r in ratios.items():
-        best[layer_of(n)] = max(best.get(layer_of(n), 0.0), r)
+    best = _by_layer(ratios)
     return list(sorted(best, key=lambda k: -best[k])[:top])
 
 
-def _plan(
-    rep: Replay, step: int, suspects: list[str | None], ratios: dict[str, float]
-) -> list[tuple[str, str | None, Run]]:
-    """``(name, suspect, run)`` in the order they are tried: the data, then each layer
-    intervention on each suspect, then the global LR."""
-    per = [dict((n, (s, fn)) for n, fn in interventions(rep, step, s, ratios)) for s in suspects]
-    out: list[tuple[str, str | None, Run]] = [("drop_outliers", None, per[0]["drop_outliers"][1])]
+def _outliers(ratios: dict[str, float], factor: float = 10.0) -> list[str]:
+    """The layers whose update ratio is at least ``factor`` x the median layer's, largest
+    first."""
+    best = _by_layer(ratios)
+    if not best:
+        return []
+    median = sorted(best.values())[len(best) // 2]
+    return sorted((k for k, v in best.items() if v >= factor * median > 0), key=lambda k: -best[k])
+
+
+def _by_layer(ratios: dict[str, float]) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for n, r in ratios.items():
+        best[layer_of(n)] = max(best.get(layer_of(n), 0.0), r)
+    return best
+
+
+def _plan(suspects: list[str], outliers: list[str], data: bool) -> list[tuple[str, str, list[str]]]:
+    """``(name, intervention, layers)`` in the order they are tried: the data (when it is the
+    suspect), the optimizer states' precision, each layer intervention on each suspect (and
+    ``clip_update`` on all outlier layers together), then the global LR."""
+    out: list[tuple[str, str, list[str]]] = [("drop_outliers", "drop_outliers", [])] if data else []
+    out.append(("fp32_states", "fp32_states", suspects[:1]))
+    group = outliers if len(outliers) > 1 and outliers != suspects[:1] else []
     for kind in ("floor_v", "clip_update", "fp32_layer"):
-        for p in per:
-            suspect, fn = p[kind]
-            out.append((kind if len(per) == 1 else f"{kind}:{suspect}", suspect, fn))
-    out.append(("halve_lr", suspects[0], per[0]["halve_lr"][1]))
+        for s in suspects:
+            out.append((f"{kind}:{s}", kind, [s]))
+        if group and kind != "fp32_layer":
+            out.append((f"{kind}:{'+'.join(group)}", kind, group))
+    out.append(("halve_lr", "halve_lr", suspects[:1]))
     return out
 
 
-def _mechanism(name: str, suspect: str | None, last: str | None) -> tuple[str, str | None]:
-    if name == "drop_outliers":
+def _mechanism(
+    rep: Replay, kind: str, layers: list[str], last: str | None
+) -> tuple[str, str | None]:
+    layer = layers[0] if layers else None
+    if kind == "drop_outliers":
         return "outlier_batch", None
-    if name == "floor_v":
-        return "adam_second_moment", suspect
-    if name == "clip_update":
-        return layer_kind(suspect, last), suspect
-    if name == "fp32_layer":
-        return "lowp_amax_jump", suspect
-    return "update_outlier", suspect
+    if kind == "fp32_states":
+        return "optimizer_state_rounding", _rounding_layer(rep, layers)
+    if kind == "floor_v":
+        return "adam_second_moment", layer
+    if kind == "clip_update":
+        return layer_kind(layer, last), layer
+    if kind == "fp32_layer":
+        return "lowp_amax_jump", layer
+    return "update_outlier", layer
+
+
+def _rounding_layer(rep: Replay, layers: list[str]) -> str | None:
+    """The main suspect when its optimizer states are bf16/fp16, else None."""
+    if not layers:
+        return None
+    ids = {id(p) for n, p in rep.model.named_parameters() if layer_of(n) == layers[0]}
+    return layers[0] if low_precision_states(rep.optimizers, ids) else None
 
 
 SpikeDiagnosis.__module__ = "ampguard.guard"  # its public home: repr and pickles name that path

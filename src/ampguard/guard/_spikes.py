@@ -197,7 +197,9 @@ class SpikeWatch:
         self.snapshots = (
             None if snap is False else SnapshotStore(2, None if snap is True else Path(snap))
         )
-        self.batches: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # step -> (batch, fn)
+        # step -> its micro-batches' (batch, loss_fn), in order (one without accumulation)
+        self.batches: OrderedDict[int, list[tuple[Any, Any]]] = OrderedDict()
+        self._micro: list[tuple[Any, Any]] = []  # the window's micro-batches so far
         self.events: list[SpikeEvent] = []
         self.flag: torch.Tensor | None = None  # this window's spike flag (0-dim 0/1 float)
         self._work: Any = None  # the flag's in-flight all-reduce
@@ -266,14 +268,20 @@ class SpikeWatch:
             num = torch.stack(torch._foreach_norm(diff))
             den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
             self.ring.put_vector(step, "update_ratio", (num / den).float())
+        micro, self._micro = [*self._micro, (batch, loss_fn)], []
         if self.snapshots is None:
             return
-        if batch is not None and loss_fn is not None:
-            self.batches[step] = (batch, loss_fn)
+        if all(b is not None and fn is not None for b, fn in micro):
+            self.batches[step] = micro
         if step % self.config.snapshot_every == 0:
             self.snapshots.add(step, self.model, self.optimizers, self.schedulers, scale)
             for k in [k for k in self.batches if not self._needed(k)]:
                 del self.batches[k]
+
+    def on_micro(self, batch: Any, loss_fn: Any) -> None:
+        """A micro-batch that is not the window's last (``accumulation_steps > 1``): kept
+        with the window's others for the autopsy. Cost: a reference, no device work."""
+        self._micro.append((batch, loss_fn))
 
     def _needed(self, step: int) -> bool:
         """A replay can still use window ``step``'s batch: after the oldest kept snapshot, or
@@ -287,6 +295,7 @@ class SpikeWatch:
     def on_error(self, err: BaseException, step: int) -> None:
         """An exception leaves ``Guard.step()`` (a peer failure, a collapse, a raised spike):
         every rank that gets here dumps its ring. Never raises."""
+        self._micro = []  # the failed window's micro-batches must not join the next window's
         if self.dumper is not None and isinstance(err, Exception):
             self.dumper.dump(type(err).__name__, step)
 

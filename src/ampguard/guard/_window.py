@@ -90,6 +90,8 @@ def step(
     if state.micro == 0:
         raise RuntimeError("Guard.step() called before Guard.backward(loss) in this window")
     if state.micro < state.accumulation_steps:
+        if state.spikes is not None:  # the window's micro-batches, for the autopsy
+            state.spikes.on_micro(batch, loss_fn)
         return StepResult.in_window(state.steps, len(state.optimizers))
     tel = state.telemetry
     if tel is not None and tel.flush_due:  # on_write_error="raise": fail before the update

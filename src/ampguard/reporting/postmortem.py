@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 _ATTENTION = ("q_proj", "k_proj", "qkv", "query", "key", "c_attn", "attn", "attention")
+_NOT_LOGITS = ("v_proj", "value", "o_proj", "out_proj", "c_proj", "dense", "proj", "wo")
 _OUTPUT = ("lm_head", "head", "output", "classifier", "logits", "unembed")
 _ROW_FIELDS: dict[str, Any] = {"step": int, "loss": (int, float, type(None)), "grad_norm": list}
 
@@ -173,7 +174,8 @@ def layer_kind(layer: str | None, last: str | None) -> str:
     if layer is None:
         return "update_outlier"
     leaf = layer.lower().split(".")[-1]
-    if any(k in leaf for k in _ATTENTION) or ".attn" in layer.lower():
+    attention = any(k in leaf for k in _ATTENTION) or ".attn" in layer.lower()
+    if attention and leaf not in _NOT_LOGITS:  # the value/output projections make no logits
         return "attention_logit_growth"
     if layer == last or leaf in _OUTPUT:
         return "output_logit_divergence"
