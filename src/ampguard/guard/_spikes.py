@@ -42,9 +42,11 @@ from ampguard.guard._recorder import Dumper, run_dir_of
 from ampguard.replay import (
     FlightRecorder,
     LossSpikeError,
+    OutputAmax,
     Snapshot,
     SnapshotStore,
     SpikeDetector,
+    grad_norms,
     local,
 )
 
@@ -189,10 +191,15 @@ class SpikeWatch:
         names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         self.names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.detector = SpikeDetector(device)
+        groups = sum(len(opt.param_groups) for opt in optimizers)
+        # the sampled output amax of the layers (with a recorder only)
+        self.amax = OutputAmax(model) if config.capacity else None
+        modules = [] if self.amax is None else self.amax.names
         # flight_recorder=False with on_spike: an 8-window ring (the spike's loss for the
         # message), never dumped
-        self.ring = FlightRecorder(config.capacity or 8, self.names, [], device)
+        self.ring = FlightRecorder(config.capacity or 8, self.names, modules, device, groups)
         snap = config.snapshot
         self.snapshots = (
             None if snap is False else SnapshotStore(2, None if snap is True else Path(snap))
@@ -208,26 +215,41 @@ class SpikeWatch:
     # ------------------------------------------------------------------ per window
     def begin(self, step: int, losses: list[torch.Tensor]) -> None:
         """Window ``step`` is complete: record its loss and LRs, run the detector, and start
-        the ranks' agreement on its flag. Cost: device ops and (distributed) one async
-        all-reduce; no host sync."""
+        the ranks' agreement on its flag. A tensor LR is recorded on the device (never read
+        on the host). Cost: about 15 small device ops and (distributed) one async all-reduce;
+        on sampled windows one multi-tensor copy of the parameters; no host sync."""
         if not losses:
             self.flag = None
             return
         loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()
-        lrs = [float(g.get("lr", math.nan)) for opt in self.optimizers for g in opt.param_groups]
-        flag = self.detector.observe(loss, self.ring.start(step, lrs))
+        ring = self.ring
+        lrs = [g.get("lr", math.nan) for opt in self.optimizers for g in opt.param_groups]
+        ring.open(step, lrs)  # a tensor LR is staged for the device row, never read
+        flag, record = self.detector.measure(loss)
+        ring.stage(step, detector=record)
         if self.config.acts and self.dist is not None and torch.distributed.is_initialized():
+            flag = flag.clone()  # the ranks' agreed flag; the ring keeps this rank's own
             self._work = torch.distributed.all_reduce(
                 flag, op=torch.distributed.ReduceOp.MAX, group=self.dist.group, async_op=True
             )
         self.flag, self.step = flag, step
         if step % SAMPLE_EVERY == 0 and self.config.capacity:
-            self._weights = [local(p.detach()).clone() for p in self.params]
+            self._weights = torch._foreach_mul(self._local_params(), 1.0)  # one copy
+        if self.amax is not None:
+            self.amax.finish(step, ring)
+
+    def _local_params(self) -> list[torch.Tensor]:
+        if self._sharded:
+            return [local(p.detach()) for p in self.params]
+        return [p.detach() for p in self.params]
 
     def on_grads(self, step: int, inv_scale: torch.Tensor | None) -> None:
         """The window's per-parameter gradient norms (``inv_scale``: the gradients are still
         scaled). Cost: one multi-tensor norm, no host sync."""
-        self.ring.put_grad_norms(step, [p.grad for p in self.params], inv_scale)
+        grads = [p.grad for p in self.params]
+        if self._sharded:
+            grads = [None if g is None else local(g) for g in grads]
+        self.ring.stage(step, grad_norm=grad_norms(grads), inv=inv_scale)
 
     def spike_flag(self) -> tuple[torch.Tensor, bool] | None:
         """``(flag, skips)`` for the window's packed flags (the ranks' agreed flag), or None.
@@ -247,10 +269,11 @@ class SpikeWatch:
         return [f + self.flag for f in found]
 
     def on_status(self, step: int, status: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """The window's packed flags and loss scale into the ring. Cost: two copy kernels."""
-        self.ring.put(step, "status", status)
-        if scale is not None:
-            self.ring.put(step, "scale", scale)
+        """The window's packed flags and loss scale: its row is written to the ring (one
+        stack of the loss, the detector's record, the flags, the scale, the gradient norms and
+        any tensor LR). Cost: one or two device ops, no host sync."""
+        self.ring.stage(step, status=status, scale=scale)
+        self.ring.commit()
 
     def after_step(self, state: Any, batch: Any, loss_fn: Any) -> None:
         """After the window of ``state`` (a ``StepState``; its update applied or skipped): the
@@ -261,11 +284,12 @@ class SpikeWatch:
         scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
         if self._weights is not None:
             before, self._weights = self._weights, None
-            after = [local(p.detach()) for p in self.params]
-            diff = torch._foreach_sub(after, before)
-            num = torch.stack(torch._foreach_norm(diff))
-            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
-            self.ring.put_vector(step, "update_ratio", (num / den).float())
+            den = _norms(before)
+            torch._foreach_sub_(before, self._local_params())  # -update, in the copy
+            ratio = torch.stack(_norms(before)).div_(torch.stack(den).clamp_min_(1e-30))
+            self.ring.put_sampled(step, "update_ratio", ratio)
+        if self.amax is not None and (step + 1) % SAMPLE_EVERY == 0:
+            self.amax.arm(step + 1)  # the next window's forward is sampled
         if self.snapshots is None:
             return
         if batch is not None and loss_fn is not None:
@@ -394,7 +418,9 @@ class SpikeWatch:
         return self.detector.state_dict()
 
     def close(self) -> None:
-        """The Guard closes: the SIGTERM handler of the dumps goes."""
+        """The Guard closes: the SIGTERM handler of the dumps and the amax hooks go."""
+        if self.amax is not None:
+            self.amax.close()
         if self.dumper is not None:
             self.dumper.release()
 
@@ -423,6 +449,13 @@ def attach(
         watch.dumper = Dumper(watch, run_dir, rank, world)
         watch.dumper.on_sigterm(lambda: watch.step)
     return watch
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 2-norms of ``tensors`` in one multi-tensor op."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return list(torch._foreach_norm(tensors))
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
 def _finite(v: float) -> float | None:
