@@ -474,3 +474,34 @@ def test_snapshots_on_disk_rewind_and_keep_only_what_is_needed(tmp_path) -> None
     # the live two, and the one pinned for the spike's autopsy
     assert sorted(p.name for p in folder.iterdir()) == ["step_100.pt", "step_110.pt", "step_70.pt"]
     assert not list(folder.glob("*.tmp"))
+
+
+def test_rewind_restores_the_loss_scale_its_growth_tracker_and_hysteresis() -> None:
+    """fp16 with hysteresis 2: an overflow after the snapshot spends one unit of the budget and
+    resets the growth tracker without moving the scale; the rewind to the snapshot must bring
+    back all three (the scale, the tracker, the budget), not the scale alone."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = ag.ScalerConfig(init_scale=8.0, max_scale=8.0, hysteresis=2, growth_interval=1000)
+    guard = ag.Guard(
+        model, opt, precision="fp16", scaler=config, on_spike="rewind", snapshot_every=10
+    )
+    data = _Data()
+    _train(guard, data, range(1, 71))
+    at_70 = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
+    assert at_70 == {"scale": 8.0, "growth_tracker": 70, "hysteresis_tracker": 2}
+    for step in range(71, SPIKE):
+        batch = data.batch(step)
+        with guard.autocast():
+            loss = _loss_fn(model, batch)
+        guard.backward(loss)
+        if step == 75:  # an overflow: the budget goes 2 -> 1, the tracker back to 0
+            model[0].weight.grad.view(-1)[0] = float("inf")
+        guard.step(batch=batch, loss_fn=_loss_fn)
+    before = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
+    assert before == {"scale": 8.0, "growth_tracker": 4, "hysteresis_tracker": 1}
+    with pytest.warns(RuntimeWarning, match="rewound to the snapshot after step 70"):
+        result = _train(guard, data, range(SPIKE, SPIKE + 1))[SPIKE]
+    assert result.skip_cause == "loss_spike"
+    after = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
+    assert after == at_70

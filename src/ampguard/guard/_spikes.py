@@ -57,6 +57,7 @@ __all__ = [
     "SpikeWatch",
     "attach",
     "check",
+    "scale_state",
     "DEFAULT_CAPACITY",
     "DEFAULT_SNAPSHOT_EVERY",
 ]
@@ -281,7 +282,7 @@ class SpikeWatch:
         Cost: device ops and a device-to-host copy every ``snapshot_every`` windows; no host
         sync."""
         step = state.steps
-        scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
+        scale = scale_state(state)
         if self._weights is not None:
             before, self._weights = self._weights, None
             den = _norms(before)
@@ -449,6 +450,16 @@ def attach(
         watch.dumper = Dumper(watch, run_dir, rank, world)
         watch.dumper.on_sigterm(lambda: watch.step)
     return watch
+
+
+def scale_state(state: Any) -> dict[str, torch.Tensor] | None:
+    """The live loss-scale tensors of a Guard's ``StepState`` (the scale, the growth tracker,
+    the hysteresis budget) that a snapshot keeps and a rewind copies back; None without a
+    scale."""
+    if not state.scaled:
+        return None
+    tensors = getattr(state.loss_scale, "state_tensors", None)
+    return dict(tensors) if tensors is not None else {"scale": state.loss_scale.scale_tensor}
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
