@@ -505,3 +505,67 @@ def test_rewind_restores_the_loss_scale_its_growth_tracker_and_hysteresis() -> N
     assert result.skip_cause == "loss_spike"
     after = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
     assert after == at_70
+
+
+def test_a_tensor_lr_is_recorded_on_the_device_without_a_host_sync() -> None:
+    """torch.optim takes ``lr=torch.tensor(...)``; reading it with ``float()`` would be a host
+    sync on an accelerator. The recorder copies it into the ring's row instead: the same syncs
+    as without a recorder, and the rows hold the scheduled LRs."""
+
+    def run(**kw) -> tuple[int, ag.Guard]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3), fused=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        guard = ag.Guard(model, opt, precision="bf16", schedulers=[sched], **kw)
+        data = _Data()
+        _train(guard, data, range(1, 4), spike_at=None)
+        with ag.SyncCounter() as sc:
+            _train(guard, data, range(4, 9), spike_at=None)
+        return sc.count, guard
+
+    plain, _ = run(flight_recorder=False, on_spike=None)
+    count, guard = run()
+    assert count == plain  # (the scheduler's own reads of a tensor LR are in both)
+    rows = guard.flight_recorder.ring.rows()
+    lrs = [r["lr"][0] for r in rows]
+    assert all(isinstance(v, float) for v in lrs)
+    assert lrs == pytest.approx([3e-3 * 0.9 ** (s - 1) for s in range(1, 9)], rel=1e-6)
+
+
+def test_output_amax_is_recorded_on_sampled_windows_only() -> None:
+    """Per layer, the largest |output| of the sampled window's training forward (an eval
+    forward under no_grad does not count); the other windows run without the hooks."""
+    model = _model()
+    seen: dict[int, dict[str, float]] = {}
+    window = [1]
+
+    def probe(name: str):
+        def hook(mod, args, out) -> None:
+            if torch.is_grad_enabled():
+                seen.setdefault(window[0], {})[name] = out.detach().abs().max().item()
+
+        return hook
+
+    for name in ("0", "2"):
+        model.get_submodule(name).register_forward_hook(probe(name))
+    guard = _guard(model, flight_recorder=32)
+    data = _Data()
+    for step in range(1, 41):
+        window[0] = step
+        if step == 16:  # an evaluation forward before the sampled window's: not recorded
+            with torch.no_grad():
+                model(data.x * 100.0)
+        batch = data.batch(step)
+        with guard.autocast():
+            loss = _loss_fn(model, batch)
+        guard.backward(loss)
+        guard.step()
+        if step == 20:  # not a sampled window: no hook of the recorder's
+            assert all(len(m._forward_hooks) == 1 for m in (model[0], model[2]))
+    ring = guard.flight_recorder.ring
+    assert ring.modules == ["0", "2"]
+    rows = {r["step"]: r for r in ring.rows()}
+    for step in (16, 32):
+        assert rows[step]["amax"] == pytest.approx([seen[step]["0"], seen[step]["2"]])
+    assert all(rows[s]["amax"] == [None, None] for s in rows if s % 16)
+    guard.close()
