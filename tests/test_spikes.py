@@ -569,3 +569,19 @@ def test_output_amax_is_recorded_on_sampled_windows_only() -> None:
         assert rows[step]["amax"] == pytest.approx([seen[step]["0"], seen[step]["2"]])
     assert all(rows[s]["amax"] == [None, None] for s in rows if s % 16)
     guard.close()
+
+
+def test_the_clip_reuses_the_recorded_gradient_norms_bitwise() -> None:
+    """With clipping the recorder's per-parameter norms give the clip's total norm (the
+    gradients are read once): the run is bitwise the run without a recorder."""
+
+    def run(**kw) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        guard = _guard(model, opt, clip_grad_norm=0.5, **kw)
+        norms = [r.grad_norm for r in _train(guard, _Data(), range(1, 31), spike_at=None).values()]
+        return _weights(model), norms
+
+    (w_on, n_on), (w_off, n_off) = run(), run(flight_recorder=False, on_spike=None)
+    assert all(torch.equal(a, b) for a, b in zip(w_on, w_off, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(n_on, n_off, strict=True))

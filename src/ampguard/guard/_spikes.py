@@ -211,6 +211,7 @@ class SpikeWatch:
         self._work: Any = None  # the flag's in-flight all-reduce
         self.step = 0  # the last window begun
         self._weights: list[torch.Tensor] | None = None  # sampled window: weights before
+        self._clip_parts: list[torch.Tensor] | None = None  # see clip_parts()
         self.dumper: Any = None  # ampguard.guard._recorder.Dumper, set by the Guard
 
     # ------------------------------------------------------------------ per window
@@ -250,7 +251,23 @@ class SpikeWatch:
         grads = [p.grad for p in self.params]
         if self._sharded:
             grads = [None if g is None else local(g) for g in grads]
-        self.ring.stage(step, grad_norm=grad_norms(grads), inv=inv_scale)
+        norms = grad_norms(grads)
+        self.ring.stage(step, grad_norm=norms, inv=inv_scale)
+        # the clip's total norm can be taken from these (the same kernel on the same list)
+        # when torch's get_total_norm would not regroup them: one fp32 group, no shards
+        self._clip_parts = None
+        if norms is not None and inv_scale is None and not self._sharded and self.dist is None:
+            present = [g for g in grads if g is not None]
+            dev = present[0].device
+            if all(g.dtype == torch.float32 and g.device == dev for g in present):
+                self._clip_parts = [n for n in norms if n is not None]
+
+    def clip_parts(self) -> list[torch.Tensor] | None:
+        """The per-parameter norms of the window's unscaled gradients, in the order
+        ``torch.nn.utils.get_total_norm`` would compute them (its total is their 2-norm,
+        bitwise), or None where it would compute them otherwise. Cost: none."""
+        parts, self._clip_parts = self._clip_parts, None
+        return parts
 
     def spike_flag(self) -> tuple[torch.Tensor, bool] | None:
         """``(flag, skips)`` for the window's packed flags (the ranks' agreed flag), or None.
