@@ -3,9 +3,12 @@
 
 Per window, all on the device and without a host sync: the loss goes to the spike detector
 (:class:`ampguard.replay.SpikeDetector`) and the ring buffer
-(:class:`ampguard.replay.FlightRecorder`) with the LR of every param group, the gradient norms
-(after the unscale, before the clip), the packed step flags and the loss scale; sampled windows
-also record the update-to-weight ratios. Under a process group, when a spike skips its window
+(:class:`ampguard.replay.FlightRecorder`) with the LR of every param group (a tensor LR copied
+on the device, never read), the gradient norms (after the unscale, before the clip; the clip
+reuses them), the packed step flags and the loss scale, written as one row by one stack;
+sampled windows (every ``SAMPLE_EVERY``) also record the update-to-weight ratios and the
+per-module output amax (:class:`ampguard.replay.OutputAmax`: hooks only for that forward).
+Under a process group, when a spike skips its window
 (``on_spike`` ``"skip"``, ``"rewind"``, ``"raise"``), the ranks OR their spike flags (one async
 all-reduce of one float, overlapped with the unscale), so no rank applies an update another rank
 skips; with ``"warn"`` each rank judges its own loss and no collective runs.
@@ -16,7 +19,8 @@ gradients: fused optimizers get it in their ``found_inf``, the others are not st
 scale does not move, schedulers and ``on_applied`` callbacks do not advance. When the flags reach
 the host (at once for optimizers stepping in Python, lazily for fused ones) the policy acts:
 ``"warn"`` warns, ``"rewind"`` restores the last snapshot taken at least two windows before the
-spike (weights, buffers, optimizer, schedulers, loss scale, RNG), ``"raise"`` raises
+spike (weights, buffers, optimizer, schedulers, the loss scale with its growth tracker and
+hysteresis budget, RNG), ``"raise"`` raises
 :class:`ampguard.LossSpikeError`. Every spike is an AG180 finding giving its size.
 
 Every ``snapshot_every`` windows a snapshot is taken (``ampguard.replay.SnapshotStore``: host
@@ -27,7 +31,6 @@ batches since the older kept snapshot are kept (references) for ``ampguard.autop
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,6 +42,15 @@ import torch
 from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding, make
 from ampguard.guard._recorder import Dumper, run_dir_of
+from ampguard.guard._spike_config import (
+    DEFAULT_CAPACITY,
+    DEFAULT_SNAPSHOT_EVERY,
+    ON_SPIKE,
+    SAMPLE_EVERY,
+    SpikeConfig,
+    check,
+    has_state,
+)
 from ampguard.replay import (
     FlightRecorder,
     LossSpikeError,
@@ -61,95 +73,6 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "DEFAULT_SNAPSHOT_EVERY",
 ]
-
-ON_SPIKE = (None, "warn", "skip", "rewind", "raise")
-DEFAULT_CAPACITY = 256
-DEFAULT_SNAPSHOT_EVERY = 100
-MAX_CAPACITY = 1 << 16
-MAX_SNAPSHOT_EVERY = 10_000_000
-SAMPLE_EVERY = 16  # windows between update-ratio samples
-
-
-@dataclass(frozen=True)
-class SpikeConfig:
-    """The checked ``flight_recorder`` / ``snapshot_every`` / ``snapshot`` / ``on_spike``."""
-
-    capacity: int  # 0: no ring buffer
-    snapshot_every: int
-    snapshot: bool | Path  # False, True (host memory) or a folder
-    on_spike: str | None
-
-    @property
-    def acts(self) -> bool:
-        """A spike skips its window."""
-        return self.on_spike in ("skip", "rewind", "raise")
-
-
-def check(
-    flight_recorder: Any,
-    snapshot_every: Any,
-    snapshot: Any,
-    on_spike: Any,
-    optimizers: list[Any],
-    schedulers: list[Any],
-) -> SpikeConfig | None:
-    """The checked arguments; None when nothing is recorded or detected. ``TypeError`` /
-    ``ValueError`` naming the argument and what it allows; nothing is changed."""
-    if on_spike not in ON_SPIKE:
-        raise ValueError(
-            "on_spike must be None, 'warn', 'skip', 'rewind' or 'raise', got " + repr(on_spike)
-        )
-    if flight_recorder is None or flight_recorder is False:
-        capacity = 0
-    elif flight_recorder is True:
-        capacity = DEFAULT_CAPACITY
-    elif isinstance(flight_recorder, int) and not isinstance(flight_recorder, bool):
-        if not 8 <= flight_recorder <= MAX_CAPACITY:
-            raise ValueError(
-                f"flight_recorder must be a number of windows in [8, {MAX_CAPACITY}] (or True, "
-                f"False), got {flight_recorder}"
-            )
-        capacity = flight_recorder
-    else:
-        raise TypeError(
-            "flight_recorder must be an int (windows kept), True or False, got "
-            f"{type(flight_recorder).__name__}"
-        )
-    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int):
-        raise TypeError(f"snapshot_every must be an int, got {type(snapshot_every).__name__}")
-    if not 1 <= snapshot_every <= MAX_SNAPSHOT_EVERY:
-        raise ValueError(
-            f"snapshot_every must be in [1, {MAX_SNAPSHOT_EVERY}] windows, got {snapshot_every}"
-        )
-    if isinstance(snapshot, (str, os.PathLike)):
-        snap: bool | Path = Path(snapshot)
-    elif isinstance(snapshot, bool):
-        snap = snapshot
-    else:
-        raise TypeError(
-            "snapshot must be True (host memory), False or a folder path, got "
-            f"{type(snapshot).__name__}"
-        )
-    if on_spike == "rewind" and snap is False:
-        raise ValueError("on_spike='rewind' needs snapshots: snapshot=False cannot rewind")
-    if on_spike is None and capacity == 0:
-        return None
-    if capacity == 0:
-        snap = False if on_spike != "rewind" else snap
-    if snap is not False:
-        for obj in optimizers:
-            if not _has_state(obj):
-                raise TypeError(
-                    f"optimizer: a {type(obj).__name__} has no state_dict()/load_state_dict(), "
-                    "so the flight recorder cannot snapshot it; pass snapshot=False"
-                )
-    return SpikeConfig(capacity, snapshot_every, snap, on_spike)
-
-
-def _has_state(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 @dataclass
@@ -185,7 +108,7 @@ class SpikeWatch:
         self.config = config
         self.model, self.optimizers = model, optimizers
         # a scheduler without state_dict() is left out of snapshots (a rewind says so)
-        self.schedulers = [s for s in schedulers if _has_state(s)]
+        self.schedulers = [s for s in schedulers if has_state(s)]
         self.unsaved_schedulers = len(schedulers) - len(self.schedulers)
         self.device = device
         self.dist = dist
