@@ -159,7 +159,7 @@ class SpikeWatch:
             )
         self.flag, self.step = flag, step
         if step % SAMPLE_EVERY == 0 and self.config.capacity:
-            self._weights = torch._foreach_mul(self._local_params(), 1.0)  # one copy
+            self._weights = list(torch._foreach_mul(self._local_params(), 1.0))  # one copy
         if self.amax is not None:
             self.amax.finish(step, ring)
 
