@@ -585,3 +585,20 @@ def test_the_clip_reuses_the_recorded_gradient_norms_bitwise() -> None:
     (w_on, n_on), (w_off, n_off) = run(), run(flight_recorder=False, on_spike=None)
     assert all(torch.equal(a, b) for a, b in zip(w_on, w_off, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(n_on, n_off, strict=True))
+
+
+def test_grad_norms_are_recorded_unscaled_when_a_fused_step_unscales_inside_its_kernel() -> None:
+    """fp16 with a fused optimizer and no clip: the gradients are still scaled when the
+    recorder reads them, so their row is unscaled on the device; it must read what a plain
+    optimizer's (unscaled first) window reads."""
+
+    def first_row(fused: bool) -> list[float]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
+        guard = ag.Guard(model, opt, precision="fp16", scaler=ag.ScalerConfig(init_scale=1024.0))
+        _train(guard, _Data(), range(1, 2), spike_at=None)
+        return guard.flight_recorder.ring.rows()[0]["grad_norm"]
+
+    fused, plain = first_row(True), first_row(False)
+    assert all(v is not None and v > 0 for v in fused)
+    assert fused == pytest.approx(plain, rel=1e-5)

@@ -23,7 +23,7 @@ DEFAULT_CAPACITY = 256
 DEFAULT_SNAPSHOT_EVERY = 100
 MAX_CAPACITY = 1 << 16
 MAX_SNAPSHOT_EVERY = 10_000_000
-SAMPLE_EVERY = 16  # windows between update-ratio samples
+SAMPLE_EVERY = 16  # windows between samples of the update ratios and the output amax
 
 
 @dataclass(frozen=True)
