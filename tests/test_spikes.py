@@ -602,3 +602,23 @@ def test_grad_norms_are_recorded_unscaled_when_a_fused_step_unscales_inside_its_
     fused, plain = first_row(True), first_row(False)
     assert all(v is not None and v > 0 for v in fused)
     assert fused == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_copy_of_the_model_made_while_sampling_does_not_write_the_amax() -> None:
+    """A deep copy of the model taken between the windows (a replay, the autopsy's) carries the
+    sampling hooks; its forward passes must not count as the live window's."""
+    model = _model()
+    guard = _guard(model, flight_recorder=32)
+    data = _Data()
+    _train(guard, data, range(1, 16), spike_at=None)  # the hooks for window 16 are armed now
+    twin = copy.deepcopy(model)
+    twin(data.x * 1000.0).sum().backward()  # a huge forward on the copy
+    batch = data.batch(16)
+    with torch.no_grad():
+        want = [model[0](batch[0]).abs().max().item()]
+    with guard.autocast():
+        loss = _loss_fn(model, batch)
+    guard.backward(loss)
+    guard.step()
+    row = next(r for r in guard.flight_recorder.ring.rows() if r["step"] == 16)
+    assert row["amax"][0] == pytest.approx(want[0], rel=2e-2)  # bf16 autocast vs fp32
