@@ -474,3 +474,151 @@ def test_snapshots_on_disk_rewind_and_keep_only_what_is_needed(tmp_path) -> None
     # the live two, and the one pinned for the spike's autopsy
     assert sorted(p.name for p in folder.iterdir()) == ["step_100.pt", "step_110.pt", "step_70.pt"]
     assert not list(folder.glob("*.tmp"))
+
+
+def test_rewind_restores_the_loss_scale_its_growth_tracker_and_hysteresis() -> None:
+    """fp16 with hysteresis 2: an overflow after the snapshot spends one unit of the budget and
+    resets the growth tracker without moving the scale; the rewind to the snapshot must bring
+    back all three (the scale, the tracker, the budget), not the scale alone."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = ag.ScalerConfig(init_scale=8.0, max_scale=8.0, hysteresis=2, growth_interval=1000)
+    guard = ag.Guard(
+        model, opt, precision="fp16", scaler=config, on_spike="rewind", snapshot_every=10
+    )
+    data = _Data()
+    _train(guard, data, range(1, 71))
+    at_70 = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
+    assert at_70 == {"scale": 8.0, "growth_tracker": 70, "hysteresis_tracker": 2}
+    for step in range(71, SPIKE):
+        batch = data.batch(step)
+        with guard.autocast():
+            loss = _loss_fn(model, batch)
+        guard.backward(loss)
+        if step == 75:  # an overflow: the budget goes 2 -> 1, the tracker back to 0
+            model[0].weight.grad.view(-1)[0] = float("inf")
+        guard.step(batch=batch, loss_fn=_loss_fn)
+    before = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
+    assert before == {"scale": 8.0, "growth_tracker": 4, "hysteresis_tracker": 1}
+    with pytest.warns(RuntimeWarning, match="rewound to the snapshot after step 70"):
+        result = _train(guard, data, range(SPIKE, SPIKE + 1))[SPIKE]
+    assert result.skip_cause == "loss_spike"
+    after = {k: v for k, v in guard.state_dict()["scaler"].items() if k != "config"}
+    assert after == at_70
+
+
+def test_a_tensor_lr_is_recorded_on_the_device_without_a_host_sync() -> None:
+    """torch.optim takes ``lr=torch.tensor(...)``; reading it with ``float()`` would be a host
+    sync on an accelerator. The recorder copies it into the ring's row instead: the same syncs
+    as without a recorder, and the rows hold the scheduled LRs."""
+
+    def run(**kw) -> tuple[int, ag.Guard]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3), fused=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        guard = ag.Guard(model, opt, precision="bf16", schedulers=[sched], **kw)
+        data = _Data()
+        _train(guard, data, range(1, 4), spike_at=None)
+        with ag.SyncCounter() as sc:
+            _train(guard, data, range(4, 9), spike_at=None)
+        return sc.count, guard
+
+    plain, _ = run(flight_recorder=False, on_spike=None)
+    count, guard = run()
+    assert count == plain  # (the scheduler's own reads of a tensor LR are in both)
+    rows = guard.flight_recorder.ring.rows()
+    lrs = [r["lr"][0] for r in rows]
+    assert all(isinstance(v, float) for v in lrs)
+    assert lrs == pytest.approx([3e-3 * 0.9 ** (s - 1) for s in range(1, 9)], rel=1e-6)
+
+
+def test_output_amax_is_recorded_on_sampled_windows_only() -> None:
+    """Per layer, the largest |output| of the sampled window's training forward (an eval
+    forward under no_grad does not count); the other windows run without the hooks."""
+    model = _model()
+    seen: dict[int, dict[str, float]] = {}
+    window = [1]
+
+    def probe(name: str):
+        def hook(mod, args, out) -> None:
+            if torch.is_grad_enabled():
+                seen.setdefault(window[0], {})[name] = out.detach().abs().max().item()
+
+        return hook
+
+    for name in ("0", "2"):
+        model.get_submodule(name).register_forward_hook(probe(name))
+    guard = _guard(model, flight_recorder=32)
+    data = _Data()
+    for step in range(1, 41):
+        window[0] = step
+        if step == 16:  # an evaluation forward before the sampled window's: not recorded
+            with torch.no_grad():
+                model(data.x * 100.0)
+        batch = data.batch(step)
+        with guard.autocast():
+            loss = _loss_fn(model, batch)
+        guard.backward(loss)
+        guard.step()
+        if step == 20:  # not a sampled window: no hook of the recorder's
+            assert all(len(m._forward_hooks) == 1 for m in (model[0], model[2]))
+    ring = guard.flight_recorder.ring
+    assert ring.modules == ["0", "2"]
+    rows = {r["step"]: r for r in ring.rows()}
+    for step in (16, 32):
+        assert rows[step]["amax"] == pytest.approx([seen[step]["0"], seen[step]["2"]])
+    assert all(rows[s]["amax"] == [None, None] for s in rows if s % 16)
+    guard.close()
+
+
+def test_the_clip_reuses_the_recorded_gradient_norms_bitwise() -> None:
+    """With clipping the recorder's per-parameter norms give the clip's total norm (the
+    gradients are read once): the run is bitwise the run without a recorder."""
+
+    def run(**kw) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        guard = _guard(model, opt, clip_grad_norm=0.5, **kw)
+        norms = [r.grad_norm for r in _train(guard, _Data(), range(1, 31), spike_at=None).values()]
+        return _weights(model), norms
+
+    (w_on, n_on), (w_off, n_off) = run(), run(flight_recorder=False, on_spike=None)
+    assert all(torch.equal(a, b) for a, b in zip(w_on, w_off, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(n_on, n_off, strict=True))
+
+
+def test_grad_norms_are_recorded_unscaled_when_a_fused_step_unscales_inside_its_kernel() -> None:
+    """fp16 with a fused optimizer and no clip: the gradients are still scaled when the
+    recorder reads them, so their row is unscaled on the device; it must read what a plain
+    optimizer's (unscaled first) window reads."""
+
+    def first_row(fused: bool) -> list[float]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
+        guard = ag.Guard(model, opt, precision="fp16", scaler=ag.ScalerConfig(init_scale=1024.0))
+        _train(guard, _Data(), range(1, 2), spike_at=None)
+        return guard.flight_recorder.ring.rows()[0]["grad_norm"]
+
+    fused, plain = first_row(True), first_row(False)
+    assert all(v is not None and v > 0 for v in fused)
+    assert fused == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_copy_of_the_model_made_while_sampling_does_not_write_the_amax() -> None:
+    """A deep copy of the model taken between the windows (a replay, the autopsy's) carries the
+    sampling hooks; its forward passes must not count as the live window's."""
+    model = _model()
+    guard = _guard(model, flight_recorder=32)
+    data = _Data()
+    _train(guard, data, range(1, 16), spike_at=None)  # the hooks for window 16 are armed now
+    twin = copy.deepcopy(model)
+    twin(data.x * 1000.0).sum().backward()  # a huge forward on the copy
+    batch = data.batch(16)
+    with torch.no_grad():
+        want = [model[0](batch[0]).abs().max().item()]
+    with guard.autocast():
+        loss = _loss_fn(model, batch)
+    guard.backward(loss)
+    guard.step()
+    row = next(r for r in guard.flight_recorder.ring.rows() if r["step"] == 16)
+    assert row["amax"][0] == pytest.approx(want[0], rel=2e-2)  # bf16 autocast vs fp32

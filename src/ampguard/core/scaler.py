@@ -172,6 +172,16 @@ class ScaledLossScale:
         """The live fp32 scale tensor (0-dim, on the device). No sync."""
         return self._scale
 
+    @property
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The live device tensors of the state: ``scale``, ``growth_tracker`` and
+        ``hysteresis_tracker`` (what a snapshot copies and a rewind copies back). No sync."""
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._budget,
+        }
+
     def scale(self) -> float:
         """The current scale as a Python float. Cost: one host sync."""
         return float(self._scale.item())

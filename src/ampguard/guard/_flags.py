@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ampguard.core import results
-from ampguard.guard import _collapse, _nonfinite
+from ampguard.guard import _collapse, _nonfinite, _spikes
 from ampguard.guard._step_state import StepState
 
 __all__ = ["DRAIN_EVERY", "drain", "settle"]
@@ -60,7 +60,7 @@ def _record(state: StepState, step: int, flags: results.Decoded) -> None:
     if flags.applied:
         state.collapsing = False
     if state.spikes is not None:
-        scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
+        scale = _spikes.scale_state(state)  # the scale and its trackers, for a rewind
         if flags.spike:  # warn, rewind or raise (ampguard.guard._spikes)
             other = "fp16 overflow" if flags.overflow else "non-finite" if flags.nonfinite else None
             state.spikes.on_spike(step, scale, skipped_for=other and f"{other} gradients")

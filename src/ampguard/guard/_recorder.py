@@ -12,9 +12,9 @@ update. ``ampguard postmortem RUN_DIR`` merges the ranks' dumps
 
 The file (``kind: "ampguard.flight_recorder"``, ``version: 1``): ``rank``, ``world_size``,
 ``trigger``, ``step``, ``names`` (the parameters, in the order of ``grad_norm`` and
-``update_ratio``), ``rows`` (one per recorded window, oldest first: ``step``, ``lr``, ``loss``,
-``bound``, ``level``, ``spike``, ``status``, ``scale``, ``grad_norm``, ``update_ratio``,
-``amax``; NaN and inf as null) and ``spikes`` (the detected spikes: ``step``, ``loss``,
+``update_ratio``), ``modules`` (the layers, in the order of ``amax``), ``rows`` (one per
+recorded window, oldest first: ``step``, ``lr``, ``loss``, ``bound``, ``level``, ``spike``,
+``status``, ``scale``, ``grad_norm``, ``update_ratio``, ``amax``; NaN and inf as null) and ``spikes`` (the detected spikes: ``step``, ``loss``,
 ``bound``, ``level``, ``action``).
 Cost of a dump: one host sync (the ring's copy) and the write.
 """

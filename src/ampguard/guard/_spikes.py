@@ -3,9 +3,12 @@
 
 Per window, all on the device and without a host sync: the loss goes to the spike detector
 (:class:`ampguard.replay.SpikeDetector`) and the ring buffer
-(:class:`ampguard.replay.FlightRecorder`) with the LR of every param group, the gradient norms
-(after the unscale, before the clip), the packed step flags and the loss scale; sampled windows
-also record the update-to-weight ratios. Under a process group, when a spike skips its window
+(:class:`ampguard.replay.FlightRecorder`) with the LR of every param group (a tensor LR copied
+on the device, never read), the gradient norms (after the unscale, before the clip; the clip
+reuses them), the packed step flags and the loss scale, written as one row by one stack;
+sampled windows (every ``SAMPLE_EVERY``) also record the update-to-weight ratios and the
+per-module output amax (:class:`ampguard.replay.OutputAmax`: hooks only for that forward).
+Under a process group, when a spike skips its window
 (``on_spike`` ``"skip"``, ``"rewind"``, ``"raise"``), the ranks OR their spike flags (one async
 all-reduce of one float, overlapped with the unscale), so no rank applies an update another rank
 skips; with ``"warn"`` each rank judges its own loss and no collective runs.
@@ -16,7 +19,8 @@ gradients: fused optimizers get it in their ``found_inf``, the others are not st
 scale does not move, schedulers and ``on_applied`` callbacks do not advance. When the flags reach
 the host (at once for optimizers stepping in Python, lazily for fused ones) the policy acts:
 ``"warn"`` warns, ``"rewind"`` restores the last snapshot taken at least two windows before the
-spike (weights, buffers, optimizer, schedulers, loss scale, RNG), ``"raise"`` raises
+spike (weights, buffers, optimizer, schedulers, the loss scale with its growth tracker and
+hysteresis budget, RNG), ``"raise"`` raises
 :class:`ampguard.LossSpikeError`. Every spike is an AG180 finding giving its size.
 
 Every ``snapshot_every`` windows a snapshot is taken (``ampguard.replay.SnapshotStore``: host
@@ -27,7 +31,6 @@ batches since the older kept snapshot are kept (references) for ``ampguard.autop
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,12 +42,23 @@ import torch
 from ampguard._util.stack import user_stacklevel
 from ampguard.findings import Finding, make
 from ampguard.guard._recorder import Dumper, run_dir_of
+from ampguard.guard._spike_config import (
+    DEFAULT_CAPACITY,
+    DEFAULT_SNAPSHOT_EVERY,
+    ON_SPIKE,
+    SAMPLE_EVERY,
+    SpikeConfig,
+    check,
+    has_state,
+)
 from ampguard.replay import (
     FlightRecorder,
     LossSpikeError,
+    OutputAmax,
     Snapshot,
     SnapshotStore,
     SpikeDetector,
+    grad_norms,
     local,
 )
 
@@ -55,98 +69,10 @@ __all__ = [
     "SpikeWatch",
     "attach",
     "check",
+    "scale_state",
     "DEFAULT_CAPACITY",
     "DEFAULT_SNAPSHOT_EVERY",
 ]
-
-ON_SPIKE = (None, "warn", "skip", "rewind", "raise")
-DEFAULT_CAPACITY = 256
-DEFAULT_SNAPSHOT_EVERY = 100
-MAX_CAPACITY = 1 << 16
-MAX_SNAPSHOT_EVERY = 10_000_000
-SAMPLE_EVERY = 16  # windows between update-ratio samples
-
-
-@dataclass(frozen=True)
-class SpikeConfig:
-    """The checked ``flight_recorder`` / ``snapshot_every`` / ``snapshot`` / ``on_spike``."""
-
-    capacity: int  # 0: no ring buffer
-    snapshot_every: int
-    snapshot: bool | Path  # False, True (host memory) or a folder
-    on_spike: str | None
-
-    @property
-    def acts(self) -> bool:
-        """A spike skips its window."""
-        return self.on_spike in ("skip", "rewind", "raise")
-
-
-def check(
-    flight_recorder: Any,
-    snapshot_every: Any,
-    snapshot: Any,
-    on_spike: Any,
-    optimizers: list[Any],
-    schedulers: list[Any],
-) -> SpikeConfig | None:
-    """The checked arguments; None when nothing is recorded or detected. ``TypeError`` /
-    ``ValueError`` naming the argument and what it allows; nothing is changed."""
-    if on_spike not in ON_SPIKE:
-        raise ValueError(
-            "on_spike must be None, 'warn', 'skip', 'rewind' or 'raise', got " + repr(on_spike)
-        )
-    if flight_recorder is None or flight_recorder is False:
-        capacity = 0
-    elif flight_recorder is True:
-        capacity = DEFAULT_CAPACITY
-    elif isinstance(flight_recorder, int) and not isinstance(flight_recorder, bool):
-        if not 8 <= flight_recorder <= MAX_CAPACITY:
-            raise ValueError(
-                f"flight_recorder must be a number of windows in [8, {MAX_CAPACITY}] (or True, "
-                f"False), got {flight_recorder}"
-            )
-        capacity = flight_recorder
-    else:
-        raise TypeError(
-            "flight_recorder must be an int (windows kept), True or False, got "
-            f"{type(flight_recorder).__name__}"
-        )
-    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int):
-        raise TypeError(f"snapshot_every must be an int, got {type(snapshot_every).__name__}")
-    if not 1 <= snapshot_every <= MAX_SNAPSHOT_EVERY:
-        raise ValueError(
-            f"snapshot_every must be in [1, {MAX_SNAPSHOT_EVERY}] windows, got {snapshot_every}"
-        )
-    if isinstance(snapshot, (str, os.PathLike)):
-        snap: bool | Path = Path(snapshot)
-    elif isinstance(snapshot, bool):
-        snap = snapshot
-    else:
-        raise TypeError(
-            "snapshot must be True (host memory), False or a folder path, got "
-            f"{type(snapshot).__name__}"
-        )
-    if on_spike == "rewind" and snap is False:
-        raise ValueError("on_spike='rewind' needs snapshots: snapshot=False cannot rewind")
-    if on_spike is None and capacity == 0:
-        return None
-    if capacity == 0:
-        snap = False if on_spike != "rewind" else snap
-    if snap is not False:
-        for obj in optimizers:
-            if not _has_state(obj):
-                raise TypeError(
-                    f"optimizer: a {type(obj).__name__} has no state_dict()/load_state_dict(), "
-                    "so the flight recorder cannot snapshot it; pass snapshot=False"
-                )
-    return SpikeConfig(capacity, snapshot_every, snap, on_spike)
-
-
-def _has_state(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 @dataclass
@@ -182,17 +108,22 @@ class SpikeWatch:
         self.config = config
         self.model, self.optimizers = model, optimizers
         # a scheduler without state_dict() is left out of snapshots (a rewind says so)
-        self.schedulers = [s for s in schedulers if _has_state(s)]
+        self.schedulers = [s for s in schedulers if has_state(s)]
         self.unsaved_schedulers = len(schedulers) - len(self.schedulers)
         self.device = device
         self.dist = dist
         names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         self.names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.detector = SpikeDetector(device)
+        groups = sum(len(opt.param_groups) for opt in optimizers)
+        # the sampled output amax of the layers (with a recorder only)
+        self.amax = OutputAmax(model) if config.capacity else None
+        modules = [] if self.amax is None else self.amax.names
         # flight_recorder=False with on_spike: an 8-window ring (the spike's loss for the
         # message), never dumped
-        self.ring = FlightRecorder(config.capacity or 8, self.names, [], device)
+        self.ring = FlightRecorder(config.capacity or 8, self.names, modules, device, groups)
         snap = config.snapshot
         self.snapshots = (
             None if snap is False else SnapshotStore(2, None if snap is True else Path(snap))
@@ -205,31 +136,63 @@ class SpikeWatch:
         self._work: Any = None  # the flag's in-flight all-reduce
         self.step = 0  # the last window begun
         self._weights: list[torch.Tensor] | None = None  # sampled window: weights before
+        self._clip_parts: list[torch.Tensor] | None = None  # see clip_parts()
         self.dumper: Any = None  # ampguard.guard._recorder.Dumper, set by the Guard
 
     # ------------------------------------------------------------------ per window
     def begin(self, step: int, losses: list[torch.Tensor]) -> None:
         """Window ``step`` is complete: record its loss and LRs, run the detector, and start
-        the ranks' agreement on its flag. Cost: device ops and (distributed) one async
-        all-reduce; no host sync."""
+        the ranks' agreement on its flag. A tensor LR is recorded on the device (never read
+        on the host). Cost: about 15 small device ops and (distributed) one async all-reduce;
+        on sampled windows one multi-tensor copy of the parameters; no host sync."""
         if not losses:
             self.flag = None
             return
         loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean()
-        lrs = [float(g.get("lr", math.nan)) for opt in self.optimizers for g in opt.param_groups]
-        flag = self.detector.observe(loss, self.ring.start(step, lrs))
+        ring = self.ring
+        lrs = [g.get("lr", math.nan) for opt in self.optimizers for g in opt.param_groups]
+        ring.open(step, lrs)  # a tensor LR is staged for the device row, never read
+        flag, record = self.detector.measure(loss)
+        ring.stage(step, detector=record)
         if self.config.acts and self.dist is not None and torch.distributed.is_initialized():
+            flag = flag.clone()  # the ranks' agreed flag; the ring keeps this rank's own
             self._work = torch.distributed.all_reduce(
                 flag, op=torch.distributed.ReduceOp.MAX, group=self.dist.group, async_op=True
             )
         self.flag, self.step = flag, step
         if step % SAMPLE_EVERY == 0 and self.config.capacity:
-            self._weights = [local(p.detach()).clone() for p in self.params]
+            self._weights = list(torch._foreach_mul(self._local_params(), 1.0))  # one copy
+        if self.amax is not None:
+            self.amax.finish(step, ring)
+
+    def _local_params(self) -> list[torch.Tensor]:
+        if self._sharded:
+            return [local(p.detach()) for p in self.params]
+        return [p.detach() for p in self.params]
 
     def on_grads(self, step: int, inv_scale: torch.Tensor | None) -> None:
         """The window's per-parameter gradient norms (``inv_scale``: the gradients are still
         scaled). Cost: one multi-tensor norm, no host sync."""
-        self.ring.put_grad_norms(step, [p.grad for p in self.params], inv_scale)
+        grads = [p.grad for p in self.params]
+        if self._sharded:
+            grads = [None if g is None else local(g) for g in grads]
+        norms = grad_norms(grads)
+        self.ring.stage(step, grad_norm=norms, inv=inv_scale)
+        # the clip's total norm can be taken from these (the same kernel on the same list)
+        # when torch's get_total_norm would not regroup them: one fp32 group, no shards
+        self._clip_parts = None
+        if norms is not None and inv_scale is None and not self._sharded and self.dist is None:
+            present = [g for g in grads if g is not None]
+            dev = present[0].device
+            if all(g.dtype == torch.float32 and g.device == dev for g in present):
+                self._clip_parts = [n for n in norms if n is not None]
+
+    def clip_parts(self) -> list[torch.Tensor] | None:
+        """The per-parameter norms of the window's unscaled gradients, in the order
+        ``torch.nn.utils.get_total_norm`` would compute them (its total is their 2-norm,
+        bitwise), or None where it would compute them otherwise. Cost: none."""
+        parts, self._clip_parts = self._clip_parts, None
+        return parts
 
     def spike_flag(self) -> tuple[torch.Tensor, bool] | None:
         """``(flag, skips)`` for the window's packed flags (the ranks' agreed flag), or None.
@@ -249,10 +212,11 @@ class SpikeWatch:
         return [f + self.flag for f in found]
 
     def on_status(self, step: int, status: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """The window's packed flags and loss scale into the ring. Cost: two copy kernels."""
-        self.ring.put(step, "status", status)
-        if scale is not None:
-            self.ring.put(step, "scale", scale)
+        """The window's packed flags and loss scale: its row is written to the ring (one
+        stack of the loss, the detector's record, the flags, the scale, the gradient norms and
+        any tensor LR). Cost: one or two device ops, no host sync."""
+        self.ring.stage(step, status=status, scale=scale)
+        self.ring.commit()
 
     def after_step(self, state: Any, batch: Any, loss_fn: Any) -> None:
         """After the window of ``state`` (a ``StepState``; its update applied or skipped): the
@@ -260,14 +224,15 @@ class SpikeWatch:
         Cost: device ops and a device-to-host copy every ``snapshot_every`` windows; no host
         sync."""
         step = state.steps
-        scale = {"scale": state.loss_scale.scale_tensor} if state.scaled else None
+        scale = scale_state(state)
         if self._weights is not None:
             before, self._weights = self._weights, None
-            after = [local(p.detach()) for p in self.params]
-            diff = torch._foreach_sub(after, before)
-            num = torch.stack(torch._foreach_norm(diff))
-            den = torch.stack(torch._foreach_norm(before)).clamp_min(1e-30)
-            self.ring.put_vector(step, "update_ratio", (num / den).float())
+            den = _norms(before)
+            torch._foreach_sub_(before, self._local_params())  # -update, in the copy
+            ratio = torch.stack(_norms(before)).div_(torch.stack(den).clamp_min_(1e-30))
+            self.ring.put_sampled(step, "update_ratio", ratio)
+        if self.amax is not None and (step + 1) % SAMPLE_EVERY == 0:
+            self.amax.arm(step + 1)  # the next window's forward is sampled
         micro, self._micro = [*self._micro, (batch, loss_fn)], []
         if self.snapshots is None:
             return
@@ -403,7 +368,9 @@ class SpikeWatch:
         return self.detector.state_dict()
 
     def close(self) -> None:
-        """The Guard closes: the SIGTERM handler of the dumps goes."""
+        """The Guard closes: the SIGTERM handler of the dumps and the amax hooks go."""
+        if self.amax is not None:
+            self.amax.close()
         if self.dumper is not None:
             self.dumper.release()
 
@@ -432,6 +399,23 @@ def attach(
         watch.dumper = Dumper(watch, run_dir, rank, world)
         watch.dumper.on_sigterm(lambda: watch.step)
     return watch
+
+
+def scale_state(state: Any) -> dict[str, torch.Tensor] | None:
+    """The live loss-scale tensors of a Guard's ``StepState`` (the scale, the growth tracker,
+    the hysteresis budget) that a snapshot keeps and a rewind copies back; None without a
+    scale."""
+    if not state.scaled:
+        return None
+    tensors = getattr(state.loss_scale, "state_tensors", None)
+    return dict(tensors) if tensors is not None else {"scale": state.loss_scale.scale_tensor}
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 2-norms of ``tensors`` in one multi-tensor op."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return list(torch._foreach_norm(tensors))
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
 def _finite(v: float) -> float | None:

@@ -66,7 +66,7 @@ def run(state: StepState, owner: object, kwargs: dict[str, Any]) -> StepResult:
     spikes = state.spikes  # the flight recorder (ampguard.guard._spikes): grad norms, spike flag
     if spikes is not None:
         spikes.on_grads(state.steps, None if unscale_now else scale.inv_scale())
-    grad_norm = clip(state, found)
+    grad_norm = clip(state, found, None if spikes is None else spikes.clip_parts())
     if agree is not None and state.dist is not None:  # agree implies dist
         found, dropped = agree.wait()
         grad_norm = state.dist.plain_tensor(grad_norm)  # FSDP2: a replicated DTensor
@@ -164,13 +164,20 @@ def _fused_step(
         del opt.grad_scale, opt.found_inf  # type: ignore[attr-defined]
 
 
-def clip(state: StepState, found: list[torch.Tensor] | None) -> torch.Tensor | None:
+def clip(
+    state: StepState, found: list[torch.Tensor] | None, parts: list[torch.Tensor] | None = None
+) -> torch.Tensor | None:
     """Clip the unscaled gradients to ``clip_grad_norm``; the total norm before clipping (None
-    without clipping). Cost: no host sync."""
+    without clipping). ``parts``: the per-parameter norms the flight recorder already took (its
+    ``clip_parts()``: the total is their 2-norm, bitwise torch's), so the gradients are read
+    once. Cost: no host sync."""
     if state.clip_grad_norm is None:
         return None
-    grads = [p.grad for p in state.params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
+    if parts is not None:
+        total = torch.linalg.vector_norm(torch.stack(parts), 2.0)
+    else:
+        grads = [p.grad for p in state.params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads)
     safe = total
     if found is not None and len(found) > 1:
         # One optimizer's overflow must neither turn the others' gradients into NaN nor

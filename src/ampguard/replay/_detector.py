@@ -16,7 +16,7 @@ log makes the rule scale-free (a loss of 0.01 and one of 10 are judged alike); t
 one-sided (a falling loss never triggers) and the first ``warmup`` windows only learn, so the
 fast-falling loss of early training never triggers. A spike does not enter the statistic, so a
 run of spikes keeps being seen as such. Non-finite losses are left to the non-finite skip.
-Cost: about 15 small device ops per window, no host sync (``count`` is a host int).
+Cost: 12 small device ops per window once armed, no host sync (``count`` is a host int).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class SpikeDetector:
         self._inf = torch.full((), math.inf, **f32)
         self._zero = torch.zeros((), **f32)
         self.count = 0  # windows fed so far (host: known without a sync)
+        self._bound: torch.Tensor | None = None  # the next window's log bound, once armed
 
     @property
     def mean(self) -> torch.Tensor:
@@ -81,31 +82,50 @@ class SpikeDetector:
     def observe(self, loss: torch.Tensor, record: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one window's loss; returns the spike flag (a new 0-dim fp32 0/1 tensor).
         ``record``: a 4-float device view that receives ``[loss, log bound, mean, spike]``
-        (the log-loss above which the window spikes, inf while warming up, and the running mean
-        of the log-loss it was judged against). Cost: about 15 device ops, no host sync."""
-        loss = loss.detach().reshape(()).float()
-        x = loss.clamp_min(1e-30).log()
+        (see :meth:`measure`). Cost: about 15 device ops, no host sync."""
+        flag, pieces = self.measure(loss)
+        if record is not None:
+            torch.stack(pieces, out=record)
+        return flag
+
+    def measure(self, loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Feed one window's loss; returns the spike flag (a new 0-dim fp32 0/1 tensor) and the
+        window's record ``[loss, log bound, mean, spike]`` as 0-dim tensors (the log-loss above
+        which the window spikes, inf while warming up, and the running mean of the log-loss it
+        was judged against), for the caller to write with its own row. Cost: 12 small device
+        ops once armed (the next window's bound is computed here too), no host sync."""
+        loss = loss.detach().reshape(())
+        if loss.dtype != torch.float32:
+            loss = loss.float()
+        x = loss.clamp_min(1e-30).log_()
         if self.count == 0:  # the first window: the statistic starts at it
-            self.state.copy_(torch.stack([x, self._zero, x]).nan_to_num(0.0, 0.0, 0.0))
+            self.state = torch.stack([x, self._zero, x]).nan_to_num_(0.0, 0.0, 0.0)
             self.count = 1
-            if record is not None:
-                torch.stack([loss, self._inf, x, self._zero], out=record)
-            return self._zero.clone()
+            self._bound = None
+            return self._zero.clone(), [loss, self._inf, x, self._zero]
+        state = self.state
         if self.armed:
-            st = self.state
-            bound = st[1].mul(self.threshold).clamp_min(self.log_min_ratio).add(st[0])
-            spike = (x > bound).float()  # NaN never spikes (the non-finite skip has it)
+            bound = self._bound if self._bound is not None else self._bound_of(state)
+            spike = torch.gt(x, bound).float()  # NaN never spikes (the non-finite skip has it)
         else:
             bound, spike = self._inf, torch.zeros_like(x)
-        keep = (x < bound).float()  # finite and not a spike: a spike never moves the statistic
-        if record is not None:
-            torch.stack([loss, bound, self.state[0], spike], out=record)
+        keep = torch.lt(x, bound)  # finite and not a spike: a spike never moves the statistic
         self.count += 1
         self._set_coef()
-        prev = self.state[2]
-        target = torch.stack([x, (x - prev).abs().mul(0.886), x]).nan_to_num(0.0, 0.0, 0.0)
-        self.state.add_((target - self.state).mul_(self._coef).mul_(keep))
-        return spike
+        noise = torch.dist(x, state[2]).mul_(0.886)  # |x - x_prev|
+        target = torch.where(keep, torch.stack([x, noise, x]), state)
+        # out of place: the record keeps the mean the window was judged against
+        self.state = torch.lerp(state, target, self._coef)
+        self._bound = self._bound_of(self.state) if self.armed else None
+        return spike, [loss, bound, state[0], spike]
+
+    def _bound_of(self, state: torch.Tensor) -> torch.Tensor:
+        """The log-loss above which the next window spikes: ``m + max(threshold * s,
+        log(min_ratio))``. Cost: 2 device ops (3 with a threshold <= 0)."""
+        if self.threshold > 0:  # m + threshold * max(s, log(min_ratio) / threshold)
+            floor = self.log_min_ratio / self.threshold
+            return torch.add(state[0], state[1].clamp_min(floor), alpha=self.threshold)
+        return state[1].mul(self.threshold).clamp_min_(self.log_min_ratio).add_(state[0])
 
     def _set_coef(self) -> None:
         a = max(1.0 / self.count, 1.0 - self.beta_mean)
@@ -127,6 +147,7 @@ class SpikeDetector:
         self.state.copy_(torch.tensor([state["mean"], state["spread"], prev]))
         self.count = int(state["count"])
         self._coef_at = None
+        self._bound = None
 
     @staticmethod
     def check_state(state: Any) -> dict[str, Any]:

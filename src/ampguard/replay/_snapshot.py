@@ -5,8 +5,9 @@ into a folder, written atomically). A snapshot is taken right after window ``ste
 the weights: restoring it puts the loop where it was when window ``step + 1`` began.
 
 Memory: one copy of the parameters and buffers plus the optimizer state (Adam: two more tensors
-per parameter), in host memory (CPU tensors; from an accelerator, pinned buffers reused across
-snapshots and filled with non-blocking copies, so taking one never waits for the device). A
+per parameter), in host memory: buffers allocated once per pool and reused by later snapshots
+(pinned from an accelerator), filled by one multi-tensor copy (non-blocking from an
+accelerator, so taking one never waits for the device). A
 :class:`SnapshotStore` keeps the last ``keep`` of them (2: the spike rewind and the autopsy need
 the one before the spike, which may be the one before the last). On disk: the same bytes in
 ``RUN_DIR/snapshots/step_<N>.pt`` and none in memory.
@@ -30,26 +31,40 @@ from ampguard.replay._rng import rng_state, set_rng_state
 __all__ = ["Snapshot", "SnapshotStore", "state_bytes"]
 
 
-def _copy_tree(value: Any, pinned: dict[int, torch.Tensor] | None, key: list[int]) -> Any:
-    """A host copy of the tensors in ``value`` (dicts, lists, tuples kept)."""
+def _copy_tree(
+    value: Any,
+    pinned: dict[int, torch.Tensor] | None,
+    key: list[int],
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Any:
+    """The tree of ``value`` (dicts, lists, tuples kept) with every tensor replaced by its host
+    buffer (reused from ``pinned`` when one of the same shape and dtype is there, else new;
+    pinned from an accelerator); ``(buffer, tensor)`` go to ``pairs`` for one multi-tensor
+    copy."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
-        if t.device.type == "cpu":
-            return t.clone()
         k = key[0]
         key[0] += 1
         buf = None if pinned is None else pinned.get(k)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            pin = t.device.type != "cpu" and torch.cuda.is_available()
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             if pinned is not None:
                 pinned[k] = buf
-        buf.copy_(t, non_blocking=True)
+        pairs.append((buf, t))
         return buf
     if isinstance(value, dict):
-        return {k: _copy_tree(v, pinned, key) for k, v in value.items()}
+        return {k: _copy_tree(v, pinned, key, pairs) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_copy_tree(v, pinned, key) for v in value)
+        return type(value)(_copy_tree(v, pinned, key, pairs) for v in value)
     return value
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Fill the buffers: one ``_foreach_copy_`` (non-blocking from an accelerator)."""
+    if pairs:
+        dst, src = zip(*pairs, strict=True)
+        torch._foreach_copy_(list(dst), list(src), non_blocking=True)
 
 
 def state_bytes(value: Any) -> int:
@@ -89,15 +104,18 @@ class Snapshot:
         """Copy the state now. ``pinned``: reusable host buffers (keyed by position).
         Cost: see the module docstring."""
         key = [0]
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         device_type = next((p.device.type for p in model.parameters()), "cpu")
-        return cls(
+        snap = cls(
             step,
-            _copy_tree(model.state_dict(), pinned, key),
-            [_copy_tree(opt.state_dict(), pinned, key) for opt in optimizers],
-            [_copy_tree(s.state_dict(), pinned, key) for s in schedulers],
-            None if scale is None else _copy_tree(scale, pinned, key),
+            _copy_tree(model.state_dict(), pinned, key, pairs),
+            [_copy_tree(opt.state_dict(), pinned, key, pairs) for opt in optimizers],
+            [_copy_tree(s.state_dict(), pinned, key, pairs) for s in schedulers],
+            None if scale is None else _copy_tree(scale, pinned, key, pairs),
             rng_state(device_type),
         )
+        _copy_all(pairs)
+        return snap
 
     @property
     def nbytes(self) -> int:

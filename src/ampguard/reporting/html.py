@@ -9,6 +9,7 @@ from typing import Any
 
 from ampguard.findings import Finding
 from ampguard.reporting._fp8 import html_section
+from ampguard.reporting._spikes import html_section as spikes_section
 from ampguard.reporting._unscaled import what_ran, without_loss_scale
 from ampguard.runlog import COVERAGE, RunLog, read_coverage
 
@@ -210,6 +211,6 @@ def render(
         f" &middot; {len(findings)} finding(s)</p>{_facts(facts)}"
         f"<h2>Findings</h2>{found}{''.join(figs)}"
         f"<h2>Skipped steps by cause</h2>{_causes(causes, facts['steps'])}"
-        f"{_coverage(run)}{html_section(run)}"
+        f"{_coverage(run)}{html_section(run)}{spikes_section(run)}"
         f"<h2>Run metadata</h2>{_meta(run)}</main></body></html>"
     )

@@ -6,13 +6,14 @@ reads them back (schema-checked: a missing, unreadable or malformed dump is one
 :class:`PostmortemError` naming the file and the field), finds the first window where something
 went wrong on any rank (a loss spike, non-finite loss or gradients, a skipped window) and the
 layer whose gradient norm jumped most there, and renders the windows around it, one column per
-rank. :func:`signal_read` is the autopsy's reading of the recorded signals (also the one
-``ampguard.autopsy`` falls back to when it cannot replay). Imports no torch.
+rank, with the largest per-module output amax of the sampled windows nearest it (the same
+as a panel of ``report.html``: :mod:`ampguard.reporting._spikes`). :func:`signal_read` is the
+autopsy's reading of the recorded signals (also the one ``ampguard.autopsy`` falls back to
+when it cannot replay). Imports no torch.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,22 +26,30 @@ from ampguard.runlog import (
     TRIAGE_DIR,
     TRIAGE_KIND,
     TRIAGE_VERSION,
+    RunFolderError,
+    read_json,
 )
 
 __all__ = [
     "PostmortemError",
     "Postmortem",
+    "amax_around",
     "layer_kind",
     "layer_of",
     "load",
     "signal_read",
     "text",
+    "timeline",
 ]
 
 _ATTENTION = ("q_proj", "k_proj", "qkv", "query", "key", "c_attn", "attn", "attention")
 _NOT_LOGITS = ("v_proj", "value", "o_proj", "out_proj", "c_proj", "dense", "proj", "wo")
 _OUTPUT = ("lm_head", "head", "output", "classifier", "logits", "unembed")
 _ROW_FIELDS: dict[str, Any] = {"step": int, "loss": (int, float, type(None)), "grad_norm": list}
+# optional row fields: numbers (or null) and lists of them; a dump of an older ampguard may
+# lack them, never hold them in another shape
+_ROW_NUMBERS = ("bound", "level", "spike", "status", "scale")
+_ROW_LISTS = ("grad_norm", "lr", "update_ratio", "amax")
 
 
 class PostmortemError(ValueError):
@@ -78,13 +87,32 @@ def _check(path: Path, data: Any) -> dict[str, Any]:
     for key, kind in top:
         if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
             raise PostmortemError(f"{path}: field {key!r} must be a {kind.__name__}")
+    modules = data.get("modules", [])
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise PostmortemError(f"{path}: field 'modules' must be a list of module names")
     for i, row in enumerate(data["rows"]):
         if not isinstance(row, dict):
             raise PostmortemError(f"{path}: rows[{i}] must be an object")
         for key, kind in _ROW_FIELDS.items():
             if not isinstance(row.get(key), kind) or isinstance(row.get(key), bool):
                 raise PostmortemError(f"{path}: rows[{i}].{key} is missing or malformed")
+        for key in _ROW_NUMBERS:
+            if not _number_or_none(row.get(key)):
+                raise PostmortemError(f"{path}: rows[{i}].{key} must be a number or null")
+        for key in _ROW_LISTS:
+            v = row.get(key, [])
+            if not isinstance(v, list) or not all(_number_or_none(x) for x in v):
+                raise PostmortemError(f"{path}: rows[{i}].{key} must be a list of numbers or null")
+    spikes = data.get("spikes", [])
+    if not isinstance(spikes, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("step"), int) for e in spikes
+    ):
+        raise PostmortemError(f"{path}: field 'spikes' must be a list of objects with an int step")
     return data
+
+
+def _number_or_none(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def load(run_dir: str | Path) -> Postmortem:
@@ -103,9 +131,9 @@ def load(run_dir: str | Path) -> Postmortem:
     ranks: dict[int, dict[str, Any]] = {}
     for path in paths:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PostmortemError(f"{path}: unreadable dump ({err})") from err
+            data = read_json(path)  # regular files only: a FIFO in its place never blocks
+        except RunFolderError as err:
+            raise PostmortemError(f"{path}: unreadable dump ({err})") from None
         data = _check(path, data)
         ranks[data["rank"]] = data
     pm = Postmortem(run_dir, dict(sorted(ranks.items())))
@@ -119,9 +147,9 @@ def _triage(folder: Path) -> list[dict[str, Any]]:
     by_step: dict[int, dict[str, Any]] = {}
     for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PostmortemError(f"{path}: unreadable triage file ({err})") from err
+            data = read_json(path)
+        except RunFolderError as err:
+            raise PostmortemError(f"{path}: unreadable triage file ({err})") from None
         if not isinstance(data, dict) or data.get("kind") != TRIAGE_KIND:
             raise PostmortemError(f"{path}: not an ampguard triage file (no kind field)")
         if data.get("version") != TRIAGE_VERSION or not isinstance(data.get("events"), list):
@@ -162,6 +190,25 @@ def _first(pm: Postmortem) -> None:
     rows = {r["step"]: r for r in dump["rows"]}
     _, layer, evidence = signal_read(rows, dump["names"], best[0], None)
     pm.layer, pm.evidence = layer, evidence
+
+
+def amax_around(pm: Postmortem, top: int = 3) -> list[tuple[int, list[tuple[str, float]]]]:
+    """The first bad rank's sampled per-module output amax nearest the first bad window: the
+    last sampled window at or before it and the first after it, each as ``(step, [(module,
+    amax)...])`` with its ``top`` largest modules (largest first); [] when none was sampled."""
+    if pm.first_rank is None or pm.first_step is None:
+        return []
+    dump = pm.ranks[pm.first_rank]
+    modules = dump.get("modules") or []
+    sampled = [r for r in dump["rows"] if any(v is not None for v in r.get("amax") or [])]
+    before = [r for r in sampled if r["step"] <= pm.first_step][-1:]
+    after = [r for r in sampled if r["step"] > pm.first_step][:1]
+    out = []
+    for row in before + after:
+        vals = [(m, v) for m, v in zip(modules, row["amax"], strict=False) if v is not None]
+        vals.sort(key=lambda mv: -mv[1])
+        out.append((row["step"], vals[:top]))
+    return out
 
 
 def layer_of(name: str) -> str:
@@ -218,6 +265,25 @@ def _num(v: Any) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
+def timeline(pm: Postmortem, around: int = 5) -> list[tuple[int, list[tuple[Any, str]]]]:
+    """The windows within ``around`` of the first bad one, each as ``(step, [(loss, flag)
+    per rank])`` (flag "" for a clean window, loss None where not recorded or non-finite);
+    [] when nothing went wrong."""
+    if pm.first_step is None:
+        return []
+    steps = sorted({r["step"] for d in pm.ranks.values() for r in d["rows"]})
+    by_rank = {r: {row["step"]: row for row in d["rows"]} for r, d in pm.ranks.items()}
+    out = []
+    for s in (s for s in steps if abs(s - pm.first_step) <= around):
+        cells = []
+        for r in pm.ranks:
+            row = by_rank[r].get(s)
+            bad = None if row is None else _bad(row)
+            cells.append((None if row is None else row.get("loss"), "" if bad is None else bad[1]))
+        out.append((s, cells))
+    return out
+
+
 def text(pm: Postmortem, *, around: int = 5, autopsy: bool = False) -> str:
     """The timeline as text: the first bad window and its layer, then ``around`` windows either
     side with every rank's loss and flags."""
@@ -238,19 +304,19 @@ def text(pm: Postmortem, *, around: int = 5, autopsy: bool = False) -> str:
         f"first: rank {pm.first_rank}, step {pm.first_step}: {pm.what}{where}"
         + (f" (gradient norm jump {jump})" if jump else "")
     )
-    lo, hi = pm.first_step - around, pm.first_step + around
     header = "  step " + "".join(f"  {f'rank{r} loss':>10}  {'flags':<24}" for r in pm.ranks)
     lines.append(header)
-    by_rank = {r: {row["step"]: row for row in d["rows"]} for r, d in pm.ranks.items()}
-    for s in (s for s in steps if lo <= s <= hi):
-        cells = []
-        for r in pm.ranks:
-            row = by_rank[r].get(s)
-            bad = None if row is None else _bad(row)
-            flag = "" if bad is None else bad[1]
-            cells.append(f"  {_num(None if row is None else row.get('loss')):>10}  {flag[:24]:<24}")
+    for s, cells in timeline(pm, around):
         mark = ">" if s == pm.first_step else " "
-        lines.append(f"{mark}{s:>5} " + "".join(cells))
+        lines.append(
+            f"{mark}{s:>5} "
+            + "".join(f"  {_num(loss):>10}  {flag[:24]:<24}" for loss, flag in cells)
+        )
+    for step, vals in amax_around(pm):
+        lines.append(
+            f"output amax (rank {pm.first_rank}, sampled step {step}): "
+            + ", ".join(f"{m} {v:.4g}" for m, v in vals)
+        )
     for e in pm.triage:
         where = " ".join(
             p
