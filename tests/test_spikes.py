@@ -622,3 +622,37 @@ def test_a_copy_of_the_model_made_while_sampling_does_not_write_the_amax() -> No
     guard.step()
     row = next(r for r in guard.flight_recorder.ring.rows() if r["step"] == 16)
     assert row["amax"][0] == pytest.approx(want[0], rel=2e-2)  # bf16 autocast vs fp32
+
+
+def _shifted_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """A loss whose level jumps for good at window SPIKE (its batches carry the shift): no
+    update, skipped or applied, brings the old level back."""
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    return loss * 4.0 if bool(x[0, 0] > 1e3) else loss
+
+
+def test_a_lasting_level_shift_is_skipped_a_few_windows_then_taken_as_the_new_level() -> None:
+    """A skip cannot undo what raised the loss: a loss that stays high must not be skipped for
+    ever (every later update lost). After SPIKE_RUN flagged windows in a row the detector takes
+    the new level, the updates are applied again, and the finding says so."""
+    from ampguard.replay import SPIKE_RUN
+
+    model, data = _model(), _Data()
+    guard = _guard(model, on_spike="skip")
+    results_ = {}
+    for step in range(1, SPIKE + 40):
+        x, y = data.batch(step)
+        if step >= SPIKE:
+            x = x.clone()
+            x[0, 0] = 1e4  # the marker the loss reads: the level is 4x from here on
+        with guard.autocast():
+            loss = _shifted_loss_fn(guard.model, (x, y))
+        guard.backward(loss)
+        results_[step] = guard.step()
+    skipped = [s for s, r in results_.items() if r.skip_cause == "loss_spike"]
+    assert skipped == list(range(SPIKE, SPIKE + SPIKE_RUN))
+    assert all(results_[s].applied for s in range(SPIKE + SPIKE_RUN, SPIKE + 40))
+    codes = [f for f in guard.findings() if f.code == "AG180"]
+    assert len(codes) == SPIKE_RUN
+    assert "new level" in codes[-1].message and "rewind" in codes[-1].message

@@ -52,6 +52,7 @@ from ampguard.guard._spike_config import (
     has_state,
 )
 from ampguard.replay import (
+    SPIKE_RUN,
     FlightRecorder,
     LossSpikeError,
     OutputAmax,
@@ -274,6 +275,11 @@ class SpikeWatch:
         event = SpikeEvent(step, loss, bound, level, action)
         if skipped_for is not None:
             event.extra["skipped_for"] = skipped_for
+        last = self.events[-1] if self.events else None
+        run = last.extra.get("run", 1) + 1 if last is not None and last.step == step - 1 else 1
+        event.extra["run"] = run
+        if run % SPIKE_RUN == 0:  # the detector takes this window's loss as its new level
+            event.extra["level_shift"] = step - SPIKE_RUN + 1
         self.events.append(event)
         if self.snapshots is not None:  # a snapshot taken after the spike holds its damage
             self.snapshots.drop_from(step)
@@ -343,6 +349,15 @@ class SpikeWatch:
                     else "the step was skipped (no snapshot to rewind to)"
                 ),
             }.get(e.action or "", "recorded")
+            first = e.extra.get("level_shift")
+            if first is not None:
+                did += (
+                    f". The loss stayed above the bound for {SPIKE_RUN} windows in a row (steps "
+                    f"{first}-{e.step}): the detector took it as the loss's new level, and later "
+                    "windows are judged against it (and applied). A skip cannot undo an update "
+                    "that raised the loss: on_spike='rewind' restores the weights from before "
+                    "it, and ampguard.autopsy(guard) names the cause"
+                )
             out.append(
                 make(
                     "AG180",
@@ -357,6 +372,7 @@ class SpikeWatch:
                         "ratio": _finite(e.ratio),
                         "action": e.action,
                         "snapshot_step": e.snapshot_step,
+                        "level_shift_from": first,
                     },
                 )
             )

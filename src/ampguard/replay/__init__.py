@@ -10,7 +10,7 @@ on disk), the model state kept around a replay (:class:`Preserved`) and the RNG 
 """
 
 from ampguard.replay._amax import OutputAmax, layers_of
-from ampguard.replay._detector import LossSpikeError, SpikeDetector
+from ampguard.replay._detector import SPIKE_RUN, LossSpikeError, SpikeDetector
 from ampguard.replay._preserved import Preserved
 from ampguard.replay._ring import FlightRecorder, grad_norms, local
 from ampguard.replay._rng import rng_state, set_rng_state
@@ -18,6 +18,7 @@ from ampguard.replay._snapshot import Snapshot, SnapshotStore, state_bytes
 
 __all__ = [
     "FlightRecorder",
+    "SPIKE_RUN",
     "LossSpikeError",
     "OutputAmax",
     "Preserved",

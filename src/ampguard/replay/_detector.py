@@ -15,8 +15,16 @@ does not inflate it, and a heavy-tailed loss weighs in linearly, not squared. Th
 log makes the rule scale-free (a loss of 0.01 and one of 10 are judged alike); the test is
 one-sided (a falling loss never triggers) and the first ``warmup`` windows only learn, so the
 fast-falling loss of early training never triggers. A spike does not enter the statistic, so a
-run of spikes keeps being seen as such. Non-finite losses are left to the non-finite skip.
-Cost: 12 small device ops per window once armed, no host sync (``count`` is a host int).
+short run of spikes keeps being seen as such; but a loss that stays above the bound for
+``SPIKE_RUN`` windows in a row is a new level, not a spike (a skip cannot undo the update that
+raised it, so skipping on would lose every later update): that window resets the mean to it
+(the noise is kept) and later windows are judged against the new level::
+
+    run = (run + 1) * spike                                    # flagged windows in a row
+    at run == SPIKE_RUN:  m = x, x_prev = x, run = 0           # the window is still flagged
+
+Non-finite losses are left to the non-finite skip.
+Cost: 17 small device ops per window once armed, no host sync (``count`` is a host int).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["LossSpikeError", "SpikeDetector"]
+__all__ = ["SPIKE_RUN", "LossSpikeError", "SpikeDetector"]
+
+SPIKE_RUN = 5  # flagged windows in a row after which the loss is taken as its new level
 
 
 class SpikeDetector:
@@ -57,6 +67,8 @@ class SpikeDetector:
         f32: dict[str, Any] = {"dtype": torch.float32, "device": device}
         # the statistic as one vector [m, s, x_prev]: a window's update is a few vector ops
         self.state = torch.zeros(3, **f32)
+        self.run = torch.zeros((), **f32)  # windows flagged in a row (a level shift at SPIKE_RUN)
+        self._one = torch.ones(3, **f32)
         self._coef = torch.ones(3, **f32)  # [a, b, 1] (host-known; refilled while warming up)
         self._coef_at: tuple[float, float] | None = None
         self._inf = torch.full((), math.inf, **f32)
@@ -92,7 +104,7 @@ class SpikeDetector:
         """Feed one window's loss; returns the spike flag (a new 0-dim fp32 0/1 tensor) and the
         window's record ``[loss, log bound, mean, spike]`` as 0-dim tensors (the log-loss above
         which the window spikes, inf while warming up, and the running mean of the log-loss it
-        was judged against), for the caller to write with its own row. Cost: 12 small device
+        was judged against), for the caller to write with its own row. Cost: 17 small device
         ops once armed (the next window's bound is computed here too), no host sync."""
         loss = loss.detach().reshape(())
         if loss.dtype != torch.float32:
@@ -113,9 +125,13 @@ class SpikeDetector:
         self.count += 1
         self._set_coef()
         noise = torch.dist(x, state[2]).mul_(0.886)  # |x - x_prev|
+        run = self.run.add(1).mul_(spike)
+        shift = run.ge(SPIKE_RUN)  # a lasting level: the mean jumps to it, the noise stays
         target = torch.where(keep, torch.stack([x, noise, x]), state)
+        target = torch.where(shift, torch.stack([x, state[1], x]), target)
         # out of place: the record keeps the mean the window was judged against
-        self.state = torch.lerp(state, target, self._coef)
+        self.state = torch.lerp(state, target, torch.where(shift, self._one, self._coef))
+        self.run = run.masked_fill_(shift, 0.0)
         self._bound = self._bound_of(self.state) if self.armed else None
         return spike, [loss, bound, state[0], spike]
 
@@ -139,13 +155,15 @@ class SpikeDetector:
     def state_dict(self) -> dict[str, Any]:
         """The statistic, for a resume (``Guard.state_dict()["spikes"]``). Cost: one host sync."""
         mean, spread, prev = self.state.tolist()
-        return {"mean": mean, "spread": spread, "prev": prev, "count": self.count}
+        run = int(self.run.item())
+        return {"mean": mean, "spread": spread, "prev": prev, "count": self.count, "run": run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back :meth:`state_dict` output (checked by :func:`check_state`)."""
         prev = state.get("prev", state["mean"])
         self.state.copy_(torch.tensor([state["mean"], state["spread"], prev]))
         self.count = int(state["count"])
+        self.run.fill_(float(state.get("run", 0)))
         self._coef_at = None
         self._bound = None
 
@@ -164,6 +182,11 @@ class SpikeDetector:
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise ValueError(
                 f"malformed Guard state: 'spikes.count' must be an int >= 0, got {c!r}"
+            )
+        r = state.get("run", 0)
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < SPIKE_RUN:
+            raise ValueError(
+                f"malformed Guard state: 'spikes.run' must be an int in [0, {SPIKE_RUN}), got {r!r}"
             )
         if state["spread"] < 0:
             raise ValueError("malformed Guard state: 'spikes.spread' must be >= 0")
