@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampguard.core.rescue import SEED, Rescue
-from ampguard.core.rounding import kahan_read, kahan_write, round_with_noise_, stochastic_round
+from ampguard.core.rounding import draw_noise, kahan_read, round_with_noise_
 
 
 def model_of(
@@ -66,9 +66,11 @@ def rescued_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: bo
 
 def reference_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: bool = False):
     """The documented arithmetic one parameter at a time: the covered parameters step as fp32
-    twins (value = weight + Kahan buffer; gradient and states in fp32), then each is written back
-    with one generator (Kahan ones first, then stochastic ones, each in the parameters' order);
-    the others step in their own dtype; a parameter without a gradient is left alone."""
+    twins (value = weight + Kahan buffer; gradient and states in fp32), then each is written back:
+    Kahan ones to nearest, their residuals and the stochastic ones' values rounded with one draw
+    of noise sliced in the documented order (Kahan ones first, then stochastic ones, each in the
+    parameters' order); the others step in their own dtype; a parameter without a gradient is
+    left alone."""
     model = model_of(dtype, frozen=frozen)
     params = list(model.parameters())
     covered = [i for i in range(len(params)) if i in methods]
@@ -94,18 +96,31 @@ def reference_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: 
             topt.step()
             # the documented order of the random draws: Kahan members, then stochastic ones
             order = sorted(range(len(covered)), key=lambda j: methods[covered[j]] != "kahan")
+            # one draw of 16-bit noise for all of them, sliced in that order
+            order = [j for j in order if params[covered[j]].grad is not None]
+            targets, pieces = [], []
+            for j in order:
+                t, i = twins[j], covered[j]
+                p = params[i]
+                if methods[i] == "kahan":
+                    p.data.copy_(t.data)  # to nearest
+                    pieces.append(torch.sub(t.data, p.data).flatten())  # the residual
+                    targets.append(comp[i])
+                else:
+                    pieces.append(t.data.flatten().clone())
+                    targets.append(p.data)
+            noise = draw_noise(sum(x.numel() for x in pieces), gen, torch.device("cpu"))
+            offset = 0
+            for x, target in zip(pieces, targets, strict=True):
+                n = x.numel()
+                round_with_noise_(x, dtype, noise[offset : offset + n])
+                target.copy_(x.view_as(target))
+                offset += n
             for j in order:
                 t, i, saved = twins[j], covered[j], low[j]
-                p = params[i]
-                if p.grad is None:
-                    continue
-                if methods[i] == "kahan":
-                    kahan_write(t.data, p.data, comp[i], gen)
-                else:
-                    stochastic_round(t.data, p.dtype, gen, out=p.data)
                 for k, v in topt.state[t].items():
                     if v.dim() > 0:
-                        saved[k] = v.to(p.dtype)
+                        saved[k] = v.to(params[i].dtype)
             if popt is not None:
                 popt.step()
         model.zero_grad(set_to_none=True)
@@ -231,4 +246,4 @@ def test_one_random_draw_per_group_whatever_the_number_of_parameters():
         ops = one_step_ops(model, opt)
         draws = [op for op in ops if "rand" in op]
         assert len(draws) == 1, (depth, draws)
-        assert ops.count("bitwise_and_") == 1  # the truncation: one flat pass
+        assert ops.count("bitwise_and_") == 2  # the noise's 16 bits and the truncation

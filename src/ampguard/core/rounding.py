@@ -11,8 +11,9 @@ Two ways, both per element and on the device:
 - **Stochastic rounding** (:func:`stochastic_round`, in place on fp32: :func:`stochastic_round_`):
   round up (in magnitude) with probability equal to the distance from the value below, in units
   of the spacing there: unbiased (the expected stored value is the fp32 value), nothing
-  persistent, noisy. One draw of 16 random bits per element (:func:`round_with_noise_` is the
-  rounding for given bits): bf16 adds them to the low 16 bits of the fp32 pattern and truncates
+  persistent, noisy. 16 random bits per element (:func:`draw_noise`: four from each 64-bit
+  word; :func:`round_with_noise_` is the rounding for given bits): bf16 adds them to the low 16
+  bits of the fp32 pattern and truncates
   (exact: fp32 has exactly 16 bits below bf16's significand); fp16 adds their top 13 bits below
   its 10-bit significand (exact in its normal range) and, below 2**-14 (fp16 subnormals, a fixed
   spacing of 2**-24), all 16 to the distance in units of that spacing, truncated to 16 bits.
@@ -31,6 +32,7 @@ __all__ = [
     "stochastic_round",
     "stochastic_round_",
     "round_with_noise_",
+    "draw_noise",
     "NOISE_BITS",
     "nearest_write",
 ]
@@ -88,14 +90,22 @@ def stochastic_round(
 def stochastic_round_(
     flat: torch.Tensor, dtype: torch.dtype, generator: torch.Generator
 ) -> torch.Tensor:
-    """Round the fp32 tensor ``flat`` stochastically to values of ``dtype``, in place (they
-    stay fp32, exactly representable in ``dtype``), with :data:`NOISE_BITS` random bits per
-    element drawn from ``generator`` in element order; returns ``flat``. Cost: one draw and
-    :func:`round_with_noise_`."""
-    noise = torch.randint(
-        0, 1 << NOISE_BITS, flat.shape, dtype=torch.int32, device=flat.device, generator=generator
-    )
-    return round_with_noise_(flat, dtype, noise)
+    """Round the contiguous fp32 tensor ``flat`` stochastically to values of ``dtype``, in
+    place (they stay fp32, exactly representable in ``dtype``), with :data:`NOISE_BITS` random
+    bits per element from :func:`draw_noise` in element order; returns ``flat``. Cost: one
+    draw and :func:`round_with_noise_`."""
+    noise = draw_noise(flat.numel(), generator, flat.device)
+    return round_with_noise_(flat, dtype, noise.view(flat.shape))
+
+
+def draw_noise(numel: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``numel`` independent uniform 16-bit values (int32 in ``[0, 2**16)``, flat): the four
+    16-bit quarters of each uniform 64-bit word drawn from ``generator`` (``random_`` over the
+    full int64 range), in order. A quarter of the generator calls of one draw per element
+    (``torch.randint`` costs about 3 ns an element on a CPU). Cost: the draw and two passes."""
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)
+    return words.view(torch.int16)[:numel].to(torch.int32).bitwise_and_(0xFFFF)
 
 
 def round_with_noise_(flat: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
