@@ -22,9 +22,13 @@ intended> / <intended, intended>`` per parameter, with ``intended`` the fp32 ste
 the change of ``weight (+ buffer)``; 1.0 when nothing is lost (stochastic rounding: in
 expectation). Counted on the device; :meth:`Rescue.applied` reads it (one host sync).
 
-Cost, per covered parameter and step: the fp32 copies of the weight, gradient and states (freed
-after the step) and a few elementwise ops; no host sync. Persistent: the Kahan buffers (and fp32
-states when asked for).
+The covered parameters of an optimizer step as groups, one per dtype and device, each written
+back by a few multi-tensor and flat operations with one random draw
+(:mod:`ampguard.core.rescue_step`); a parameter without a gradient is skipped, as the optimizer
+skips it. Cost, per covered element and step: the fp32 copies of the weight, gradient and
+states (freed after the step) and about a dozen elementwise passes; per group about ten
+operations; no host sync. Persistent: the Kahan buffers (one flat tensor per group, 2 bytes per
+element), and fp32 states when asked for.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class GroupStep:
                             self.slots.append((state, k))
                             self.low.append(v)
             self.high = [v.float() for v in self.low]
-            grads = [g.float() for g in self.grads]  # type: ignore[union-attr]
+            grads = [g.float() for g in self.grads]
         except BaseException:
             self.restore()
             raise
@@ -236,12 +236,12 @@ class GroupStep:
                     if float_state(v) and v.dtype == torch.float32:
                         state[k] = old.copy_(v)
         for p, keys, d in zip(self.params, self.keys, self.data, strict=True):
-            state = self.opt_state.get(p)
-            if not state or len(state) == len(keys):
+            after = self.opt_state.get(p)
+            if not after or len(after) == len(keys):
                 continue
-            for k, v in list(state.items()):
+            for k, v in list(after.items()):
                 if k not in keys and float_state(v) and v.dtype == torch.float32:
-                    state[k] = v.to(d.dtype)
+                    after[k] = v.to(d.dtype)
 
     def restore(self, states: bool = True) -> None:
         """Put the low-precision weights and gradients back (and, unless ``states`` is False,
