@@ -99,7 +99,7 @@ class Rescue:
         self._steps: dict[int, list[GroupStep]] = {}  # optimizer -> its step in flight
         self._loading: dict[int, torch.Tensor] = {}  # low-precision data during a state load
         self._plans: dict[int, tuple[Any, list[GroupPlan]]] = {}
-        self._version = 0  # bumped when the methods change: the plans are rebuilt
+        self._layout_epoch = 0  # bumped when the methods change: the plans are rebuilt
         self._fresh: set[int] = set()  # covered since their last step: measured on the next
         self._opt = {id(opt): k for k, opt in enumerate(optimizers)}
         self._calls = [0] * len(optimizers)
@@ -132,7 +132,7 @@ class Rescue:
         buffer starts at zero). Cost: the buffers' allocation."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self._version += 1
+        self._layout_epoch += 1
         for i in indices:
             self.methods[i] = method
             self._fresh.add(i)
@@ -170,7 +170,7 @@ class Rescue:
     def _plans_of(self, opt: torch.optim.Optimizer, key: int) -> list[GroupPlan]:
         """``opt``'s :class:`~ampguard.core.rescue_step.GroupPlan` s, cached until the methods
         change (:meth:`cover`, a load) or ``opt.param_groups`` change size."""
-        stamp = (self._version, tuple(len(g["params"]) for g in opt.param_groups))
+        stamp = (self._layout_epoch, tuple(len(g["params"]) for g in opt.param_groups))
         cached = self._plans.get(key)
         if cached is None or cached[0] != stamp:
             cached = (stamp, plan_groups(opt, self._index, self.methods, self.comp))
@@ -309,7 +309,7 @@ class Rescue:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a checked :meth:`state_dict` (see :meth:`check_state`)."""
-        self._version += 1
+        self._layout_epoch += 1
         self.methods = {int(k): m for k, m in state["methods"].items()}
         self.comp = {
             int(k): c.to(self.params[int(k)].device, self.params[int(k)].dtype).clone()
