@@ -26,8 +26,10 @@ pure fp16 turns NaN (AG366).
     python benchmarks/bench_stagnation.py --steps 2000      # the issue's length
     python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
 
-Runtime on the shared, loaded 2-core CPU this was measured on (one torch thread, 2,000 steps):
-about 3 minutes per small model (mlp, half, gpt) and 15 for ``hf``.
+Runtime at 2,000 steps, one torch thread: about 2 CPU minutes per small model (mlp, half) with
+the four optimizers, about 1 per optimizer for gpt and 5 for ``hf``; on this project's shared
+2-core CPU under a load of 8-10 the wall time was 10-20x that (``--models`` / ``--optimizers``
+run a part).
 """
 
 from __future__ import annotations
