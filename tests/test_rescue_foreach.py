@@ -247,3 +247,28 @@ def test_one_random_draw_per_group_whatever_the_number_of_parameters():
         draws = [op for op in ops if "rand" in op]
         assert len(draws) == 1, (depth, draws)
         assert ops.count("bitwise_and_") == 2  # the noise's 16 bits and the truncation
+
+
+def test_a_step_that_raises_puts_the_low_precision_states_back():
+    model = model_of(torch.bfloat16)
+    opt = OPTS["adamw"](model.parameters())
+    rescue = Rescue([opt], list(model.parameters()))
+    rescue.cover(list(range(len(rescue.params))), "kahan")
+    one_step_ops(model, opt)  # states exist (bf16)
+    weight = model[0].weight
+    before = dict(opt.state[weight])
+
+    def boom(optimizer, args, kwargs):
+        raise RuntimeError("boom")
+
+    handle = opt.register_step_pre_hook(boom)  # runs after the rescue swapped in fp32
+    x, y = next(batches(1))
+    loss_of(model, x, y).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    rescue.abort()  # what the Guard does when its step raised
+    handle.remove()
+    assert weight.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert all(opt.state[weight][k] is v for k, v in before.items())  # the same bf16 tensors
+    opt.step()  # and the next step runs
+    assert opt.state[weight]["exp_avg"].dtype == torch.bfloat16
