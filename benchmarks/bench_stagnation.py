@@ -1,8 +1,11 @@
 """Stagnation rescue: pure low-precision weights against the rescue and fp32 master weights.
 
 Models: a pure-bf16 MLP, a pure-bf16 GPT-tiny (2 blocks, width 32, next-token loss on a fixed
-random Markov chain) and a ``.half()`` MLP. Optimizers: SGD + momentum, AdamW, torch's Adafactor
-and a Lion written here. Methods (every one through ``ampguard.Guard``, ``precision="bf16"``):
+random Markov chain), a ``.half()`` MLP and ``hf``: transformers' own ``GPT2LMHeadModel(GPT2Config(
+n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=512))`` in bf16 (real public code;
+dropout off, sequences of 32 tokens from a 512-token Markov chain, batch 8). Optimizers: SGD +
+momentum, AdamW, torch's Adafactor and a Lion written here. Methods (every one through
+``ampguard.Guard``, ``precision="bf16"``):
 
 - ``bf16``: the weights and states in the model's dtype, nothing rescued;
 - ``torchao-sr``: torchao's ``_AdamW(bf16_stochastic_round=True)`` (AdamW on bf16 models only);
@@ -22,6 +25,11 @@ pure fp16 turns NaN (AG366).
 
     python benchmarks/bench_stagnation.py --steps 2000      # the issue's length
     python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
+
+Runtime at 2,000 steps, one torch thread: about 2 CPU minutes per small model (mlp, half) with
+the four optimizers, about 1 per optimizer for gpt and 5 for ``hf``; on this project's shared
+2-core CPU under a load of 8-10 the wall time was 10-20x that (``--models`` / ``--optimizers``
+run a part).
 """
 
 from __future__ import annotations
@@ -91,25 +99,37 @@ class GPTTiny(nn.Module):
         return self.head(self.blocks(self.tok(idx) + self.pos))
 
 
+HF_VOCAB, HF_SEQ = 512, 32  # the HF GPT-2: n_positions=64, sequences of 32 tokens
+
+
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return GPTTiny()
+    if name == "hf":  # real public code: transformers' GPT-2 (dropout off: a deterministic run)
+        import transformers
+
+        cfg = transformers.GPT2Config(
+            n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=HF_VOCAB,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg)
     return nn.Sequential(
         nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)
     )
 
 
-BATCH = {"mlp": 64, "half": 64, "gpt": 16}
+BATCH = {"mlp": 64, "half": 64, "gpt": 16, "hf": 8}
 
 
 def data(name: str, steps: int):
     gen = torch.Generator().manual_seed(1)
-    if name == "gpt":
-        trans = torch.softmax(torch.randn(VOCAB, VOCAB, generator=gen) * 3, -1)
+    if name in ("gpt", "hf"):
+        vocab, length = (VOCAB, SEQ) if name == "gpt" else (HF_VOCAB, HF_SEQ)
+        trans = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 3, -1)
         for _ in range(steps):
-            seq = [torch.randint(VOCAB, (BATCH[name],), generator=gen)]
-            for _ in range(SEQ):
+            seq = [torch.randint(vocab, (BATCH[name],), generator=gen)]
+            for _ in range(length):
                 seq.append(torch.multinomial(trans[seq[-1]], 1, generator=gen).squeeze(1))
             s = torch.stack(seq, 1)
             yield s[:, :-1], s[:, 1:]
@@ -123,6 +143,8 @@ def data(name: str, steps: int):
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype) -> torch.Tensor:
     if name == "gpt":
         return F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+    if name == "hf":
+        return F.cross_entropy(model(x).logits.float().reshape(-1, HF_VOCAB), y.reshape(-1))
     return F.mse_loss(model(x.to(dtype)).float(), y)
 
 
@@ -132,7 +154,7 @@ OPTIMIZERS = {
     "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=3e-3),
     "lion": lambda ps: Lion(ps, lr=2e-5, weight_decay=0.1),
 }
-LOW = {"mlp": torch.bfloat16, "gpt": torch.bfloat16, "half": torch.float16}
+LOW = {"mlp": torch.bfloat16, "gpt": torch.bfloat16, "half": torch.float16, "hf": torch.bfloat16}
 
 
 def train(model_name: str, opt_name: str, method: str, steps: int) -> dict | None:
@@ -199,7 +221,12 @@ def decay_share(model_name: str, method: str, decisions: dict) -> float:
     model = make_model(model_name).to(torch.float32 if method == "fp32" else low)
     start = [p.detach().float().clone() for p in model.parameters()]
     eps = 1e-4 if low == torch.float16 else 1e-8  # 0/0 in fp16 otherwise
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, eps=eps)
+    if method == "torchao-sr":
+        from torchao.optim import _AdamW
+
+        opt = _AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, bf16_stochastic_round=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, eps=eps)
     rescue = "kahan" if method == "kahan" else "auto" if method == "auto" else None
     guard = ag.Guard(model, opt, precision="bf16", stagnation_rescue=rescue)
     if method == "auto" and guard.rescue is not None:  # the layers auto chose in training
@@ -237,6 +264,7 @@ def main() -> None:
     if args.batch:
         BATCH.update(dict.fromkeys(BATCH, args.batch))
     torch.set_num_threads(1)  # CPU time per step means one thread's work
+    began = time.perf_counter()
     methods = ["bf16", "torchao-sr", "kahan", "auto", "fp32"]
     print(f"steps={args.steps} batch={BATCH}")
     print(
@@ -261,7 +289,7 @@ def main() -> None:
                 closed = (base["loss"] - r["loss"]) / gap if gap > 0.01 * ref["loss"] else math.nan
                 r["closed"], r["time"] = closed, timed[m] / timed["bf16"]
                 wd = ""
-                if opt_name == "adamw" and m != "torchao-sr":
+                if opt_name == "adamw":
                     key = (model_name, m)
                     if key not in wd_cache or m == "auto":
                         wd_cache[key] = decay_share(model_name, m, r["decisions"])
@@ -276,10 +304,11 @@ def main() -> None:
     print("\ncompact (gap closed / extra bytes per parameter / step time over pure bf16):")
     print(
         "| model | optimizer | loss bf16 -> fp32 | torchao SR AdamW | Kahan, every layer "
-        '| "auto" | WD applied (bf16 / Kahan / auto) |'
+        '| "auto" | WD applied (bf16 / torchao / Kahan / auto) |'
     )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(compact))
+    print(f"\nran {time.perf_counter() - began:.0f} s (wall)")
 
 
 def pct(x: float) -> str:
@@ -294,7 +323,10 @@ def summary(model_name: str, opt_name: str, rows: dict) -> str:
         return f"{pct(r['closed'])} / {r['bytes']:.2f} B / {r['time']:.2f}x"
 
     wd = (
-        " / ".join(rows[m].get("wd", "") for m in ("bf16", "kahan", "auto"))
+        " / ".join(
+            rows[m].get("wd", "") if rows.get(m) else "-"
+            for m in ("bf16", "torchao-sr", "kahan", "auto")
+        )
         if opt_name == "adamw"
         else ""
     )

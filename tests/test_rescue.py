@@ -127,8 +127,15 @@ def test_auto_rescues_only_the_stagnating_layer_and_reports_before_and_after():
     ) == len(set(guard.rescue.layers))
     found = {f.code: f for f in guard.findings()}
     assert "AG177" in found
-    layer = found["AG177"].evidence["layers"]["0"]
-    assert layer["lost_share_before"] >= 0.5 and layer["applied_share_after"] > 0.9
+    layers = found["AG177"].evidence["layers"]
+    assert layers["0"]["lost_share_before"] >= 0.5
+    # one sampled step: Kahan applies all of it; stochastic rounding is unbiased but noisy
+    # (over 20 generator seeds this layer's single sample spans 0.65-1.38)
+    for name, layer in layers.items():
+        if layer["method"] == "kahan":
+            assert 0.98 < layer["applied_share_after"] < 1.02, name
+        else:
+            assert 0.5 < layer["applied_share_after"] < 1.6, name
     stagnant = found.get("AG175")
     assert stagnant is None or "0" not in stagnant.evidence["layers"]  # rescued: not AG175
     assert guard.rescue.bytes_per_param() <= 1.0  # within a quarter of fp32 master weights

@@ -22,9 +22,13 @@ intended> / <intended, intended>`` per parameter, with ``intended`` the fp32 ste
 the change of ``weight (+ buffer)``; 1.0 when nothing is lost (stochastic rounding: in
 expectation). Counted on the device; :meth:`Rescue.applied` reads it (one host sync).
 
-Cost, per covered parameter and step: the fp32 copies of the weight, gradient and states (freed
-after the step) and a few elementwise ops; no host sync. Persistent: the Kahan buffers (and fp32
-states when asked for).
+The covered parameters of an optimizer step as groups, one per dtype and device, each written
+back by a few multi-tensor and flat operations with one random draw
+(:mod:`ampguard.core.rescue_step`); a parameter without a gradient is skipped, as the optimizer
+skips it. Cost, per covered element and step: the fp32 copies of the weight, gradient and
+states (freed after the step) and about a dozen elementwise passes; per group about ten
+operations; no host sync. Persistent: the Kahan buffers (one flat tensor per group, 2 bytes per
+element), and fp32 states when asked for.
 """
 
 from __future__ import annotations
@@ -32,13 +36,13 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ampguard._util.stack import user_stacklevel
-from ampguard.core.rounding import kahan_read, kahan_write, nearest_write, stochastic_round
+from ampguard.core.rescue_step import GroupPlan, GroupStep, float_state, plan_groups
+from ampguard.core.rounding import kahan_read
 from ampguard.core.stagnation import LOW_PRECISION, SAMPLE_EVERY
 
 __all__ = ["METHODS", "RESCUE_SHARE", "KAHAN_BUDGET", "Rescue", "closure_only", "SEED"]
@@ -63,17 +67,6 @@ def closure_only(opt: torch.optim.Optimizer) -> bool:
     except (TypeError, ValueError):
         return False
     return param is not None and param.default is inspect.Parameter.empty
-
-
-@dataclass
-class _Swap:
-    """One parameter's low-precision tensors while its step runs on fp32 copies."""
-
-    data: torch.Tensor
-    grad: torch.Tensor | None
-    states: dict[Any, torch.Tensor] = field(default_factory=dict)
-    keys: frozenset = frozenset()  # the state's keys before the step
-    start: torch.Tensor | None = None  # fp32 value before the step, on a sampled step
 
 
 class Rescue:
@@ -103,7 +96,10 @@ class Rescue:
         dev = self.params[0].device if self.params else torch.device("cpu")
         self.generator = torch.Generator(device=dev).manual_seed(SEED)
         self._applied = torch.zeros(len(self.params), 2, dtype=torch.float64, device=dev)
-        self._swaps: dict[int, _Swap] = {}
+        self._steps: dict[int, list[GroupStep]] = {}  # optimizer -> its step in flight
+        self._loading: dict[int, torch.Tensor] = {}  # low-precision data during a state load
+        self._plans: dict[int, tuple[Any, list[GroupPlan]]] = {}
+        self._layout_epoch = 0  # bumped when the methods change: the plans are rebuilt
         self._fresh: set[int] = set()  # covered since their last step: measured on the next
         self._opt = {id(opt): k for k, opt in enumerate(optimizers)}
         self._calls = [0] * len(optimizers)
@@ -136,6 +132,7 @@ class Rescue:
         buffer starts at zero). Cost: the buffers' allocation."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self._layout_epoch += 1
         for i in indices:
             self.methods[i] = method
             self._fresh.add(i)
@@ -170,99 +167,58 @@ class Rescue:
         self._handles = []
 
     # ------------------------------------------------------------------ the step hooks
+    def _plans_of(self, opt: torch.optim.Optimizer, key: int) -> list[GroupPlan]:
+        """``opt``'s :class:`~ampguard.core.rescue_step.GroupPlan` s, cached until the methods
+        change (:meth:`cover`, a load) or ``opt.param_groups`` change size."""
+        stamp = (self._layout_epoch, tuple(len(g["params"]) for g in opt.param_groups))
+        cached = self._plans.get(key)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, plan_groups(opt, self._index, self.methods, self.comp))
+            self._plans[key] = cached
+        return cached[1]
+
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         key = self._opt.get(id(opt))
-        if key is None:
+        if key is None or key in self._steps:
             return
         self._calls[key] += 1
         calls = self._calls[key]
-        sampled = calls == 1 or calls % self.every == 0
+        measure: bool | set[int] = calls == 1 or calls % self.every == 0 or self._fresh
+        steps: list[GroupStep] = []
         with torch.no_grad():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    i = self._index.get(id(p))
-                    if i is None or i not in self.methods or i in self._swaps:
-                        continue
-                    comp = self.comp.get(i)
-                    value = kahan_read(p.data, comp) if comp is not None else p.data.float()
-                    measure = sampled or i in self._fresh
-                    self._fresh.discard(i)
-                    swap = _Swap(p.data, p.grad, start=value.clone() if measure else None)
-                    state = opt.state.get(p)
-                    swap.keys = frozenset(state or ())
-                    if state:
-                        for k, v in state.items():
-                            if _low_state(v):
-                                swap.states[k] = v
-                                state[k] = v.float()
-                    p.data = value
-                    if swap.grad is not None:
-                        p.grad = swap.grad.float()
-                    self._swaps[i] = swap
+            for plan in self._plans_of(opt, key):
+                if not any(p.grad is not None for p in plan.params):
+                    continue  # the optimizer skips them: so does the rescue
+                step = GroupStep(plan, opt.state, self.fp32_states, measure)
+                try:
+                    step.swap_in()
+                except BaseException:
+                    for done in steps:
+                        done.restore()
+                    raise
+                steps.append(step)
+                self._fresh.difference_update(step.indices)
+        self._steps[key] = steps
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        with torch.no_grad():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    i = self._index.get(id(p))
-                    swap = self._swaps.pop(i, None) if i is not None else None
-                    if swap is None:
-                        continue
-                    assert i is not None
-                    value = p.data
-                    self._write(i, value, swap.data)
-                    if swap.start is not None:
-                        self._measure(i, swap.start, value, swap.data)
-                    p.data = swap.data
-                    p.grad = swap.grad
-                    self._states_back(opt.state.get(p), swap, swap.data.dtype)
-
-    def _write(self, i: int, value: torch.Tensor, stored: torch.Tensor) -> None:
-        method = self.methods[i]
-        if method == "kahan":
-            kahan_write(value, stored, self.comp[i], self.generator)
-        elif method == "stochastic":
-            stochastic_round(value, stored.dtype, self.generator, out=stored)
-        else:
-            nearest_write(value, stored)
-
-    def _measure(
-        self, i: int, start: torch.Tensor, value: torch.Tensor, stored: torch.Tensor
-    ) -> None:
-        comp = self.comp.get(i)
-        now = kahan_read(stored, comp) if comp is not None else stored.float()
-        intended = (value - start).double()
-        written = (now - start).double()
-        self._applied[i, 0] += (written * intended).sum()
-        self._applied[i, 1] += (intended * intended).sum()
-        self.samples += 1
-
-    def _states_back(self, state: dict | None, swap: _Swap, dtype: torch.dtype) -> None:
-        """Low-precision states return to their dtype (kept in fp32 with ``fp32_states``);
-        states the step created (the first one) take the parameter's dtype, as the optimizer
-        would have made them."""
-        if not state:
+        key = self._opt.get(id(opt))
+        steps = self._steps.pop(key, None) if key is not None else None
+        if not steps:
             return
-        for k, v in state.items():
-            if not _float_state(v) or v.dtype != torch.float32:
-                continue
-            old = swap.states.get(k)
-            if self.fp32_states or (old is None and k in swap.keys):
-                continue  # kept in fp32, or an fp32 state the optimizer keeps itself
-            if old is not None:
-                old.copy_(v)
-                state[k] = old
-            else:
-                state[k] = v.to(dtype)
+        with torch.no_grad():
+            for step in steps:
+                for i, sums in step.write_back(self.generator):
+                    self._applied[i] += sums
+                    self.samples += 1
 
     def abort(self) -> None:
         """A step raised between the hooks: put the low-precision tensors back unchanged (the
         failed step's fp32 work is dropped)."""
-        for i, swap in list(self._swaps.items()):
-            p = self.params[i]
-            p.data = swap.data
-            p.grad = swap.grad
-        self._swaps.clear()
+        with torch.no_grad():
+            for steps in self._steps.values():
+                for step in steps:
+                    step.restore()
+        self._steps.clear()
 
     # ------------------------------------------------------------------ fp32 states on load
     def _load_pre(self, opt: torch.optim.Optimizer, state_dict: Any) -> None:
@@ -270,17 +226,17 @@ class Rescue:
         for group in opt.param_groups:
             for p in group["params"]:
                 i = self._index.get(id(p))
-                if i is not None and i not in self._swaps:
-                    self._swaps[i] = _Swap(p.data, p.grad)
+                if i is not None and i not in self._loading:
+                    self._loading[i] = p.data
                     p.data = p.data.float()
 
     def _load_post(self, opt: torch.optim.Optimizer) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 i = self._index.get(id(p))
-                swap = self._swaps.pop(i, None) if i is not None else None
-                if swap is not None:
-                    p.data = swap.data
+                data = self._loading.pop(i, None) if i is not None else None
+                if data is not None:
+                    p.data = data
 
     # ------------------------------------------------------------------ measurement
     def applied(self) -> dict[int, float]:
@@ -307,7 +263,7 @@ class Rescue:
                 if size is None:
                     continue
                 for v in state.values():
-                    if _float_state(v) and v.dtype == torch.float32:
+                    if float_state(v) and v.dtype == torch.float32:
                         extra += v.numel() * (4 - size)
         return extra
 
@@ -353,6 +309,7 @@ class Rescue:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a checked :meth:`state_dict` (see :meth:`check_state`)."""
+        self._layout_epoch += 1
         self.methods = {int(k): m for k, m in state["methods"].items()}
         self.comp = {
             int(k): c.to(self.params[int(k)].device, self.params[int(k)].dtype).clone()
@@ -364,11 +321,3 @@ class Rescue:
         if isinstance(calls, list) and len(calls) == len(self._calls):
             self._calls = [int(c) for c in calls]
         self.samples = int(state.get("samples", 0))
-
-
-def _float_state(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0
-
-
-def _low_state(v: Any) -> bool:
-    return _float_state(v) and v.dtype in LOW_PRECISION

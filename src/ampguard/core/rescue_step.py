@@ -1,0 +1,254 @@
+"""One optimizer step of the rescued parameters on fp32 copies, vectorised per dtype and device.
+
+The covered parameters of one optimizer that share a dtype and a device form a
+:class:`GroupPlan` (rebuilt when the methods change), laid out Kahan members first, then
+stochastic, then nearest ones, each in the parameters' order; the Kahan members' buffers are
+views of one flat tensor in that order (2 bytes per element, as before). A :class:`GroupStep`
+is one step of a plan:
+
+- swapping in, the fp32 values are views of one flat buffer: one ``torch._foreach_copy_`` from
+  the weights and one add of the flat Kahan buffer (``weight + buffer``); gradients and
+  low-precision states get fp32 copies; the optimizer's own step then runs on them unchanged
+  (its decoupled weight decay too: applied in fp32);
+- writing back is a few operations on the whole group, however many parameters it has: one
+  ``_foreach_copy_`` rounds the Kahan and nearest members to nearest into their weights; the
+  Kahan residuals ``value - round(value)`` (exact in fp32) and the stochastic members' values
+  are rounded stochastically as one flat stretch (:func:`~ampguard.core.rounding.
+  stochastic_round_`: one random draw for the group); one copy stores the residuals in the
+  flat Kahan buffer, one ``_foreach_copy_`` the stochastic weights, one the fp32 states back.
+
+Per element this is :func:`~ampguard.core.rounding.kahan_write` /
+:func:`~ampguard.core.rounding.stochastic_round` of each parameter in turn with one generator,
+the draws taken in the layout's order (with one method on every layer: the parameters' order);
+a test holds the two bitwise equal. What remains per parameter is bookkeeping (``.data`` /
+``.grad`` swapped, state entries reassigned) and one copy in and out of each tensor.
+Parameters outside the plans are never looked at. Cost: the fp32 copies (freed after the
+step) and about ten elementwise passes over the group; no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ampguard.core.rounding import stochastic_round_
+from ampguard.core.stagnation import LOW_PRECISION
+
+__all__ = ["GroupPlan", "GroupStep", "plan_groups", "float_state"]
+
+_unflatten = torch._utils._unflatten_dense_tensors  # views of one flat buffer, made in C++
+_ORDER = {"kahan": 0, "stochastic": 1, "nearest": 2}
+
+
+def float_state(v: Any) -> bool:
+    """True for an optimizer state tensor that follows its parameter (floating, not 0-dim)."""
+    return isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0
+
+
+class GroupPlan:
+    """Covered parameters of one dtype and device as ``(index, param, method)``, in the
+    layout's order; the Kahan members' buffers (``comps[i]``, replaced by views) move into one
+    flat tensor, :attr:`comp_flat`."""
+
+    def __init__(self, members: list[tuple[int, Any, str]], comps: dict[int, torch.Tensor]):
+        self.members = sorted(members, key=lambda m: _ORDER[m[2]])  # stable: parameter order
+        self.n_kahan = sum(m == "kahan" for _, _, m in members)
+        self.n_sr = sum(m != "nearest" for _, _, m in members)
+        self.indices = [i for i, _, _ in self.members]
+        self.params = [p for _, p, _ in self.members]
+        self.sizes = [p.numel() for p in self.params]
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.comps: list[torch.Tensor] = []
+        self.comp_flat: torch.Tensor | None = None
+        kahan = self.members[: self.n_kahan]
+        if kahan:
+            old = [comps[i] for i, _, _ in kahan]
+            flat = torch.empty(
+                sum(c.numel() for c in old), dtype=old[0].dtype, device=old[0].device
+            )
+            self.comps = list(_unflatten(flat, old))
+            torch._foreach_copy_(self.comps, old)
+            for (i, _, _), view in zip(kahan, self.comps, strict=True):
+                comps[i] = view
+            self.comp_flat = flat
+
+
+def plan_groups(
+    opt: torch.optim.Optimizer,
+    index: Mapping[int, int],
+    methods: Mapping[int, str],
+    comps: dict[int, torch.Tensor],
+) -> list[GroupPlan]:
+    """The :class:`GroupPlan` of each dtype and device among ``opt``'s covered parameters
+    (``index``: ``id(param)`` to its index; ``methods``: index to method). Cost: a pass over the
+    parameters and the Kahan buffers' move."""
+    groups: dict[tuple[Any, Any], list[tuple[int, Any, str]]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            i = index.get(id(p))
+            if i is not None and i in methods:
+                groups.setdefault((p.dtype, p.device), []).append((i, p, methods[i]))
+    return [GroupPlan(members, comps) for members in groups.values()]
+
+
+class GroupStep:
+    """One optimizer step of a :class:`GroupPlan`'s members that have a gradient (the optimizer
+    skips the others: so does the rescue). ``measure``: True (every member) or the indices
+    measured on this step."""
+
+    def __init__(
+        self,
+        plan: GroupPlan,
+        opt_state: Mapping[Any, Any],
+        fp32_states: bool,
+        measure: bool | set[int],
+    ) -> None:
+        if all(p.grad is not None for p in plan.params):
+            self.n_kahan, self.n_sr = plan.n_kahan, plan.n_sr
+            self.comps, self.comp_flat = plan.comps, plan.comp_flat
+            self.indices, self.params, self.sizes = plan.indices, plan.params, plan.sizes
+        else:
+            has = [p.grad is not None for p in plan.params]
+            self.n_kahan, self.n_sr = sum(has[: plan.n_kahan]), sum(has[: plan.n_sr])
+            self.comps = [c for c, h in zip(plan.comps, has, strict=False) if h]
+            self.comp_flat = None  # the members' buffers are not one stretch of it
+            self.indices = [i for i, h in zip(plan.indices, has, strict=True) if h]
+            self.params = [p for p, h in zip(plan.params, has, strict=True) if h]
+            self.sizes = [n for n, h in zip(plan.sizes, has, strict=True) if h]
+        self.opt_state = opt_state
+        self.fp32_states = fp32_states
+        self.dtype = plan.dtype
+        self.data = [p.data for p in self.params]  # the low-precision storage, written back
+        self.grads = [p.grad for p in self.params]
+        self.kahan_numel = sum(self.sizes[: self.n_kahan])
+        self.sr_numel = sum(self.sizes[: self.n_sr])
+        self.measured = (
+            [True] * len(self.params)
+            if measure is True
+            else [i in measure for i in self.indices]
+            if measure
+            else []
+        )
+        self.keys: list[tuple] = []  # each member's state keys before the step
+        self.slots: list[tuple[dict, Any]] = []  # (state, key) of each swapped state
+        self.low: list[torch.Tensor] = []  # their low-precision tensors
+        self.high: list[torch.Tensor] = []  # their fp32 copies
+        self.flat = torch.empty(sum(self.sizes), dtype=torch.float32, device=plan.device)
+        self.values: list[torch.Tensor] = list(_unflatten(self.flat, self.data))
+        self.start: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ swap in
+    def swap_in(self) -> None:
+        """The fp32 values (``weight + buffer``), gradients and states in place of the
+        low-precision ones; on an error, everything is put back. Cost: the copies."""
+        try:
+            self._read_values()
+            if any(self.measured):
+                self.start = self.flat.clone()
+            for p in self.params:
+                state = self.opt_state.get(p)
+                self.keys.append(tuple(state) if state else ())
+                if state:
+                    for k, v in state.items():
+                        if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and v.dim():
+                            self.slots.append((state, k))
+                            self.low.append(v)
+            self.high = [v.float() for v in self.low]
+            grads = [g.float() for g in self.grads]
+        except BaseException:
+            self.restore()
+            raise
+        for (state, k), v in zip(self.slots, self.high, strict=True):
+            state[k] = v
+        for p, value, grad in zip(self.params, self.values, grads, strict=True):
+            p.data = value
+            p.grad = grad
+
+    def _read_values(self) -> None:
+        """The flat buffer := ``weight (+ Kahan buffer)`` in fp32."""
+        torch._foreach_copy_(self.values, self.data)
+        if self.comp_flat is not None:
+            self.flat[: self.kahan_numel].add_(self.comp_flat)
+        elif self.n_kahan:
+            torch._foreach_add_(self.values[: self.n_kahan], self.comps)
+
+    # ------------------------------------------------------------------ write back
+    def write_back(self, generator: torch.Generator) -> list[tuple[int, torch.Tensor]]:
+        """Write the stepped fp32 values back (see the module docstring), restore the
+        low-precision tensors, and return ``(index, [<written, intended>, <intended,
+        intended>])`` of each measured member (float64, on the device). No host sync."""
+        for j, p in enumerate(self.params):  # an optimizer that replaced .data (not in place)
+            if p.data_ptr() != self.values[j].data_ptr():
+                self.values[j].copy_(p.data)
+        intended = self.flat - self.start if self.start is not None else None
+        k, sr = self.n_kahan, self.n_sr
+        rounded = self.data[:k] + self.data[sr:]  # Kahan and nearest: to nearest
+        if rounded:
+            torch._foreach_copy_(rounded, self.values[:k] + self.values[sr:])
+        if k:
+            head = self.flat[: self.kahan_numel]
+            head.sub_(head.to(self.dtype))  # the residual, exact in fp32
+        if sr:
+            stochastic_round_(self.flat[: self.sr_numel], self.dtype, generator)
+            if self.comp_flat is not None:
+                self.comp_flat.copy_(self.flat[: self.kahan_numel])
+            elif k:
+                torch._foreach_copy_(self.comps, self.values[:k])
+            if sr > k:
+                torch._foreach_copy_(self.data[k:sr], self.values[k:sr])
+        sums = self._sums(intended) if intended is not None else []
+        self._states_back()
+        self.restore(states=False)
+        return sums
+
+    def _sums(self, intended: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Per measured member: ``<written, intended>`` and ``<intended, intended>``, with
+        ``written`` the change of ``weight (+ buffer)``, in float64."""
+        assert self.start is not None
+        self._read_values()  # the flat buffer now holds the value written
+        written = self.flat.sub_(self.start).double()
+        wanted = intended.double()
+        out = []
+        offset = 0
+        for i, n, measured in zip(self.indices, self.sizes, self.measured, strict=True):
+            if measured:
+                w, x = written[offset : offset + n], wanted[offset : offset + n]
+                out.append((i, torch.stack([(w * x).sum(), (x * x).sum()])))
+            offset += n
+        return out
+
+    def _states_back(self) -> None:
+        """Swapped states return to their dtype (they stay in fp32 with ``fp32_states``);
+        states the step created (the first one) take the parameter's dtype, as the optimizer
+        would have made them; fp32 states the optimizer keeps itself stay."""
+        if self.fp32_states:
+            return
+        if self.slots:
+            now = [state[k] for state, k in self.slots]
+            if all(v is h for v, h in zip(now, self.high, strict=True)):  # updated in place
+                torch._foreach_copy_(self.low, self.high)
+                for (state, k), old in zip(self.slots, self.low, strict=True):
+                    state[k] = old
+            else:  # the optimizer put new tensors there
+                for (state, k), old, v in zip(self.slots, self.low, now, strict=True):
+                    if float_state(v) and v.dtype == torch.float32:
+                        state[k] = old.copy_(v)
+        for p, keys, d in zip(self.params, self.keys, self.data, strict=True):
+            after = self.opt_state.get(p)
+            if not after or len(after) == len(keys):
+                continue
+            for k, v in list(after.items()):
+                if k not in keys and float_state(v) and v.dtype == torch.float32:
+                    after[k] = v.to(d.dtype)
+
+    def restore(self, states: bool = True) -> None:
+        """Put the low-precision weights and gradients back (and, unless ``states`` is False,
+        the swapped states: after a step that raised, the fp32 work is dropped)."""
+        for p, d, g in zip(self.params, self.data, self.grads, strict=True):
+            p.data = d
+            p.grad = g
+        if states:
+            for (state, k), old in zip(self.slots, self.low, strict=True):
+                state[k] = old
