@@ -80,7 +80,7 @@ def test_the_search_keeps_the_ruined_layers_high_and_certifies_the_recipe(tmp_pa
     assert cert.recipe == {"a": "bf16", "b": "bf16", "c": "nvfp4"}
     assert cert.passed and cert.loss_delta <= cert.tolerance == 1.0
     assert [h["kind"] for h in cert.branches][:2] == ["meter", "meter"]  # nvfp4, then mxfp8
-    assert cert.steps == 4 and cert.seeds == (0, 1) and cert.noise >= 0
+    assert cert.steps == 6 and cert.seeds == (0, 1) and cert.noise >= 0  # a quarter of 24
     assert cert.flop_share["nvfp4"] == pytest.approx(128 * 16 / (64 * 128 + 128 * 128 + 128 * 16))
     assert sum(cert.flop_share.values()) == pytest.approx(1.0)
     assert set(cert.meter) == {"a", "b", "c"} and not failing(cert.meter)
@@ -99,12 +99,11 @@ def test_a_recipe_that_fails_its_branch_is_promoted_in_risk_order():
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )  # fmt: skip
     kinds = [h["kind"] for h in cert.branches]
-    assert kinds == ["branch", "promote", "promote", "promote"]  # all NVFP4 ends above bf16
+    assert kinds == ["branch", "promote"]  # all NVFP4 ends above bf16; two recipe branches
     first = cert.branches[0]
     assert first["recipe"] == {"a": "nvfp4", "b": "nvfp4", "c": "nvfp4"} and not first["passed"]
     # promoted one layer at a time, riskiest first; "c" (64x16) cannot take MXFP8: to bf16
     assert cert.branches[1]["recipe"] == {"a": "nvfp4", "b": "nvfp4", "c": "bf16"}
-    assert cert.branches[2]["recipe"] == {"a": "nvfp4", "b": "mxfp8", "c": "bf16"}
     assert (len(kinds) + 2) * cert.steps <= 24  # the budget: every branch, bf16's two included
     assert cert.passed is cert.branches[-1]["passed"]
 

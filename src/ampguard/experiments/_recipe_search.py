@@ -46,6 +46,7 @@ from ampguard._util.checks import check_finite
 from ampguard.experiments._certificate import RecipeCertificate
 from ampguard.experiments._fp8 import _tail, bf16_noise
 from ampguard.experiments._fp8 import tolerance as bf16_tolerance
+from ampguard.experiments._recipe_groups import grouped_order, groups
 from ampguard.fp8 import (
     FORMATS,
     HIGH,
@@ -61,6 +62,8 @@ __all__ = ["recipe_search"]
 # the microscaling formats (a scale per 32 or 16 values): MXFP8 and NVFP4
 DEFAULT_FORMATS = tuple(n for n, f in FORMATS.items() if f.block in (16, 32))
 SHADOW_BATCHES = 2  # micro-batches the meter compares gradients on
+BRANCHES = 4  # a branch is a quarter of the budget: bf16's two and two recipe branches
+MARGIN = 0.5  # a recipe passes at half the tolerance: a short branch understates a long gap
 
 
 class _Losses:
@@ -95,22 +98,19 @@ def recipe_search(
     seeds = _check_seeds(seeds)
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     start = _check_factory(model_factory, seeds[0])
-    steps = max(2, total // 6)
+    steps = max(2, total // BRANCHES)
     branches_left = max(3, total // steps) - 2
     data = batches[:steps]
 
     ladder = [*sorted(names, key=lambda n: FORMATS[n].bits), HIGH]
     order = _risk_order(start, loss_fn, batches[0], names, ladder[0])
+    group_of = groups(start, loss_fn, batches[0])
+    ranked = grouped_order(order, group_of)
     recipe = {n: _lowest_fit(start, n, ladder) for n in order}
     history: list[dict[str, Any]] = []
     shadow = batches[:SHADOW_BATCHES]
-    for _ in range(len(ladder)):  # prune: promote what the meter flags, until nothing is
-        bad = failing(gradient_fidelity(start, loss_fn, shadow, recipe))
-        if not bad:
-            break
-        for n in bad:
-            recipe[n] = _up(start, n, recipe[n], ladder)
-        history.append({"kind": "meter", "promoted": bad, "recipe": dict(recipe)})
+    promoted: list[tuple[str, ...]] = []
+    _prune(start, loss_fn, shadow, recipe, group_of, ladder, history, promoted, "meter")
 
     bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
     again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt, start=seeds[0])
@@ -118,34 +118,46 @@ def recipe_search(
     tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
     base = _tail(bf16)[1]
 
-    def judge(r: dict[str, str], kind: str) -> tuple[bool, float]:
-        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt)
-        delta = _tail(losses)[1] - base
-        ok = math.isfinite(delta) and delta <= tol
-        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok})
-        return ok, delta
+    def judge(r: dict[str, str], kind: str) -> tuple[bool, float, list[str]]:
+        meter: dict[str, dict[str, Any]] = {}
 
-    promoted: list[str] = [n for h in history for n in h.get("promoted", [])]
-    passed, delta = judge(recipe, "branch")
+        def read(m: nn.Module) -> None:
+            meter.update(gradient_fidelity(m, loss_fn, shadow, r))
+
+        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt, end=read)
+        delta = _tail(losses)[1] - base
+        drift = failing(meter)  # the meter on the branch's trained weights
+        ok = math.isfinite(delta) and delta <= MARGIN * tol and not drift
+        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok,
+                        "drift": drift})  # fmt: skip
+        return ok, delta, drift
+
+    passed, delta, drift = judge(recipe, "branch")
     branches_left -= 1
     while not passed and branches_left > 0:
-        layer = _next_to_promote(recipe, order, ladder)
-        if layer is None:
+        if drift:  # a layer the meter flags at the branch's end: its group one format up
+            moved = _promote(start, drift[0], recipe, group_of, ladder)
+        else:
+            group = _next_to_promote(recipe, ranked, ladder)
+            moved = _promote(start, group[0], recipe, group_of, ladder) if group else ()
+        if not moved:
             break
-        recipe[layer] = _up(start, layer, recipe[layer], ladder)
-        promoted.append(layer)
-        passed, delta = judge(recipe, "promote")
+        promoted.append(moved)
+        passed, delta, drift = judge(recipe, "promote")
         branches_left -= 1
-    for layer in reversed(dict.fromkeys(promoted)):  # demote what passing allows
+    for group in reversed(list(dict.fromkeys(promoted))):  # demote what passing allows
         if not passed or branches_left <= 0:
             break
-        lower = _down(start, layer, recipe[layer], ladder)
-        if lower is None:
-            continue
-        trial = {**recipe, layer: lower}
-        if layer in failing(gradient_fidelity(start, loss_fn, shadow, trial)):
-            continue  # the meter prunes it: no branch spent
-        ok, d = judge(trial, "demote")
+        trial = dict(recipe)
+        for layer in group:
+            lower = _down(start, layer, recipe[layer], ladder)
+            if lower is not None:
+                trial[layer] = lower
+        if trial == recipe or set(group) & set(
+            failing(gradient_fidelity(start, loss_fn, shadow, trial))
+        ):
+            continue  # nothing lower, or the meter prunes it: no branch spent
+        ok, d, _ = judge(trial, "demote")
         branches_left -= 1
         if ok:
             recipe, delta = trial, d
@@ -192,12 +204,57 @@ def _down(model: nn.Module, layer: str, fmt: str, ladder: list[str]) -> str | No
     return next((f for f in reversed(ladder[:i]) if _fits(model, layer, f)), None)
 
 
-def _next_to_promote(recipe: dict[str, str], order: list[str], ladder: list[str]) -> str | None:
-    """The riskiest layer among those in the lowest format the recipe still uses."""
+def _next_to_promote(
+    recipe: dict[str, str], ranked: list[tuple[str, ...]], ladder: list[str]
+) -> tuple[str, ...] | None:
+    """The riskiest group with a layer in the lowest format the recipe still uses."""
     low = [f for f in ladder if f != HIGH and f in recipe.values()]
     if not low:
         return None
-    return next(n for n in order if recipe[n] == low[0])
+    return next(tuple(n for n in g if recipe[n] == low[0]) for g in ranked
+                if any(recipe[n] == low[0] for n in g))  # fmt: skip
+
+
+def _promote(
+    model: nn.Module,
+    layer: str,
+    recipe: dict[str, str],
+    group_of: dict[str, tuple[str, ...]],
+    ladder: list[str],
+) -> tuple[str, ...]:
+    """``layer``'s group, each member in ``layer``'s format, one format up (in place); the
+    layers moved."""
+    fmt = recipe[layer]
+    moved = []
+    for n in group_of.get(layer, (layer,)):
+        if recipe.get(n) == fmt and fmt != HIGH:
+            recipe[n] = _up(model, n, fmt, ladder)
+            moved.append(n)
+    return tuple(moved)
+
+
+def _prune(
+    model: nn.Module,
+    loss_fn: Callable,
+    shadow: list[Any],
+    recipe: dict[str, str],
+    group_of: dict[str, tuple[str, ...]],
+    ladder: list[str],
+    history: list[dict[str, Any]],
+    promoted: list[tuple[str, ...]],
+    kind: str,
+) -> None:
+    """Promote (one group at a time, the earliest in the forward first: what a flagged layer
+    feeds may be flagged for its input's sake) what the meter flags, until nothing is."""
+    forward = list(group_of)
+    for _ in range(len(recipe) * len(ladder)):
+        bad = failing(gradient_fidelity(model, loss_fn, shadow, recipe))
+        if not bad:
+            return
+        first = min(bad, key=forward.index)
+        moved = _promote(model, first, recipe, group_of, ladder)
+        promoted.append(moved)
+        history.append({"kind": kind, "promoted": list(moved), "recipe": dict(recipe)})
 
 
 def _risk_order(
@@ -224,6 +281,7 @@ def _train(
     seed: int,
     make_opt: Callable[[Any], torch.optim.Optimizer],
     start: int | None = None,
+    end: Callable[[nn.Module], Any] | None = None,
 ) -> list[float]:
     """One branch: a fresh model built under ``start`` (default ``seed``), trained under
     ``seed``, the recipe emulated, bf16 autocast around it; the per-step losses (one host sync
@@ -243,6 +301,11 @@ def _train(
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach().float())
+        if end is not None:
+            for name in layers:  # the trained weights as plain Linear layers
+                restore(model.get_submodule(name))
+            layers = []
+            end(model)
     finally:
         for name in layers:
             restore(model.get_submodule(name))
