@@ -135,3 +135,108 @@ def test_a_file_that_is_not_a_certificate_is_refused(tmp_path):
     path.write_text("{")
     with pytest.raises(ValueError, match="is not JSON"):
         ag.RecipeCertificate.load(path)
+
+
+class Massive(nn.Module):
+    """A fixed feature 100x the others on the next layer's input (planted)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spike = torch.zeros(x.shape[-1], dtype=x.dtype)
+        spike[5] = 100.0
+        return x + spike
+
+
+def test_the_meter_flags_a_layer_whose_forward_a_massive_feature_ruins():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(a=nn.Linear(64, 128), t=nn.GELU(), m=Massive(), b=nn.Linear(128, 16))
+    )
+    meter = gradient_fidelity(model, loss_fn, _batches(2), {"a": "nvfp4", "b": "nvfp4"})
+    # b's weight gradient (blocks along the batch) looks healthy; its forward loses the 15
+    # features beside the massive one in their NVFP4 block
+    assert meter["b"]["cosine"] > 0.9 and meter["b"]["rel_error"] < 0.5
+    assert meter["b"]["lost_inputs"] == pytest.approx(15 / 128)
+    assert meter["a"]["lost_inputs"] == 0.0
+    assert failing(meter) == ["b"]
+
+
+class QKV(nn.Module):
+    """q, k and v read the same normed input; a row outlier on it (planted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.out = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = RowSpike()(x)
+        return self.out(torch.tanh(self.q(h) * self.k(h) + self.v(h)) / 300.0)
+
+
+def qkv() -> QKV:
+    torch.manual_seed(torch.initial_seed())
+    return QKV()
+
+
+def test_layers_reading_the_same_tensor_are_one_group_promoted_together():
+    from ampguard.experiments._recipe_groups import grouped_order, groups
+
+    torch.manual_seed(0)
+    group_of = groups(qkv(), loss_fn, _batches(1)[0])
+    assert group_of["q"] == group_of["k"] == group_of["v"] == ("q", "k", "v")
+    assert group_of["out"] == ("out",)
+    assert grouped_order(["k", "out", "q", "v"], group_of) == [("q", "k", "v"), ("out",)]
+    cert = ag.recipe_search(qkv, loss_fn, _batches(24), budget=1.0, tolerance=1.0)
+    meters = [h for h in cert.branches if h["kind"] == "meter"]
+    assert meters and all(set(h["promoted"]) in ({"q", "k", "v"}, {"out"}) for h in meters)
+    assert cert.recipe["q"] == cert.recipe["k"] == cert.recipe["v"]
+
+
+def _guarded(precision, steps: int, batches) -> ag.Guard:
+    torch.manual_seed(0)
+    model = factory()
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision)
+    for batch in batches[:steps]:
+        with guard.autocast():
+            loss = loss_fn(model, batch)
+        guard.backward(loss)
+        guard.step(batch=batch, loss_fn=loss_fn)
+    return guard
+
+
+def test_the_guard_rechecks_every_k_steps_moves_a_drifting_layer_up_and_resumes_it():
+    cert = ag.RecipeCertificate(
+        recipe={"a": "bf16", "b": "nvfp4", "c": "nvfp4"}, passed=True, loss_delta=0.0,
+        noise=0.0, tolerance=0.0, flop_share={}, steps=1, seeds=(0, 1), recheck_every=3,
+    )  # fmt: skip
+    b = _batches(6)
+    guard = _guarded(cert, 2, b)
+    assert guard.fp8.formats() == {"b": "nvfp4", "c": "nvfp4"}  # no re-check before step 3
+    guard = _guarded(cert, 3, b)
+    assert guard.fp8.formats() == {"b": "mxfp8", "c": "nvfp4"}  # b's row outlier: one up
+    (found,) = [f for f in guard.findings() if f.code == "AG114"]
+    assert "b: moved from nvfp4 to mxfp8 at step 3" in found.message
+    state = guard.state_dict()
+    torch.manual_seed(0)
+    model = factory()
+    fresh = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision=cert)
+    with pytest.warns(RuntimeWarning, match="resuming with the saved formats"):
+        fresh.load_state_dict(state)
+    assert fresh.fp8.formats() == {"b": "mxfp8", "c": "nvfp4"}
+    # a re-check leaves the RNG as it was (the meter's passes do not shift dropout's stream)
+    rng = torch.get_rng_state()
+    fresh.fp8.recheck_step(loss_fn, b[0], 6)
+    assert torch.equal(rng, torch.get_rng_state())
+    off = ag.RecipeCertificate.from_dict(dict(cert.to_dict(), recheck_every=None))
+    assert _guarded(off, 3, b).fp8.formats() == {"b": "nvfp4", "c": "nvfp4"}  # never re-checks
+
+
+def test_a_bad_recheck_every_is_one_error_naming_it():
+    model = factory()
+    bad = ag.RecipeCertificate(
+        recipe={"b": "nvfp4"}, passed=True, loss_delta=0.0, noise=0.0, tolerance=0.0,
+        flop_share={}, steps=1, seeds=(0, 1), recheck_every=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="recheck_every must be a positive int or None, got 0"):
+        ag.Guard(model, torch.optim.AdamW(model.parameters()), precision=bad)
+    assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
