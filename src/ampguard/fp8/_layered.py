@@ -105,6 +105,7 @@ class LayerRecipe:
         self._chosen = {n: f for n, f in self.recipe.items() if f != HIGH}
         self.layers: list[str] = []
         self.kept: list[str] = list(self._all)
+        self._strikes: dict[str, int] = {}  # re-checks in a row that flagged each layer
 
     @property
     def chosen(self) -> bool:
@@ -131,14 +132,15 @@ class LayerRecipe:
         return {n: str(self.model.get_submodule(n).__dict__["lowp_format"]) for n in self.layers}
 
     def recheck(
-        self, loss_fn: Any, batches: Any, *, step: int | None = None
+        self, loss_fn: Any, batches: Any, *, step: int | None = None, strikes: int = 1
     ) -> list[dict[str, Any]]:
         """Read the gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`) on ``batches`` (a
         list of shadow micro-batches, ``loss_fn(model, batch)``) with the current weights, and
         move every converted layer outside its limits one format up (the lowest-bits format
         above its own that its shape takes, block-scaled first; else bf16). Returns the moves
         (``module``, ``step``, ``from``, ``to``, ``reason``), also listed in :attr:`rescue` and
-        so in the Guard's fallbacks. Call it every K steps, between steps. Cost: two
+        so in the Guard's fallbacks; ``strikes``: the re-checks in a row a layer must fail
+        (counted across calls) before it moves. Call it every K steps, between steps. Cost: two
         forward+backward passes per micro-batch and one host sync.
         """
         current = self.formats()
@@ -148,8 +150,11 @@ class LayerRecipe:
             meter = gradient_fidelity(self.model, loss_fn, list(batches), current)
         finally:
             emulate_recipe(self.model, current)
+        flagged = set(failing(meter))
+        self._strikes = {n: self._strikes.get(n, 0) + 1 for n in flagged}
         moves: list[dict[str, Any]] = []
-        for name in failing(meter):
+        for name in [n for n in meter if self._strikes.get(n, 0) >= strikes]:
+            self._strikes.pop(name)
             module = self.model.get_submodule(name)
             assert isinstance(module, nn.Linear)
             up = _higher(current[name], module.in_features, module.out_features)
@@ -173,13 +178,15 @@ class LayerRecipe:
         return self.every is not None and steps > 0 and steps % self.every == 0
 
     def recheck_step(self, loss_fn: Any, batch: Any, steps: int) -> list[dict[str, Any]]:
-        """:meth:`recheck` on the step's ``batch``, leaving training as it was: the RNG
-        state (dropout) and the buffers (BatchNorm statistics) of the meter's passes are put
-        back. Cost: as :meth:`recheck`, plus one copy of the buffers."""
+        """The Guard's re-check on the step's ``batch``: a layer moves one format up when the
+        meter flags it on ``RECHECK_AFTER`` re-checks in a row (one batch's figures swing
+        across the limits; a verdict on one would flip on noise). Training is left as it was:
+        the RNG state (dropout) and the buffers (BatchNorm statistics) of the meter's passes
+        are put back. Cost: as :meth:`recheck`, plus one copy of the buffers."""
         buffers = [b.detach().clone() for b in self.model.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            moves = self.recheck(loss_fn, [batch], step=steps)
+            moves = self.recheck(loss_fn, [batch], step=steps, strikes=RECHECK_AFTER)
         with torch.no_grad():
             for b, saved in zip(self.model.buffers(), buffers, strict=True):
                 b.copy_(saved)
@@ -255,6 +262,7 @@ class LayerRecipe:
 
 
 DEFAULT_RECHECK_EVERY = 100  # a {layer: format} dict's K (a certificate says its own)
+RECHECK_AFTER = 2  # the Guard moves a layer the meter flags on this many re-checks in a row
 
 
 def _every(plan: Any) -> int | None:
