@@ -240,3 +240,14 @@ def test_a_bad_recheck_every_is_one_error_naming_it():
     with pytest.raises(ValueError, match="recheck_every must be a positive int or None, got 0"):
         ag.Guard(model, torch.optim.AdamW(model.parameters()), precision=bad)
     assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
+
+
+def test_the_meter_compares_both_passes_under_the_same_dropout_masks():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(a=nn.Linear(64, 64), d=nn.Dropout(0.3), b=nn.Linear(64, 16))
+    )  # train mode: dropout draws a mask per pass
+    rng = torch.get_rng_state()
+    meter = gradient_fidelity(model, loss_fn, _batches(2), {"a": "mxfp8", "b": "bf16"})
+    assert meter["a"]["cosine"] > 0.99 and meter["b"]["rel_error"] < 0.05  # not two masks
+    assert torch.equal(rng, torch.get_rng_state())  # the caller's RNG stream is untouched

@@ -97,10 +97,30 @@ def gradient_fidelity(
     recipe: dict[str, str],
 ) -> dict[str, dict[str, Any]]:
     """``{layer: {"cosine", "rel_error", "format"}}`` of every Linear with a weight gradient
-    (see the module docstring). Cost: two forward+backward passes per batch, one host sync."""
+    (see the module docstring). Both passes draw the same random numbers (dropout masks),
+    from the RNG state at the call, which is left as it was. Cost: two forward+backward passes
+    per batch, one host sync."""
     saved = {n: p.grad for n, p in model.named_parameters()}
+    devices = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        return _compare(model, loss_fn, batches, recipe, saved, devices)
+
+
+def _compare(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    recipe: dict[str, str],
+    saved: dict[str, torch.Tensor | None],
+    devices: list[torch.device],
+) -> dict[str, dict[str, Any]]:
+    cpu = torch.get_rng_state()
+    cuda = [torch.cuda.get_rng_state(d) for d in devices]
     try:
         ref = _weight_grads(model, loss_fn, batches)
+        torch.set_rng_state(cpu)  # the second pass: the same dropout masks as the first
+        for d, state in zip(devices, cuda, strict=True):
+            torch.cuda.set_rng_state(state, d)
         layers = converted(model, recipe)
         lost: dict[str, torch.Tensor] = {}
         hooks = [model.get_submodule(n).register_forward_pre_hook(_input_probe(n, lost))
