@@ -196,7 +196,8 @@ def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
     return out
 
 
-def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> list[str]:
+def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
+    """Print the model's rows as they come (a row per recipe, the search, the rank check)."""
     cls, loss_fn, task = MODELS[name]
 
     def factory() -> nn.Module:
@@ -215,13 +216,16 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> list[s
     t0 = time.perf_counter()
     gaps = _gap_table(factory, loss_fn, held, recipes, seeds)
     tol = gaps.pop("")
-    rows = []
+
+    def emit(row: str) -> None:
+        print(row, flush=True)
+
     for label, recipe in recipes.items():
         share = _flop_share(model, loss_fn, batches[0], recipe).get("nvfp4", 0.0)
         worst = max(g / t for g, t in zip(gaps[label], tol, strict=True))
-        rows.append(f"| {name} | {label} | {share:.0%} | {_fails(gaps[label], tol)}/{seeds} "
+        emit(f"| {name} | {label} | {share:.0%} | {_fails(gaps[label], tol)}/{seeds} "
                     f"| {worst:.2f} |")  # fmt: skip
-    rows.append(
+    emit(
         f"| {name} | (search: {trained} branches x {cert.steps} steps = "
         f"{trained * cert.steps / steps:.0%} of a run, {search_s:.0f} s; passed={cert.passed}; "
         f"held-out {time.perf_counter() - t0:.0f} s) | | | |"
@@ -234,9 +238,8 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> list[s
         score = {k: _meter_score(factory, loss_fn, held, r, early) for k, r in ranked.items()}
         labels = list(ranked)
         rho = _spearman([score[k] for k in labels], [statistics.mean(final[k]) for k in labels])
-        rows.append(f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by final "
+        emit(f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by final "
                     f"gap: Spearman rho {rho:.2f}, {rank_seeds} seeds) | | | |")  # fmt: skip
-    return rows
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -313,8 +316,7 @@ def main() -> None:
     print("| model | recipe | matmul FLOPs in NVFP4 | held-out fails | worst gap / tolerance |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        for row in run(name, args.steps, long, args.seeds, args.rank_seeds):
-            print(row, flush=True)
+        run(name, args.steps, long, args.seeds, args.rank_seeds)
 
 
 if __name__ == "__main__":
