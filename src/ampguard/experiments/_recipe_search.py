@@ -6,31 +6,34 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
 1. **Risk order.** ``ag.fp8_plan(model, loss_fn, batches[0], formats=formats)`` measures every
    Linear in every format; layers are ordered by their risk in the lowest format (not ready
    first, then by ``sqnr_loss_db``, the SQNR lost to the layer's value distribution).
-2. **Start.** Every Linear in the lowest-precision format its shape takes (``"bf16"`` when none).
-3. **Prune with the meter.** The gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`: per
-   layer cosine and relative error of the recipe's weight gradient against bf16's, on the first
-   shadow micro-batches) promotes every layer outside its limits one format up, until none is
-   (no training step spent).
-4. **bf16's noise.** Two bf16 branches from the one start, trained under ``seeds[0]`` and
-   ``seeds[1]`` (dropout, sampling: what differs between two runs of the same start), give
-   bf16's run-to-run spread at the same steps (0 for a deterministic model), and the tolerance
-   as ``ag.compare`` judges fp8: three times that noise, at least 0.5% of bf16's loss
-   (``tolerance=`` overrides it).
-5. **Branches.** The recipe trains a short branch (``steps`` steps, ``seeds[0]``, the same
-   batches as bf16); it passes when its final loss (the mean of the last tenth) is at most
-   bf16's plus the tolerance. A failing recipe promotes the riskiest layer still in the lowest
-   format present one format up and trains again; a passing one tries to demote the layers the
-   search promoted, most recent first (a demotion the meter flags is pruned without a branch),
-   keeping a demotion that still passes. The search stops
-   when the branch budget is spent.
+2. **Groups.** The Linears that read the same tensor (q/k/v, gate/up) move as one
+   (:mod:`ampguard.experiments._recipe_groups`).
+3. **Start.** Every Linear in the lowest-precision format its shape takes (``"bf16"`` when none).
+4. **Prune with the meter.** The gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`: per
+   layer cosine and relative error of the recipe's weight gradient against bf16's, and the input
+   features its forward loses, on the first shadow micro-batches) flags layers; the earliest
+   flagged in the forward moves one format up with its group and the meter reads again, until
+   nothing is flagged (no training step spent).
+5. **bf16's noise.** Two bf16 branches, one from ``seeds[0]``'s start and one built and trained
+   under ``seeds[1]`` (another run: its own init, dropout, sampling), give bf16's run-to-run
+   spread at the same steps, and the tolerance as ``ag.compare`` judges fp8: three times that
+   noise, at least 0.5% of bf16's loss (``tolerance=`` overrides it).
+6. **Branches.** The recipe trains a branch (``steps`` steps from ``seeds[0]``'s start, the
+   same batches as bf16); it passes when its final loss (the mean of the last tenth) is at most
+   bf16's plus ``MARGIN`` (half) of the tolerance: a short branch understates a long run's gap.
+   A failing recipe promotes the riskiest group still in the lowest format present one format
+   up and trains again; a passing one tries to demote the groups the search promoted, most
+   recent first (a demotion the meter flags is pruned without a branch), keeping a demotion
+   that still passes. The meter on each branch's trained weights is recorded (``drift``), not
+   judged. The search stops when the branch budget is spent.
 
 Budget: ``budget`` is the share of ``len(batches)`` (one full run) that all branches together
-may train, bf16's two included: ``steps = max(2, total // 6)`` per branch, ``total // steps``
+may train, bf16's two included: ``steps = max(2, total // 4)`` per branch, ``total // steps``
 branches (at least 3). The meter and the plan cost forward+backward passes, not steps.
 Every branch trains with ``optimizer(model.parameters())`` (default AdamW, lr 1e-3) under bf16
 autocast, the recipe's layers emulated (:mod:`ampguard.fp8._emulate`). Bad input (an unknown
 format, an empty batch list, a factory that returns different models on two calls, a budget out
-of range) is one error naming it, before any step.
+of range) is one error naming it, before any step (:mod:`ampguard.experiments._recipe_checks`).
 """
 
 from __future__ import annotations
@@ -119,7 +122,9 @@ def recipe_search(
     _prune(start, loss_fn, shadow, recipe, group_of, ladder, history, promoted, "meter")
 
     bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
-    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt, start=seeds[0])
+    again = _train(
+        model_factory, loss_fn, data, {}, seeds[1], make_opt
+    )  # another run: its own init
     noise = bf16_noise(_Losses(bf16), _Losses(again))
     tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
     base = _tail(bf16)[1]
