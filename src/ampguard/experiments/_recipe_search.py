@@ -122,9 +122,7 @@ def recipe_search(
     _prune(start, loss_fn, shadow, recipe, group_of, ladder, history, promoted, "meter")
 
     bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
-    again = _train(
-        model_factory, loss_fn, data, {}, seeds[1], make_opt
-    )  # another run: its own init
+    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt)  # its own init too
     noise = bf16_noise(_Losses(bf16), _Losses(again))
     tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
     base = _tail(bf16)[1]
