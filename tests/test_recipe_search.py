@@ -80,7 +80,7 @@ def test_the_search_keeps_the_ruined_layers_high_and_certifies_the_recipe(tmp_pa
     assert cert.recipe == {"a": "bf16", "b": "bf16", "c": "nvfp4"}
     assert cert.passed and cert.loss_delta <= cert.tolerance == 1.0
     assert [h["kind"] for h in cert.branches][:2] == ["meter", "meter"]  # nvfp4, then mxfp8
-    assert cert.steps == 4 and cert.seeds == (0, 1) and cert.noise >= 0
+    assert cert.steps == 6 and cert.seeds == (0, 1) and cert.noise >= 0  # a quarter of 24
     assert cert.flop_share["nvfp4"] == pytest.approx(128 * 16 / (64 * 128 + 128 * 128 + 128 * 16))
     assert sum(cert.flop_share.values()) == pytest.approx(1.0)
     assert set(cert.meter) == {"a", "b", "c"} and not failing(cert.meter)
@@ -99,12 +99,11 @@ def test_a_recipe_that_fails_its_branch_is_promoted_in_risk_order():
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )  # fmt: skip
     kinds = [h["kind"] for h in cert.branches]
-    assert kinds == ["branch", "promote", "promote", "promote"]  # all NVFP4 ends above bf16
+    assert kinds == ["branch", "promote"]  # all NVFP4 ends above bf16; two recipe branches
     first = cert.branches[0]
     assert first["recipe"] == {"a": "nvfp4", "b": "nvfp4", "c": "nvfp4"} and not first["passed"]
     # promoted one layer at a time, riskiest first; "c" (64x16) cannot take MXFP8: to bf16
     assert cert.branches[1]["recipe"] == {"a": "nvfp4", "b": "nvfp4", "c": "bf16"}
-    assert cert.branches[2]["recipe"] == {"a": "nvfp4", "b": "mxfp8", "c": "bf16"}
     assert (len(kinds) + 2) * cert.steps <= 24  # the budget: every branch, bf16's two included
     assert cert.passed is cert.branches[-1]["passed"]
 
@@ -136,3 +135,126 @@ def test_a_file_that_is_not_a_certificate_is_refused(tmp_path):
     path.write_text("{")
     with pytest.raises(ValueError, match="is not JSON"):
         ag.RecipeCertificate.load(path)
+
+
+class Massive(nn.Module):
+    """A fixed feature 100x the others on the next layer's input (planted)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spike = torch.zeros(x.shape[-1], dtype=x.dtype)
+        spike[5] = 100.0
+        return x + spike
+
+
+def test_the_meter_flags_a_layer_whose_forward_a_massive_feature_ruins():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(a=nn.Linear(64, 128), t=nn.GELU(), m=Massive(), b=nn.Linear(128, 16))
+    )
+    meter = gradient_fidelity(model, loss_fn, _batches(2), {"a": "nvfp4", "b": "nvfp4"})
+    # b's weight gradient (blocks along the batch) looks healthy; its forward loses the 15
+    # features beside the massive one in their NVFP4 block
+    assert meter["b"]["cosine"] > 0.9 and meter["b"]["rel_error"] < 0.5
+    assert meter["b"]["lost_inputs"] == pytest.approx(15 / 128)
+    assert meter["a"]["lost_inputs"] == 0.0
+    assert failing(meter) == ["b"]
+
+
+class QKV(nn.Module):
+    """q, k and v read the same normed input; a row outlier on it (planted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.out = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = RowSpike()(x)
+        return self.out(torch.tanh(self.q(h) * self.k(h) + self.v(h)) / 300.0)
+
+
+def qkv() -> QKV:
+    torch.manual_seed(torch.initial_seed())
+    return QKV()
+
+
+def test_layers_reading_the_same_tensor_are_one_group_promoted_together():
+    from ampguard.experiments._recipe_groups import grouped_order, groups
+
+    torch.manual_seed(0)
+    group_of = groups(qkv(), loss_fn, _batches(1)[0])
+    assert group_of["q"] == group_of["k"] == group_of["v"] == ("q", "k", "v")
+    assert group_of["out"] == ("out",)
+    assert grouped_order(["k", "out", "q", "v"], group_of) == [("q", "k", "v"), ("out",)]
+    cert = ag.recipe_search(qkv, loss_fn, _batches(24), budget=1.0, tolerance=1.0)
+    meters = [h for h in cert.branches if h["kind"] == "meter"]
+    assert meters and all(set(h["promoted"]) in ({"q", "k", "v"}, {"out"}) for h in meters)
+    assert cert.recipe["q"] == cert.recipe["k"] == cert.recipe["v"]
+
+
+def _guarded(precision, steps: int, batches) -> ag.Guard:
+    torch.manual_seed(0)
+    model = factory()
+    guard = ag.Guard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision)
+    for batch in batches[:steps]:
+        with guard.autocast():
+            loss = loss_fn(model, batch)
+        guard.backward(loss)
+        guard.step(batch=batch, loss_fn=loss_fn)
+    return guard
+
+
+def test_the_guard_rechecks_every_k_steps_moves_a_drifting_layer_up_and_resumes_it():
+    cert = ag.RecipeCertificate(
+        recipe={"a": "bf16", "b": "nvfp4", "c": "nvfp4"}, passed=True, loss_delta=0.0,
+        noise=0.0, tolerance=0.0, flop_share={}, steps=1, seeds=(0, 1), recheck_every=2,
+    )  # fmt: skip
+    b = _batches(6)
+    guard = _guarded(cert, 3, b)  # one re-check (step 2) flagged b: not yet moved
+    assert guard.fp8.formats() == {"b": "nvfp4", "c": "nvfp4"}
+    guard = _guarded(cert, 4, b)  # the second in a row (step 4) moves it
+    assert guard.fp8.formats() == {"b": "mxfp8", "c": "nvfp4"}  # b's row outlier: one up
+    (found,) = [f for f in guard.findings() if f.code == "AG114"]
+    assert "b: moved from nvfp4 to mxfp8 at step 4" in found.message
+    state = guard.state_dict()
+    torch.manual_seed(0)
+    model = factory()
+    fresh = ag.Guard(model, torch.optim.AdamW(model.parameters()), precision=cert)
+    with pytest.warns(RuntimeWarning, match="resuming with the saved formats"):
+        fresh.load_state_dict(state)
+    assert fresh.fp8.formats() == {"b": "mxfp8", "c": "nvfp4"}
+    # a re-check leaves the RNG as it was (the meter's passes do not shift dropout's stream)
+    rng = torch.get_rng_state()
+    fresh.fp8.recheck_step(loss_fn, b[0], 6)
+    assert torch.equal(rng, torch.get_rng_state())
+    off = ag.RecipeCertificate.from_dict(dict(cert.to_dict(), recheck_every=None))
+    assert _guarded(off, 4, b).fp8.formats() == {"b": "nvfp4", "c": "nvfp4"}  # never re-checks
+
+
+def test_a_bad_recheck_every_is_one_error_naming_it():
+    model = factory()
+    bad = ag.RecipeCertificate(
+        recipe={"b": "nvfp4"}, passed=True, loss_delta=0.0, noise=0.0, tolerance=0.0,
+        flop_share={}, steps=1, seeds=(0, 1), recheck_every=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="recheck_every must be a positive int or None, got 0"):
+        ag.Guard(model, torch.optim.AdamW(model.parameters()), precision=bad)
+    assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
+
+
+def test_the_meter_compares_both_passes_under_the_same_dropout_masks():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        OrderedDict(a=nn.Linear(64, 64), d=nn.Dropout(0.3), b=nn.Linear(64, 16))
+    )  # train mode: dropout draws a mask per pass
+    rng = torch.get_rng_state()
+    meter = gradient_fidelity(model, loss_fn, _batches(2), {"a": "mxfp8", "b": "bf16"})
+    assert meter["a"]["cosine"] > 0.99 and meter["b"]["rel_error"] < 0.05  # not two masks
+    assert torch.equal(rng, torch.get_rng_state())  # the caller's RNG stream is untouched
+
+
+def test_bf16s_noise_is_another_runs_even_for_a_deterministic_model():
+    # no dropout, no sampling: two runs of one start are bitwise equal; the spread the held-out
+    # judge uses (over seeds) includes the init, and so does the search's
+    cert = ag.recipe_search(healthy, loss_fn, _batches(24), budget=1.0)
+    assert cert.noise > 0 and cert.tolerance >= 3 * cert.noise

@@ -4,8 +4,10 @@ A certificate holds the per-layer recipe (``{layer: format}``, ``"bf16"`` for a 
 whether it passed (its branch ended within ``tolerance`` of bf16 at the same steps), the loss
 gap (``loss_delta``), bf16's own run-to-run spread at those steps (``noise``), the share of matmul
 FLOPs in each format (``flop_share``), the branch length (``steps``) and ``seeds``, plus the
-search's history (``branches``) and the gradient-fidelity meter of the final recipe (``meter``:
-per layer ``cosine`` and ``rel_error`` of its weight gradient against bf16's).
+search's history (``branches``), the gradient-fidelity meter of the final recipe (``meter``:
+per layer ``cosine`` and ``rel_error`` of its weight gradient against bf16's) and
+``recheck_every`` (K: ``Guard(precision=certificate)`` re-reads the meter every K steps and moves
+a drifting layer one format up; None: never).
 
 ``to_dict()`` is JSON-ready; :meth:`RecipeCertificate.save` writes it atomically (temporary file,
 fsync, rename) and :meth:`RecipeCertificate.load` reads one back, refusing a file that is not a
@@ -43,6 +45,7 @@ class RecipeCertificate:
     formats: tuple[str, ...] = ()
     branches: list[dict[str, Any]] = field(default_factory=list)
     meter: dict[str, dict[str, Any]] = field(default_factory=dict)
+    recheck_every: int | None = 100  # Guard(precision=certificate): the meter every K steps
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (non-finite numbers as None), with ``"schema"``."""
@@ -78,6 +81,7 @@ class RecipeCertificate:
                 formats=tuple(str(f) for f in data.get("formats", ())),
                 branches=list(data.get("branches", [])),
                 meter=dict(data.get("meter", {})),
+                recheck_every=_every(data.get("recheck_every", 100)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed recipe certificate: {e!r}") from None
@@ -101,6 +105,14 @@ class RecipeCertificate:
             f"(tolerance {self.tolerance:.3g}, bf16 noise {self.noise:.3g}, seeds "
             f"{list(self.seeds)}); matmul FLOPs: {shares}; {len(self.branches)} branches"
         )
+
+
+def _every(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"'recheck_every' must be a positive int or null, got {v!r}")
+    return v
 
 
 def _num(v: Any) -> float:

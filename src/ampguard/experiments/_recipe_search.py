@@ -6,31 +6,34 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
 1. **Risk order.** ``ag.fp8_plan(model, loss_fn, batches[0], formats=formats)`` measures every
    Linear in every format; layers are ordered by their risk in the lowest format (not ready
    first, then by ``sqnr_loss_db``, the SQNR lost to the layer's value distribution).
-2. **Start.** Every Linear in the lowest-precision format its shape takes (``"bf16"`` when none).
-3. **Prune with the meter.** The gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`: per
-   layer cosine and relative error of the recipe's weight gradient against bf16's, on the first
-   shadow micro-batches) promotes every layer outside its limits one format up, until none is
-   (no training step spent).
-4. **bf16's noise.** Two bf16 branches from the one start, trained under ``seeds[0]`` and
-   ``seeds[1]`` (dropout, sampling: what differs between two runs of the same start), give
-   bf16's run-to-run spread at the same steps (0 for a deterministic model), and the tolerance
-   as ``ag.compare`` judges fp8: three times that noise, at least 0.5% of bf16's loss
-   (``tolerance=`` overrides it).
-5. **Branches.** The recipe trains a short branch (``steps`` steps, ``seeds[0]``, the same
-   batches as bf16); it passes when its final loss (the mean of the last tenth) is at most
-   bf16's plus the tolerance. A failing recipe promotes the riskiest layer still in the lowest
-   format present one format up and trains again; a passing one tries to demote the layers the
-   search promoted, most recent first (a demotion the meter flags is pruned without a branch),
-   keeping a demotion that still passes. The search stops
-   when the branch budget is spent.
+2. **Groups.** The Linears that read the same tensor (q/k/v, gate/up) move as one
+   (:mod:`ampguard.experiments._recipe_groups`).
+3. **Start.** Every Linear in the lowest-precision format its shape takes (``"bf16"`` when none).
+4. **Prune with the meter.** The gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`: per
+   layer cosine and relative error of the recipe's weight gradient against bf16's, and the input
+   features its forward loses, on the first shadow micro-batches) flags layers; the earliest
+   flagged in the forward moves one format up with its group and the meter reads again, until
+   nothing is flagged (no training step spent).
+5. **bf16's noise.** Two bf16 branches, one from ``seeds[0]``'s start and one built and trained
+   under ``seeds[1]`` (another run: its own init, dropout, sampling), give bf16's run-to-run
+   spread at the same steps, and the tolerance as ``ag.compare`` judges fp8: three times that
+   noise, at least 0.5% of bf16's loss (``tolerance=`` overrides it).
+6. **Branches.** The recipe trains a branch (``steps`` steps from ``seeds[0]``'s start, the
+   same batches as bf16); it passes when its final loss (the mean of the last tenth) is at most
+   bf16's plus ``MARGIN`` (half) of the tolerance: a short branch understates a long run's gap.
+   A failing recipe promotes the riskiest group still in the lowest format present one format
+   up and trains again; a passing one tries to demote the groups the search promoted, most
+   recent first (a demotion the meter flags is pruned without a branch), keeping a demotion
+   that still passes. The meter on each branch's trained weights is recorded (``drift``), not
+   judged. The search stops when the branch budget is spent.
 
 Budget: ``budget`` is the share of ``len(batches)`` (one full run) that all branches together
-may train, bf16's two included: ``steps = max(2, total // 6)`` per branch, ``total // steps``
+may train, bf16's two included: ``steps = max(2, total // 4)`` per branch, ``total // steps``
 branches (at least 3). The meter and the plan cost forward+backward passes, not steps.
 Every branch trains with ``optimizer(model.parameters())`` (default AdamW, lr 1e-3) under bf16
 autocast, the recipe's layers emulated (:mod:`ampguard.fp8._emulate`). Bad input (an unknown
 format, an empty batch list, a factory that returns different models on two calls, a budget out
-of range) is one error naming it, before any step.
+of range) is one error naming it, before any step (:mod:`ampguard.experiments._recipe_checks`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ from ampguard._util.checks import check_finite
 from ampguard.experiments._certificate import RecipeCertificate
 from ampguard.experiments._fp8 import _tail, bf16_noise
 from ampguard.experiments._fp8 import tolerance as bf16_tolerance
+from ampguard.experiments._recipe_checks import (
+    _check_batches,
+    _check_budget,
+    _check_factory,
+    _check_seeds,
+)
+from ampguard.experiments._recipe_groups import grouped_order, groups
 from ampguard.fp8 import (
     FORMATS,
     HIGH,
@@ -61,6 +71,8 @@ __all__ = ["recipe_search"]
 # the microscaling formats (a scale per 32 or 16 values): MXFP8 and NVFP4
 DEFAULT_FORMATS = tuple(n for n, f in FORMATS.items() if f.block in (16, 32))
 SHADOW_BATCHES = 2  # micro-batches the meter compares gradients on
+BRANCHES = 4  # a branch is a quarter of the budget: bf16's two and two recipe branches
+MARGIN = 0.5  # a recipe passes at half the tolerance: a short branch understates a long gap
 
 
 class _Losses:
@@ -95,57 +107,65 @@ def recipe_search(
     seeds = _check_seeds(seeds)
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     start = _check_factory(model_factory, seeds[0])
-    steps = max(2, total // 6)
+    steps = max(2, total // BRANCHES)
     branches_left = max(3, total // steps) - 2
     data = batches[:steps]
 
     ladder = [*sorted(names, key=lambda n: FORMATS[n].bits), HIGH]
     order = _risk_order(start, loss_fn, batches[0], names, ladder[0])
+    group_of = groups(start, loss_fn, batches[0])
+    ranked = grouped_order(order, group_of)
     recipe = {n: _lowest_fit(start, n, ladder) for n in order}
     history: list[dict[str, Any]] = []
     shadow = batches[:SHADOW_BATCHES]
-    for _ in range(len(ladder)):  # prune: promote what the meter flags, until nothing is
-        bad = failing(gradient_fidelity(start, loss_fn, shadow, recipe))
-        if not bad:
-            break
-        for n in bad:
-            recipe[n] = _up(start, n, recipe[n], ladder)
-        history.append({"kind": "meter", "promoted": bad, "recipe": dict(recipe)})
+    promoted: list[tuple[str, ...]] = []
+    _prune(start, loss_fn, shadow, recipe, group_of, ladder, history, promoted, "meter")
 
     bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
-    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt, start=seeds[0])
+    again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt)  # its own init too
     noise = bf16_noise(_Losses(bf16), _Losses(again))
     tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
     base = _tail(bf16)[1]
 
-    def judge(r: dict[str, str], kind: str) -> tuple[bool, float]:
-        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt)
-        delta = _tail(losses)[1] - base
-        ok = math.isfinite(delta) and delta <= tol
-        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok})
-        return ok, delta
+    def judge(r: dict[str, str], kind: str) -> tuple[bool, float, list[str]]:
+        meter: dict[str, dict[str, Any]] = {}
 
-    promoted: list[str] = [n for h in history for n in h.get("promoted", [])]
-    passed, delta = judge(recipe, "branch")
+        def read(m: nn.Module) -> None:
+            meter.update(gradient_fidelity(m, loss_fn, shadow, r))
+
+        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt, end=read)
+        delta = _tail(losses)[1] - base
+        # the meter on the branch's trained weights: recorded, not judged (early in training
+        # its figures swing across the limits: a verdict on it would flip on noise)
+        drift = failing(meter)
+        ok = math.isfinite(delta) and delta <= MARGIN * tol
+        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok,
+                        "drift": drift})  # fmt: skip
+        return ok, delta, drift
+
+    passed, delta, _ = judge(recipe, "branch")
     branches_left -= 1
     while not passed and branches_left > 0:
-        layer = _next_to_promote(recipe, order, ladder)
-        if layer is None:
+        group = _next_to_promote(recipe, ranked, ladder)
+        moved = _promote(start, group[0], recipe, group_of, ladder) if group else ()
+        if not moved:
             break
-        recipe[layer] = _up(start, layer, recipe[layer], ladder)
-        promoted.append(layer)
-        passed, delta = judge(recipe, "promote")
+        promoted.append(moved)
+        passed, delta, _ = judge(recipe, "promote")
         branches_left -= 1
-    for layer in reversed(dict.fromkeys(promoted)):  # demote what passing allows
+    for group in reversed(list(dict.fromkeys(promoted))):  # demote what passing allows
         if not passed or branches_left <= 0:
             break
-        lower = _down(start, layer, recipe[layer], ladder)
-        if lower is None:
-            continue
-        trial = {**recipe, layer: lower}
-        if layer in failing(gradient_fidelity(start, loss_fn, shadow, trial)):
-            continue  # the meter prunes it: no branch spent
-        ok, d = judge(trial, "demote")
+        trial = dict(recipe)
+        for layer in group:
+            lower = _down(start, layer, recipe[layer], ladder)
+            if lower is not None:
+                trial[layer] = lower
+        if trial == recipe or set(group) & set(
+            failing(gradient_fidelity(start, loss_fn, shadow, trial))
+        ):
+            continue  # nothing lower, or the meter prunes it: no branch spent
+        ok, d, _ = judge(trial, "demote")
         branches_left -= 1
         if ok:
             recipe, delta = trial, d
@@ -192,12 +212,57 @@ def _down(model: nn.Module, layer: str, fmt: str, ladder: list[str]) -> str | No
     return next((f for f in reversed(ladder[:i]) if _fits(model, layer, f)), None)
 
 
-def _next_to_promote(recipe: dict[str, str], order: list[str], ladder: list[str]) -> str | None:
-    """The riskiest layer among those in the lowest format the recipe still uses."""
+def _next_to_promote(
+    recipe: dict[str, str], ranked: list[tuple[str, ...]], ladder: list[str]
+) -> tuple[str, ...] | None:
+    """The riskiest group with a layer in the lowest format the recipe still uses."""
     low = [f for f in ladder if f != HIGH and f in recipe.values()]
     if not low:
         return None
-    return next(n for n in order if recipe[n] == low[0])
+    return next(tuple(n for n in g if recipe[n] == low[0]) for g in ranked
+                if any(recipe[n] == low[0] for n in g))  # fmt: skip
+
+
+def _promote(
+    model: nn.Module,
+    layer: str,
+    recipe: dict[str, str],
+    group_of: dict[str, tuple[str, ...]],
+    ladder: list[str],
+) -> tuple[str, ...]:
+    """``layer``'s group, each member in ``layer``'s format, one format up (in place); the
+    layers moved."""
+    fmt = recipe[layer]
+    moved = []
+    for n in group_of.get(layer, (layer,)):
+        if recipe.get(n) == fmt and fmt != HIGH:
+            recipe[n] = _up(model, n, fmt, ladder)
+            moved.append(n)
+    return tuple(moved)
+
+
+def _prune(
+    model: nn.Module,
+    loss_fn: Callable,
+    shadow: list[Any],
+    recipe: dict[str, str],
+    group_of: dict[str, tuple[str, ...]],
+    ladder: list[str],
+    history: list[dict[str, Any]],
+    promoted: list[tuple[str, ...]],
+    kind: str,
+) -> None:
+    """Promote (one group at a time, the earliest in the forward first: what a flagged layer
+    feeds may be flagged for its input's sake) what the meter flags, until nothing is."""
+    forward = list(group_of)
+    for _ in range(len(recipe) * len(ladder)):
+        bad = failing(gradient_fidelity(model, loss_fn, shadow, recipe))
+        if not bad:
+            return
+        first = min(bad, key=forward.index)
+        moved = _promote(model, first, recipe, group_of, ladder)
+        promoted.append(moved)
+        history.append({"kind": kind, "promoted": list(moved), "recipe": dict(recipe)})
 
 
 def _risk_order(
@@ -224,6 +289,7 @@ def _train(
     seed: int,
     make_opt: Callable[[Any], torch.optim.Optimizer],
     start: int | None = None,
+    end: Callable[[nn.Module], Any] | None = None,
 ) -> list[float]:
     """One branch: a fresh model built under ``start`` (default ``seed``), trained under
     ``seed``, the recipe emulated, bf16 autocast around it; the per-step losses (one host sync
@@ -243,6 +309,11 @@ def _train(
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach().float())
+        if end is not None:
+            for name in layers:  # the trained weights as plain Linear layers
+                restore(model.get_submodule(name))
+            layers = []
+            end(model)
     finally:
         for name in layers:
             restore(model.get_submodule(name))
@@ -273,72 +344,3 @@ def _flop_share(
             h.remove()
     total = sum(flops.values())
     return {f: v / total for f, v in flops.items()} if total else {}
-
-
-# ---------------------------------------------------------------------- argument checks
-def _check_batches(batches: Any) -> list[Any]:
-    if not isinstance(batches, (list, tuple)) or not batches:
-        raise ValueError(
-            "batches must be a non-empty list of batches (loss_fn(model, batch) for each), got "
-            + ("an empty list" if isinstance(batches, (list, tuple)) else type(batches).__name__)
-        )
-    return list(batches)
-
-
-def _check_budget(budget: Any, n: int) -> int:
-    check_finite("budget", budget, positive=True)
-    if budget > 1:
-        raise ValueError(f"budget must be a share of one run's steps in (0, 1], got {budget!r}")
-    total = math.floor(budget * n)
-    if total < 6:
-        raise ValueError(
-            f"budget={budget!r} of {n} batches is {total} training steps: the search needs at "
-            "least 6 (two bf16 branches and one recipe branch of 2 steps); give more batches "
-            "or a larger budget"
-        )
-    return total
-
-
-def _check_seeds(seeds: Any) -> tuple[int, int]:
-    if (
-        not isinstance(seeds, (tuple, list))
-        or len(seeds) != 2
-        or not all(isinstance(s, int) for s in seeds)
-        or seeds[0] == seeds[1]
-    ):
-        raise ValueError(f"seeds must be two different ints (bf16's two runs), got {seeds!r}")
-    return int(seeds[0]), int(seeds[1])
-
-
-def _check_factory(factory: Any, seed: int) -> nn.Module:
-    """Two calls under the same seed must build the same model (the branches' one start)."""
-    if not callable(factory):
-        raise TypeError(f"model_factory must be callable, got {type(factory).__name__}")
-    torch.manual_seed(seed)
-    a = factory()
-    torch.manual_seed(seed)
-    b = factory()
-    if not isinstance(a, nn.Module):
-        raise TypeError(f"model_factory must return a torch.nn.Module, got {type(a).__name__}")
-    if a is b:
-        raise ValueError(
-            "model_factory returned the same model object on two calls: it must build a new "
-            "model each call (every branch starts from a fresh copy)"
-        )
-    sa, sb = a.state_dict(), b.state_dict()
-    if list(sa) != list(sb) or any(
-        sa[k].shape != sb[k].shape or not torch.equal(sa[k], sb[k]) for k in sa
-    ):
-        diff = next(
-            (k for k in sa if k not in sb or sa[k].shape != sb[k].shape
-             or not torch.equal(sa[k], sb[k])),
-            next(iter(set(sb) - set(sa)), "?"),
-        )  # fmt: skip
-        raise ValueError(
-            f"model_factory returned different models on two calls under the same seed "
-            f"({diff!r} differs): the search compares branches from one start, so the factory "
-            "must build the same model each call (seed inside it or build deterministically)"
-        )
-    if not any(isinstance(m, nn.Linear) for m in a.modules()):
-        raise ValueError("model_factory's model has no nn.Linear layer: nothing to search")
-    return a

@@ -195,6 +195,17 @@ CATALOGUE: dict[str, Code] = _table(
         "keep the layer in bf16 from the start: ag.fp8_plan on a batch from that point of "
         "training, then fp8_plan=",
     ),
+    (
+        "AG114",
+        "warning",
+        "a layer moved one format up during training",
+        "fp8",
+        "under Guard(precision=<a {layer: format} recipe or ag.RecipeCertificate>) the "
+        "gradient-fidelity meter, re-read every recheck_every steps on the step's batch, found "
+        "a layer's weight gradient (or forward input) outside its limits against bf16 on 2 "
+        "re-checks in a row, so the Guard moved the layer to the next format up (bf16 last)",
+        "start the layer in that format: ag.recipe_search on batches from this point of training",
+    ),
     # -- runtime: silent precision failures ---------------------------------------------------
     (
         "AG170",

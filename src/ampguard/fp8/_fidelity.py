@@ -6,10 +6,17 @@ emulated in their formats (:mod:`ampguard.fp8._emulate`), and compares every Lin
 gradient: ``cosine`` (1 is the same direction), ``rel_error`` (``|g - g_bf16| / |g_bf16|``) and
 ``column_rel_error`` (the median over input features of that error per weight column: an outlier
 feature that holds most of the norm hides what the format does to the other columns from the first
-two), summed over the micro-batches. A layer's figures include what the layers after it (in the
-backward) cost its gradient: they are what its optimizer step sees.
+two), summed over the micro-batches; and ``lost_inputs``, the share of the layer's input features
+(on the first micro-batch) whose values the format's forward cast all but loses (relative error
+at least ``LOST``, of the features whose norm is at least ``LIVE`` of the median's: e.g. the
+features that share a block with an outlier feature), counted when the input has a massive
+feature (norm at least ``MASSIVE`` times the median's; sparse GELU inputs flush benignly):
+damage to the forward that the weight gradient, quantised along the batch, does not show. A
+layer's figures include what the layers after it (in the backward) cost its gradient: they are
+what its optimizer step sees.
 
-:func:`failing` names the layers outside the limits (``MIN_COSINE``, ``MAX_REL_ERROR``): the
+:func:`failing` names the layers outside the limits (``MIN_COSINE``, ``MAX_REL_ERROR``,
+``MAX_LOST_INPUTS``): the
 layers ``ampguard.recipe_search`` promotes before it trains a branch. The weights, gradients and
 classes of the model are as before afterwards. Cost: two forward+backward passes per micro-batch
 and one host sync.
@@ -23,13 +30,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampguard.fp8._emulate import emulate, restore
+from ampguard.fp8._emulate import EmulatedLinear, _q, emulate, restore
+from ampguard.fp8._formats import FORMATS
 from ampguard.fp8._recipe import HIGH
 
-__all__ = ["gradient_fidelity", "failing", "MIN_COSINE", "MAX_REL_ERROR", "converted"]
+__all__ = [
+    "gradient_fidelity",
+    "failing",
+    "MIN_COSINE",
+    "MAX_REL_ERROR",
+    "MAX_LOST_INPUTS",
+    "converted",
+]
 
 MIN_COSINE = 0.9  # NVFP4 on a healthy layer: about 0.97; an outlier layer: below 0.5
 MAX_REL_ERROR = 0.5  # NVFP4 on a healthy layer: about 0.25
+LOST = 0.9  # an input feature whose values the cast changes this much is lost
+LIVE = 0.1  # ... when its norm is at least this share of the median feature's
+MASSIVE = 200.0  # ... and an input feature this many times the median's norm scales its block
+MAX_LOST_INPUTS = 0.05  # NVFP4 on a healthy layer: 0; one 100x feature in 128: 15/128
 
 
 def converted(model: nn.Module, recipe: dict[str, str]) -> list[str]:
@@ -78,14 +97,39 @@ def gradient_fidelity(
     recipe: dict[str, str],
 ) -> dict[str, dict[str, Any]]:
     """``{layer: {"cosine", "rel_error", "format"}}`` of every Linear with a weight gradient
-    (see the module docstring). Cost: two forward+backward passes per batch, one host sync."""
+    (see the module docstring). Both passes draw the same random numbers (dropout masks),
+    from the RNG state at the call, which is left as it was. Cost: two forward+backward passes
+    per batch, one host sync."""
     saved = {n: p.grad for n, p in model.named_parameters()}
+    devices = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        return _compare(model, loss_fn, batches, recipe, saved, devices)
+
+
+def _compare(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    recipe: dict[str, str],
+    saved: dict[str, torch.Tensor | None],
+    devices: list[torch.device],
+) -> dict[str, dict[str, Any]]:
+    cpu = torch.get_rng_state()
+    cuda = [torch.cuda.get_rng_state(d) for d in devices]
     try:
         ref = _weight_grads(model, loss_fn, batches)
+        torch.set_rng_state(cpu)  # the second pass: the same dropout masks as the first
+        for d, state in zip(devices, cuda, strict=True):
+            torch.cuda.set_rng_state(state, d)
         layers = converted(model, recipe)
+        lost: dict[str, torch.Tensor] = {}
+        hooks = [model.get_submodule(n).register_forward_pre_hook(_input_probe(n, lost))
+                 for n in layers]  # fmt: skip
         try:
             low = _weight_grads(model, loss_fn, batches)
         finally:
+            for h in hooks:
+                h.remove()
             for name in layers:
                 restore(model.get_submodule(name))
     finally:
@@ -98,15 +142,36 @@ def gradient_fidelity(
     for n in names:
         a, b = ref[n].reshape(-1), low[n].reshape(-1)
         col = _column_error(ref[n], low[n])
-        parts.append(torch.stack([torch.dot(a, b), a.norm(), b.norm(), (a - b).norm(), col]))
+        gone = lost.get(n, a.new_zeros(()))
+        parts.append(torch.stack([torch.dot(a, b), a.norm(), b.norm(), (a - b).norm(), col, gone]))
     values = torch.stack(parts).tolist()  # the one host sync
     out = {}
-    for n, (dot, na, nb, diff, col) in zip(names, values, strict=True):
+    for n, (dot, na, nb, diff, col, gone) in zip(names, values, strict=True):
         cos = dot / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
         rel = diff / na if na > 0 else (0.0 if diff == 0 else float("inf"))
         out[n] = {"cosine": cos, "rel_error": rel, "column_rel_error": col,
-                  "format": recipe.get(n, HIGH)}  # fmt: skip
+                  "lost_inputs": gone, "format": recipe.get(n, HIGH)}  # fmt: skip
     return out
+
+
+def _input_probe(name: str, lost: dict[str, torch.Tensor]) -> Callable[..., None]:
+    """A forward pre-hook: on the layer's first call, the share of its input features whose
+    values the format's input cast changes by at least ``LOST`` (relative, per feature), among
+    the features that are not near zero everywhere (``LIVE``). No host sync."""
+
+    def probe(module: nn.Module, args: Any) -> None:
+        if name in lost or not isinstance(module, EmulatedLinear) or not args:
+            return
+        with torch.no_grad():
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            q = _q(x, FORMATS[module.lowp_format], "input")
+            ref = x.norm(dim=0)
+            err = (q - x).norm(dim=0) / ref.clamp(min=1e-30)
+            live = ref > LIVE * ref.median()  # a feature near zero everywhere carries nothing
+            massive = ref.max() >= MASSIVE * ref.median()  # an outlier feature scales its block
+            lost[name] = ((err >= LOST) & live).float().mean() * massive
+
+    return probe
 
 
 def _column_error(ref: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -129,5 +194,6 @@ def failing(meter: dict[str, dict[str, Any]]) -> list[str]:
             m["cosine"] >= MIN_COSINE
             and m["rel_error"] <= MAX_REL_ERROR
             and m["column_rel_error"] <= MAX_REL_ERROR
+            and m.get("lost_inputs", 0.0) <= MAX_LOST_INPUTS
         )
     ]

@@ -15,8 +15,12 @@ a dict of strings, a layer that is not a Linear of the model, an unknown format,
 layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``) is ``{"format": "recipe",
 "recipe": {layer: format}}`` of the converted layers; a resumed Guard converts exactly those, in
 those formats (a warning when this Guard had a different recipe). No telemetry of its own and
-no automatic rescue (:meth:`LayerRecipe.watch` does nothing); :meth:`LayerRecipe.recheck` reads
-the gradient-fidelity meter on shadow micro-batches and moves a drifting layer one format up.
+no per-step rescue (:meth:`LayerRecipe.watch` does nothing); :meth:`LayerRecipe.recheck` reads
+the gradient-fidelity meter on shadow micro-batches and moves a drifting layer one format up. The
+Guard calls it every ``recheck_every`` windows (a certificate's field; 100 for a dict) on the
+batch given to ``Guard.step(batch=..., loss_fn=...)`` (no re-check without them), the RNG and
+buffers put back (:meth:`LayerRecipe.recheck_step`); each move is an AG114 finding and in the
+saved state, so a resumed Guard trains the moved formats.
 Cost: none at construction.
 """
 
@@ -95,11 +99,13 @@ class LayerRecipe:
             )
         self.model = model
         self.device = device
-        self.recipe = check_recipe(plan, model)
+        self.every = _every(plan)
+        self.recipe = check_recipe(getattr(plan, "recipe", plan), model)
         self._all = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         self._chosen = {n: f for n, f in self.recipe.items() if f != HIGH}
         self.layers: list[str] = []
         self.kept: list[str] = list(self._all)
+        self._strikes: dict[str, int] = {}  # re-checks in a row that flagged each layer
 
     @property
     def chosen(self) -> bool:
@@ -126,14 +132,15 @@ class LayerRecipe:
         return {n: str(self.model.get_submodule(n).__dict__["lowp_format"]) for n in self.layers}
 
     def recheck(
-        self, loss_fn: Any, batches: Any, *, step: int | None = None
+        self, loss_fn: Any, batches: Any, *, step: int | None = None, strikes: int = 1
     ) -> list[dict[str, Any]]:
         """Read the gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`) on ``batches`` (a
         list of shadow micro-batches, ``loss_fn(model, batch)``) with the current weights, and
         move every converted layer outside its limits one format up (the lowest-bits format
         above its own that its shape takes, block-scaled first; else bf16). Returns the moves
         (``module``, ``step``, ``from``, ``to``, ``reason``), also listed in :attr:`rescue` and
-        so in the Guard's fallbacks. Call it every K steps, between steps. Cost: two
+        so in the Guard's fallbacks; ``strikes``: the re-checks in a row a layer must fail
+        (counted across calls) before it moves. Call it every K steps, between steps. Cost: two
         forward+backward passes per micro-batch and one host sync.
         """
         current = self.formats()
@@ -143,8 +150,11 @@ class LayerRecipe:
             meter = gradient_fidelity(self.model, loss_fn, list(batches), current)
         finally:
             emulate_recipe(self.model, current)
+        flagged = set(failing(meter))
+        self._strikes = {n: self._strikes.get(n, 0) + 1 for n in flagged}
         moves: list[dict[str, Any]] = []
-        for name in failing(meter):
+        for name in [n for n in meter if self._strikes.get(n, 0) >= strikes]:
+            self._strikes.pop(name)
             module = self.model.get_submodule(name)
             assert isinstance(module, nn.Linear)
             up = _higher(current[name], module.in_features, module.out_features)
@@ -161,6 +171,25 @@ class LayerRecipe:
             if self.rescue is None:
                 self.rescue = _Moves()
             self.rescue.changes.extend(moves)
+        return moves
+
+    def due(self, steps: int) -> bool:
+        """True when window ``steps`` ends a re-check interval (``recheck_every``)."""
+        return self.every is not None and steps > 0 and steps % self.every == 0
+
+    def recheck_step(self, loss_fn: Any, batch: Any, steps: int) -> list[dict[str, Any]]:
+        """The Guard's re-check on the step's ``batch``: a layer moves one format up when the
+        meter flags it on ``RECHECK_AFTER`` re-checks in a row (one batch's figures swing
+        across the limits; a verdict on one would flip on noise). Training is left as it was:
+        the RNG state (dropout) and the buffers (BatchNorm statistics) of the meter's passes
+        are put back. Cost: as :meth:`recheck`, plus one copy of the buffers."""
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            moves = self.recheck(loss_fn, [batch], step=steps, strikes=RECHECK_AFTER)
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), buffers, strict=True):
+                b.copy_(saved)
         return moves
 
     def watch(self, telemetry: Fp8Log | None, clock: WindowClock, *, rescue: bool = False) -> None:
@@ -214,8 +243,34 @@ class LayerRecipe:
         }
 
     def findings(self) -> list[Finding]:
-        """None of its own."""
-        return []
+        """One AG114 per layer the re-check moved up."""
+        from ampguard.findings import make
+
+        changes = self.rescue.changes if self.rescue is not None else []
+        return [
+            make(
+                "AG114",
+                f"{c['module']}: moved from {c['from']} to {c['to']} at step {c['step']}: "
+                f"{c['reason']}",
+                step=c["step"],
+                evidence=dict(c),
+                fix=f"start {c['module']!r} in {c['to']!r}: search again with "
+                "ag.recipe_search on batches from this point of training",
+            )
+            for c in changes
+        ]
+
+
+DEFAULT_RECHECK_EVERY = 100  # a {layer: format} dict's K (a certificate says its own)
+RECHECK_AFTER = 2  # the Guard moves a layer the meter flags on this many re-checks in a row
+
+
+def _every(plan: Any) -> int | None:
+    """The re-check interval: the certificate's ``recheck_every``, a dict's default."""
+    every = getattr(plan, "recheck_every", DEFAULT_RECHECK_EVERY)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"precision: recheck_every must be a positive int or None, got {every!r}")
+    return every
 
 
 class _Moves:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ampguard.fp8 import RECIPE_FORMAT
 
-__all__ = ["split"]
+__all__ = ["split", "after_step"]
 
 
 def split(precision: Any, fp8_plan: Any) -> tuple[Any, Any]:
@@ -27,4 +27,16 @@ def split(precision: Any, fp8_plan: Any) -> tuple[Any, Any]:
             "fp8_plan is not used with a per-layer precision: the recipe names every layer's "
             "format (make the recipe from the plan: precision=plan.recipe())"
         )
-    return RECIPE_FORMAT, dict(recipe)
+    if isinstance(precision, dict):
+        return RECIPE_FORMAT, dict(recipe)
+    return RECIPE_FORMAT, precision  # a certificate: its recipe and its recheck_every
+
+
+def after_step(conversion: Any, steps: int, batch: Any, loss_fn: Any) -> None:
+    """``Guard.step(batch=..., loss_fn=...)`` under a per-layer precision: every
+    ``recheck_every`` steps, the meter on ``batch`` and a drifting layer one format up
+    (:meth:`ampguard.fp8._layered.LayerRecipe.due`). Cost: nothing between re-checks; a
+    re-check is two forward+backward passes of ``batch`` and one host sync."""
+    due = getattr(conversion, "due", None)
+    if due is not None and loss_fn is not None and due(steps):
+        conversion.recheck_step(loss_fn, batch, steps)

@@ -21,7 +21,7 @@ from ampguard.core import check_backward, check_grads_present, results
 from ampguard.core.containment import MicrobatchBuffer
 from ampguard.core.results import StepResult
 from ampguard.core.scaler import ScaleCollapseError
-from ampguard.guard import _flags, _step
+from ampguard.guard import _flags, _recipe, _step
 from ampguard.guard._step_state import StepState
 
 __all__ = ["backward", "forward", "step"]
@@ -140,6 +140,8 @@ def step(
         state.dist.maybe_audit(guard)  # cross-rank audit every `audit_every` windows
     if state.forensics is not None:  # diagnose an armed/replayable overflow, fall back
         state.forensics.on_step(result, batch, loss_fn)
+    if state.fp8 is not None:  # a per-layer precision re-checks its meter every K steps
+        _recipe.after_step(state.fp8, state.steps, batch, loss_fn)
     if state.callbacks and result.applied:
         for fn in state.callbacks:
             fn(result)
