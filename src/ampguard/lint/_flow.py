@@ -186,7 +186,7 @@ class Interpreter:
             else:
                 state = self._event(state, event, env)
         if state is not None and (self.reads.frames or _holds_facts(state)):
-            stored = stored_heads(stmt, header(stmt))
+            stored = stored_heads(stmt, header)
             if stored:
                 state = self._forget(state, stored, env)
         return state
@@ -344,7 +344,7 @@ class Interpreter:
         is_while = isinstance(stmt, ast.While)
         if not is_while:
             state = self._apply(state, stmt, env)
-        targets = stored_heads(stmt, header(stmt)) if not is_while else frozenset()
+        targets = stored_heads(stmt, header) if not is_while else frozenset()
         head, last = self._settle(stmt, state, env, targets)
         if last is None or env.record:  # a quiet pass from the settled head is the last round
             entry = self._enter(head, stmt, env, targets)
