@@ -1,7 +1,6 @@
 """The flow interpreter's memo: a helper's exit is reused across caller assumptions it never
 reads, a loop's settled head across passes that enter it the same way, and neither changes a
-finding (each is checked against the interpreter with that shortcut off); what is kept on a
-tree's nodes (weak parents, child lists) leaves it free of reference cycles."""
+finding (each is checked against the interpreter with that shortcut off)."""
 
 from __future__ import annotations
 
@@ -351,29 +350,3 @@ def test_a_read_of_a_hidden_assumption_stops_the_helper_that_hid_it() -> None:
     assert memo.reads[("ctx",)] == (frozenset({"k"}), frozenset({"n"}))
     memo.clear()
     assert not memo.reads and not memo.exits and not memo.loops
-
-
-def test_a_linted_files_tree_is_freed_without_the_cyclic_collector() -> None:
-    """Parent links are weak and the node caches point down: no tree holds a reference cycle,
-    so a file's tree goes as soon as nothing holds its model; while it lives, every node
-    knows its ancestors."""
-    import ast
-    import gc
-    import weakref
-
-    from ampguard.lint._model import FileModel
-
-    model = FileModel(ast.parse(_NESTED_LOOPS), "train.py")
-    lint_source(_NESTED_LOOPS, "train.py")  # the rules' caches on nodes are made as well
-    step = next(n for n in ast.walk(model.tree) if isinstance(n, ast.Call) and n.lineno == 11)
-    assert model.function_of(step).name == "train"
-    assert len(list(model.statements(model.function_of(step).body))) > 20  # children kept
-    root = weakref.ref(model.tree)
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        del model, step
-        assert root() is None  # freed by reference counting alone
-    finally:
-        if enabled:
-            gc.enable()

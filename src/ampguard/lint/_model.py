@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
-from weakref import ref as _ref
 
 from ampguard.lint._names import FUNCS, canonical, dotted, terminal
 from ampguard.lint._scalers import ScalerFacts
@@ -22,11 +21,6 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 # ``try``/``except*`` (3.11+) hold handlers and an ``else`` alike; typeshed for 3.10 has no TryStar.
 _TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 _SKIP_FIELDS = frozenset({"ctx", "op", "ops"})
-# Each node's parent, as a weak reference: a tree then holds no reference cycle, so a linted
-# file's tree is freed by reference counting when its model is dropped, instead of waiting for a
-# cyclic collection that walks every node again (one such collection cost a quarter of a project
-# mode run over a detection repository). The model holds the tree, so every parent stays alive
-# while anyone can ask the model about a node.
 _PARENT = "_ag_parent"
 # node types ``FileModel._collect`` records something for
 _COLLECTED = frozenset(
@@ -100,7 +94,7 @@ class FileModel(ScalerFacts):
         for_types = (ast.For, ast.AsyncFor, ast.While)
         while stack:
             node, parent, scope = pop()
-            setattr(node, _PARENT, None if parent is None else _ref(parent))
+            setattr(node, _PARENT, parent)
             if type(node) not in _COLLECTED:  # most nodes: a set lookup, no isinstance chain
                 pass
             elif isinstance(node, ast.Call):
@@ -200,19 +194,15 @@ class FileModel(ScalerFacts):
     # ----------------------------------------------------------------- structure
     @staticmethod
     def parent(node: ast.AST) -> ast.AST | None:
-        """The node that holds ``node`` (``None`` for the module, or once its tree is freed)."""
-        ref = getattr(node, _PARENT, None)
-        return None if ref is None else ref()
+        """The node that holds ``node`` (``None`` for the module)."""
+        return getattr(node, _PARENT, None)
 
     def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
         """Parents of ``node`` from the nearest outwards."""
-        ref = getattr(node, _PARENT, None)
-        while ref is not None:
-            anc = ref()
-            if anc is None:
-                return
+        anc: ast.AST | None = getattr(node, _PARENT, None)
+        while anc is not None:
             yield anc
-            ref = getattr(anc, _PARENT, None)
+            anc = getattr(anc, _PARENT, None)
 
     def scope_of(self, node: ast.AST) -> Scope:
         """The function (or module) scope whose names ``node`` sees."""
