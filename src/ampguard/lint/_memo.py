@@ -20,15 +20,17 @@ splits the paths) or assigns one of the names the key reads (the paths forget it
 that every entry path holds and the helper does not read is carried through unchanged: each step
 of the interpreter (split, forget, join, the exact merges, the budget counts, the states the
 analysis sees) treats the entry sets with it as it treats them without it, so the exit with it is
-the exit without it with the assumption added to every exit set. Such an assumption is *hidden*:
-left out of the memo key and of the paths the helper runs on, and added back to its exit.
+the exit without it with the assumption added to every exit set (the order in which the exact
+merges try a set's assumptions follows string hashing, which already differs from one process to
+the next; no finding depends on it). Such an assumption is *hidden*: left out of the memo key and
+of the paths the helper runs on, and added back to its exit.
 
 What a helper reads is learnt as it runs: each read is checked against the hidden assumptions of
 every helper being interpreted, and a read of one stops that interpretation (:class:`Touched`) at
 the read, before anything after it runs (up to the read, both runs do the same work, so no finding
 is recorded that the full run would not record). The helper is then run again with that
 assumption kept. What each call context (helper, argument mapping, depth, file) read is kept in
-the :class:`HelperMemo` next to its exits, so the next call keeps those assumptions from the
+the :class:`FlowMemo` next to its exits, so the next call keeps those assumptions from the
 start.
 
 A :class:`FlowMemo` belongs to one analysis over one file (its rule makes it, and clears it with
