@@ -11,6 +11,7 @@ from ampguard.lint._calls import constant as _constant
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import AUTOCASTS, NO_GRAD, dotted, terminal
 from ampguard.lint._scalers import scaler_state
+from ampguard.lint._tree import walk
 
 __all__ = [
     "Autocast",
@@ -172,7 +173,7 @@ def _helper_autocast(model: FileModel, call: ast.Call, depth: int) -> Autocast |
         if isinstance(node, ast.Return) and node.value is not None:
             info = autocast_info(owner, node.value, depth + 1)
         elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
-            isinstance(n, (ast.Yield, ast.YieldFrom)) for s in node.body for n in ast.walk(s)
+            isinstance(n, (ast.Yield, ast.YieldFrom)) for s in node.body for n in walk(s)
         ):
             info = next(
                 (

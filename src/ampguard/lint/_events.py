@@ -13,6 +13,7 @@ from ampguard.lint._inert import summary
 from ampguard.lint._model import FUNCS, FileModel
 from ampguard.lint._names import CLIPS, dotted, terminal
 from ampguard.lint._project import resolve_def
+from ampguard.lint._tree import children
 
 __all__ = ["Event", "Events", "header"]
 
@@ -243,8 +244,7 @@ def _calls_in(roots: list[ast.AST]) -> list[ast.Call]:
             stack.append((node, True))
         if isinstance(node, ast.Lambda):
             continue
-        children = list(ast.iter_child_nodes(node))
-        stack.extend((c, False) for c in reversed(children))
+        stack.extend((c, False) for c in reversed(children(node)))
     return out
 
 

@@ -20,9 +20,10 @@ from typing import Any, Protocol, overload
 
 from ampguard.lint._events import Event, Events, header
 from ampguard.lint._inert import silent
+from ampguard.lint._memo import NOTHING, FlowMemo, Reads, Touched, expand, hidden, strip, untouched
 from ampguard.lint._paths import MAX_PATHS, condition, heads, stored_heads
 
-__all__ = ["Analysis", "Env", "Event", "Events", "Interpreter", "OutOfBudget"]
+__all__ = ["Analysis", "Env", "Event", "Events", "FlowMemo", "Interpreter", "OutOfBudget"]
 
 _MAX_LOOP_ROUNDS = 8
 _COMPACT_ABOVE = 4  # assumption sets kept before the exact merges are tried
@@ -101,20 +102,22 @@ class Interpreter:
         events: Events,
         analysis: Analysis,
         budget: int = 50_000,
-        memo: dict[tuple, Paths | None] | None = None,
+        memo: FlowMemo | None = None,
     ) -> None:
         self.events = events
         self.analysis = analysis
         self.budget = budget
         self._heads: dict[str, set[str]] = {}
         # helper calls already interpreted: (helper, arguments, call depth, file, recording,
-        # paths in) -> paths out (the depth, not the callers: a helper reached from two units
-        # at one depth exits the same way; only a call cycle, cut where it meets itself, could
-        # tell them apart, and either answer is a sound one). Shared by the interpreters of one
-        # analysis (``memo``), so a ``train()`` called from many places is interpreted once per
-        # distinct entry state; the owner drops it when a unit runs out of budget (with its
+        # paths in, less the assumptions it does not read) -> paths out (the depth, not the
+        # callers: a helper reached from two units at one depth exits the same way; only a call
+        # cycle, cut where it meets itself, could tell them apart, and either answer is a sound
+        # one). Shared by the interpreters of one analysis (``memo``), so a ``train()`` called
+        # from many places is interpreted once per distinct entry state (see
+        # ampguard.lint._memo); the owner drops it when a unit runs out of budget (with its
         # findings).
-        self.memo: dict[tuple, Paths | None] = {} if memo is None else memo
+        self.memo = FlowMemo() if memo is None else memo
+        self.reads = Reads()  # the helpers being interpreted, and what each has read
 
     def _merge(self, a: Any, b: Any) -> Any:
         if a is None:
@@ -182,18 +185,23 @@ class Interpreter:
                 state = self._inline(state, event, env)
             else:
                 state = self._event(state, event, env)
-        if state is not None and (len(state) > 1 or frozenset() not in state):
-            stored = stored_heads(stmt, header(stmt))
+        if state is not None and (self.reads.frames or _holds_facts(state)):
+            stored = stored_heads(stmt, header)
             if stored:
                 state = self._forget(state, stored, env)
         return state
 
     def _forget(self, state: Paths, names: frozenset[str] | set[str], env: Env) -> Paths:
-        """Drop the assumptions that read a name just assigned."""
+        """Drop the assumptions that read a name just assigned (inside a helper: noted as read,
+        also where no path holds one)."""
         if env.rename_map:  # a helper's locals are not the caller's names; its parameters are
             names = {env.rename_map[n].split(".", 1)[0] for n in names if n in env.rename_map}
             if not names:
                 return state
+        if self.reads.frames:
+            self.reads.assigned(names)
+        if not _holds_facts(state):
+            return state
         out: Paths = {}
         changed = False
         for key, value in state.items():
@@ -222,18 +230,49 @@ class Interpreter:
             return self._forget(state, stores, inner) if stores else state
         if inner.record and silent(helper):  # no event inside: nothing to record there
             inner = Env(False, inner.rename_map, inner.active, inner.events)
-        key = _memo_key(helper, inner, state)
-        if key is not None and key in self.memo:
-            return self.memo[key]  # same entry: same exit, its findings already recorded
-        if key is not None and not env.record:
-            recorded = (*key[:4], True, key[5])  # a recording run gives the same paths
-            if recorded in self.memo:
-                return self.memo[recorded]
-        out = self._block(helper.body, state, inner)
-        result = self._pjoin(out.out, out.ret)
-        if key is not None:
-            self.memo[key] = result
-        return result
+        return self._interpret(helper, state, inner)
+
+    def _interpret(self, helper: Any, state: Paths, env: Env) -> Paths | None:
+        """``helper``'s exit from ``state``, memoised on the entry paths less the assumptions
+        every path holds and the helper does not read (see :mod:`ampguard.lint._memo`)."""
+        context = (
+            id(helper),
+            tuple(sorted(env.rename_map.items())),
+            len(env.active),
+            id(env.events),
+        )
+        facts = hidden(state, self.memo.reads.get(context), self._key_heads)
+        while True:
+            entry = strip(state, facts)
+            key = _memo_key(context, env.record, entry)
+            found = None if key is None else self.memo.exits.get(key)
+            if found is None and key is not None and not env.record:
+                found = self.memo.exits.get((*key[:4], True, key[5]))  # the same paths
+            if found is not None:  # same entry: same exit, its findings already recorded
+                result, read = found
+                if untouched(facts, read, self._key_heads) == facts:
+                    self.reads.replay(read)
+                    return expand(result, facts)
+                self.memo.learn(context, read)  # not run with these hidden: keep them
+                facts = hidden(state, self.memo.reads[context], self._key_heads)
+                continue
+            frame, budget = self.reads.push(facts, self._key_heads), self.budget
+            try:
+                out = self._block(helper.body, entry, env)
+            except Touched as error:
+                if error.frame is not frame:
+                    raise
+                self.budget = budget  # the void run's work is not counted
+                self.memo.learn(context, error.read)
+                facts = hidden(state, self.memo.reads[context], self._key_heads)
+                continue
+            finally:
+                self.reads.pop(frame)
+            result = self._pjoin(out.out, out.ret)
+            self.memo.learn(context, frame.read())
+            if key is not None:
+                self.memo.exits[key] = (result, frame.read())
+            return expand(result, facts)
 
     def _block(self, stmts: list[ast.stmt], state: Paths | None, env: Env) -> _Out:
         acc = _Out()
@@ -262,6 +301,8 @@ class Interpreter:
     def _if(self, stmt: ast.If, state: Paths | None, env: Env) -> _Out:
         state = self._apply(state, stmt, env)
         fixed = condition(stmt.test, env.rename_map) if state is not None else None
+        if fixed is not None and self.reads.frames:
+            self.reads.tested(fixed[0])
         if fixed is None or state is None:
             yes = no = state
         else:
@@ -303,17 +344,12 @@ class Interpreter:
         is_while = isinstance(stmt, ast.While)
         if not is_while:
             state = self._apply(state, stmt, env)
-        targets = stored_heads(stmt, header(stmt)) if not is_while else frozenset()
-        head = state
-        for _ in range(_MAX_LOOP_ROUNDS):
-            entry = self._enter(head, stmt, env.quiet(), targets)
-            body = self._block(stmt.body, entry, env.quiet())
-            new_head = self._pjoin(state, body.out, body.cont)
-            if new_head == head:
-                break
-            head = new_head
-        entry = self._enter(head, stmt, env, targets)
-        body = self._block(stmt.body, entry, env)
+        targets = stored_heads(stmt, header) if not is_while else frozenset()
+        head, last = self._settle(stmt, state, env, targets)
+        if last is None or env.record:  # a quiet pass from the settled head is the last round
+            entry = self._enter(head, stmt, env, targets)
+            last = entry, self._block(stmt.body, entry, env)
+        entry, body = last
         forever = is_while and isinstance(stmt.test, ast.Constant) and bool(stmt.test.value)
         normal = None if forever else entry
         orelse = self._block(stmt.orelse, normal, env) if normal is not None else _Out()
@@ -324,13 +360,44 @@ class Interpreter:
             self._pjoin(body.ret, orelse.ret),
         )
 
+    def _settle(
+        self, stmt: Any, state: Paths | None, env: Env, targets: frozenset[str]
+    ) -> tuple[Paths | None, tuple[Paths | None, _Out] | None]:
+        """The paths at the loop's head once a quiet round leaves them as they were, and that
+        round's (entry, body) (``None``: the rounds ran out first); memoised per loop, entry
+        paths, helper stack, mapping and file (see :mod:`ampguard.lint._memo`)."""
+        key = _loop_key(stmt, env, state)
+        found = None if key is None else self.memo.loops.get(key)
+        if found is not None:
+            head, last, read = found
+            self.reads.replay(read)
+            return head, last
+        frame = self.reads.push(frozenset(), self._key_heads) if self.reads.frames else None
+        quiet = env.quiet()
+        head, last = state, None
+        try:
+            for _ in range(_MAX_LOOP_ROUNDS):
+                entry = self._enter(head, stmt, quiet, targets)
+                body = self._block(stmt.body, entry, quiet)
+                new_head = self._pjoin(state, body.out, body.cont)
+                if new_head == head:
+                    last = entry, body
+                    break
+                head = new_head
+        finally:
+            if frame is not None:
+                self.reads.pop(frame)
+        if key is not None:
+            self.memo.loops[key] = head, last, NOTHING if frame is None else frame.read()
+        return head, last
+
     def _enter(
         self, head: Paths | None, stmt: ast.AST, env: Env, targets: frozenset[str]
     ) -> Paths | None:
         """One iteration's entry: a ``while`` test runs; a ``for`` target is assigned anew."""
         if isinstance(stmt, ast.While):
             return self._apply(head, stmt, env)
-        if head is not None and targets and (len(head) > 1 or frozenset() not in head):
+        if head is not None and targets and (self.reads.frames or _holds_facts(head)):
             return self._forget(head, targets, env)
         return head
 
@@ -365,19 +432,28 @@ class Interpreter:
         return _Out(state)  # nested def/class: their bodies do not run here
 
 
-def _memo_key(helper: ast.AST, env: Env, state: Paths) -> tuple | None:
+def _memo_key(context: tuple, record: bool, state: Paths) -> tuple | None:
     """What an inlined helper's exit depends on (``None``: a state that cannot be hashed)."""
     try:
-        return (
-            id(helper),
-            tuple(sorted(env.rename_map.items())),
-            len(env.active),
-            id(env.events),
-            env.record,
-            frozenset(state.items()),
-        )
+        return (*context, record, frozenset(state.items()))
     except TypeError:
         return None
+
+
+def _loop_key(stmt: ast.AST, env: Env, state: Paths | None) -> tuple | None:
+    """What a loop's settled head depends on (``None``: no paths, or unhashable ones)."""
+    if state is None:
+        return None
+    try:
+        rename = tuple(sorted(env.rename_map.items()))
+        return (id(stmt), rename, env.active, id(env.events), frozenset(state.items()))
+    except TypeError:
+        return None
+
+
+def _holds_facts(state: Paths) -> bool:
+    """Some path of ``state`` holds an assumption (else there is nothing to forget)."""
+    return len(state) > 1 or frozenset() not in state
 
 
 def _compact(paths: Paths, join: Callable[[Any, Any], Any]) -> Paths:

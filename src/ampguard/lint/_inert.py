@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ampguard.lint._paths import stored_heads
+from ampguard.lint._tree import children
 
 __all__ = ["silent", "summary"]
 
@@ -111,6 +112,6 @@ def _judge(
                     for name, text in event.mapping
                     if name in stores and (head := text.split(".", 1)[0]) in params
                 )
-            touched.update(stored_heads(node, header(node)) & params)
-        stack.extend(ast.iter_child_nodes(node))
+            touched.update(stored_heads(node, header) & params)
+        stack.extend(children(node))
     return (None, True) if exits else (frozenset(touched), True)

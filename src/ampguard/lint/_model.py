@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ampguard.lint._names import FUNCS, canonical, dotted, terminal
 from ampguard.lint._scalers import ScalerFacts
+from ampguard.lint._tree import children
 
 __all__ = ["FUNCS", "FileModel", "Scope", "branch_of"]
 
@@ -258,8 +259,7 @@ class FileModel(ScalerFacts):
             yield node
             if isinstance(node, (*_SCOPES, ast.ClassDef)):
                 continue
-            children = [c for c in ast.iter_child_nodes(node)]
-            stack.extend(reversed(children))
+            stack.extend(reversed(children(node)))
 
     # ----------------------------------------------------------------- names
     def binding(self, name: str, scope: Scope) -> Binding | None:

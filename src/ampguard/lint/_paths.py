@@ -10,9 +10,11 @@ test, and forgets an assumption as soon as one of the names it reads is assigned
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from typing import Any
 
 from ampguard.lint._names import dotted
+from ampguard.lint._tree import children
 
 __all__ = ["MAX_PATHS", "Assumption", "condition", "stored_heads"]
 
@@ -89,13 +91,14 @@ def heads(key: str) -> set[str]:
     return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
 
-def stored_heads(stmt: ast.AST, roots: list[ast.AST]) -> frozenset[str]:
-    """Names a statement (its ``roots``: the statement or its header) assigns (cached)."""
-    cached = getattr(stmt, _STORES, None)
+def stored_heads(stmt: ast.AST, header: Callable[[ast.AST], list[ast.AST]]) -> frozenset[str]:
+    """Names a statement (its ``header(stmt)``: the statement or a compound statement's
+    header) assigns; kept on the statement (the interpreter asks on every pass over it)."""
+    cached = stmt.__dict__.get(_STORES)
     if cached is not None:
         return cached
     out: set[str] = set()
-    stack: list[Any] = list(roots)
+    stack: list[Any] = list(header(stmt))
     if isinstance(stmt, (ast.For, ast.AsyncFor)):
         stack.append(stmt.target)
     while stack:
@@ -109,7 +112,7 @@ def stored_heads(stmt: ast.AST, roots: list[ast.AST]) -> frozenset[str]:
                 base = base.value
             if isinstance(base, ast.Name):
                 out.add(base.id)
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend(children(node))
     result = frozenset(out)
     setattr(stmt, _STORES, result)
     return result

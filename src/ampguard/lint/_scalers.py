@@ -13,6 +13,7 @@ from typing import Any
 from ampguard.lint._calls import argument_for, keyword, resolve_def
 from ampguard.lint._calls import constant as _constant
 from ampguard.lint._names import GRAD_SCALERS, dotted, terminal
+from ampguard.lint._tree import walk
 
 __all__ = ["ScalerFacts", "scaler_state"]
 
@@ -203,7 +204,7 @@ def _scaler_word(key: str) -> bool:
 
 def _built_in(model: Any, func: ast.AST) -> ast.Call | None:
     """The GradScaler a helper (a ``def``, or any method of a class) constructs, if any."""
-    for node in ast.walk(func):
+    for node in walk(func):
         if isinstance(node, ast.Call) and terminal(node.func) in _CTOR_NAMES:
             qual = model.call_name(node)
             if qual is None or qual in GRAD_SCALERS or qual.endswith(".GradScaler"):

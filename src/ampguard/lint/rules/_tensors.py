@@ -19,6 +19,7 @@ from ampguard.lint._calls import keyword
 from ampguard.lint._model import FileModel
 from ampguard.lint._names import dotted, terminal
 from ampguard.lint._reach import reaching_assignment
+from ampguard.lint._tree import walk
 
 __all__ = ["TensorFacts", "host_syncs"]
 
@@ -147,7 +148,7 @@ class TensorFacts:
         """Names assigned a device tensor (``loss_items = loss.detach()``), two rounds."""
         assigns = [
             node
-            for node in ast.walk(self.model.tree)
+            for node in walk(self.model.tree)
             if isinstance(node, ast.Assign)
             and len(node.targets) == 1
             and isinstance(node.targets[0], ast.Name)
@@ -274,7 +275,7 @@ def _is_number(value: ast.AST | None) -> bool:
     if isinstance(value, ast.Constant):
         return True
     return value is not None and any(
-        isinstance(n, ast.Call) and terminal(n.func) in _TO_NUMBER for n in ast.walk(value)
+        isinstance(n, ast.Call) and terminal(n.func) in _TO_NUMBER for n in walk(value)
     )
 
 
@@ -284,7 +285,7 @@ def _units(model: FileModel) -> list[Any]:
 
 def _has_host_copy(expr: ast.AST) -> bool:
     """``expr`` already holds a host copy inside it (``x.cpu().numpy()``: report the ``cpu``)."""
-    for node in ast.walk(expr):
+    for node in walk(expr):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -311,7 +312,7 @@ def _named(tensor: ast.AST) -> str:
     text = ast.unparse(tensor)
     if len(text) <= 30:
         return text
-    for node in ast.walk(tensor):
+    for node in walk(tensor):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
         if isinstance(node, (ast.Name, ast.Attribute)):

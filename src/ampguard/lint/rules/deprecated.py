@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from ampguard.findings import Finding
 from ampguard.lint._model import FileModel
 from ampguard.lint._names import DEPRECATED, canonical, dotted
+from ampguard.lint._tree import walk
 from ampguard.lint.rules._base import Context, Rule
 
 __all__ = ["AG206"]
@@ -37,7 +38,7 @@ _TRIES: tuple[type[ast.Try], ...] = (ast.Try, getattr(ast, "TryStar", ast.Try))
 def _check(ctx: Context) -> Iterator[Finding]:
     model = ctx.model
     compat_names: set[str] = set()
-    for node in ast.walk(model.tree):
+    for node in walk(model.tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias, qual in _old_imports(node):
                 if _fallback(model, node):
@@ -109,7 +110,7 @@ def _bound(ctx: Context, reported: set[str]) -> Iterator[Finding]:
     maybe reassigned in a branch, so its calls cannot be followed to it), reported where it is
     bound, unless a call through that name was reported already."""
     model = ctx.model
-    for node in ast.walk(model.tree):
+    for node in walk(model.tree):
         if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Attribute):
             continue
         names = {n for t in node.targets if (n := dotted(t)) is not None}
@@ -121,7 +122,7 @@ def _bound(ctx: Context, reported: set[str]) -> Iterator[Finding]:
 def _aliases(ctx: Context) -> Iterator[Finding]:
     """``GradScaler = torch.amp.GradScaler if hasattr(...) else torch.cuda.amp.GradScaler``."""
     model = ctx.model
-    for node in ast.walk(model.tree):
+    for node in walk(model.tree):
         if not isinstance(node, ast.IfExp):
             continue
         for branch in (node.body, node.orelse):
@@ -159,7 +160,7 @@ def _compat(ctx: Context, node: ast.AST, qual: str) -> Finding:
 def _modern(model: FileModel, nodes: list[ast.stmt] | list[ast.AST]) -> bool:
     """``nodes`` use the current spelling (``torch.amp.X``, ``torch.autocast``, an import)."""
     for root in nodes:
-        for node in ast.walk(root):
+        for node in walk(root):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.amp"):
                 return True
             if isinstance(node, ast.ImportFrom) and node.module == "torch":
@@ -174,7 +175,7 @@ def _modern(model: FileModel, nodes: list[ast.stmt] | list[ast.AST]) -> bool:
 
 def _probe(test: ast.AST) -> bool:
     """A test that reads the torch version or probes for an API."""
-    for node in ast.walk(test):
+    for node in walk(test):
         word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
         if isinstance(word, str) and _PROBE.search(word):
             return True

@@ -6,7 +6,7 @@ import ast
 from collections.abc import Iterator
 
 from ampguard.findings import Finding
-from ampguard.lint._flow import Env, Event, Interpreter, OutOfBudget
+from ampguard.lint._flow import Env, Event, FlowMemo, Interpreter, OutOfBudget
 from ampguard.lint._spell import stepped_optimizer
 from ampguard.lint.rules._base import Context, Rule
 from ampguard.lint.rules._units import budget_note, events, flow_units
@@ -133,7 +133,7 @@ def _run(
     joined in, so a step that follows the previous iteration's is judged on those paths alone)."""
     extractor = events(ctx)
     model = ctx.model
-    memo: dict = {}  # helpers' exits, shared by the units (see Interpreter.memo)
+    memo = FlowMemo()  # helpers' exits, shared by the units (see Interpreter.memo)
     for unit in flow_units(ctx):
         before = set(analysis.found)
         try:

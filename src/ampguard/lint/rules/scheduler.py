@@ -17,6 +17,7 @@ from ampguard.findings import Finding
 from ampguard.lint._context import is_scheduler_like
 from ampguard.lint._model import FUNCS
 from ampguard.lint._names import dotted
+from ampguard.lint._tree import walk
 from ampguard.lint.rules._base import Context, Rule
 
 __all__ = ["AG207"]
@@ -105,7 +106,7 @@ _TYPE_TESTS = frozenset(
 def _is_gate(test: ast.AST, assigned: frozenset[str]) -> bool:
     """``test`` may ask whether the optimizer stepped (see the module docstring); a type test
     (``isinstance(sched, ReduceLROnPlateau)``, ``hasattr(...)``) does not."""
-    for node in ast.walk(test):
+    for node in walk(test):
         if isinstance(node, ast.Call):
             if isinstance(node.func, ast.Name) and node.func.id in _TYPE_TESTS:
                 continue  # its arguments are still read (a gate name passed in is a gate)

@@ -22,6 +22,7 @@ from ampguard.lint._context import is_scheduler_like
 from ampguard.lint._model import FUNCS, branch_of
 from ampguard.lint._names import dotted, terminal
 from ampguard.lint._reach import reaching_assignment
+from ampguard.lint._tree import children, walk
 from ampguard.lint.rules._base import Context, Rule
 from ampguard.lint.rules._tensors import TensorFacts, host_syncs
 
@@ -190,7 +191,7 @@ def _condition(test: ast.AST, model: Any = None) -> tuple[bool, int | None] | No
         return None  # every N steps (N from the config, or >= 10): the recommended throttle
     words = [
         n.id if isinstance(n, ast.Name) else n.attr
-        for n in ast.walk(test)
+        for n in walk(test)
         if isinstance(n, (ast.Name, ast.Attribute))
     ]
     if any(w in word.lower() for word in words for w in _RANK_WORDS):
@@ -338,7 +339,7 @@ def _trains(ctx: Context, body: list[ast.stmt], depth: int) -> bool:
             continue
         if isinstance(node, ast.Call) and _training_call(ctx, node, depth):
             return True
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend(children(node))
     return False
 
 
@@ -496,7 +497,7 @@ def _throttle(ctx: Context, uses: list[ast.AST]) -> str | None:
         test = None
         for anc in ctx.model.ancestors(use):
             if isinstance(anc, ast.If) and any(
-                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(anc.test)
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in walk(anc.test)
             ):
                 test = ast.unparse(anc.test)
                 break

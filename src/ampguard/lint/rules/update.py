@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from ampguard.findings import Finding
 from ampguard.lint._flow import Env, Event, Interpreter, OutOfBudget
 from ampguard.lint._names import dotted
+from ampguard.lint._tree import children, walk
 from ampguard.lint.rules._base import Context, Rule
 from ampguard.lint.rules._units import budget_note, events, flow_units
 
@@ -64,7 +65,7 @@ class _LoopAnalysis:
         head = opt.split(".", 1)[0]
         for anc in self.ctx.model.ancestors(node):
             if isinstance(anc, (ast.For, ast.AsyncFor)) and any(
-                isinstance(n, ast.Name) and n.id == head for n in ast.walk(anc.target)
+                isinstance(n, ast.Name) and n.id == head for n in walk(anc.target)
             ):
                 return True
         return False
@@ -153,7 +154,7 @@ def _direct_step(ctx: Context, loop: _Loop, key: str) -> bool:
             and dotted(node.func.value) == key
         ):
             return True
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend(children(node))
     return False
 
 
@@ -217,7 +218,7 @@ def _escapes(ctx: Context, key: str) -> bool:
         for arg in (*call.args, *(kw.value for kw in call.keywords)):
             if dotted(arg.value if isinstance(arg, ast.Starred) else arg) == key:
                 return True
-    for node in ast.walk(model.tree):
+    for node in walk(model.tree):
         if isinstance(node, (ast.Return, ast.Yield, ast.Assign, ast.Dict, ast.List, ast.Tuple)):
             values = _values(node)
             if any(dotted(v) == key for v in values):
