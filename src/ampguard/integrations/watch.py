@@ -48,11 +48,13 @@ from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
 from ampguard.guard import DEFAULT_CAPACITY, attach_signatures, check_signatures
 from ampguard.integrations import _findings, _seam, _skip
+from ampguard.integrations._autopsy import AutopsySurface
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list
 from ampguard.integrations._policy import AttachPolicy, PolicyState
 from ampguard.integrations._probes import UpdateProbes
 from ampguard.integrations._recorder import AttachRecorder, RecorderOptions, spike_config
+from ampguard.integrations._resume import ResumeSurface
 from ampguard.integrations._seam import StepOutcome, WatchableScaler
 from ampguard.integrations._skip import SkipSteps
 from ampguard.integrations._source import (
@@ -140,9 +142,10 @@ def watch(
     )
 
 
-class Watch(TriageSurface, SkipSteps, UpdateProbes):
+class Watch(TriageSurface, AutopsySurface, ResumeSurface, SkipSteps, UpdateProbes):
     """Handle returned by :func:`watch`: ``findings()``, ``report()``, ``close()``; a context
-    manager (``close`` on exit).
+    manager (``close`` on exit); ``state_dict()`` / ``load_state_dict()`` for a resume and
+    ``ampguard.autopsy(handle)`` / ``ampguard.triage(handle)`` on its spikes.
 
     ``steps`` counts optimizer steps seen (one per ``scaler.update``, applied or skipped).
     """
