@@ -285,3 +285,72 @@ def test_callback_options_get_the_guards_errors_when_made(module) -> None:
         callback(on_spike="sometimes")
     with pytest.raises(ValueError, match="flight_recorder must be a number of windows"):
         callback(flight_recorder=1)
+
+
+@pytest.mark.slow  # a real Lightning fit of 64 steps and the autopsy's replay
+@pytest.mark.timeout(240)
+def test_lightning_autopsy_replays_training_step_from_the_snapshot(tmp_path) -> None:
+    _, callback, _ = _lightning_run(tmp_path, precision="bf16-mixed", snapshot_every=25)
+    (d,) = ag.autopsy(callback.watch)  # the watch closed with the fit: its recorder remains
+    assert d.step == SPIKE and d.verified, d.evidence
+    assert d.mechanism == "outlier_batch" and d.evidence["reproduced"] is True
+
+
+def _resume_fit(tmp_path, name, steps, ckpt=None, save=None):
+    """A Lightning fit up to ``steps`` over 10-batch epochs; window SPIKE's batch is planted by
+    ``training_step`` (the epochs repeat their data). ``ckpt``: resume from it; ``save``: write
+    a checkpoint at the end. Returns the AG180 steps."""
+    L = pytest.importorskip("lightning")
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+            )
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            if self.trainer.global_step + 1 == SPIKE:
+                x, y = x.clone(), y.clone()
+                x[:3] *= 50.0
+                y[:3] = (y[:3] + 1) % 4
+            return torch.nn.functional.cross_entropy(self(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(80, 16, generator=g)
+    y = (x @ torch.linspace(-1, 1, 64).reshape(16, 4)).argmax(dim=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    callback = AmpGuardCallback(Telemetry(tmp_path / name, flush_every=16), report=False)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        default_root_dir=str(tmp_path / name), precision="bf16-mixed",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), data, ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)
+    return _codes_at(callback.findings())
+
+
+@pytest.mark.slow  # three real Lightning fits (62, 40 and 22 steps)
+@pytest.mark.timeout(300)
+def test_lightning_resume_flags_the_same_spike_at_the_same_step(tmp_path) -> None:
+    whole = _resume_fit(tmp_path, "whole", 62)
+    assert whole == [SPIKE]
+    ckpt = tmp_path / "step40.ckpt"
+    assert _resume_fit(tmp_path, "first", 40, save=ckpt) == []
+    state = torch.load(ckpt, weights_only=False)["callbacks"]
+    (saved,) = [v for k, v in state.items() if "AmpGuardCallback" in k]
+    assert saved["watch"]["steps"] == 40 and saved["watch"]["spikes"]["count"] == 40
+    assert _resume_fit(tmp_path, "second", 62, ckpt=str(ckpt)) == whole
