@@ -11,6 +11,7 @@ DeepSpeed is in ``tests/test_deepspeed_spikes.py`` (a child process).
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -51,7 +52,10 @@ class _Weights:
 
 
 # ---------------------------------------------------------------------- HF Trainer
-def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
+def _hf_run(
+    tmp_path, *, precision="fp16", spike=SPIKE, steps=STEPS, save=None, resume=False, run="run",
+    **options,
+):  # fmt: skip
     transformers = pytest.importorskip("transformers")
     from ampguard.integrations.transformers import AmpGuardCallback
 
@@ -82,13 +86,14 @@ def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), fp16=precision == "fp16", bf16=precision == "bf16",
-        use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
-        save_strategy="no", disable_tqdm=True, learning_rate=5e-3, logging_steps=1000,
+        use_cpu=True, report_to=[], max_steps=steps, per_device_train_batch_size=4,
+        save_strategy="no" if save is None else "steps", save_steps=save or 500,
+        disable_tqdm=True, learning_rate=5e-3, logging_steps=1000,
         lr_scheduler_type="linear", dataloader_drop_last=True,
         train_sampling_strategy="sequential",  # the planted batch is step `spike`'s
         optim="adamw_torch",  # not fused: Accelerate sees the skip (a fused one skips in its
     )  # fmt: skip            # kernel, which Accelerate cannot see: AG120, as for overflows
-    callback = AmpGuardCallback(Telemetry(tmp_path / "run", flush_every=16), **options)
+    callback = AmpGuardCallback(Telemetry(tmp_path / run, flush_every=16), **options)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=data, callbacks=[callback, Probe()]
     )
@@ -97,7 +102,7 @@ def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
         trainer.accelerator.native_amp = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume or None)
     return trainer, callback, weights
 
 
@@ -127,6 +132,20 @@ def test_hf_trainer_triage_replays_the_spiked_step_from_its_batch(tmp_path) -> N
     assert [e.step for e in events] == [STEPS - 1]  # numbered by the steps before its forward
     assert events[0].cause == "model_or_data"  # the batch itself: it spikes in fp32 too
     assert (tmp_path / "run" / "triage" / "rank0.json").is_file()
+
+
+@pytest.mark.slow  # three real transformers Trainer runs (64, 40 and 24 steps)
+@pytest.mark.timeout(300)
+def test_hf_trainer_resume_flags_the_same_spike_at_the_same_step(tmp_path) -> None:
+    _, whole, _ = _hf_run(tmp_path / "whole", precision="bf16", report=False)
+    assert _codes_at(whole.findings()) == [SPIKE]
+    _, first, _ = _hf_run(tmp_path, precision="bf16", steps=40, save=40, report=False)
+    assert _codes_at(first.findings()) == []
+    saved = tmp_path / "out" / "checkpoint-40" / "ampguard_state.json"
+    assert json.loads(saved.read_text())["spikes"]["count"] == 40
+    _, second, _ = _hf_run(tmp_path, precision="bf16", resume=True, run="run2", report=False)
+    assert second.watch.steps == STEPS
+    assert _codes_at(second.findings()) == [SPIKE]
 
 
 # ---------------------------------------------------------------------- Lightning
