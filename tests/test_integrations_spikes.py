@@ -134,6 +134,19 @@ def test_hf_trainer_triage_replays_the_spiked_step_from_its_batch(tmp_path) -> N
     assert (tmp_path / "run" / "triage" / "rank0.json").is_file()
 
 
+@pytest.mark.slow  # a real transformers Trainer run of 64 steps and the autopsy's replay
+@pytest.mark.timeout(240)
+def test_hf_trainer_autopsy_replays_the_trainer_step(tmp_path) -> None:
+    # the Trainer clips at max_grad_norm=1.0 (its default): the replay clips as it did
+    _, callback, _ = _hf_run(tmp_path, precision="bf16", snapshot_every=25, report=False)
+    (d,) = ag.autopsy(callback.watch)
+    assert d.step == SPIKE and d.evidence.get("reproduced") is True, d.evidence
+    # the planted batch is four random sequences: it spikes at the weights before the update
+    # (the data is the suspect), and no subset of it can be dropped to remove the spike
+    assert d.evidence["loss_before_update"] > d.evidence["bound"]
+    assert d.mechanism == "outlier_batch" and "drop_outliers" in d.evidence["interventions"]
+
+
 @pytest.mark.slow  # three real transformers Trainer runs (64, 40 and 24 steps)
 @pytest.mark.timeout(300)
 def test_hf_trainer_resume_flags_the_same_spike_at_the_same_step(tmp_path) -> None:
