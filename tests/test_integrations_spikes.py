@@ -54,7 +54,7 @@ class _Weights:
 # ---------------------------------------------------------------------- HF Trainer
 def _hf_run(
     tmp_path, *, precision="fp16", spike=SPIKE, steps=STEPS, save=None, resume=False, run="run",
-    **options,
+    outliers=4, **options,
 ):  # fmt: skip
     transformers = pytest.importorskip("transformers")
     from ampguard.integrations.transformers import AmpGuardCallback
@@ -73,7 +73,8 @@ def _hf_run(
     g = torch.Generator().manual_seed(1)
     data = []
     for i in range(STEPS * 4):
-        ids = torch.randint(0, 64, (16,), generator=g) if i // 4 + 1 == spike else pattern
+        planted = i // 4 + 1 == spike and i % 4 < outliers  # `outliers` of its 4 sequences
+        ids = torch.randint(0, 64, (16,), generator=g) if planted else pattern
         data.append({"input_ids": ids, "labels": ids})
     weights = _Weights(model.lm_head.weight)
 
@@ -138,13 +139,16 @@ def test_hf_trainer_triage_replays_the_spiked_step_from_its_batch(tmp_path) -> N
 @pytest.mark.timeout(240)
 def test_hf_trainer_autopsy_replays_the_trainer_step(tmp_path) -> None:
     # the Trainer clips at max_grad_norm=1.0 (its default): the replay clips as it did
-    _, callback, _ = _hf_run(tmp_path, precision="bf16", snapshot_every=25, report=False)
+    _, callback, _ = _hf_run(
+        tmp_path, precision="bf16", snapshot_every=25, outliers=1, report=False
+    )
     (d,) = ag.autopsy(callback.watch)
     assert d.step == SPIKE and d.evidence.get("reproduced") is True, d.evidence
-    # the planted batch is four random sequences: it spikes at the weights before the update
-    # (the data is the suspect), and no subset of it can be dropped to remove the spike
+    # one random sequence among the batch's four: the data is the suspect, and dropping it
+    # removes the spike
     assert d.evidence["loss_before_update"] > d.evidence["bound"]
-    assert d.mechanism == "outlier_batch" and "drop_outliers" in d.evidence["interventions"]
+    assert d.verified and d.mechanism == "outlier_batch", d.evidence
+    assert d.evidence["removed_by"] == "drop_outliers"
 
 
 @pytest.mark.slow  # three real transformers Trainer runs (64, 40 and 24 steps)

@@ -26,7 +26,7 @@ from ampguard.findings import Finding
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
-from ampguard.integrations._triage import hf_loss
+from ampguard.integrations._triage import HFLoss, hf_loss
 from ampguard.integrations.watch import Watch
 
 require("transformers", "ampguard.integrations.transformers")
@@ -132,9 +132,13 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             self.watch.record_loss(loss)
 
     def _keep_batch(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        # Trainer.training_step calls model(**inputs): the batch is the keyword arguments
+        # Trainer.training_step calls model(**inputs): the batch is the keyword arguments; the
+        # Trainer's num_items_in_batch (the loss's divisor) goes into the loss function, scaled
+        # to the samples replayed, so the autopsy can drop samples from the batch
         if module.training and self.watch is not None and not args:
-            self.watch.record_batch(dict(kwargs), hf_loss)
+            batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            items = kwargs.get("num_items_in_batch")
+            self.watch.record_batch(batch, hf_loss if items is None else HFLoss(items, batch))
 
     def _detach(self) -> None:
         for hook in (self._loss_hook, self._batch_hook):
