@@ -78,6 +78,28 @@ def test_autopsy_replays_an_attached_loop_and_verifies_the_batch(tmp_path) -> No
     handle.close()
 
 
+def test_autopsy_replays_a_grad_scaler_loop(tmp_path) -> None:
+    # fp16 under torch.amp.GradScaler: the replay takes the loss scale from the snapshot
+    model = model_of()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    handle = ag.watch(scaler, model, opt, Telemetry(tmp_path / "run", flush_every=16),
+                      snapshot_every=25)  # fmt: skip
+    with handle:
+        for step in range(1, STEPS + 1):
+            batch = batch_of(step)
+            handle.record_batch(batch, loss_fn)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model, batch)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    (d,) = ag.autopsy(handle)
+    assert d.step == SPIKE and d.evidence.get("reproduced") is True, d.evidence
+    assert d.verified and d.mechanism == "outlier_batch", d.evidence
+
+
 def test_autopsy_without_snapshots_says_why(tmp_path) -> None:
     with _run(tmp_path / "run")[0] as handle:
         (d,) = ag.autopsy(handle)

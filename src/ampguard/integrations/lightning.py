@@ -153,12 +153,14 @@ class AmpGuardCallback(WatchingCallback, Callback):
             framework="lightning",
             grads_from_optimizer_hooks=False,
             recorder=self.recorder_options,
+            clip_grad_norm=_clip_norm(trainer),
             requested_precision=(
                 None
                 if self.requested_precision is None
                 else _PRECISIONS.get(self.requested_precision, precisions.full())
             ),
         )
+        self.watch.accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         self._resume()  # a checkpoint's steps and spike statistic (load_state_dict)
         actual = str(getattr(plugin, "precision", "32-true"))
         if self.requested_precision == "16-mixed" and self.watch.scaler is None:
@@ -170,6 +172,14 @@ class AmpGuardCallback(WatchingCallback, Callback):
                     actual=_PRECISIONS.get(actual, precisions.full()),
                 )
             )
+
+
+def _clip_norm(trainer: Any) -> float | None:
+    """The total-norm clip Lightning applies (``gradient_clip_val`` with the ``"norm"``
+    algorithm, its default), for the autopsy's replay; None otherwise."""
+    value = getattr(trainer, "gradient_clip_val", None)
+    algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
+    return float(value) if value and algorithm.endswith("norm") else None
 
 
 def lightning_precision(plugin: Any, scaler: Any) -> str:
