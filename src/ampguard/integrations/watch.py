@@ -115,10 +115,12 @@ def watch(
     them; a GradScaler's step or a scaler-free optimizer's step is skipped, see
     :mod:`ampguard.integrations._skip`; ``"rewind"`` skips: attach mode cannot rewind),
     ``snapshot_every`` (None: no snapshots; N: the Guard's in-memory snapshots every N steps,
-    for ``ampguard.triage`` of a step before the last) and ``signatures`` (the Guard's
-    ``signatures=``, for ``ampguard.triage(handle)``; hand each batch to
-    :meth:`Watch.record_batch`). A spike or non-finite step dumps the ring into
-    ``RUN_DIR/flight_recorder`` (``ampguard postmortem RUN_DIR``).
+    for ``ampguard.triage`` of a step before the last and the replay of
+    ``ampguard.autopsy(handle)``) and ``signatures`` (the Guard's ``signatures=``, for
+    ``ampguard.triage(handle)``; hand each batch to :meth:`Watch.record_batch`). A spike or
+    non-finite step dumps the ring into ``RUN_DIR/flight_recorder`` (``ampguard postmortem
+    RUN_DIR``). A resume keeps the detector's statistic: save ``handle.state_dict()`` with the
+    checkpoint, ``handle.load_state_dict(...)`` before the resumed run's first step.
 
     Without a scaler the gradients are sampled when each backward pass ends (before the loop
     clips them: the recorded norm is the unscaled total norm before clipping, as with a scaler),
