@@ -122,6 +122,28 @@ def test_autopsy_takes_a_batch_provider(tmp_path) -> None:
     assert d.verified and d.mechanism == "outlier_batch", d.evidence
 
 
+def test_a_loop_that_clips_by_itself_is_not_verified_and_the_evidence_says_why(tmp_path) -> None:
+    model = model_of()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = ag.watch(None, model, opt, Telemetry(tmp_path / "run", flush_every=16),
+                      precision="bf16", snapshot_every=25)  # fmt: skip
+    with handle:
+        for step in range(1, STEPS + 1):
+            batch = batch_of(step)
+            handle.record_batch(batch, loss_fn)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model, batch)
+            handle.record_loss(loss)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # unseen by ampguard
+            opt.step()
+            opt.zero_grad()
+    (d,) = ag.autopsy(handle)
+    assert d.step == SPIKE and not d.verified
+    assert "did not reproduce step" in d.evidence["replay"]
+    assert "a loop's own gradient clipping" in d.evidence["replay"]
+
+
 def test_autopsy_without_a_recorder_names_the_arguments(tmp_path) -> None:
     with _run(tmp_path / "run", steps=2, flight_recorder=False, on_spike=None)[0] as handle:
         with pytest.raises(ValueError, match="flight_recorder=False / on_spike=None"):

@@ -218,13 +218,15 @@ def _diagnose(guard: Any, watch: Any, source: Any, step: int) -> SpikeDiagnosis:
         for s in range(snap.step + 1, step - 1):  # up to t - 2, checked against the recording
             got, want = rep.window(g, s), rows.get(s, {}).get("loss")
             if not _same(got, want):
-                return unverified(_differs(s, got, want))
+                return unverified(_differs(s, got, want) + getattr(guard, "differs_hint", ""))
         start = rep.take(step - 2)
         prev, replayed, ratios = plain(rep, step)
         evidence["replayed_loss"] = replayed
         for s, got in ((step - 1, prev), (step, replayed)):
             if not _same(got, rows.get(s, {}).get("loss")):
-                return unverified(_differs(s, got, rows[s]["loss"]))
+                return unverified(
+                    _differs(s, got, rows[s]["loss"]) + getattr(guard, "differs_hint", "")
+                )
         evidence["reproduced"] = True  # the replay's losses at t - 1 and t are the recorded
         bound = row.get("bound")
         if bound is None or replayed <= bound:

@@ -8,9 +8,10 @@ The autopsy (:mod:`ampguard.guard._autopsy`) reads a Guard through a few public 
 precision, its loss scale through the recorder's snapshots, its clipping and accumulation where
 it says so), plus what a Guard does not need: ``no_replay`` (why no replay can run at all, e.g.
 DeepSpeed's engine owns the forward) and ``record_hint`` (how this run records its batches, for
-the evidence line of a window without one). An object with ``autopsy_subject()`` (an attach
-handle) is read through it; the replay then runs as for a Guard, or is refused with
-``verified=False`` and the reason in ``evidence["replay"]``.
+the evidence line of a window without one) and ``differs_hint`` (what the replay may not know of
+the run, added where a replayed loss differs from the recorded one). An object with
+``autopsy_subject()`` (an attach handle) is read through it; the replay then runs as for a
+Guard, or is refused with ``verified=False`` and the reason in ``evidence["replay"]``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class AutopsySubject:
     rescue: Any = None
     no_replay: str | None = None
     record_hint: str = GUARD_RECORD_HINT
+    differs_hint: str = ""  # added to the evidence of a replay that differs from the record
     settle: Callable[[], None] | None = field(default=None, repr=False)
 
     @property

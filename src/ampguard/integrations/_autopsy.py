@@ -70,6 +70,7 @@ class AutopsySurface:
             distributed=spikes.dist,
             no_replay=self._no_replay(spikes),
             record_hint=RECORD_HINT,
+            differs_hint=_differs_hint(self.source.clip_grad_norm),
             settle=self.recorder.settle,
         )
 
@@ -89,3 +90,13 @@ class AutopsySurface:
                 "mode keeps one batch per optimizer step, so a window cannot be replayed whole"
             )
         return None
+
+
+def _differs_hint(clip: float | None) -> str:
+    """What an attached loop may do that the replay does not know of."""
+    clipped = "" if clip is None else f" (the framework's clip at {clip:g} is replayed)"
+    return (
+        ". In attach mode the replay redoes the framework's precision, loss scale and step"
+        f"{clipped}; a loop's own gradient clipping, accumulation, or a loss other than "
+        "loss_fn(model, batch) is not replayed"
+    )
