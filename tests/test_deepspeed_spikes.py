@@ -74,6 +74,10 @@ def _child(out: Path) -> None:
         triage = "no error"
     except ValueError as err:
         triage = str(err)
+    autopsy = [
+        {"step": d.step, "verified": d.verified, "replay": d.evidence.get("replay")}
+        for d in ag.autopsy(handle)
+    ]
     import contextlib
     import io
 
@@ -90,6 +94,7 @@ def _child(out: Path) -> None:
                 "postmortem_code": code,
                 "postmortem": text.getvalue(),
                 "triage": triage,
+                "autopsy": autopsy,
             }
         )
     )
@@ -134,6 +139,15 @@ def test_deepspeed_cannot_skip_so_it_says_why_and_warns(child) -> None:
 def test_deepspeed_spike_is_dumped_and_postmortem_reads_it(child) -> None:
     assert child["dump"] and child["postmortem_code"] == 0
     assert f"step {SPIKE}: loss spike" in child["postmortem"]
+
+
+@pytest.mark.slow  # a DeepSpeed engine in a child process
+@pytest.mark.timeout(300)
+def test_deepspeed_autopsy_reads_the_signals_and_says_why_no_replay(child) -> None:
+    (d,) = child["autopsy"]
+    assert d["step"] == SPIKE and d["verified"] is False
+    assert "no replay on an attached deepspeed run" in d["replay"]
+    assert "owns the forward" in d["replay"]
 
 
 @pytest.mark.slow  # a DeepSpeed engine in a child process

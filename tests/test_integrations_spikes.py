@@ -11,6 +11,7 @@ DeepSpeed is in ``tests/test_deepspeed_spikes.py`` (a child process).
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -51,7 +52,10 @@ class _Weights:
 
 
 # ---------------------------------------------------------------------- HF Trainer
-def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
+def _hf_run(
+    tmp_path, *, precision="fp16", spike=SPIKE, steps=STEPS, save=None, resume=False, run="run",
+    outliers=4, **options,
+):  # fmt: skip
     transformers = pytest.importorskip("transformers")
     from ampguard.integrations.transformers import AmpGuardCallback
 
@@ -69,7 +73,8 @@ def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
     g = torch.Generator().manual_seed(1)
     data = []
     for i in range(STEPS * 4):
-        ids = torch.randint(0, 64, (16,), generator=g) if i // 4 + 1 == spike else pattern
+        planted = i // 4 + 1 == spike and i % 4 < outliers  # `outliers` of its 4 sequences
+        ids = torch.randint(0, 64, (16,), generator=g) if planted else pattern
         data.append({"input_ids": ids, "labels": ids})
     weights = _Weights(model.lm_head.weight)
 
@@ -82,13 +87,14 @@ def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), fp16=precision == "fp16", bf16=precision == "bf16",
-        use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
-        save_strategy="no", disable_tqdm=True, learning_rate=5e-3, logging_steps=1000,
+        use_cpu=True, report_to=[], max_steps=steps, per_device_train_batch_size=4,
+        save_strategy="no" if save is None else "steps", save_steps=save or 500,
+        disable_tqdm=True, learning_rate=5e-3, logging_steps=1000,
         lr_scheduler_type="linear", dataloader_drop_last=True,
         train_sampling_strategy="sequential",  # the planted batch is step `spike`'s
         optim="adamw_torch",  # not fused: Accelerate sees the skip (a fused one skips in its
     )  # fmt: skip            # kernel, which Accelerate cannot see: AG120, as for overflows
-    callback = AmpGuardCallback(Telemetry(tmp_path / "run", flush_every=16), **options)
+    callback = AmpGuardCallback(Telemetry(tmp_path / run, flush_every=16), **options)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=data, callbacks=[callback, Probe()]
     )
@@ -97,7 +103,7 @@ def _hf_run(tmp_path, *, precision="fp16", spike=SPIKE, **options):
         trainer.accelerator.native_amp = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume or None)
     return trainer, callback, weights
 
 
@@ -127,6 +133,36 @@ def test_hf_trainer_triage_replays_the_spiked_step_from_its_batch(tmp_path) -> N
     assert [e.step for e in events] == [STEPS - 1]  # numbered by the steps before its forward
     assert events[0].cause == "model_or_data"  # the batch itself: it spikes in fp32 too
     assert (tmp_path / "run" / "triage" / "rank0.json").is_file()
+
+
+@pytest.mark.slow  # a real transformers Trainer run of 64 steps and the autopsy's replay
+@pytest.mark.timeout(240)
+def test_hf_trainer_autopsy_replays_the_trainer_step(tmp_path) -> None:
+    # the Trainer clips at max_grad_norm=1.0 (its default): the replay clips as it did
+    _, callback, _ = _hf_run(
+        tmp_path, precision="bf16", snapshot_every=25, outliers=1, report=False
+    )
+    (d,) = ag.autopsy(callback.watch)
+    assert d.step == SPIKE and d.evidence.get("reproduced") is True, d.evidence
+    # one random sequence among the batch's four: the data is the suspect, and dropping it
+    # removes the spike
+    assert d.evidence["loss_before_update"] > d.evidence["bound"]
+    assert d.verified and d.mechanism == "outlier_batch", d.evidence
+    assert d.evidence["removed_by"] == "drop_outliers"
+
+
+@pytest.mark.slow  # three real transformers Trainer runs (64, 40 and 24 steps)
+@pytest.mark.timeout(300)
+def test_hf_trainer_resume_flags_the_same_spike_at_the_same_step(tmp_path) -> None:
+    _, whole, _ = _hf_run(tmp_path / "whole", precision="bf16", report=False)
+    assert _codes_at(whole.findings()) == [SPIKE]
+    _, first, _ = _hf_run(tmp_path, precision="bf16", steps=40, save=40, report=False)
+    assert _codes_at(first.findings()) == []
+    saved = tmp_path / "out" / "checkpoint-40" / "ampguard_state.json"
+    assert json.loads(saved.read_text())["spikes"]["count"] == 40
+    _, second, _ = _hf_run(tmp_path, precision="bf16", resume=True, run="run2", report=False)
+    assert second.watch.steps == STEPS
+    assert _codes_at(second.findings()) == [SPIKE]
 
 
 # ---------------------------------------------------------------------- Lightning
@@ -285,3 +321,72 @@ def test_callback_options_get_the_guards_errors_when_made(module) -> None:
         callback(on_spike="sometimes")
     with pytest.raises(ValueError, match="flight_recorder must be a number of windows"):
         callback(flight_recorder=1)
+
+
+@pytest.mark.slow  # a real Lightning fit of 64 steps and the autopsy's replay
+@pytest.mark.timeout(240)
+def test_lightning_autopsy_replays_training_step_from_the_snapshot(tmp_path) -> None:
+    _, callback, _ = _lightning_run(tmp_path, precision="bf16-mixed", snapshot_every=25)
+    (d,) = ag.autopsy(callback.watch)  # the watch closed with the fit: its recorder remains
+    assert d.step == SPIKE and d.verified, d.evidence
+    assert d.mechanism == "outlier_batch" and d.evidence["reproduced"] is True
+
+
+def _resume_fit(tmp_path, name, steps, ckpt=None, save=None):
+    """A Lightning fit up to ``steps`` over 10-batch epochs; window SPIKE's batch is planted by
+    ``training_step`` (the epochs repeat their data). ``ckpt``: resume from it; ``save``: write
+    a checkpoint at the end. Returns the AG180 steps."""
+    L = pytest.importorskip("lightning")
+    from ampguard.integrations.lightning import AmpGuardCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)
+            )
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            if self.trainer.global_step + 1 == SPIKE:
+                x, y = x.clone(), y.clone()
+                x[:3] *= 50.0
+                y[:3] = (y[:3] + 1) % 4
+            return torch.nn.functional.cross_entropy(self(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(80, 16, generator=g)
+    y = (x @ torch.linspace(-1, 1, 64).reshape(16, 4)).argmax(dim=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    callback = AmpGuardCallback(Telemetry(tmp_path / name, flush_every=16), report=False)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        default_root_dir=str(tmp_path / name), precision="bf16-mixed",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), data, ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)
+    return _codes_at(callback.findings())
+
+
+@pytest.mark.slow  # three real Lightning fits (62, 40 and 22 steps)
+@pytest.mark.timeout(300)
+def test_lightning_resume_flags_the_same_spike_at_the_same_step(tmp_path) -> None:
+    whole = _resume_fit(tmp_path, "whole", 62)
+    assert whole == [SPIKE]
+    ckpt = tmp_path / "step40.ckpt"
+    assert _resume_fit(tmp_path, "first", 40, save=ckpt) == []
+    state = torch.load(ckpt, weights_only=False)["callbacks"]
+    (saved,) = [v for k, v in state.items() if "AmpGuardCallback" in k]
+    assert saved["watch"]["steps"] == 40 and saved["watch"]["spikes"]["count"] == 40
+    assert _resume_fit(tmp_path, "second", 62, ckpt=str(ckpt)) == whole

@@ -70,6 +70,8 @@ def plan(
     """``(loss_fn, batch, restore)`` for replaying ``step``; None (or, for ``step=``, an
     error naming what is missing) when it cannot be replayed."""
     recorded = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
+    if isinstance(recorded, list):  # the window's micro-batches: one is a step triage can redo
+        recorded = recorded[0] if len(recorded) == 1 else None
     if batch is None and recorded is not None:
         batch, loss_fn = recorded[0], loss_fn or recorded[1]
     elif batch is not None and step != max(recorder.steps) and recorded is None:

@@ -17,7 +17,8 @@ skips without a scale; ``_state`` the versioned state dict (check everything, th
 ``_autopsy`` ``ampguard.autopsy``, the counterfactual replay of a loss spike (its replays in
 ``_replay_run``, its interventions in ``_interventions``, its batches in ``_batches``). Attach
 mode (``ampguard.integrations``) keeps the same flight recorder and spike policy on a loop it
-watches: ``check_flight_recorder`` / ``attach_flight_recorder`` and ``check_signatures`` /
+watches: ``AutopsySubject`` (``_subject``) is what ``ampguard.autopsy`` reads of an attached
+run, ``check_flight_recorder`` / ``attach_flight_recorder`` and ``check_signatures`` /
 ``attach_signatures`` are the Guard's own argument checks and factories, public for it.
 
 >>> guard = Guard(model, optimizer, precision="fp16", clip_grad_norm=1.0)
@@ -36,8 +37,10 @@ from ampguard.guard._signatures import check as check_signatures
 from ampguard.guard._spikes import DEFAULT_CAPACITY, DEFAULT_SNAPSHOT_EVERY, SpikeConfig, SpikeWatch
 from ampguard.guard._spikes import attach as attach_flight_recorder
 from ampguard.guard._spikes import check as check_flight_recorder
+from ampguard.guard._subject import AutopsySubject
 
 __all__ = [
+    "AutopsySubject",
     "DEFAULT_CAPACITY",
     "DEFAULT_SNAPSHOT_EVERY",
     "Guard",

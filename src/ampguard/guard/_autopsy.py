@@ -58,6 +58,7 @@ import torch
 from ampguard.guard import _batches
 from ampguard.guard._interventions import interventions, low_precision_states
 from ampguard.guard._replay_run import NotApplicable, Replay, plain
+from ampguard.guard._subject import GUARD_RECORD_HINT, subject_of
 from ampguard.replay import Snapshot, rng_state, set_rng_state
 from ampguard.reporting.postmortem import layer_kind, layer_of, signal_read
 
@@ -118,7 +119,9 @@ def autopsy(
     """One :class:`SpikeDiagnosis` per loss spike the Guard detected (see the module docstring).
 
     Args:
-        guard: The Guard of the run (with its flight recorder).
+        guard: The Guard of the run (with its flight recorder), or an attach handle
+            (``ag.watch``'s, a framework callback's ``.watch``): read through its
+            ``autopsy_subject()`` (:class:`ampguard.guard._subject.AutopsySubject`).
         batches: A batch provider for windows the Guard did not record (no
             ``guard.step(batch=...)``): ``batches(step)`` returns window ``step``'s batch (a list
             of its micro-batches with ``accumulation_steps > 1``), what the run trained on.
@@ -128,6 +131,7 @@ def autopsy(
     (``flight_recorder=False, on_spike=None``) and ``TypeError``/``ValueError`` naming
     ``batches``/``loss_fn`` for a bad provider; nothing is replayed then. Cost: see the module
     docstring."""
+    guard = subject_of(guard)
     watch = getattr(guard, "flight_recorder", None)
     if watch is None:
         raise ValueError(
@@ -155,6 +159,9 @@ REL_TOL = 1e-3  # a replayed loss "equals" the recorded one within this (relativ
 
 
 def _unusable(guard: Any, watch: Any, source: Any, step: int) -> tuple[str | None, Snapshot | None]:
+    refused = getattr(guard, "no_replay", None)  # an attach handle's framework forbids it
+    if refused is not None:
+        return refused, None
     if guard.distributed is not None:
         return (
             "a distributed model is not replayed: each rank's batch and the gradient "
@@ -169,9 +176,8 @@ def _unusable(guard: Any, watch: Any, source: Any, step: int) -> tuple[str | Non
     missing = [s for s in range(snap.step + 1, step + 1) if s not in source]
     if missing:
         return (
-            f"no batch recorded for step {missing[0]}: pass guard.step(batch=..., "
-            "loss_fn=...) on every micro-batch, or autopsy(guard, batches=..., loss_fn=...), "
-            "so the autopsy can replay",
+            f"no batch recorded for step {missing[0]}: "
+            f"{getattr(guard, 'record_hint', GUARD_RECORD_HINT)}, so the autopsy can replay",
             None,
         )
     return None, snap
@@ -212,13 +218,15 @@ def _diagnose(guard: Any, watch: Any, source: Any, step: int) -> SpikeDiagnosis:
         for s in range(snap.step + 1, step - 1):  # up to t - 2, checked against the recording
             got, want = rep.window(g, s), rows.get(s, {}).get("loss")
             if not _same(got, want):
-                return unverified(_differs(s, got, want))
+                return unverified(_differs(s, got, want) + getattr(guard, "differs_hint", ""))
         start = rep.take(step - 2)
         prev, replayed, ratios = plain(rep, step)
         evidence["replayed_loss"] = replayed
         for s, got in ((step - 1, prev), (step, replayed)):
             if not _same(got, rows.get(s, {}).get("loss")):
-                return unverified(_differs(s, got, rows[s]["loss"]))
+                return unverified(
+                    _differs(s, got, rows[s]["loss"]) + getattr(guard, "differs_hint", "")
+                )
         evidence["reproduced"] = True  # the replay's losses at t - 1 and t are the recorded
         bound = row.get("bound")
         if bound is None or replayed <= bound:

@@ -54,6 +54,21 @@ class WatchingCallback:
         )
         self.watch: Watch | None = None
         self._findings: list[Finding] = []
+        #: a checkpoint's ``Watch.state_dict()``, loaded into the next watch attached (resume)
+        self.resume_state: dict[str, Any] | None = None
+
+    @property
+    def keeps_batches(self) -> bool:
+        """The framework's batches are kept: for ``ampguard.triage`` (``signatures``) or
+        ``ampguard.autopsy`` (``snapshot_every``)."""
+        options = self.recorder_options
+        return bool(options.signatures) or options.snapshot_every is not None
+
+    def _resume(self) -> None:
+        """Load the checkpoint's state (if one was given) into the watch just attached."""
+        state, self.resume_state = self.resume_state, None
+        if state is not None and self.watch is not None:
+            self.watch.load_state_dict(state)
 
     @property
     def run_dir(self) -> Path | None:

@@ -234,7 +234,7 @@ class AttachRecorder:
         self._batch = (window, batch, loss_fn)
         if self.spikes.snapshots is None:
             self.spikes.batches.clear()
-            self.spikes.batches[window] = (batch, loss_fn)
+            self.spikes.batches[window] = [(batch, loss_fn)]  # the Guard's format
 
     # ------------------------------------------------------------------ on the host
     def decide(self, window: int) -> bool:

@@ -29,7 +29,7 @@ import torch
 from ampguard.forensics import SignatureRecorder
 from ampguard.guard import SpikeWatch
 
-__all__ = ["NO_REPLAY", "TriageSurface", "hf_loss", "lightning_loss", "signatures_of"]
+__all__ = ["HFLoss", "NO_REPLAY", "TriageSurface", "hf_loss", "lightning_loss", "signatures_of"]
 
 NO_REPLAY = {
     "deepspeed": (
@@ -95,6 +95,31 @@ def hf_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise ValueError("the model's output has no loss (give the batch labels)")
     return loss
+
+
+class HFLoss:
+    """The HF Trainer's loss when it hands the model ``num_items_in_batch`` (the divisor of the
+    loss's sum, counted over the whole batch): ``model(**batch, num_items_in_batch=n * k / N)``
+    for a batch of ``k`` of the recorded ``N`` samples (the recorded loss exactly for the whole
+    batch; a replay that drops samples divides by their share)."""
+
+    def __init__(self, items: Any, batch: Mapping[str, Any]) -> None:
+        self.items, self.size = items, _rows(batch)
+
+    def __call__(self, model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        rows = _rows(batch)
+        items = self.items
+        if rows is not None and self.size and rows != self.size:
+            items = items * rows / self.size
+        return hf_loss(model, {**batch, "num_items_in_batch": items})
+
+
+def _rows(batch: Mapping[str, Any]) -> int | None:
+    """The samples of a keyword batch (its first tensor's leading size)."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim():
+            return int(value.shape[0])
+    return None
 
 
 def lightning_loss(module: Any, batch: Any) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ampguard import precisions
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
+from ampguard.integrations._resume import check_state
 from ampguard.integrations._triage import lightning_loss
 from ampguard.integrations.watch import Watch
 
@@ -110,8 +111,22 @@ class AmpGuardCallback(WatchingCallback, Callback):
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.watch is not None and self.recorder_options.signatures:  # for ampguard.triage
+        if self.watch is not None and self.keeps_batches:  # for ampguard.triage / autopsy
             self.watch.record_batch(batch, lightning_loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning keeps this in each checkpoint: the watch's ``state_dict()`` (the steps and
+        the spike detector's statistic). Cost: one host sync."""
+        return {} if self.watch is None else {"watch": self.watch.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resume (``trainer.fit(ckpt_path=...)``): the watch attached next starts from the
+        checkpoint's step count and spike statistic (checked: ``ValueError`` naming the field)."""
+        saved = state_dict.get("watch")
+        if saved is not None:
+            self.resume_state = check_state(saved)
+            if self.watch is not None and not self.watch.closed and self.watch.steps == 0:
+                self._resume()  # restored after on_fit_start (restore_checkpoint_after_setup)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.watch is not None and self.watch.recorder is not None:
@@ -138,12 +153,15 @@ class AmpGuardCallback(WatchingCallback, Callback):
             framework="lightning",
             grads_from_optimizer_hooks=False,
             recorder=self.recorder_options,
+            clip_grad_norm=_clip_norm(trainer),
             requested_precision=(
                 None
                 if self.requested_precision is None
                 else _PRECISIONS.get(self.requested_precision, precisions.full())
             ),
         )
+        self.watch.accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        self._resume()  # a checkpoint's steps and spike statistic (load_state_dict)
         actual = str(getattr(plugin, "precision", "32-true"))
         if self.requested_precision == "16-mixed" and self.watch.scaler is None:
             self.watch.add_finding(
@@ -154,6 +172,14 @@ class AmpGuardCallback(WatchingCallback, Callback):
                     actual=_PRECISIONS.get(actual, precisions.full()),
                 )
             )
+
+
+def _clip_norm(trainer: Any) -> float | None:
+    """The total-norm clip Lightning applies (``gradient_clip_val`` with the ``"norm"``
+    algorithm, its default), for the autopsy's replay; None otherwise."""
+    value = getattr(trainer, "gradient_clip_val", None)
+    algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
+    return float(value) if value and algorithm.endswith("norm") else None
 
 
 def lightning_precision(plugin: Any, scaler: Any) -> str:

@@ -13,18 +13,20 @@ skipped step) are reported as AG120.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampguard import precisions
+from ampguard import precisions, runlog
 from ampguard.findings import Finding
 from ampguard.integrations._callbacks import WatchingCallback
 from ampguard.integrations._extras import require
 from ampguard.integrations._findings import fp16_inactive
-from ampguard.integrations._triage import hf_loss
+from ampguard.integrations._triage import HFLoss, hf_loss
 from ampguard.integrations.watch import Watch
 
 require("transformers", "ampguard.integrations.transformers")
@@ -32,7 +34,9 @@ from transformers import TrainerCallback  # noqa: E402
 
 from ampguard.integrations.accelerate import observe_skip_flags  # noqa: E402
 
-__all__ = ["AmpGuardCallback"]
+__all__ = ["AmpGuardCallback", "STATE_FILE"]
+
+STATE_FILE = "ampguard_state.json"  # the watch's state_dict() in each checkpoint folder
 
 
 class AmpGuardCallback(WatchingCallback, TrainerCallback):
@@ -85,17 +89,39 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             framework="transformers",
             requested_precision=_trainer_request(args),
             recorder=self.recorder_options,
+            clip_grad_norm=float(getattr(args, "max_grad_norm", 0.0) or 0.0) or None,
         )
+        self.watch.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        self._resume_from(args, state)
         if note is not None:
             self.watch.add_finding(note)
         observe_skip_flags(self.watch, optimizer)
         if self.watch.scaler is None:
             self._loss_hook = model.register_forward_hook(self._record_output_loss)
-        if self.recorder_options.signatures:  # ampguard.triage replays model(**batch).loss
+        if self.keeps_batches:  # ampguard.triage / autopsy replay model(**batch).loss
             self._batch_hook = model.register_forward_pre_hook(self._keep_batch, with_kwargs=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer wrote ``<output_dir>/checkpoint-<step>``: the watch's ``state_dict()``
+        (steps, spike statistic) goes beside it as ``ampguard_state.json`` (written atomically;
+        the main process only). Cost: one host sync per checkpoint."""
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self.watch is not None and args.should_save and os.path.isdir(folder):
+            runlog.write_json_atomic(Path(folder) / STATE_FILE, self.watch.state_dict())
+
+    def _resume_from(self, args: Any, state: Any) -> None:
+        """A resumed ``trainer.train(resume_from_checkpoint=...)`` starts at the checkpoint's
+        ``global_step``: load the ``ampguard_state.json`` of ``<output_dir>/checkpoint-<step>``
+        (the folder the Trainer names and ``resume_from_checkpoint=True`` finds); else set
+        ``callback.resume_state`` before ``train()``."""
+        step = int(getattr(state, "global_step", 0) or 0)
+        path = Path(args.output_dir) / f"checkpoint-{step}" / STATE_FILE
+        if self.resume_state is None and step > 0 and path.is_file():
+            self.resume_state = json.loads(path.read_text())
+        self._resume()
 
     # ------------------------------------------------------------------ helpers
     def _record_output_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -106,9 +132,13 @@ class AmpGuardCallback(WatchingCallback, TrainerCallback):
             self.watch.record_loss(loss)
 
     def _keep_batch(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        # Trainer.training_step calls model(**inputs): the batch is the keyword arguments
+        # Trainer.training_step calls model(**inputs): the batch is the keyword arguments; the
+        # Trainer's num_items_in_batch (the loss's divisor) goes into the loss function, scaled
+        # to the samples replayed, so the autopsy can drop samples from the batch
         if module.training and self.watch is not None and not args:
-            self.watch.record_batch(dict(kwargs), hf_loss)
+            batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            items = kwargs.get("num_items_in_batch")
+            self.watch.record_batch(batch, hf_loss if items is None else HFLoss(items, batch))
 
     def _detach(self) -> None:
         for hook in (self._loss_hook, self._batch_hook):

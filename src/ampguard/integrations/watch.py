@@ -48,11 +48,13 @@ from ampguard.core.stagnation import StagnationProbe
 from ampguard.findings import Finding
 from ampguard.guard import DEFAULT_CAPACITY, attach_signatures, check_signatures
 from ampguard.integrations import _findings, _seam, _skip
+from ampguard.integrations._autopsy import AutopsySurface
 from ampguard.integrations._backward_end import BackwardEnd, nonfinite_flag
 from ampguard.integrations._optim import as_optimizer_list
 from ampguard.integrations._policy import AttachPolicy, PolicyState
 from ampguard.integrations._probes import UpdateProbes
 from ampguard.integrations._recorder import AttachRecorder, RecorderOptions, spike_config
+from ampguard.integrations._resume import ResumeSurface
 from ampguard.integrations._seam import StepOutcome, WatchableScaler
 from ampguard.integrations._skip import SkipSteps
 from ampguard.integrations._source import (
@@ -113,10 +115,12 @@ def watch(
     them; a GradScaler's step or a scaler-free optimizer's step is skipped, see
     :mod:`ampguard.integrations._skip`; ``"rewind"`` skips: attach mode cannot rewind),
     ``snapshot_every`` (None: no snapshots; N: the Guard's in-memory snapshots every N steps,
-    for ``ampguard.triage`` of a step before the last) and ``signatures`` (the Guard's
-    ``signatures=``, for ``ampguard.triage(handle)``; hand each batch to
-    :meth:`Watch.record_batch`). A spike or non-finite step dumps the ring into
-    ``RUN_DIR/flight_recorder`` (``ampguard postmortem RUN_DIR``).
+    for ``ampguard.triage`` of a step before the last and the replay of
+    ``ampguard.autopsy(handle)``) and ``signatures`` (the Guard's ``signatures=``, for
+    ``ampguard.triage(handle)``; hand each batch to :meth:`Watch.record_batch`). A spike or
+    non-finite step dumps the ring into ``RUN_DIR/flight_recorder`` (``ampguard postmortem
+    RUN_DIR``). A resume keeps the detector's statistic: save ``handle.state_dict()`` with the
+    checkpoint, ``handle.load_state_dict(...)`` before the resumed run's first step.
 
     Without a scaler the gradients are sampled when each backward pass ends (before the loop
     clips them: the recorded norm is the unscaled total norm before clipping, as with a scaler),
@@ -140,9 +144,10 @@ def watch(
     )
 
 
-class Watch(TriageSurface, SkipSteps, UpdateProbes):
+class Watch(TriageSurface, AutopsySurface, ResumeSurface, SkipSteps, UpdateProbes):
     """Handle returned by :func:`watch`: ``findings()``, ``report()``, ``close()``; a context
-    manager (``close`` on exit).
+    manager (``close`` on exit); ``state_dict()`` / ``load_state_dict()`` for a resume and
+    ``ampguard.autopsy(handle)`` / ``ampguard.triage(handle)`` on its spikes.
 
     ``steps`` counts optimizer steps seen (one per ``scaler.update``, applied or skipped).
     """
