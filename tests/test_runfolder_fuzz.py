@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from _runfolders import meta, steps, write
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ampguard as ag
@@ -169,6 +169,7 @@ def test_mutated_run_folders_never_crash_the_report(ops, meta_op):
 
 @settings(max_examples=25, deadline=None)
 @given(lines=st.lists(st.one_of(values, st.binary(max_size=20)), max_size=12))
+@example(lines=[{"step": 0}])  # a step line without any scale: the summary had no lowest scale
 def test_random_lines_never_crash_the_readers(lines):
     with tempfile.TemporaryDirectory() as tmp:
         read_everything(folder(tmp, lines, None), html=False)

@@ -74,10 +74,13 @@ def summary_text(run: RunLog, findings: list[Finding], facts: dict[str, Any]) ->
             f"skipped ({facts['skip_share']:.1%}; {causes})"
         )
         lines.extend(f"  {text}: not counted above" for text in facts["unrecorded"])
-        lines.append(
-            f"loss scale {facts['scale_first']:g} -> {facts['scale_last']:g} (lowest "
-            f"{facts['scale_min']:g}, {facts['scale_changes']} changes)"
-        )
+        if facts["scale_min"] is None:  # no finite scale in any line (a damaged log)
+            lines.append("loss scale: none recorded")
+        else:
+            lines.append(
+                f"loss scale {facts['scale_first']:g} -> {facts['scale_last']:g} (lowest "
+                f"{facts['scale_min']:g}, {facts['scale_changes']} changes)"
+            )
     else:
         lines.append("no steps recorded yet")
         lines.extend(facts["unrecorded"])
