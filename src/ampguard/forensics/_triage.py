@@ -192,9 +192,9 @@ def triage_step(
                 recorded.step, "transient_fault", module, None, rank, evidence, phase
             )
         evidence["reproduced"] = True
-        keep.reset()  # reproduced: once more, each leaf's inputs and outputs kept
-        low = _run(model, loss_fn, batch, policy, scale, capture=True)
-        assert low.captures is not None
+        keep.reset()  # reproduced: once more, each leaf's inputs and outputs kept (the
+        # signatures are the first replay's: this one computes the same bits)
+        low.captures = _captured(model, loss_fn, batch, policy, scale)
         deviation = reference_check(model, low.captures, policy)
         if deviation is not None:
             op, how = bisect_op(model, deviation, policy)
@@ -237,6 +237,27 @@ def triage_step(
         )
     finally:
         keep.close()
+
+
+def _captured(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batch: Any,
+    policy: PrecisionPolicy,
+    scale: float,
+) -> Captures:
+    """A replay with every leaf's inputs, output and gradients kept, no signatures recorded;
+    the model's gradients are the replay's afterwards (the reference check reads them)."""
+    captures = Captures(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # full backward hooks where no input needs grad
+            with policy.autocast():
+                loss = loss_fn(model, batch)
+            (loss.float() * scale).backward()
+    finally:
+        captures.remove()
+    return captures
 
 
 def _compare(recorded: StepSignature, low: _Replayed) -> tuple[str, str | None, str] | None:
