@@ -163,11 +163,13 @@ def triage_step(
     one training ``model``, also updates that round away or an eps that underflows); else it is
     model or data.
 
-    Cost: one replay at the step's precision (a transient fault ends here: about two
-    step-equivalents); when it reproduces, one more with every leaf's activations copied and
-    one reference pass of every leaf module on the CPU; then one fp32 replay (numerics: plus
-    ``locate``'s two to five). A persistent fault adds one re-execution of its module with
-    every op run twice. Host syncs throughout: this runs after a failure, not per step.
+    Cost: one replay at the step's precision, signatures recorded (a transient fault ends
+    here: about two step-equivalents); when it reproduces, one more with every leaf's
+    activations copied (no signatures: they are the first replay's) and one reference pass of
+    every leaf module on the CPU; then one fp32 replay (numerics: plus ``locate``'s two to
+    five traced passes). A persistent fault adds one re-execution of its module with every op
+    run twice (about six step-equivalents in all on the fault zoo's MLP; numerics 25-40,
+    ``locate`` most of it). Host syncs throughout: this runs after a failure, not per step.
     """
     from ampguard.forensics._locate import locate
 
