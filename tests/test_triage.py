@@ -82,7 +82,7 @@ def test_persistent_forward_fault_names_module_and_op() -> None:
         "aten.addmm",
         "forward",
     )
-    assert event.evidence["reproduced"] is True and event.evidence["replays"] == 3
+    assert event.evidence["reproduced"] is True and event.evidence["replays"] == 2
 
 
 def test_persistent_op_fault_is_bisected_to_the_op() -> None:

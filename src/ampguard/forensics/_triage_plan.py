@@ -109,5 +109,5 @@ def _recorded(watch: Any, step: int) -> tuple[Any, Any] | None:
     accumulated over several is not one forward+backward: None)."""
     kept = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
     if isinstance(kept, list):
-        return tuple(kept[0]) if len(kept) == 1 else None  # type: ignore[return-value]
+        return tuple(kept[0]) if len(kept) == 1 else None
     return kept
