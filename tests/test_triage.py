@@ -82,7 +82,7 @@ def test_persistent_forward_fault_names_module_and_op() -> None:
         "aten.addmm",
         "forward",
     )
-    assert event.evidence["reproduced"] is True and event.evidence["replays"] == 3
+    assert event.evidence["reproduced"] is True and event.evidence["replays"] == 2
 
 
 def test_persistent_op_fault_is_bisected_to_the_op() -> None:
@@ -439,3 +439,19 @@ def test_a_tied_weight_is_not_a_persistent_fault() -> None:
     sig = _recorded(model, loss_fn, (ids,), "bf16", 1.0)
     event = triage_step(model, loss_fn, (ids,), sig, precision="bf16")
     assert event.cause not in ("transient_fault", "persistent_fault"), event
+
+
+def test_a_window_accumulated_over_micro_batches_is_not_replayed_as_one_step() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1, accumulation_steps=2)
+    rec = ag.SignatureRecorder(model, clock=lambda: guard.steps)
+    for i in range(4):  # two windows of two micro-batches
+        b = _batch(i)
+        with guard.autocast():
+            loss = _loss(model, b)
+        guard.backward(loss)
+        guard.step(batch=b, loss_fn=_loss)
+    assert len(guard.flight_recorder.batches[2]) == 2  # the last window's micro-batches
+    with pytest.raises(ValueError, match="the batch of step 1"):
+        ag.triage(guard, recorder=rec, step=1)

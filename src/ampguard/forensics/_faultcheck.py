@@ -44,6 +44,8 @@ def deviates(device: Any, reference: Any) -> bool:
     for d, r in zip(ds, rs, strict=True):
         if d.shape != r.shape:
             return True
+        if d.dtype == r.dtype and torch.equal(d.detach().cpu(), r.detach().cpu()):
+            continue  # the same bits (a NaN is never equal: checked below)
         eps = torch.finfo(d.dtype).eps
         d64, r64 = d.detach().cpu().double(), r.detach().cpu().double()
         fin_d, fin_r = torch.isfinite(d64), torch.isfinite(r64)
@@ -87,8 +89,26 @@ class Deviation:
     expected: Any = field(repr=False, default=None)
 
 
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``tree_map(fn, value)``, with tensors, plain tuples/lists and scalars walked directly
+    (a module's args and outputs almost always: pytree's generic walk costs more than a small
+    layer's kernel)."""
+    if isinstance(value, torch.Tensor) or value is None or type(value) in _SCALARS:
+        return fn(value)
+    if type(value) in (tuple, list):
+        return type(value)(_map(fn, v) for v in value)
+    return tree_map(fn, value)
+
+
+_SCALARS = frozenset({int, float, bool, str, torch.device, torch.dtype})
+
+
+def _copy(t: Any) -> Any:
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+
 def _detach(value: Any) -> Any:
-    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+    return _map(_copy, value)
 
 
 class Captures:
@@ -245,8 +265,8 @@ class _OpCheck(TorchDispatchMode):
         if not tensors or _is_view(func):
             return out
         with on_reference_device():
-            ref_args = tree_map(_to_cpu, args)
-            ref_kwargs = tree_map(_to_cpu, kwargs)
+            ref_args = _map(_to_cpu, args)
+            ref_kwargs = tree_map(_to_cpu, kwargs) if kwargs else kwargs
             ref = func(*ref_args, **ref_kwargs)
         if self.first_bad is None and deviates(out, ref):
             self.first_bad = name

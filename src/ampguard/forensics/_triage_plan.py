@@ -69,9 +69,7 @@ def plan(
 ) -> tuple[Any, Any, Callable[[int], None] | None] | None:
     """``(loss_fn, batch, restore)`` for replaying ``step``; None (or, for ``step=``, an
     error naming what is missing) when it cannot be replayed."""
-    recorded = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
-    if isinstance(recorded, list):  # the window's micro-batches: one is a step triage can redo
-        recorded = recorded[0] if len(recorded) == 1 else None
+    recorded = _recorded(watch, step)
     if batch is None and recorded is not None:
         batch, loss_fn = recorded[0], loss_fn or recorded[1]
     elif batch is not None and step != max(recorder.steps) and recorded is None:
@@ -103,3 +101,13 @@ def plan(
     if single:
         raise ValueError(f"ag.triage cannot replay step {step}: it needs {missing}")
     return None
+
+
+def _recorded(watch: Any, step: int) -> tuple[Any, Any] | None:
+    """``step``'s ``(batch, loss_fn)`` as the flight recorder keeps it: one pair (attach mode)
+    or the window's micro-batches' pairs, of which triage replays a window of one (a window
+    accumulated over several is not one forward+backward: None)."""
+    kept = getattr(watch, "batches", {}).get(step + 1) if watch is not None else None
+    if isinstance(kept, list):
+        return tuple(kept[0]) if len(kept) == 1 else None
+    return kept
