@@ -27,12 +27,13 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
    A failing recipe promotes the riskiest group still in the lowest format present one format
    up and trains again; a passing one tries to demote the groups the search promoted, most
    recent first (a demotion the meter flags is pruned without a branch), keeping a demotion
-   that still passes. The meter on each branch's trained weights is recorded (``drift``), not
-   judged. The search stops when the branch budget is spent.
+   that still passes. The search stops when the budget is spent.
 
-Budget: ``budget`` is the share of ``len(batches)`` (one full run) that all branches together
-may train, bf16's two included: ``steps = max(2, total // 4)`` per branch, ``total // steps``
-branches (at least 3). The meter and the plan cost forward+backward passes, not steps.
+Budget: ``budget`` is the share of ``len(batches)`` (one full run) that the whole search may
+spend in forward+backward passes, each counted as a step: the plan's traced batch, the meter's
+(bf16's reference gradients once, then one pass per shadow micro-batch per reading) and every
+branch, bf16's two included: ``steps = max(2, left // 4)`` per branch of what the prune left;
+one recipe branch always runs, another only while the budget holds it.
 Every branch trains with ``optimizer(model.parameters())`` (default AdamW, lr 1e-3) under bf16
 autocast, the recipe's layers emulated (:mod:`ampguard.fp8._emulate`). Bad input (an unknown
 format, an empty batch list, a factory that returns different models on two calls, a budget out
@@ -101,9 +102,9 @@ def recipe_search(
     """Search a ``{layer: format}`` recipe and certify it against bf16 (module docstring).
 
     Returns a :class:`~ampguard.RecipeCertificate`. Raises ``ValueError``/``TypeError`` naming
-    the argument for bad input. Cost: ``budget * len(batches)`` training steps at most, plus
-    one plan and two forward+backward passes per shadow micro-batch per meter reading; one
-    host sync per branch and per meter reading.
+    the argument for bad input. Cost: about ``budget * len(batches)`` forward+backward passes
+    (branch steps, the plan's and the meter's, one per shadow micro-batch per reading; at least
+    three branches of 2 steps); one host sync per branch and per meter reading.
     """
     names = check_formats(formats)
     batches = _check_batches(batches)
