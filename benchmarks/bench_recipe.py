@@ -14,6 +14,7 @@ and fails out of the seeds. Run: ``python benchmarks/bench_recipe.py [--steps 12
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -31,6 +32,7 @@ from ampguard.fp8._fidelity import gradient_fidelity as ag_fidelity
 from ampguard.fp8._fidelity import lost_progress
 
 FORMATS = ("mxfp8", "nvfp4")
+READINGS: list[dict] = []  # the rank check's meter readings (--rank-dump)
 
 
 # ---------------------------------------------------------------------- the models
@@ -184,6 +186,9 @@ def _meter_score(factory, loss_fn, batches, recipe, steps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
     meter = ag_fidelity(model, loss_fn, batches[steps : steps + 2], recipe)
+    READINGS.append({"recipe": recipe, "meter": meter,
+                     "params": {n: m.weight.numel() for n, m in model.named_modules()
+                                if isinstance(m, nn.Linear)}})  # fmt: skip
     old = sum(m["rel_error"] ** 2 + m["lost_inputs"] for m in meter.values())
     return old, lost_progress(meter) + sum(m["lost_inputs"] for m in meter.values())
 
@@ -199,7 +204,7 @@ def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
     return out
 
 
-def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
+def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int, dump: str = "") -> None:
     """Print the model's rows as they come (a row per recipe, the search, the rank check)."""
     cls, loss_fn, task = MODELS[name]
 
@@ -246,6 +251,9 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
         gap = [statistics.mean(final[k]) for k in labels]
         rho_old = _spearman([score[k][0] for k in labels], gap)
         rho = _spearman([score[k][1] for k in labels], gap)
+        if dump:
+            with open(dump, "w") as f:
+                json.dump({"labels": labels, "gap": gap, "readings": READINGS}, f)
         emit(f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by final "
              f"gap: Spearman rho {rho:.2f} by lost_progress, {rho_old:.2f} by the summed "
              f"squared relative error; {rank_seeds} seeds) | | | |")  # fmt: skip
@@ -332,6 +340,7 @@ def main() -> None:
     ap.add_argument("--rank-seeds", type=int, default=3, help="seeds of the rank check (0: off)")
     ap.add_argument("--quick", action="store_true", help="3 seeds, 150 steps, no rank check")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rank-dump", default="", help="write the rank check's readings (JSON)")
     ap.add_argument("--gpt2", action="store_true", help="only the search on HF GPT-2")
     args = ap.parse_args()
     if args.quick:
@@ -347,7 +356,7 @@ def main() -> None:
     print("| model | recipe | matmul FLOPs in NVFP4 | held-out fails | worst gap / tolerance |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        run(name, args.steps, long, args.seeds, args.rank_seeds)
+        run(name, args.steps, long, args.seeds, args.rank_seeds, args.rank_dump)
 
 
 if __name__ == "__main__":
