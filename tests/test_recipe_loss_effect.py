@@ -90,3 +90,21 @@ def test_a_reading_against_cached_bf16_gradients_is_the_same_reading():
     for name, m in plain.items():
         for key in ("cosine", "rel_error", "error_sq", "grad_sq", "noise_sq"):
             assert cached[name][key] == pytest.approx(m[key], rel=1e-5), (name, key)
+
+
+def test_the_meters_passes_count_against_the_budget(monkeypatch):
+    from ampguard.experiments import _recipe_search as search
+
+    passes = [0]
+    for name in ("gradient_fidelity", "reference_gradients"):
+        real = getattr(search, name)
+
+        def counted(model, loss_fn, batches, *args, _real=real, **kwargs):
+            passes[0] += len(batches)  # one forward+backward pass per shadow micro-batch
+            return _real(model, loss_fn, batches, *args, **kwargs)
+
+        monkeypatch.setattr(search, name, counted)
+    cert = ag.recipe_search(lm, next_token, _batches(40), budget=0.75, tolerance=1.0)
+    branches = sum(1 for h in cert.branches if h["kind"] != "meter") + 2  # bf16's two
+    assert passes[0] > 0 and cert.steps >= 2
+    assert branches * cert.steps + passes[0] + 1 <= 0.75 * 40  # + the plan's traced batch
