@@ -342,7 +342,6 @@ def _train(
     seed: int,
     make_opt: Callable[[Any], torch.optim.Optimizer],
     start: int | None = None,
-    end: Callable[[nn.Module], Any] | None = None,
 ) -> list[float]:
     """One branch: a fresh model built under ``start`` (default ``seed``), trained under
     ``seed``, the recipe emulated, bf16 autocast around it; the per-step losses (one host sync
@@ -362,11 +361,6 @@ def _train(
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach().float())
-        if end is not None:
-            for name in layers:  # the trained weights as plain Linear layers
-                restore(model.get_submodule(name))
-            layers = []
-            end(model)
     finally:
         for name in layers:
             restore(model.get_submodule(name))
