@@ -14,6 +14,7 @@ and fails out of the seeds. Run: ``python benchmarks/bench_recipe.py [--steps 12
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -24,11 +25,14 @@ from torch import nn
 
 import ampguard as ag
 from ampguard.demo.fp8_model import MassiveActivation
+from ampguard.experiments import _recipe_search as _search
 from ampguard.experiments._fp8 import _tail
 from ampguard.experiments._recipe_search import _flop_share, _train
 from ampguard.fp8._fidelity import gradient_fidelity as ag_fidelity
+from ampguard.fp8._fidelity import lost_progress
 
 FORMATS = ("mxfp8", "nvfp4")
+READINGS: list[dict] = []  # the rank check's meter readings (--rank-dump)
 
 
 # ---------------------------------------------------------------------- the models
@@ -182,7 +186,11 @@ def _meter_score(factory, loss_fn, batches, recipe, steps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
     meter = ag_fidelity(model, loss_fn, batches[steps : steps + 2], recipe)
-    return sum(m["rel_error"] ** 2 + m["lost_inputs"] for m in meter.values())
+    READINGS.append({"recipe": recipe, "meter": meter,
+                     "params": {n: m.weight.numel() for n, m in model.named_modules()
+                                if isinstance(m, nn.Linear)}})  # fmt: skip
+    old = sum(m["rel_error"] ** 2 + m["lost_inputs"] for m in meter.values())
+    return old, lost_progress(meter) + sum(m["lost_inputs"] for m in meter.values())
 
 
 def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
@@ -196,7 +204,7 @@ def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
     return out
 
 
-def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
+def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int, dump: str = "") -> None:
     """Print the model's rows as they come (a row per recipe, the search, the rank check)."""
     cls, loss_fn, task = MODELS[name]
 
@@ -206,9 +214,11 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
 
     batches = task(steps, 0)
     t0 = time.perf_counter()
+    meter_passes = _count_passes()
     cert = ag.recipe_search(factory, loss_fn, batches, formats=FORMATS, budget=0.1)
     search_s = time.perf_counter() - t0
     trained = sum(1 for h in cert.branches if h["kind"] != "meter") + 2
+    passes = meter_passes() + 1  # and the plan's traced batch
     torch.manual_seed(0)
     model = factory()
     recipes = {**_fixed(model, loss_fn, batches[0]), "searched": cert.recipe}
@@ -227,7 +237,8 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
                     f"| {worst:.2f} |")  # fmt: skip
     emit(
         f"| {name} | (search: {trained} branches x {cert.steps} steps = "
-        f"{trained * cert.steps / steps:.0%} of a run, {search_s:.0f} s; passed={cert.passed}; "
+        f"{trained * cert.steps / steps:.0%} of a run, + {passes} meter passes = "
+        f"{(trained * cert.steps + passes) / steps:.0%}, {search_s:.0f} s; passed={cert.passed}; "
         f"held-out {time.perf_counter() - t0:.0f} s) | | | |"
     )
     if rank_seeds:
@@ -237,9 +248,37 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int) -> None:
         early = max(1, long // 20)  # 5% of the held-out run
         score = {k: _meter_score(factory, loss_fn, held, r, early) for k, r in ranked.items()}
         labels = list(ranked)
-        rho = _spearman([score[k] for k in labels], [statistics.mean(final[k]) for k in labels])
+        gap = [statistics.mean(final[k]) for k in labels]
+        rho_old = _spearman([score[k][0] for k in labels], gap)
+        rho = _spearman([score[k][1] for k in labels], gap)
+        if dump:
+            with open(dump, "w") as f:
+                json.dump({"labels": labels, "gap": gap, "readings": READINGS}, f)
         emit(f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by final "
-                    f"gap: Spearman rho {rho:.2f}, {rank_seeds} seeds) | | | |")  # fmt: skip
+             f"gap: Spearman rho {rho:.2f} by lost_progress, {rho_old:.2f} by the summed "
+             f"squared relative error; {rank_seeds} seeds) | | | |")  # fmt: skip
+
+
+def _count_passes():
+    """Count the search's meter passes (wraps the two functions the search calls: one
+    forward+backward pass per shadow micro-batch each); returns a reader of the count."""
+    real = _search.gradient_fidelity, _search.reference_gradients
+    count = [0]
+
+    def counting(fn):
+        def counted(model, loss_fn, batches, *args, **kwargs):
+            count[0] += len(batches)
+            return fn(model, loss_fn, batches, *args, **kwargs)
+
+        return counted
+
+    _search.gradient_fidelity, _search.reference_gradients = map(counting, real)
+
+    def read() -> int:
+        _search.gradient_fidelity, _search.reference_gradients = real
+        return count[0]
+
+    return read
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -301,6 +340,7 @@ def main() -> None:
     ap.add_argument("--rank-seeds", type=int, default=3, help="seeds of the rank check (0: off)")
     ap.add_argument("--quick", action="store_true", help="3 seeds, 150 steps, no rank check")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rank-dump", default="", help="write the rank check's readings (JSON)")
     ap.add_argument("--gpt2", action="store_true", help="only the search on HF GPT-2")
     args = ap.parse_args()
     if args.quick:
@@ -316,7 +356,7 @@ def main() -> None:
     print("| model | recipe | matmul FLOPs in NVFP4 | held-out fails | worst gap / tolerance |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        run(name, args.steps, long, args.seeds, args.rank_seeds)
+        run(name, args.steps, long, args.seeds, args.rank_seeds, args.rank_dump)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
    layer cosine and relative error of the recipe's weight gradient against bf16's, and the input
    features its forward loses, on the first shadow micro-batches) flags layers; the earliest
    flagged in the forward moves one format up with its group and the meter reads again, until
-   nothing is flagged (no training step spent).
+   nothing is flagged (no training step spent). A group is flagged too when its share of the
+   meter's predicted loss effect (``lost_progress``: the gradient error's share of a step's
+   loss decrease) is at least ``COST_RATIO`` times its share of the matmul FLOPs
+   (:func:`_costly`): a head that reads healthy layer by layer but holds most of the error.
 5. **bf16's noise.** Two bf16 branches, one from ``seeds[0]``'s start and one built and trained
    under ``seeds[1]`` (another run: its own init, dropout, sampling), give bf16's run-to-run
    spread at the same steps, and the tolerance as ``ag.compare`` judges fp8: three times that
@@ -24,12 +27,13 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
    A failing recipe promotes the riskiest group still in the lowest format present one format
    up and trains again; a passing one tries to demote the groups the search promoted, most
    recent first (a demotion the meter flags is pruned without a branch), keeping a demotion
-   that still passes. The meter on each branch's trained weights is recorded (``drift``), not
-   judged. The search stops when the branch budget is spent.
+   that still passes. The search stops when the budget is spent.
 
-Budget: ``budget`` is the share of ``len(batches)`` (one full run) that all branches together
-may train, bf16's two included: ``steps = max(2, total // 4)`` per branch, ``total // steps``
-branches (at least 3). The meter and the plan cost forward+backward passes, not steps.
+Budget: ``budget`` is the share of ``len(batches)`` (one full run) that the whole search may
+spend in forward+backward passes, each counted as a step: the plan's traced batch, the meter's
+(bf16's reference gradients once, then one pass per shadow micro-batch per reading) and every
+branch, bf16's two included: ``steps = max(2, left // 4)`` per branch of what the prune left;
+one recipe branch always runs, another only while the budget holds it.
 Every branch trains with ``optimizer(model.parameters())`` (default AdamW, lr 1e-3) under bf16
 autocast, the recipe's layers emulated (:mod:`ampguard.fp8._emulate`). Bad input (an unknown
 format, an empty batch list, a factory that returns different models on two calls, a budget out
@@ -63,6 +67,8 @@ from ampguard.fp8 import (
     converted,
     failing,
     gradient_fidelity,
+    lost_progress,
+    reference_gradients,
     restore,
 )
 
@@ -71,7 +77,9 @@ __all__ = ["recipe_search"]
 # the microscaling formats (a scale per 32 or 16 values): MXFP8 and NVFP4
 DEFAULT_FORMATS = tuple(n for n, f in FORMATS.items() if f.block in (16, 32))
 SHADOW_BATCHES = 2  # micro-batches the meter compares gradients on
-BRANCHES = 4  # a branch is a quarter of the budget: bf16's two and two recipe branches
+BRANCHES = 4  # a branch is a quarter of what the meter leaves: bf16's two and two recipe ones
+COST_RATIO = 4.0  # a group holding 4x its FLOP share of the gradient error moves up
+MIN_LOST = 0.02  # ... when the recipe loses this share of a step's progress (all-MXFP8: ~0.01)
 MARGIN = 0.5  # a recipe passes at half the tolerance: a short branch understates a long gap
 
 
@@ -94,9 +102,9 @@ def recipe_search(
     """Search a ``{layer: format}`` recipe and certify it against bf16 (module docstring).
 
     Returns a :class:`~ampguard.RecipeCertificate`. Raises ``ValueError``/``TypeError`` naming
-    the argument for bad input. Cost: ``budget * len(batches)`` training steps at most, plus
-    one plan and two forward+backward passes per shadow micro-batch per meter reading; one
-    host sync per branch and per meter reading.
+    the argument for bad input. Cost: about ``budget * len(batches)`` forward+backward passes
+    (branch steps, the plan's and the meter's, one per shadow micro-batch per reading; at least
+    three branches of 2 steps); one host sync per branch and per meter reading.
     """
     names = check_formats(formats)
     batches = _check_batches(batches)
@@ -107,9 +115,6 @@ def recipe_search(
     seeds = _check_seeds(seeds)
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     start = _check_factory(model_factory, seeds[0])
-    steps = max(2, total // BRANCHES)
-    branches_left = max(3, total // steps) - 2
-    data = batches[:steps]
 
     ladder = [*sorted(names, key=lambda n: FORMATS[n].bits), HIGH]
     order = _risk_order(start, loss_fn, batches[0], names, ladder[0])
@@ -119,7 +124,14 @@ def recipe_search(
     history: list[dict[str, Any]] = []
     shadow = batches[:SHADOW_BATCHES]
     promoted: list[tuple[str, ...]] = []
-    _prune(start, loss_fn, shadow, recipe, group_of, ladder, history, promoted, "meter")
+    meter = _Meter(start, loss_fn, shadow, group_of)
+    _prune(meter, recipe, ladder, history, promoted, "meter")
+    # the budget in forward+backward passes: the meter's passes (the plan's traced batch, bf16's
+    # reference gradients, one pass per shadow micro-batch per reading) count as steps
+    left = total - meter.passes - 1
+    steps = max(2, left // BRANCHES)
+    left -= 2 * steps
+    data = batches[:steps]
 
     bf16 = _train(model_factory, loss_fn, data, {}, seeds[0], make_opt)
     again = _train(model_factory, loss_fn, data, {}, seeds[1], make_opt)  # its own init too
@@ -127,49 +139,40 @@ def recipe_search(
     tol = bf16_tolerance(_Losses(bf16), noise) if tolerance is None else float(tolerance)
     base = _tail(bf16)[1]
 
-    def judge(r: dict[str, str], kind: str) -> tuple[bool, float, list[str]]:
-        meter: dict[str, dict[str, Any]] = {}
-
-        def read(m: nn.Module) -> None:
-            meter.update(gradient_fidelity(m, loss_fn, shadow, r))
-
-        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt, end=read)
+    def judge(r: dict[str, str], kind: str) -> tuple[bool, float]:
+        losses = _train(model_factory, loss_fn, data, r, seeds[0], make_opt)
         delta = _tail(losses)[1] - base
-        # the meter on the branch's trained weights: recorded, not judged (early in training
-        # its figures swing across the limits: a verdict on it would flip on noise)
-        drift = failing(meter)
         ok = math.isfinite(delta) and delta <= MARGIN * tol
-        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok,
-                        "drift": drift})  # fmt: skip
-        return ok, delta, drift
+        history.append({"kind": kind, "recipe": dict(r), "loss_delta": delta, "passed": ok})
+        return ok, delta
 
-    passed, delta, _ = judge(recipe, "branch")
-    branches_left -= 1
-    while not passed and branches_left > 0:
+    passed, delta = judge(recipe, "branch")  # one recipe branch, whatever is left
+    left -= steps
+    while not passed and left >= steps:
         group = _next_to_promote(recipe, ranked, ladder)
         moved = _promote(start, group[0], recipe, group_of, ladder) if group else ()
         if not moved:
             break
         promoted.append(moved)
-        passed, delta, _ = judge(recipe, "promote")
-        branches_left -= 1
+        passed, delta = judge(recipe, "promote")
+        left -= steps
     for group in reversed(list(dict.fromkeys(promoted))):  # demote what passing allows
-        if not passed or branches_left <= 0:
+        if not passed or left < steps + meter.cost:
             break
         trial = dict(recipe)
         for layer in group:
             lower = _down(start, layer, recipe[layer], ladder)
             if lower is not None:
                 trial[layer] = lower
-        if trial == recipe or set(group) & set(
-            failing(gradient_fidelity(start, loss_fn, shadow, trial))
-        ):
-            continue  # nothing lower, or the meter prunes it: no branch spent
-        ok, d, _ = judge(trial, "demote")
-        branches_left -= 1
+        if trial == recipe:
+            continue
+        left -= meter.cost
+        if set(group) & set(meter.flagged(trial)):
+            continue  # the meter prunes it: no branch spent
+        ok, d = judge(trial, "demote")
+        left -= steps
         if ok:
             recipe, delta = trial, d
-    meter = gradient_fidelity(start, loss_fn, shadow, recipe)
     return RecipeCertificate(
         recipe={n: recipe.get(n, HIGH) for n in _linears(start)},
         passed=passed,
@@ -181,7 +184,7 @@ def recipe_search(
         seeds=tuple(seeds),
         formats=names,
         branches=history,
-        meter=meter,
+        meter=meter.read(recipe),
     )
 
 
@@ -241,12 +244,39 @@ def _promote(
     return tuple(moved)
 
 
+class _Meter:
+    """The fidelity meter on the search's start: bf16's reference gradients once, then one
+    forward+backward pass per shadow micro-batch per reading (``passes`` counts them all);
+    a reading of a recipe already read is not run again."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, shadow: list[Any],
+                 group_of: dict[str, tuple[str, ...]]) -> None:  # fmt: skip
+        self.model, self.loss_fn, self.shadow, self.group_of = model, loss_fn, shadow, group_of
+        self.flops = _layer_flops(model, loss_fn, shadow[0])
+        self.ref = reference_gradients(model, loss_fn, shadow)
+        self.cost = len(shadow)
+        self.passes = len(shadow)
+        self.seen: dict[tuple[tuple[str, str], ...], dict[str, dict[str, Any]]] = {}
+
+    def read(self, recipe: dict[str, str]) -> dict[str, dict[str, Any]]:
+        key = tuple(sorted(recipe.items()))
+        if key not in self.seen:
+            self.passes += self.cost
+            self.seen[key] = gradient_fidelity(
+                self.model, self.loss_fn, self.shadow, recipe, reference=self.ref
+            )
+        return self.seen[key]
+
+    def flagged(self, recipe: dict[str, str]) -> list[str]:
+        """The layers outside the meter's limits, else those of a group too costly for its
+        FLOPs (:func:`_costly`)."""
+        reading = self.read(recipe)
+        return failing(reading) or _costly(reading, self.flops, self.group_of)
+
+
 def _prune(
-    model: nn.Module,
-    loss_fn: Callable,
-    shadow: list[Any],
+    meter: _Meter,
     recipe: dict[str, str],
-    group_of: dict[str, tuple[str, ...]],
     ladder: list[str],
     history: list[dict[str, Any]],
     promoted: list[tuple[str, ...]],
@@ -254,15 +284,38 @@ def _prune(
 ) -> None:
     """Promote (one group at a time, the earliest in the forward first: what a flagged layer
     feeds may be flagged for its input's sake) what the meter flags, until nothing is."""
-    forward = list(group_of)
+    forward = list(meter.group_of)
     for _ in range(len(recipe) * len(ladder)):
-        bad = failing(gradient_fidelity(model, loss_fn, shadow, recipe))
+        bad = meter.flagged(recipe)
         if not bad:
             return
         first = min(bad, key=forward.index)
-        moved = _promote(model, first, recipe, group_of, ladder)
+        moved = _promote(meter.model, first, recipe, meter.group_of, ladder)
         promoted.append(moved)
         history.append({"kind": kind, "promoted": list(moved), "recipe": dict(recipe)})
+
+
+def _costly(
+    meter: dict[str, dict[str, Any]],
+    flops: dict[str, float],
+    group_of: dict[str, tuple[str, ...]],
+) -> list[str]:
+    """The low-precision layers of the groups whose share of the predicted loss effect
+    (``lost_progress``: their weight gradients' error energy, of all layers') is at least
+    ``COST_RATIO`` times their share of the matmul FLOPs, when the recipe loses at least
+    ``MIN_LOST`` of a step's progress: promoting such a group buys back the most loss per FLOP
+    (a head in NVFP4 that reads healthy layer by layer but holds most of the error)."""
+    err = sum(m.get("error_sq", 0.0) for m in meter.values())
+    work = sum(flops.values())
+    if not (lost_progress(meter) >= MIN_LOST and err > 0 and work > 0):
+        return []
+    out: list[str] = []
+    for group in dict.fromkeys(group_of.values()):
+        low = [n for n in group if n in meter and meter[n]["format"] != HIGH]
+        share = sum(meter[n].get("error_sq", 0.0) for n in low) / err
+        if low and share >= COST_RATIO * sum(flops.get(n, 0.0) for n in low) / work:
+            out += low
+    return out
 
 
 def _risk_order(
@@ -289,7 +342,6 @@ def _train(
     seed: int,
     make_opt: Callable[[Any], torch.optim.Optimizer],
     start: int | None = None,
-    end: Callable[[nn.Module], Any] | None = None,
 ) -> list[float]:
     """One branch: a fresh model built under ``start`` (default ``seed``), trained under
     ``seed``, the recipe emulated, bf16 autocast around it; the per-step losses (one host sync
@@ -309,11 +361,6 @@ def _train(
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach().float())
-        if end is not None:
-            for name in layers:  # the trained weights as plain Linear layers
-                restore(model.get_submodule(name))
-            layers = []
-            end(model)
     finally:
         for name in layers:
             restore(model.get_submodule(name))
@@ -326,14 +373,24 @@ def _flop_share(
     """``{format: share of the Linear matmul FLOPs}`` over one forward of ``batch`` (rows x in x
     out per call; the backward's two matmuls scale every layer alike)."""
     flops: dict[str, float] = {}
+    for name, v in _layer_flops(model, loss_fn, batch).items():
+        fmt = recipe.get(name, HIGH)
+        flops[fmt] = flops.get(fmt, 0.0) + v
+    total = sum(flops.values())
+    return {f: v / total for f, v in flops.items()} if total else {}
+
+
+def _layer_flops(model: nn.Module, loss_fn: Callable, batch: Any) -> dict[str, float]:
+    """``{layer: matmul FLOPs}`` of every Linear over one forward of ``batch`` (rows x in x
+    out per call). Cost: one forward, no host sync."""
+    flops: dict[str, float] = {}
     hooks = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            fmt = recipe.get(name, HIGH)
 
-            def hook(mod: nn.Module, args: Any, out: Any, fmt: str = fmt) -> None:
+            def hook(mod: nn.Module, args: Any, out: Any, name: str = name) -> None:
                 rows = args[0].numel() // args[0].shape[-1]
-                flops[fmt] = flops.get(fmt, 0.0) + rows * mod.in_features * mod.out_features
+                flops[name] = flops.get(name, 0.0) + rows * mod.in_features * mod.out_features
 
             hooks.append(m.register_forward_hook(hook))
     try:
@@ -342,5 +399,4 @@ def _flop_share(
     finally:
         for h in hooks:
             h.remove()
-    total = sum(flops.values())
-    return {f: v / total for f, v in flops.items()} if total else {}
+    return flops

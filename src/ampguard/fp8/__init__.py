@@ -28,7 +28,13 @@ A layer is *ready* when it is eligible and no figure crosses its :class:`Fp8Thre
 
 from ampguard.fp8._conversion import Conversion
 from ampguard.fp8._emulate import emulate, restore
-from ampguard.fp8._fidelity import converted, failing, gradient_fidelity
+from ampguard.fp8._fidelity import (
+    converted,
+    failing,
+    gradient_fidelity,
+    lost_progress,
+    reference_gradients,
+)
 from ampguard.fp8._formats import FORMATS, check_formats
 from ampguard.fp8._layered import RECIPE_FORMAT
 from ampguard.fp8._modules import CONV1D_FIX, conv1d_to_linear, is_hf_conv1d, unconvertible
@@ -49,6 +55,8 @@ __all__ = [
     "converted",
     "failing",
     "gradient_fidelity",
+    "lost_progress",
+    "reference_gradients",
     "check_formats",
     "RECIPE_FORMAT",
     "CONV1D_FIX",

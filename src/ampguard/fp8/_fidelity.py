@@ -19,7 +19,9 @@ what its optimizer step sees.
 ``MAX_LOST_INPUTS``): the
 layers ``ampguard.recipe_search`` promotes before it trains a branch. The weights, gradients and
 classes of the model are as before afterwards. Cost: two forward+backward passes per micro-batch
-and one host sync.
+and one host sync (one pass per micro-batch given a :func:`reference_gradients`).
+:func:`lost_progress` reads the meter as a predicted effect on the loss: the share of a
+training step's loss decrease that the gradient error costs, summed over every layer.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ __all__ = [
     "MAX_REL_ERROR",
     "MAX_LOST_INPUTS",
     "converted",
+    "lost_progress",
+    "reference_gradients",
 ]
 
 MIN_COSINE = 0.9  # NVFP4 on a healthy layer: about 0.97; an outlier layer: below 0.5
@@ -48,6 +52,7 @@ MAX_REL_ERROR = 0.5  # NVFP4 on a healthy layer: about 0.25
 LOST = 0.9  # an input feature whose values the cast changes this much is lost
 LIVE = 0.1  # ... when its norm is at least this share of the median feature's
 MASSIVE = 200.0  # ... and an input feature this many times the median's norm scales its block
+FIRST = "\0first:"  # the key prefix of the first micro-batch's gradient (internal)
 MAX_LOST_INPUTS = 0.05  # NVFP4 on a healthy layer: 0; one 100x feature in 128: 15/128
 
 
@@ -79,15 +84,43 @@ def _weight_grads(
     for m in linears.values():
         m.weight.grad = None
     device = next(model.parameters()).device.type
-    for batch in batches:
+    out: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(batches):
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = loss_fn(model, batch)
         loss.float().backward()
-    out = {n: m.weight.grad.detach().float().clone() for n, m in linears.items()
-           if m.weight.grad is not None}  # fmt: skip
+        for n, m in linears.items():  # the first micro-batch's gradient kept apart
+            if i == 0 and m.weight.grad is not None:
+                out[FIRST + n] = m.weight.grad.detach().float().clone()
+    out.update({n: m.weight.grad.detach().float().clone() for n, m in linears.items()
+                if m.weight.grad is not None})  # fmt: skip
     for m in linears.values():
         m.weight.grad = None
     return out
+
+
+def reference_gradients(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Sequence[Any]
+) -> dict[str, Any]:
+    """bf16's weight gradients on ``batches`` and the RNG state they were drawn under: pass it
+    as ``reference=`` to every :func:`gradient_fidelity` reading of the same weights and
+    batches, and each reading costs one forward+backward pass per batch instead of two. The
+    model's gradients and the RNG state are as before afterwards. Cost: one forward+backward
+    pass per batch, no host sync."""
+    saved = {n: p.grad for n, p in model.named_parameters()}
+    devices = _cuda_devices(model)
+    with torch.random.fork_rng(devices=devices):
+        rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+        try:
+            grads = _weight_grads(model, loss_fn, batches)
+        finally:
+            for n, p in model.named_parameters():
+                p.grad = saved[n]
+    return {"grads": grads, "rng": rng, "count": len(batches)}
+
+
+def _cuda_devices(model: nn.Module) -> list[torch.device]:
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
 
 
 def gradient_fidelity(
@@ -95,15 +128,19 @@ def gradient_fidelity(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     batches: Sequence[Any],
     recipe: dict[str, str],
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """``{layer: {"cosine", "rel_error", "format"}}`` of every Linear with a weight gradient
-    (see the module docstring). Both passes draw the same random numbers (dropout masks),
-    from the RNG state at the call, which is left as it was. Cost: two forward+backward passes
-    per batch, one host sync."""
+    """``{layer: {"cosine", "rel_error", "format", ...}}`` of every Linear with a weight
+    gradient (see the module docstring; ``grad_sq``/``error_sq``/``noise_sq`` feed
+    :func:`lost_progress`). Both passes draw the same random numbers (dropout masks), from the
+    RNG state at the call (``reference=``: the state it was taken under), which is left as it
+    was. ``reference``: a :func:`reference_gradients` of the same weights and batches (not
+    checked). Cost: two forward+backward passes per batch (one with ``reference``), one host
+    sync."""
     saved = {n: p.grad for n, p in model.named_parameters()}
-    devices = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+    devices = _cuda_devices(model)
     with torch.random.fork_rng(devices=devices):
-        return _compare(model, loss_fn, batches, recipe, saved, devices)
+        return _compare(model, loss_fn, batches, recipe, saved, devices, reference)
 
 
 def _compare(
@@ -113,11 +150,17 @@ def _compare(
     recipe: dict[str, str],
     saved: dict[str, torch.Tensor | None],
     devices: list[torch.device],
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    cpu = torch.get_rng_state()
-    cuda = [torch.cuda.get_rng_state(d) for d in devices]
+    if reference is not None:
+        ref = reference["grads"]
+        cpu, cuda = reference["rng"]
+    else:
+        cpu = torch.get_rng_state()
+        cuda = [torch.cuda.get_rng_state(d) for d in devices]
     try:
-        ref = _weight_grads(model, loss_fn, batches)
+        if reference is None:
+            ref = _weight_grads(model, loss_fn, batches)
         torch.set_rng_state(cpu)  # the second pass: the same dropout masks as the first
         for d, state in zip(devices, cuda, strict=True):
             torch.cuda.set_rng_state(state, d)
@@ -135,7 +178,7 @@ def _compare(
     finally:
         for n, p in model.named_parameters():
             p.grad = saved[n]
-    names = [n for n in ref if n in low]
+    names = [n for n in ref if n in low and not n.startswith(FIRST)]
     if not names:
         return {}
     parts = []
@@ -143,15 +186,46 @@ def _compare(
         a, b = ref[n].reshape(-1), low[n].reshape(-1)
         col = _column_error(ref[n], low[n])
         gone = lost.get(n, a.new_zeros(()))
-        parts.append(torch.stack([torch.dot(a, b), a.norm(), b.norm(), (a - b).norm(), col, gone]))
+        noise = _sampling_noise(ref, n, len(batches))
+        parts.append(torch.stack([torch.dot(a, b), a.norm(), b.norm(), (a - b).norm(), col, gone,
+                                  noise]))  # fmt: skip
     values = torch.stack(parts).tolist()  # the one host sync
     out = {}
-    for n, (dot, na, nb, diff, col, gone) in zip(names, values, strict=True):
+    for n, (dot, na, nb, diff, col, gone, noise) in zip(names, values, strict=True):
         cos = dot / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
         rel = diff / na if na > 0 else (0.0 if diff == 0 else float("inf"))
         out[n] = {"cosine": cos, "rel_error": rel, "column_rel_error": col,
-                  "lost_inputs": gone, "format": recipe.get(n, HIGH)}  # fmt: skip
+                  "lost_inputs": gone, "format": recipe.get(n, HIGH),
+                  "grad_sq": na * na, "error_sq": diff * diff, "noise_sq": noise}  # fmt: skip
     return out
+
+
+def lost_progress(meter: dict[str, dict[str, Any]]) -> float:
+    """The predicted loss effect of a meter reading: the share of one training step's loss
+    decrease that the gradient error costs, ``sum |g - g_bf16|^2 / sum |g_bf16|^2`` over every
+    layer. A step of size ``lr`` along ``g`` lowers the loss by ``lr*<g_bf16, g> -
+    lr^2*L/2*|g|^2`` (``L`` the curvature); at the step size ``1/L`` that is ``|g_bf16|^2/(2L)``
+    for the bf16 gradient and ``|g_bf16|^2/(2L) - |g - g_bf16|^2/(2L)`` for the recipe's, so the
+    ratio is the share of the progress lost. Unlike the per-layer limits it adds up what every
+    low-precision layer does to every gradient: a layer whose own gradient reads healthy (a
+    head in NVFP4, cosine 0.96) but whose backward spreads error into every layer before it
+    counts. 0 for an empty reading; NaN propagates."""
+    ref = sum(m.get("grad_sq", 0.0) for m in meter.values())
+    err = sum(m.get("error_sq", 0.0) for m in meter.values())
+    return err / ref if ref > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def _sampling_noise(ref: dict[str, torch.Tensor], name: str, count: int) -> torch.Tensor:
+    """bf16's own sampling noise of the summed gradient, ``|g_1 - g_rest/(k-1)|^2 * k/4``
+    style: the squared difference of the first micro-batch's gradient and the mean of the
+    others, scaled to the variance of a sum of ``count`` (0 with one micro-batch)."""
+    total = ref[name]
+    if count < 2 or FIRST + name not in ref:
+        return total.new_zeros(())
+    first = ref[FIRST + name]
+    rest = (total - first) / (count - 1)
+    # Var(g1 - mean of k-1) = s2 (1 + 1/(k-1)); the sum of k has variance k s2
+    return (first - rest).pow(2).sum() * count / (1 + 1 / (count - 1))
 
 
 def _input_probe(name: str, lost: dict[str, torch.Tensor]) -> Callable[..., None]:
