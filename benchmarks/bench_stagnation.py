@@ -18,10 +18,10 @@ the low-precision weights and states (fp32 master weights: a 4-byte copy), the s
 ``bf16`` row of the same model and optimizer, the share of the loss gap between ``bf16`` and
 ``fp32`` that the method closes (the step times: CPU time of one torch thread, medians of 15
 interleaved rounds of at least 10 steps and 0.1 s after training), and the share of AdamW's
-decoupled weight decay applied (a decay-only run: zero gradients, ``lr=1e-3``, ``weight_decay=1e-2``, 200
-steps, the stored weight plus its Kahan buffer; ``auto`` with the layers it chose in
-training). The ``.half()`` model's AdamW uses ``eps=1e-4``: the default 1e-8 is 0 in fp16, and
-pure fp16 turns NaN (AG366).
+decoupled weight decay applied (a decay-only run: zero gradients, ``lr=1e-3``,
+``weight_decay=1e-2``, 200 steps, the stored weight plus its Kahan buffer; ``auto`` with the
+layers it chose in training). The ``.half()`` model's AdamW uses ``eps=1e-4``: the default
+1e-8 is 0 in fp16, and pure fp16 turns NaN (AG366).
 
     python benchmarks/bench_stagnation.py --steps 2000      # the length
     python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
