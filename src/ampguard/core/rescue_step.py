@@ -8,20 +8,23 @@ is one step of a plan:
 
 - swapping in, the fp32 values are views of one flat buffer: one ``torch._foreach_copy_`` from
   the weights and one add of the flat Kahan buffer (``weight + buffer``); gradients and
-  low-precision states get fp32 copies; the optimizer's own step then runs on them unchanged
-  (its decoupled weight decay too: applied in fp32);
+  low-precision states get fp32 copies (after the first step the members' states are views of
+  one flat tensor of the plan, ``GroupStep._flatten_states``, so they are copied in and
+  out in one operation each); the optimizer's own step then runs on them unchanged (its
+  decoupled weight decay too: applied in fp32);
 - writing back is a few operations on the whole group, however many parameters it has: one
   ``_foreach_copy_`` rounds the Kahan and nearest members to nearest into their weights; the
-  Kahan residuals ``value - round(value)`` (exact in fp32) and the stochastic members' values
-  are rounded stochastically as one flat stretch (:func:`~ampguard.core.rounding.
-  stochastic_round_`: one random draw for the group); one copy stores the residuals in the
-  flat Kahan buffer, one ``_foreach_copy_`` the stochastic weights, one the fp32 states back.
+  Kahan residuals ``value - round(value)`` (exact in fp32: the value less the weight just
+  written) and the stochastic members' values are rounded stochastically as one flat stretch
+  (:func:`~ampguard.core.rounding.stochastic_round_`: one random draw for the group); one
+  copy stores the residuals in the flat Kahan buffer, one ``_foreach_copy_`` the stochastic
+  weights, one the fp32 states back.
 
 Per element this is :func:`~ampguard.core.rounding.kahan_write` /
 :func:`~ampguard.core.rounding.stochastic_round` of each parameter in turn with one generator,
 the draws taken in the layout's order (with one method on every layer: the parameters' order);
 a test holds the two bitwise equal. What remains per parameter is bookkeeping (``.data`` /
-``.grad`` swapped, state entries reassigned) and one copy in and out of each tensor.
+``.grad`` swapped, state entries reassigned) and one copy of each gradient.
 Parameters outside the plans are never looked at. Cost: the fp32 copies (freed after the
 step) and about ten elementwise passes over the group; no host sync.
 """
