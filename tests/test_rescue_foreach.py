@@ -247,7 +247,7 @@ def test_one_random_draw_per_group_whatever_the_number_of_parameters():
         draws = [op for op in ops if "rand" in op]
         assert len(draws) == 1, (depth, draws)
         assert ops.count("bitwise_and_") == 1  # the truncation (the noise is read unsigned)
-        assert ops.count("_to_copy") == (2 * depth + 2) + 2  # grads, one state copy, noise
+        assert ops.count("_to_copy") == (2 * depth + 2) + 3  # grads; states, residual, noise
 
 
 def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, data) -> None:

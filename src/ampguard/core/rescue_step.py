@@ -14,8 +14,8 @@ is one step of a plan:
   decoupled weight decay too: applied in fp32);
 - writing back is a few operations on the whole group, however many parameters it has: one
   ``_foreach_copy_`` rounds the Kahan and nearest members to nearest into their weights; the
-  Kahan residuals ``value - round(value)`` (exact in fp32: the value less the weight just
-  written) and the stochastic members' values are rounded stochastically as one flat stretch
+  Kahan residuals ``value - round(value)`` (exact in fp32) and the stochastic members'
+  values are rounded stochastically as one flat stretch
   (:func:`~ampguard.core.rounding.stochastic_round_`: one random draw for the group); one
   copy stores the residuals in the flat Kahan buffer, one ``_foreach_copy_`` the stochastic
   weights, one the fp32 states back.
@@ -211,8 +211,10 @@ class GroupStep:
         rounded = self.data[:k] + self.data[sr:]  # Kahan and nearest: to nearest
         if rounded:
             torch._foreach_copy_(rounded, self.values[:k] + self.values[sr:])
-        if k:  # the residual value - round(value), exact in fp32 (the weight: round(value))
-            torch._foreach_sub_(self.values[:k], self.data[:k])
+        if k:
+            head = self.flat[: self.kahan_numel]
+            head.sub_(head.to(self.dtype))  # the residual, exact in fp32 (faster than a
+            # mixed-dtype _foreach_sub_ of the weights just written)
         if sr:
             stochastic_round_(self.flat[: self.sr_numel], self.dtype, generator)
             if self.comp_flat is not None:
