@@ -247,7 +247,6 @@ def test_one_random_draw_per_group_whatever_the_number_of_parameters():
         draws = [op for op in ops if "rand" in op]
         assert len(draws) == 1, (depth, draws)
         assert ops.count("bitwise_and_") == 1  # the truncation (the noise is read unsigned)
-        assert ops.count("_to_copy") == (2 * depth + 2) + 3  # grads; states, residual, noise
 
 
 def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, data) -> None:
@@ -257,7 +256,7 @@ def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, data) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def test_the_states_are_views_of_one_flat_tensor_and_the_state_dict_looks_stock(tmp_path):
+def test_the_rescued_optimizer_state_dict_looks_stock():
     model = model_of(torch.bfloat16)
     opt = OPTS["adamw"](model.parameters())
     rescue = Rescue([opt], list(model.parameters()))
@@ -266,8 +265,6 @@ def test_the_states_are_views_of_one_flat_tensor_and_the_state_dict_looks_stock(
     stock_opt = OPTS["adamw"](stock.parameters())
     plain_steps(model, opt, batches(3))
     plain_steps(stock, stock_opt, batches(3))
-    states = [v for s in opt.state.values() for v in s.values() if v.dim()]
-    assert len({v.untyped_storage().data_ptr() for v in states}) == 1  # one flat tensor
     ours, theirs = opt.state_dict(), stock_opt.state_dict()
     assert ours["param_groups"] == theirs["param_groups"]
     assert ours["state"].keys() == theirs["state"].keys()
@@ -275,11 +272,9 @@ def test_the_states_are_views_of_one_flat_tensor_and_the_state_dict_looks_stock(
         assert ours["state"][i].keys() == st.keys()
         for k, v in st.items():
             assert (ours["state"][i][k].dtype, ours["state"][i][k].shape) == (v.dtype, v.shape)
-    torch.save(ours, tmp_path / "opt.pt")  # a checkpoint holds the states once
-    assert (tmp_path / "opt.pt").stat().st_size < 1.5 * sum(v.nbytes for v in states) + 10_000
 
 
-def test_loading_a_state_dict_into_the_flat_states_continues_bitwise(tmp_path):
+def test_loading_a_state_dict_mid_run_continues_bitwise(tmp_path):
     def run(load: bool) -> list[torch.Tensor]:
         model = model_of(torch.bfloat16)
         opt = OPTS["adamw"](model.parameters())
@@ -287,14 +282,13 @@ def test_loading_a_state_dict_into_the_flat_states_continues_bitwise(tmp_path):
         rescue.cover(list(range(len(rescue.params))), "kahan")
         data = batches(8)
         plain_steps(model, opt, [next(data) for _ in range(4)])
-        if load:  # replaces every state tensor: the next step copies them, then re-flattens
+        if load:  # replaces every state tensor: the rescue swaps the new ones
             torch.save(opt.state_dict(), tmp_path / "opt.pt")
             opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
             low = [v for s in opt.state.values() for v in s.values() if v.dim()]
             assert all(v.dtype == torch.bfloat16 for v in low)
         plain_steps(model, opt, data)
         states = [v for s in opt.state.values() for v in s.values() if v.dim()]
-        assert len({v.untyped_storage().data_ptr() for v in states}) == 1
         return [p.detach().clone() for p in model.parameters()] + states
 
     for a, b in zip(run(False), run(True), strict=True):

@@ -25,10 +25,7 @@ expectation). Counted on the device; :meth:`Rescue.applied` reads it (one host s
 The covered parameters of an optimizer step as groups, one per dtype and device, each written
 back by a few multi-tensor and flat operations with one random draw
 (:mod:`ampguard.core.rescue_step`); a parameter without a gradient is skipped, as the optimizer
-skips it. The covered parameters' low-precision optimizer states become views of one flat
-tensor per group after their first step (the optimizer's ``state_dict()`` shows the same keys,
-shapes and dtypes; a checkpoint stores that storage once; a loaded state dict is re-flattened
-on its next step). Cost, per covered element and step: the fp32 copies of the weight, gradient and
+skips it. Cost, per covered element and step: the fp32 copies of the weight, gradient and
 states (freed after the step) and about a dozen elementwise passes; per group about ten
 operations; no host sync. Persistent: the Kahan buffers (one flat tensor per group, 2 bytes per
 element), and fp32 states when asked for.

@@ -8,23 +8,20 @@ is one step of a plan:
 
 - swapping in, the fp32 values are views of one flat buffer: one ``torch._foreach_copy_`` from
   the weights and one add of the flat Kahan buffer (``weight + buffer``); gradients and
-  low-precision states get fp32 copies (after the first step the members' states are views of
-  one flat tensor of the plan, ``GroupStep._flatten_states``, so they are copied in and
-  out in one operation each); the optimizer's own step then runs on them unchanged (its
-  decoupled weight decay too: applied in fp32);
+  low-precision states get fp32 copies; the optimizer's own step then runs on them unchanged
+  (its decoupled weight decay too: applied in fp32);
 - writing back is a few operations on the whole group, however many parameters it has: one
   ``_foreach_copy_`` rounds the Kahan and nearest members to nearest into their weights; the
-  Kahan residuals ``value - round(value)`` (exact in fp32) and the stochastic members'
-  values are rounded stochastically as one flat stretch
-  (:func:`~ampguard.core.rounding.stochastic_round_`: one random draw for the group); one
-  copy stores the residuals in the flat Kahan buffer, one ``_foreach_copy_`` the stochastic
-  weights, one the fp32 states back.
+  Kahan residuals ``value - round(value)`` (exact in fp32) and the stochastic members' values
+  are rounded stochastically as one flat stretch (:func:`~ampguard.core.rounding.
+  stochastic_round_`: one random draw for the group); one copy stores the residuals in the
+  flat Kahan buffer, one ``_foreach_copy_`` the stochastic weights, one the fp32 states back.
 
 Per element this is :func:`~ampguard.core.rounding.kahan_write` /
 :func:`~ampguard.core.rounding.stochastic_round` of each parameter in turn with one generator,
 the draws taken in the layout's order (with one method on every layer: the parameters' order);
 a test holds the two bitwise equal. What remains per parameter is bookkeeping (``.data`` /
-``.grad`` swapped, state entries reassigned) and one copy of each gradient.
+``.grad`` swapped, state entries reassigned) and one copy in and out of each tensor.
 Parameters outside the plans are never looked at. Cost: the fp32 copies (freed after the
 step) and about ten elementwise passes over the group; no host sync.
 """
@@ -65,10 +62,6 @@ class GroupPlan:
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
         self.comps: list[torch.Tensor] = []
         self.comp_flat: torch.Tensor | None = None
-        # the members' low-precision optimizer states, once the optimizer made them: views of
-        # one flat tensor, in the members' order and each state's key order (see GroupStep)
-        self.state_flat: torch.Tensor | None = None
-        self.state_views: list[torch.Tensor] = []
         kahan = self.members[: self.n_kahan]
         if kahan:
             old = [comps[i] for i, _, _ in kahan]
@@ -112,9 +105,7 @@ class GroupStep:
         fp32_states: bool,
         measure: bool | set[int],
     ) -> None:
-        self.plan = plan
-        self.full = all(p.grad is not None for p in plan.params)
-        if self.full:
+        if all(p.grad is not None for p in plan.params):
             self.n_kahan, self.n_sr = plan.n_kahan, plan.n_sr
             self.comps, self.comp_flat = plan.comps, plan.comp_flat
             self.indices, self.params, self.sizes = plan.indices, plan.params, plan.sizes
@@ -144,7 +135,6 @@ class GroupStep:
         self.slots: list[tuple[dict, Any]] = []  # (state, key) of each swapped state
         self.low: list[torch.Tensor] = []  # their low-precision tensors
         self.high: list[torch.Tensor] = []  # their fp32 copies
-        self.high_flat: torch.Tensor | None = None  # the copies as one tensor (flat states)
         self.flat = torch.empty(sum(self.sizes), dtype=torch.float32, device=plan.device)
         self.values: list[torch.Tensor] = list(_unflatten(self.flat, self.data))
         self.start: torch.Tensor | None = None
@@ -165,12 +155,7 @@ class GroupStep:
                         if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and v.dim():
                             self.slots.append((state, k))
                             self.low.append(v)
-            if self._flat_states():
-                assert self.plan.state_flat is not None
-                self.high_flat = self.plan.state_flat.float()
-                self.high = list(_unflatten(self.high_flat, self.low))
-            else:
-                self.high = [v.float() for v in self.low]
+            self.high = [v.float() for v in self.low]
             grads = [g.float() for g in self.grads]
         except BaseException:
             self.restore()
@@ -180,15 +165,6 @@ class GroupStep:
         for p, value, grad in zip(self.params, self.values, grads, strict=True):
             p.data = value
             p.grad = grad
-
-    def _flat_states(self) -> bool:
-        """True when the swapped states are exactly the plan's flat views (one copy each way)."""
-        views = self.plan.state_views
-        return (
-            self.full
-            and len(views) == len(self.low) > 0
-            and all(v is w for v, w in zip(self.low, views, strict=True))
-        )
 
     def _read_values(self) -> None:
         """The flat buffer := ``weight (+ Kahan buffer)`` in fp32."""
@@ -213,8 +189,7 @@ class GroupStep:
             torch._foreach_copy_(rounded, self.values[:k] + self.values[sr:])
         if k:
             head = self.flat[: self.kahan_numel]
-            head.sub_(head.to(self.dtype))  # the residual, exact in fp32 (faster than a
-            # mixed-dtype _foreach_sub_ of the weights just written)
+            head.sub_(head.to(self.dtype))  # the residual, exact in fp32
         if sr:
             stochastic_round_(self.flat[: self.sr_numel], self.dtype, generator)
             if self.comp_flat is not None:
@@ -250,23 +225,16 @@ class GroupStep:
         would have made them; fp32 states the optimizer keeps itself stay."""
         if self.fp32_states:
             return
-        replaced = False
         if self.slots:
             now = [state[k] for state, k in self.slots]
             if all(v is h for v, h in zip(now, self.high, strict=True)):  # updated in place
-                if self.high_flat is not None:
-                    assert self.plan.state_flat is not None
-                    self.plan.state_flat.copy_(self.high_flat)
-                else:
-                    torch._foreach_copy_(self.low, self.high)
+                torch._foreach_copy_(self.low, self.high)
                 for (state, k), old in zip(self.slots, self.low, strict=True):
                     state[k] = old
-            else:  # the optimizer put new tensors there: no flat states for it
-                replaced = True
+            else:  # the optimizer put new tensors there
                 for (state, k), old, v in zip(self.slots, self.low, now, strict=True):
                     if float_state(v) and v.dtype == torch.float32:
                         state[k] = old.copy_(v)
-        created = False
         for p, keys, d in zip(self.params, self.keys, self.data, strict=True):
             after = self.opt_state.get(p)
             if not after or len(after) == len(keys):
@@ -274,33 +242,6 @@ class GroupStep:
             for k, v in list(after.items()):
                 if k not in keys and float_state(v) and v.dtype == torch.float32:
                     after[k] = v.to(d.dtype)
-                    created = True
-        if self.full and not replaced and self.high_flat is None and (created or self.slots):
-            self._flatten_states()
-
-    def _flatten_states(self) -> None:
-        """Move the members' low-precision states into one flat tensor of the plan, each state
-        entry a view of it in the swap's order (the optimizer's ``state_dict()`` shows the
-        same tensors, shapes and dtypes; a checkpoint stores the flat storage once): later
-        steps copy them in and out in one operation each. After the first step, and after a
-        load replaced them. Cost: one copy of the states."""
-        slots, low = [], []
-        for p in self.params:
-            state = self.opt_state.get(p)
-            for k, v in state.items() if state else ():
-                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and v.dim():
-                    slots.append((state, k))
-                    low.append(v)
-        if not low or any(
-            v.dtype != low[0].dtype or v.device != low[0].device or v.is_sparse for v in low
-        ):
-            return
-        flat = torch.empty(sum(v.numel() for v in low), dtype=low[0].dtype, device=low[0].device)
-        views = list(_unflatten(flat, low))
-        torch._foreach_copy_(views, low)
-        for (state, k), view in zip(slots, views, strict=True):
-            state[k] = view
-        self.plan.state_flat, self.plan.state_views = flat, views
 
     def restore(self, states: bool = True) -> None:
         """Put the low-precision weights and gradients back (and, unless ``states`` is False,
