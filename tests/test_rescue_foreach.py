@@ -249,6 +249,14 @@ def test_one_random_draw_per_group_whatever_the_number_of_parameters():
         assert ops.count("bitwise_and_") == 1  # the truncation (the noise is read unsigned)
 
 
+def test_the_noise_is_the_four_16_bit_quarters_of_each_64_bit_word_in_order():
+    gen = torch.Generator().manual_seed(SEED)
+    words = torch.empty(3, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+    expected = [(int(w) >> (16 * q)) & 0xFFFF for w in words.tolist() for q in range(4)][:11]
+    noise = draw_noise(11, torch.Generator().manual_seed(SEED), torch.device("cpu"))
+    assert noise.dtype == torch.int32 and noise.tolist() == expected
+
+
 def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, data) -> None:
     for x, y in data:
         loss_of(model, x, y).backward()
