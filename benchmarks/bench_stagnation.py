@@ -16,12 +16,12 @@ momentum, AdamW, torch's Adafactor and a Lion written here. Methods (every one t
 Columns: the final loss (mean of the last 10% of steps), the persistent bytes per parameter beyond
 the low-precision weights and states (fp32 master weights: a 4-byte copy), the step time over the
 ``bf16`` row of the same model and optimizer, the share of the loss gap between ``bf16`` and
-``fp32`` that the method closes (the step times: CPU time of one torch thread, medians of 9
-interleaved rounds of 10 steps after training), and the share of AdamW's decoupled weight
-decay applied (a decay-only run: zero gradients, ``lr=1e-3``, ``weight_decay=1e-2``, 200
-steps, the stored weight plus its Kahan buffer; ``auto`` with the layers it chose in
-training). The ``.half()`` model's AdamW uses ``eps=1e-4``: the default 1e-8 is 0 in fp16, and
-pure fp16 turns NaN (AG366).
+``fp32`` that the method closes (the step times: CPU time of one torch thread, medians of 15
+interleaved rounds of at least 10 steps and 0.1 s after training), and the share of AdamW's
+decoupled weight decay applied (a decay-only run: zero gradients, ``lr=1e-3``,
+``weight_decay=1e-2``, 200 steps, the stored weight plus its Kahan buffer; ``auto`` with the
+layers it chose in training). The ``.half()`` model's AdamW uses ``eps=1e-4``: the default
+1e-8 is 0 in fp16, and pure fp16 turns NaN (AG366).
 
     python benchmarks/bench_stagnation.py --steps 2000      # the issue's length
     python benchmarks/bench_stagnation.py --steps 300 --models mlp   # quick
@@ -202,10 +202,17 @@ def train(model_name: str, opt_name: str, method: str, steps: int) -> dict | Non
     return {"loss": final, "bytes": extra, "decisions": decisions, "step": step}
 
 
-def interleaved_times(rows: dict, rounds: int = 9, steps: int = 10) -> dict[str, float]:
+def interleaved_times(rows: dict, rounds: int = 15, least: float = 0.1) -> dict[str, float]:
     """Median CPU seconds per step of each method (this process, one torch thread), timed in
-    alternating rounds: on a shared machine wall time swings by 10x, CPU time much less."""
+    alternating rounds: on a shared machine wall time swings by 10x, CPU time much less. A
+    round is at least 10 steps and ``least`` CPU seconds of the plain step (a 1 ms step in
+    rounds of 10 swung by 0.3x between methods that run the same operations)."""
     times: dict[str, list[float]] = {m: [] for m, r in rows.items() if r is not None}
+    first = next(iter(times))
+    t0 = time.process_time()
+    for _ in range(5):
+        rows[first]["step"]()
+    steps = max(10, math.ceil(least / max((time.process_time() - t0) / 5, 1e-6)))
     for _ in range(rounds):
         for m in times:
             t0 = time.process_time()

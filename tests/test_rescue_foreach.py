@@ -246,7 +246,61 @@ def test_one_random_draw_per_group_whatever_the_number_of_parameters():
         ops = one_step_ops(model, opt)
         draws = [op for op in ops if "rand" in op]
         assert len(draws) == 1, (depth, draws)
-        assert ops.count("bitwise_and_") == 2  # the noise's 16 bits and the truncation
+        assert ops.count("bitwise_and_") == 1  # the truncation (the noise is read unsigned)
+
+
+def test_the_noise_is_the_four_16_bit_quarters_of_each_64_bit_word_in_order():
+    gen = torch.Generator().manual_seed(SEED)
+    words = torch.empty(3, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+    expected = [(int(w) >> (16 * q)) & 0xFFFF for w in words.tolist() for q in range(4)][:11]
+    noise = draw_noise(11, torch.Generator().manual_seed(SEED), torch.device("cpu"))
+    assert noise.dtype == torch.int32 and noise.tolist() == expected
+
+
+def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, data) -> None:
+    for x, y in data:
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_the_rescued_optimizer_state_dict_looks_stock():
+    model = model_of(torch.bfloat16)
+    opt = OPTS["adamw"](model.parameters())
+    rescue = Rescue([opt], list(model.parameters()))
+    rescue.cover(list(range(len(rescue.params))), "kahan")
+    stock = model_of(torch.bfloat16)
+    stock_opt = OPTS["adamw"](stock.parameters())
+    plain_steps(model, opt, batches(3))
+    plain_steps(stock, stock_opt, batches(3))
+    ours, theirs = opt.state_dict(), stock_opt.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for i, st in theirs["state"].items():
+        assert ours["state"][i].keys() == st.keys()
+        for k, v in st.items():
+            assert (ours["state"][i][k].dtype, ours["state"][i][k].shape) == (v.dtype, v.shape)
+
+
+def test_loading_a_state_dict_mid_run_continues_bitwise(tmp_path):
+    def run(load: bool) -> list[torch.Tensor]:
+        model = model_of(torch.bfloat16)
+        opt = OPTS["adamw"](model.parameters())
+        rescue = Rescue([opt], list(model.parameters()))
+        rescue.cover(list(range(len(rescue.params))), "kahan")
+        data = batches(8)
+        plain_steps(model, opt, [next(data) for _ in range(4)])
+        if load:  # replaces every state tensor: the rescue swaps the new ones
+            torch.save(opt.state_dict(), tmp_path / "opt.pt")
+            opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+            low = [v for s in opt.state.values() for v in s.values() if v.dim()]
+            assert all(v.dtype == torch.bfloat16 for v in low)
+        plain_steps(model, opt, data)
+        states = [v for s in opt.state.values() for v in s.values() if v.dim()]
+        return [p.detach().clone() for p in model.parameters()] + states
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_step_that_raises_puts_the_low_precision_states_back():
