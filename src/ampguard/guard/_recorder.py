@@ -14,8 +14,8 @@ The file (``kind: "ampguard.flight_recorder"``, ``version: 1``): ``rank``, ``wor
 ``trigger``, ``step``, ``names`` (the parameters, in the order of ``grad_norm`` and
 ``update_ratio``), ``modules`` (the layers, in the order of ``amax``), ``rows`` (one per
 recorded window, oldest first: ``step``, ``lr``, ``loss``, ``bound``, ``level``, ``spike``,
-``status``, ``scale``, ``grad_norm``, ``update_ratio``, ``amax``; NaN and inf as null) and ``spikes`` (the detected spikes: ``step``, ``loss``,
-``bound``, ``level``, ``action``).
+``status``, ``scale``, ``grad_norm``, ``update_ratio``, ``amax``; NaN and inf as null) and
+``spikes`` (the detected spikes: ``step``, ``loss``, ``bound``, ``level``, ``action``).
 Cost of a dump: one host sync (the ring's copy) and the write.
 """
 
