@@ -90,3 +90,36 @@ def test_persistent_fault_is_named_at_the_op_that_computed_it(fault, module, op,
         fault["phase"],
         op,
     )
+
+
+def test_hf_gpt2_backward_fault_in_conv1d_is_named_mm() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, resid_pdrop=0.0
+    )
+    config.attn_pdrop = config.embd_pdrop = 0.0
+    model = transformers.GPT2LMHeadModel(config)
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor]) -> torch.Tensor:
+        return m(input_ids=b[0], labels=b[0]).loss
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ag.Guard(model, opt, precision="bf16", snapshot_every=1)
+    rec = ag.SignatureRecorder(model, clock=lambda: guard.steps)
+    name = "transformer.h.0.attn.c_proj"
+    fault = inject_fault(model, module=name, phase="backward", step=1, persistent=True, guard=guard)
+    with fault:
+        for i in range(2):
+            b = (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)),)
+            with guard.autocast():
+                loss = loss_fn(model, b)
+            guard.backward(loss)
+            guard.step(batch=b, loss_fn=loss_fn)
+        (event,) = ag.triage(guard, recorder=rec, step=1)
+    assert (event.cause, event.module, event.phase, event.op) == (
+        "persistent_fault",
+        name,
+        "backward",
+        "aten.mm",
+    )
