@@ -72,6 +72,8 @@ def _triage(**fault) -> ag.TriageEvent:
         # the module's input gradient: an mm, viewed to the input's shape, cloned by the injector
         ({"module": "1", "phase": "backward"}, "1", "aten.mm"),
         ({"module": "3", "phase": "backward"}, "3", "aten.mm"),
+        # the first layer's input needs no gradient: its weight's (an mm, cast back to fp32)
+        ({"module": "0", "phase": "backward"}, "0", "aten.mm"),
         # an op's output in the backward, through the transposes and the copy
         ({"module": "2", "op": "aten.bmm", "phase": "backward"}, "2", "aten.bmm"),
         ({"module": "1", "op": "aten.mm", "phase": "backward"}, "1", "aten.mm"),

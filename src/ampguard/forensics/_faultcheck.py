@@ -8,7 +8,7 @@ gradient differs beyond rounding from what the same inputs give on the reference
 wrong itself (its inputs were what the device gave it), which is what a broken unit does.
 :func:`bisect_op` then re-executes that module on the device with every aten op checked
 against its own re-execution on the reference, and names the first op that differs (or, for a
-value corrupted after its kernel wrote it, the op that produced it).
+value corrupted after its kernel wrote it, the op that computed it, through views and copies).
 """
 
 from __future__ import annotations
@@ -258,17 +258,19 @@ class _OpCheck(TorchDispatchMode):
         super().__init__()
         self.first_bad: str | None = None
         self.outputs: list[tuple[str, torch.Tensor]] = []
-        self._origins: dict[int, tuple[str, torch.Tensor]] = {}  # storage -> (op, a holder)
+        self._origins: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}  # -> (op, holder)
 
     def origin(self, t: torch.Tensor) -> str | None:
         """The op that computed the values ``t``'s storage holds: a view shares its base's
         storage, a copy (clone, cast, ``copy_``, ``_unsafe_view``) takes its source's op, an
         in-place op is the op of what it wrote. None for a tensor no op here wrote."""
-        entry = self._origins.get(_storage(t))
+        key = _storage(t)
+        entry = self._origins.get(key) if key is not None else None
         return entry[0] if entry is not None else None
 
     def _trace(self, func: Any, name: str, args: Any, tensors: list[torch.Tensor]) -> None:
-        aliases = [r.alias_info for r in func._schema.returns if r.alias_info is not None]
+        returns = getattr(getattr(func, "_schema", None), "returns", ())
+        aliases = [r.alias_info for r in returns if r.alias_info is not None]
         if aliases and not any(a.is_write for a in aliases):
             return  # a view: the values are its base's, whose storage it shares
         origin = name
@@ -278,7 +280,7 @@ class _OpCheck(TorchDispatchMode):
             origin = (self.origin(sources[at]) if len(sources) > at else None) or name
         for t in tensors:
             key = _storage(t)
-            if key:  # the holder keeps the storage alive: its address is not reused
+            if key is not None:  # the holder keeps the storage alive: its address stays its own
                 self._origins[key] = (origin, t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -306,11 +308,13 @@ def _is_view(func: Any) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> tuple[str, int] | None:
+    """``t``'s storage: its device and address (None without one: empty, meta, a subclass)."""
     try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, meta)
-        return 0
+        ptr = int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (str(t.device), ptr) if ptr else None
 
 
 def _to_cpu(value: Any) -> Any:
@@ -327,12 +331,11 @@ def bisect_op(
     """Re-execute ``deviation.module`` on the device with every op checked: ``(op, how)``.
 
     ``how`` is ``"op output"`` when an op's own output differs from its re-execution on the
-    reference (from the same inputs: the op computed wrong), or ``"after the op"`` when every
-    op computed right and the module's result (its output, input gradient or parameter
-    gradient) was corrupted afterwards: the op named is the one that computed the values the
-    corrupted tensor holds, followed back through views, transposes and copies (a
-    ``reshape``'s clone, autocast's casts, the clone of a gradient hook), so HF GPT-2's
-    ``Conv1D`` input gradient (an ``mm`` viewed to the input's shape) names ``aten.mm``.
+    reference from the same inputs, or ``"after the op"`` when every op computed right and the
+    module's output, input gradient or parameter gradient was corrupted afterwards: named is
+    the op that computed the values the corrupted tensor holds, through views, transposes and
+    copies (a ``reshape``'s clone, autocast's casts, a gradient hook's clone): HF GPT-2's
+    ``Conv1D`` input gradient, an ``mm`` viewed to the input's shape, names ``aten.mm``.
     Cost: one forward (and backward for a backward deviation) of the module, each op run
     twice, and host syncs per op.
     """
@@ -363,7 +366,8 @@ def bisect_op(
             results, expected = _backward_results(deviation, grads, len(inputs))
     if check.first_bad is not None:
         return check.first_bad, "op output"
-    bad = _first_deviating(results, expected)
+    both = zip(results, expected, strict=False)
+    bad = next((r for r, e in both if _tensors(r, e) and deviates(r, e)), None)
     op = check.origin(bad) if bad is not None else None
     return op or _producer(check.outputs, deviation.expected), "after the op"
 
@@ -382,16 +386,13 @@ def _backward_results(
     return [grads[n_inputs + index]], [deviation.expected]
 
 
-def _first_deviating(results: list[Any], expected: list[Any]) -> torch.Tensor | None:
-    for r, e in zip(results, expected, strict=False):
-        if isinstance(r, torch.Tensor) and isinstance(e, torch.Tensor) and deviates(r, e):
-            return r
-    return None
+def _tensors(*values: Any) -> bool:
+    return all(isinstance(v, torch.Tensor) for v in values)
 
 
 def _producer(outputs: list[tuple[str, torch.Tensor]], expected: Any) -> str | None:
-    """The last op whose output holds the (uncorrupted) value of the corrupted tensor; a cast
-    or copy of it (autocast's ``_to_copy`` of a bf16 gradient to fp32) names the op before."""
+    """For a corrupted tensor no op here wrote: the last op whose output holds its right value
+    (a cast or copy of it names the op before)."""
     wanted = floats(expected)
     found = None
     for name, t in reversed(outputs):
