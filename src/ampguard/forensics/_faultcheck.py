@@ -8,7 +8,7 @@ gradient differs beyond rounding from what the same inputs give on the reference
 wrong itself (its inputs were what the device gave it), which is what a broken unit does.
 :func:`bisect_op` then re-executes that module on the device with every aten op checked
 against its own re-execution on the reference, and names the first op that differs (or, for a
-value corrupted after its kernel wrote it, the op that produced it).
+value corrupted after its kernel wrote it, the op that computed it, through views and copies).
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class Deviation:
     what: str
     capture: _Capture = field(repr=False, default_factory=lambda: _Capture((), None))
     expected: Any = field(repr=False, default=None)
+    index: int | None = None  # a parameter gradient's: which of the module's trained parameters
 
 
 def _map(fn: Callable[[Any], Any], value: Any) -> Any:
@@ -233,11 +234,11 @@ def reference_check(
         device_gin = [g for g in _pad(cap.grad_input, len(cap.args)) if g is not None]
         if gin and deviates(device_gin, [g for g in gin if g is not None]):
             return Deviation("backward", name, "input gradient", cap, gin)
-        for p, ref_g in zip(params_of[name], gparams, strict=False):
+        for i, (p, ref_g) in enumerate(zip(params_of[name], gparams, strict=False)):
             if id(p) in shared:  # a tied weight's gradient sums its other users' too
                 continue
             if p.grad is not None and ref_g is not None and deviates(p.grad, ref_g):
-                return Deviation("backward", name, "parameter gradient", cap, ref_g)
+                return Deviation("backward", name, "parameter gradient", cap, ref_g, i)
     return None
 
 
@@ -250,19 +251,47 @@ def _draws_random(module: torch.nn.Module) -> bool:
 
 
 class _OpCheck(TorchDispatchMode):
-    """Checks every op's output against the same op re-executed on the reference."""
+    """Checks every op's output against the same op re-executed on the reference, and keeps
+    which op computed the values each output's storage holds (:meth:`origin`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.first_bad: str | None = None
         self.outputs: list[tuple[str, torch.Tensor]] = []
+        self._origins: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}  # -> (op, holder)
+
+    def origin(self, t: torch.Tensor) -> str | None:
+        """The op that computed the values ``t``'s storage holds: a view shares its base's
+        storage, a copy (clone, cast, ``copy_``, ``_unsafe_view``) takes its source's op, an
+        in-place op is the op of what it wrote. None for a tensor no op here wrote."""
+        key = _storage(t)
+        entry = self._origins.get(key) if key is not None else None
+        return entry[0] if entry is not None else None
+
+    def _trace(self, func: Any, name: str, args: Any, tensors: list[torch.Tensor]) -> None:
+        returns = getattr(getattr(func, "_schema", None), "returns", ())
+        aliases = [r.alias_info for r in returns if r.alias_info is not None]
+        if aliases and not any(a.is_write for a in aliases):
+            return  # a view: the values are its base's, whose storage it shares
+        origin = name
+        if name in _COPIES:  # copy_(dst, src): the source is the second tensor
+            sources = [a for a in args if isinstance(a, torch.Tensor)]
+            at = 1 if name == "aten.copy_" else 0
+            origin = (self.origin(sources[at]) if len(sources) > at else None) or name
+        for t in tensors:
+            key = _storage(t)
+            if key is not None:  # the holder keeps the storage alive: its address stays its own
+                self._origins[key] = (origin, t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = op_name(func)
         tensors = floats(out)
-        if not tensors or _is_view(func):
+        if not tensors:
+            return out
+        self._trace(func, name, args, tensors)
+        if _is_view(func):
             return out
         with on_reference_device():
             ref_args = _map(_to_cpu, args)
@@ -279,6 +308,15 @@ def _is_view(func: Any) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def _storage(t: torch.Tensor) -> tuple[str, int] | None:
+    """``t``'s storage: its device and address (None without one: empty, meta, a subclass)."""
+    try:
+        ptr = int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (str(t.device), ptr) if ptr else None
+
+
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
@@ -293,8 +331,11 @@ def bisect_op(
     """Re-execute ``deviation.module`` on the device with every op checked: ``(op, how)``.
 
     ``how`` is ``"op output"`` when an op's own output differs from its re-execution on the
-    reference, or ``"after the op"`` when every op computed right and the module's result was
-    corrupted afterwards (the op named is the one that produced the corrupted value).
+    reference from the same inputs, or ``"after the op"`` when every op computed right and the
+    module's output, input gradient or parameter gradient was corrupted afterwards: named is
+    the op that computed the values the corrupted tensor holds, through views, transposes and
+    copies (a ``reshape``'s clone, autocast's casts, a gradient hook's clone): HF GPT-2's
+    ``Conv1D`` input gradient, an ``mm`` viewed to the input's shape, names ``aten.mm``.
     Cost: one forward (and backward for a backward deviation) of the module, each op run
     twice, and host syncs per op.
     """
@@ -307,27 +348,51 @@ def bisect_op(
         warnings.simplefilter("ignore")  # full backward hooks of a module given no grad input
         if deviation.phase == "forward":
             with check, autocast():
-                module(*args)
+                out = module(*args)
+            results: list[Any] = floats(out)
+            expected: list[Any] = floats(deviation.expected)
         else:
             with autocast():
                 out = module(*args)
             outs = [t for t in floats(out) if t.requires_grad]
             gouts = _pad(deviation.capture.grad_output, len(outs))
             pairs = [(o, g.to(o.device)) for o, g in zip(outs, gouts, strict=True) if g is not None]
-            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            wrt += [p for p in module.parameters() if p.requires_grad]
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            params = [p for p in module.parameters() if p.requires_grad]
             with check:
-                torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], inputs + params, [g for _, g in pairs], allow_unused=True
                 )
+            results, expected = _backward_results(deviation, grads, len(inputs))
     if check.first_bad is not None:
         return check.first_bad, "op output"
-    return _producer(check.outputs, deviation.expected), "after the op"
+    both = zip(results, expected, strict=False)
+    bad = next((r for r, e in both if _tensors(r, e) and deviates(r, e)), None)
+    op = check.origin(bad) if bad is not None else None
+    return op or _producer(check.outputs, deviation.expected), "after the op"
+
+
+def _backward_results(
+    deviation: Deviation, grads: tuple[Any, ...], n_inputs: int
+) -> tuple[list[Any], list[Any]]:
+    """The re-executed gradients and the reference's, position by position: the inputs'
+    (the reference's ``expected`` is one per input needing a gradient), or the one parameter's
+    gradient that deviated."""
+    if deviation.what == "input gradient":
+        return list(grads[:n_inputs]), _pad(deviation.expected, n_inputs)
+    index = deviation.index
+    if index is None or n_inputs + index >= len(grads):
+        return [], []
+    return [grads[n_inputs + index]], [deviation.expected]
+
+
+def _tensors(*values: Any) -> bool:
+    return all(isinstance(v, torch.Tensor) for v in values)
 
 
 def _producer(outputs: list[tuple[str, torch.Tensor]], expected: Any) -> str | None:
-    """The last op whose output holds the (uncorrupted) value of the corrupted tensor; a cast
-    or copy of it (autocast's ``_to_copy`` of a bf16 gradient to fp32) names the op before."""
+    """For a corrupted tensor no op here wrote: the last op whose output holds its right value
+    (a cast or copy of it names the op before)."""
     wanted = floats(expected)
     found = None
     for name, t in reversed(outputs):
@@ -338,4 +403,6 @@ def _producer(outputs: list[tuple[str, torch.Tensor]], expected: Any) -> str | N
     return found or (outputs[-1][0] if outputs else None)
 
 
-_COPIES = frozenset({"aten._to_copy", "aten.clone", "aten.copy_", "aten.contiguous"})
+_COPIES = frozenset(
+    {"aten._to_copy", "aten.clone", "aten.copy_", "aten.contiguous", "aten._unsafe_view"}
+)
