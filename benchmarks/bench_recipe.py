@@ -26,6 +26,7 @@ from torch import nn
 import ampguard as ag
 from ampguard.demo.fp8_model import MassiveActivation
 from ampguard.experiments import _recipe_search as _search
+from ampguard.experiments._fidelity_score import fidelity_score
 from ampguard.experiments._fp8 import _tail
 from ampguard.experiments._recipe_search import _flop_share, _train
 from ampguard.fp8._fidelity import gradient_fidelity as ag_fidelity
@@ -156,15 +157,17 @@ def _fixed(model: nn.Module, loss_fn, batch) -> dict[str, dict[str, str]]:
     }
 
 
-def _gap_table(factory, loss_fn, held, recipes, seeds) -> dict[str, list[float]]:
-    """Every recipe's final-loss gap to bf16 per seed, and the judge's tolerance (key "")."""
-    bf16 = [_tail(_train(factory, loss_fn, held, {}, s, _opt))[1] for s in range(seeds)]
+def _gap_table(factory, loss_fn, held, recipes, seeds, first: int = 0) -> dict[str, list[float]]:
+    """Every recipe's final-loss gap to bf16 per seed (seeds ``first`` on), and the judge's
+    tolerance (key "")."""
+    run = range(first, first + seeds)
+    bf16 = [_tail(_train(factory, loss_fn, held, {}, s, _opt))[1] for s in run]
     sigma = statistics.stdev(bf16) if seeds > 1 else 0.0
     out = {"": [max(3 * sigma, 0.005 * b) for b in bf16]}
     for label, recipe in recipes.items():
         out[label] = [
-            _tail(_train(factory, loss_fn, held, recipe, s, _opt))[1] - bf16[s]
-            for s in range(seeds)
+            _tail(_train(factory, loss_fn, held, recipe, s, _opt))[1] - bf16[i]
+            for i, s in enumerate(run)
         ]
     return out
 
@@ -173,10 +176,12 @@ def _fails(gaps: list[float], tol: list[float]) -> int:
     return sum(not (math.isfinite(g) and g <= t) for g, t in zip(gaps, tol, strict=True))
 
 
-def _meter_score(factory, loss_fn, batches, recipe, steps: int) -> float:
-    """The fidelity meter after ``steps`` bf16 steps: the sum over layers of the squared
-    relative gradient error plus the share of lost input features."""
-    torch.manual_seed(0)
+def _meter_score(factory, loss_fn, batches, recipe, steps: int, seed: int = 0) -> tuple:
+    """The fidelity meter after ``steps`` bf16 steps (model and steps under ``seed``), read
+    three ways: the sum over layers of the squared relative gradient error plus the share of
+    lost input features (the first score), ``lost_progress`` plus the lost inputs, and
+    ``fidelity_score`` (the worst layer's direction error plus the lost inputs)."""
+    torch.manual_seed(seed)
     model = factory()
     opt = _opt(model.parameters())
     for b in batches[:steps]:
@@ -190,7 +195,8 @@ def _meter_score(factory, loss_fn, batches, recipe, steps: int) -> float:
                      "params": {n: m.weight.numel() for n, m in model.named_modules()
                                 if isinstance(m, nn.Linear)}})  # fmt: skip
     old = sum(m["rel_error"] ** 2 + m["lost_inputs"] for m in meter.values())
-    return old, lost_progress(meter) + sum(m["lost_inputs"] for m in meter.values())
+    progress = lost_progress(meter) + sum(m["lost_inputs"] for m in meter.values())
+    return old, progress, fidelity_score(meter)
 
 
 def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
@@ -204,7 +210,9 @@ def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
     return out
 
 
-def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int, dump: str = "") -> None:
+def run(
+    name: str, steps: int, long: int, seeds: int, rank_seeds: int, dump: str = "", first: int = 0
+) -> None:
     """Print the model's rows as they come (a row per recipe, the search, the rank check)."""
     cls, loss_fn, task = MODELS[name]
 
@@ -243,20 +251,23 @@ def run(name: str, steps: int, long: int, seeds: int, rank_seeds: int, dump: str
     )
     if rank_seeds:
         ranked = {**recipes, **_rank_recipes(_linears(model), len(recipes))}
-        final = _gap_table(factory, loss_fn, held, ranked, rank_seeds)
+        final = _gap_table(factory, loss_fn, held, ranked, rank_seeds, first)
         final.pop("")
         early = max(1, long // 20)  # 5% of the held-out run
-        score = {k: _meter_score(factory, loss_fn, held, r, early) for k, r in ranked.items()}
+        score = {k: _meter_score(factory, loss_fn, held, r, early, first)
+                 for k, r in ranked.items()}  # fmt: skip
         labels = list(ranked)
         gap = [statistics.mean(final[k]) for k in labels]
-        rho_old = _spearman([score[k][0] for k in labels], gap)
-        rho = _spearman([score[k][1] for k in labels], gap)
+        rho_old, rho_progress, rho = (
+            _spearman([score[k][i] for k in labels], gap) for i in range(3)
+        )
         if dump:
             with open(dump, "w") as f:
                 json.dump({"labels": labels, "gap": gap, "readings": READINGS}, f)
         emit(f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by final "
-             f"gap: Spearman rho {rho:.2f} by lost_progress, {rho_old:.2f} by the summed "
-             f"squared relative error; {rank_seeds} seeds) | | | |")  # fmt: skip
+             f"gap: Spearman rho {rho:.2f} by fidelity_score, {rho_old:.2f} by the summed "
+             f"squared relative error, {rho_progress:.2f} by lost_progress; seeds {first}-"
+             f"{first + rank_seeds - 1}) | | | |")  # fmt: skip
 
 
 def _count_passes():
@@ -340,6 +351,8 @@ def main() -> None:
     ap.add_argument("--rank-seeds", type=int, default=3, help="seeds of the rank check (0: off)")
     ap.add_argument("--quick", action="store_true", help="3 seeds, 150 steps, no rank check")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rank-first", type=int, default=0,
+                    help="the rank check's first seed (held-out seeds: 3)")  # fmt: skip
     ap.add_argument("--rank-dump", default="", help="write the rank check's readings (JSON)")
     ap.add_argument("--gpt2", action="store_true", help="only the search on HF GPT-2")
     args = ap.parse_args()
@@ -356,7 +369,7 @@ def main() -> None:
     print("| model | recipe | matmul FLOPs in NVFP4 | held-out fails | worst gap / tolerance |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        run(name, args.steps, long, args.seeds, args.rank_seeds, args.rank_dump)
+        run(name, args.steps, long, args.seeds, args.rank_seeds, args.rank_dump, args.rank_first)
 
 
 if __name__ == "__main__":
