@@ -9,10 +9,15 @@ step started from:
 2. a replay that reproduces the record bit for bit is checked module by module against a
    reference (:func:`reference_check`: each module re-run on the CPU from the device's own
    inputs). A module that computes wrong from right inputs every time is a **persistent
-   fault**; the op is found by :func:`bisect_op`;
+   fault**; the op is found by :func:`bisect_op`. A failed step whose batch or weights already
+   held a NaN/inf is explained by them: it is not reference-checked (its replay copies
+   nothing), and goes on to 3;
 3. otherwise the step is replayed in fp32: when it still fails, the cause is the **model or
    data**; when it does not, it is **numerics** (the low precision), and ``locate``'s
    :class:`Diagnosis` of the batch is attached.
+
+The replays themselves are :mod:`ampguard.forensics._triage_runs`'s; what an event is once
+decided, :mod:`ampguard.forensics._triage_event`'s.
 
 Under DDP every rank triages its own replay, a peer replays its batch too
 (:mod:`ampguard.forensics._triage_peer`: a rank whose record a peer does not reproduce computes
@@ -81,14 +86,18 @@ def triage_step(
     one training ``model``, also updates that round away or an eps that underflows); else it is
     model or data.
 
-    Cost: one replay at the step's precision, signatures recorded and every leaf's inputs,
-    outputs and gradients copied (a transient fault ends here); when it reproduces, one
-    reference pass of every leaf module on the CPU; then one fp32 replay (numerics: plus
-    ``locate``'s two to five traced passes). A persistent fault adds one re-execution of its
-    module with every op run twice. Measured (fault zoo, median step-equivalents): transient
-    1.8 on HF GPT-2 (2 x 128), 2.8 on a sub-millisecond MLP; persistent 2.8 and 5.3; numerics
-    about 35 (``locate`` most of it). Host syncs throughout: this runs after a failure, not
-    per step.
+    Cost, in passes (a pass: one forward+backward of the step): one replay at the step's
+    precision, its signatures recorded and every leaf's inputs, outputs and gradients copied
+    (a transient fault ends here; a batch or weights holding NaN/inf: no copies); when it
+    reproduces, the CPU reference of every leaf module (about one pass, module by module),
+    skipped when the batch or weights explain the failure; then one fp32 replay (no
+    signatures; model or data ends here); numerics adds ``locate``'s two to five traced
+    passes (each a few passes' worth: every op's output reduced), which name the event's
+    ``module`` and ``op``. A persistent fault adds one re-execution of its module with every op
+    run twice. Measured (fault zoo, CPU time, median step-equivalents, HF GPT-2 2 x 128 / a
+    sub-millisecond MLP): transient 1.8 / 2.7, persistent 2.9 / 4.9, model or data 2.6 (an inf
+    weight) / 4-9, numerics - / about 30 (``locate`` 20 of it). Host syncs throughout: this
+    runs after a failure, not per step.
     """
     from ampguard.forensics._locate import locate
 
@@ -203,8 +212,9 @@ def triage(
     also after ``guard.close()``, and written to ``RUN_DIR/triage/rank<R>.json`` for
     ``ampguard postmortem``.
 
-    Cost: per event, see :func:`triage_step` (about three step-equivalents, host syncs);
-    nothing on the training path.
+    Cost: per event, see :func:`triage_step` (one to five step-equivalents for a fault or a
+    model/data bug, tens for numerics, whose ``locate`` traces every op; host syncs); nothing
+    on the training path.
     """
     if recorder is None:
         recorder = getattr(guard, "signatures", None)

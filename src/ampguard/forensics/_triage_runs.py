@@ -25,7 +25,6 @@ import torch
 
 from ampguard.core.policy import PrecisionPolicy
 from ampguard.forensics._faultcheck import Captures, floats
-from ampguard.forensics._replay import nonfinite_leaves
 from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
 
 __all__ = ["Replayed", "compare", "explained", "first_bad_module", "fp32_failed", "run"]
@@ -138,21 +137,42 @@ def fp32_failed(
 
 
 def explained(model: torch.nn.Module, batch: Any) -> str | None:
-    """What already holds a NaN/inf before any op runs: ``"batch"`` (a floating tensor of it),
-    ``"weights"`` (a parameter or buffer), or None. Cost: one host sync per floating batch
-    tensor, one for the weights."""
-    if nonfinite_leaves(batch):
-        return "batch"
+    """What already holds a NaN/inf before any op runs: ``"batch"`` (a floating tensor of it,
+    found as :func:`~ampguard.forensics._replay.nonfinite_leaves` walks it), ``"weights"`` (a
+    parameter or buffer), or None. Cost: one ``_foreach_norm`` (max |x|) over them all, one
+    host sync."""
+    inputs = _batch_floats(batch)
     state = [
         t.detach()
         for t in (*model.parameters(), *model.buffers())
         if t.is_floating_point() and t.numel()
     ]
-    if not state:
+    tensors = inputs + state
+    if not tensors:
         return None
-    device = state[0].device
-    peaks = torch.stack([n.float().to(device) for n in torch._foreach_norm(state, math.inf)])
-    return None if bool(torch.isfinite(peaks).all()) else "weights"
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    home = tensors[0].device
+    peaks: list[torch.Tensor] = [torch.empty(())] * len(tensors)
+    for idx in groups.values():  # a foreach per device (the batch may sit elsewhere)
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], math.inf), strict=True):
+            peaks[i] = n.float().to(home)
+    fine = torch.isfinite(torch.stack(peaks)).tolist()
+    if not all(fine[: len(inputs)]):
+        return "batch"
+    return None if all(fine[len(inputs) :]) else "weights"
+
+
+def _batch_floats(batch: Any) -> list[torch.Tensor]:
+    """The non-empty floating tensors of ``batch`` (tensors, lists, tuples, dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch.detach()] if batch.is_floating_point() and batch.numel() else []
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _batch_floats(item)]
+    if isinstance(batch, dict):
+        return [t for item in batch.values() for t in _batch_floats(item)]
+    return []
 
 
 def compare(recorded: StepSignature, low: Replayed) -> tuple[str, str | None, str] | None:
