@@ -95,8 +95,8 @@ def triage_step(
     passes (each a few passes' worth: every op's output reduced), which name the event's
     ``module`` and ``op``. A persistent fault adds one re-execution of its module with every op
     run twice. Measured (fault zoo, CPU time, median step-equivalents, HF GPT-2 2 x 128 / a
-    sub-millisecond MLP): transient 1.8 / 2.7, persistent 2.9 / 4.9, model or data 2.6 (an inf
-    weight) / 4-9, numerics - / about 30 (``locate`` 20 of it). Host syncs throughout: this
+    sub-millisecond MLP): transient 1.8 / 2.7, persistent 2.9 / 4.9, model or data 2.9 (an inf
+    weight) / 5-9, numerics - / about 31 (``locate`` 13-24 of it). Host syncs throughout: this
     runs after a failure, not per step.
     """
     from ampguard.forensics._locate import locate
