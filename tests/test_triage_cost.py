@@ -113,13 +113,14 @@ def test_a_nan_the_batch_or_weights_hold_needs_no_reference_check(monkeypatch, w
         "forward",
     )
     assert (fwd, ref) == (2, 0)  # the replay and the fp32 replay; no CPU reference
-    assert ev.evidence["replays"] == 2 and where in ev.evidence["reference"]
+    assert ev.evidence["replays"] == 2 and ev.evidence["explained_by"] == where
 
 
 def test_a_nan_the_loss_makes_is_reference_checked(monkeypatch) -> None:
     ev, fwd, ref = _triaged(_mlp(), _log_zero, _batch(), monkeypatch=monkeypatch)
     assert (ev.cause, ev.module) == ("model_or_data", None)
     assert (fwd, ref) == (2, 1) and ev.evidence["replays"] == 3
+    assert "explained_by" not in ev.evidence
 
 
 def test_numerics_event_passes(monkeypatch) -> None:
@@ -130,3 +131,19 @@ def test_numerics_event_passes(monkeypatch) -> None:
     assert (ev.cause, ev.op) == ("numerics", "aten.mul") and ev.diagnosis is not None
     # the replay, the fp32 replay, then locate's low-precision and fp32 traced passes
     assert (fwd, ref) == (4, 1)
+
+
+def test_a_nan_that_does_not_reach_the_step_is_checked_in_full(monkeypatch) -> None:
+    model = _mlp()
+    model.register_buffer("unused", torch.tensor([float("nan")]))  # read by nothing
+    ev, _, ref = _triaged(model, _loss, _batch(), monkeypatch=monkeypatch)
+    assert ev.cause == "model_or_data" and ev.evidence["reproduced"] is True
+    assert ref == 1 and "explained_by" not in ev.evidence
+
+
+def test_a_transient_fault_on_a_nan_batch_is_still_transient(monkeypatch) -> None:
+    model, batch = _mlp(), _batch()
+    batch[0][3, 2] = float("nan")
+    with inject_fault(model, module="2", bit="mantissa", element=40):
+        ev, fwd, ref = _triaged(model, _loss, batch, monkeypatch=monkeypatch)
+    assert (ev.cause, ev.module, fwd, ref) == ("transient_fault", "2", 1, 0)

@@ -147,7 +147,7 @@ def triage_step(
                     deviation.phase,
                 )
         else:
-            evidence["reference"] = f"not run: the {why} already held NaN/inf"
+            evidence["explained_by"] = why  # "batch" | "weights": no reference check
         keep.reset()
         fp32_bad, fp32_loss = fp32_failed(
             model, loss_fn, batch, resolve_precision(FULL, policy.device_type)
