@@ -147,3 +147,12 @@ def test_a_transient_fault_on_a_nan_batch_is_still_transient(monkeypatch) -> Non
     with inject_fault(model, module="2", bit="mantissa", element=40):
         ev, fwd, ref = _triaged(model, _loss, batch, monkeypatch=monkeypatch)
     assert (ev.cause, ev.module, fwd, ref) == ("transient_fault", "2", 1, 0)
+
+
+def test_the_reference_comparison_reads_equal_nans_as_equal_bits() -> None:
+    from ampguard.forensics._faultcheck import deviates
+
+    nan = torch.tensor([1.0, float("nan"), -0.0], dtype=torch.bfloat16)
+    assert not deviates(nan, nan.clone())  # the same bits: equal at once
+    assert not deviates(nan, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16))
+    assert deviates(nan, torch.tensor([1.0, 2.0, 0.0], dtype=torch.bfloat16))
