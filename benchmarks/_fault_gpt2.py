@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _fault_inject import judged
 
-from ampguard.testing import BITS, inject_fault
+from ampguard.testing import BITS
 
 __all__ = ["run_gpt2"]
 
@@ -58,21 +59,8 @@ def run_gpt2(n: int, judge: Callable[..., dict[str, Any]], clean: int = 2) -> li
     rows = []
     for e in _events(n, 2):
         model, loss_fn, batch = _build(e["seed"] % 5)
-        inj = inject_fault(
-            model,
-            module=e["module"],
-            bit=e["bit"],
-            phase=e["phase"],
-            persistent=e["persistent"],
-            element=e["element"],
-        ).__enter__()
-        try:
-            res = judge(model, loss_fn, batch, "bf16", 1.0)
-        finally:
-            inj.remove()
-        want = "persistent_fault" if e["persistent"] else "transient_fault"
         op = "aten.addmm" if e["phase"] == "forward" else "aten.mm"
-        rows.append({"event": e, "want": want, "want_op": op, "fired": inj.fired, **res})
+        rows.append(judged(model, loss_fn, batch, e, judge, op))
     model, loss_fn, batch = _build(0)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")

@@ -44,6 +44,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import zoo  # noqa: E402
 from _fault_gpt2 import run_gpt2  # noqa: E402
+from _fault_inject import judged  # noqa: E402
 
 import ampguard as ag  # noqa: E402
 from ampguard.distributed import param_checksum  # noqa: E402
@@ -211,23 +212,7 @@ def run_fault(e: dict[str, Any]) -> dict[str, Any]:
     model = _mlp(e["seed"] % 7)
     g = torch.Generator().manual_seed(e["seed"])
     batch = (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
-    inj = inject_fault(
-        model,
-        module=e["module"],
-        op=e["op"],
-        bit=e["bit"],
-        phase=e["phase"],
-        persistent=e["persistent"],
-        element=e["element"],
-    ).__enter__()
-    try:
-        # the first forward is step 0: the fault strikes the recorded run; a transient one
-        # has then fired and does not come back in the replays
-        res = _judge(model, _loss, batch, "bf16", 1.0)
-    finally:
-        inj.remove()
-    want = "persistent_fault" if e["persistent"] else "transient_fault"
-    return {"event": e, "want": want, "want_op": _expected_op(e), "fired": inj.fired, **res}
+    return judged(model, _loss, batch, e, _judge, _expected_op(e))
 
 
 def _numerics_cases() -> list[tuple[str, Any, Any, Any, str, float, str, Any]]:
@@ -349,14 +334,14 @@ def _fault_half(model, loss_fn, batch, sig, precision, scale, rng) -> str:
     fp32 replay and ``locate`` after it only tell numerics from model/data)."""
     from ampguard.core.policy import device_of, resolve_precision
     from ampguard.forensics._faultcheck import reference_check
-    from ampguard.forensics._triage import _compare, _run
+    from ampguard.forensics._triage_runs import compare, run
 
     policy = resolve_precision(precision, device_of(model.parameters()))
     keep = Preserved(model, rng)
     try:
         keep.reset()
-        low = _run(model, loss_fn, batch, policy, scale, capture=True)
-        if _compare(sig, low) is not None:
+        low = run(model, loss_fn, batch, policy, scale, capture=True)
+        if compare(sig, low) is not None:
             return "transient_fault"
         assert low.captures is not None
         if reference_check(model, low.captures, policy) is not None:

@@ -44,8 +44,8 @@ def deviates(device: Any, reference: Any) -> bool:
     for d, r in zip(ds, rs, strict=True):
         if d.shape != r.shape:
             return True
-        if d.dtype == r.dtype and torch.equal(d.detach().cpu(), r.detach().cpu()):
-            continue  # the same bits (a NaN is never equal: checked below)
+        if d.dtype == r.dtype and _same_bits(d, r):
+            continue  # the same bits, NaNs included: never a deviation
         eps = torch.finfo(d.dtype).eps
         d64, r64 = d.detach().cpu().double(), r.detach().cpu().double()
         fin_d, fin_r = torch.isfinite(d64), torch.isfinite(r64)
@@ -59,6 +59,18 @@ def deviates(device: Any, reference: Any) -> bool:
         if bool(((d64[both] - r64[both]).abs() > tol).any()):
             return True
     return False
+
+
+def _same_bits(d: torch.Tensor, r: torch.Tensor) -> bool:
+    """Bit for bit equal (a NaN equals the same NaN: read as integers)."""
+    a, b = d.detach().cpu(), r.detach().cpu()
+    ints = _INTS.get(a.element_size())
+    if ints is None:
+        return torch.equal(a, b)
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def floats(value: Any) -> list[torch.Tensor]:

@@ -9,10 +9,15 @@ step started from:
 2. a replay that reproduces the record bit for bit is checked module by module against a
    reference (:func:`reference_check`: each module re-run on the CPU from the device's own
    inputs). A module that computes wrong from right inputs every time is a **persistent
-   fault**; the op is found by :func:`bisect_op`;
+   fault**; the op is found by :func:`bisect_op`. A failed step whose batch or weights already
+   held a NaN/inf is explained by them: it is not reference-checked (its replay copies
+   nothing), and goes on to 3;
 3. otherwise the step is replayed in fp32: when it still fails, the cause is the **model or
    data**; when it does not, it is **numerics** (the low precision), and ``locate``'s
    :class:`Diagnosis` of the batch is attached.
+
+The replays themselves are :mod:`ampguard.forensics._triage_runs`'s; what an event is once
+decided, :mod:`ampguard.forensics._triage_event`'s.
 
 Under DDP every rank triages its own replay, a peer replays its batch too
 (:mod:`ampguard.forensics._triage_peer`: a rank whose record a peer does not reproduce computes
@@ -22,119 +27,37 @@ rank named.
 
 from __future__ import annotations
 
-import math
-import struct
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampguard.core.policy import PrecisionPolicy, device_of, resolve_precision
-from ampguard.findings import Finding, make
-from ampguard.forensics._diagnosis import Diagnosis
-from ampguard.forensics._faultcheck import Captures, bisect_op, floats, reference_check
+from ampguard.core.policy import device_of, resolve_precision
+from ampguard.forensics._faultcheck import bisect_op, reference_check
 from ampguard.forensics._limits import FULL
 from ampguard.forensics._replay import Preserved
-from ampguard.forensics._signatures import SignatureRecorder, StepSignature, first_difference
+from ampguard.forensics._signatures import SignatureRecorder, StepSignature
 from ampguard.forensics._triage_audit import audit_steps, explain_audit
+from ampguard.forensics._triage_event import (
+    CAUSES,
+    CODES,
+    TriageEvent,
+    gathered,
+    write_events,
+)
 from ampguard.forensics._triage_peer import exchange, judge
 from ampguard.forensics._triage_plan import agreed, failed, plan, signature
-from ampguard.runlog import TRIAGE_DIR, TRIAGE_KIND, TRIAGE_VERSION, write_json_atomic
+from ampguard.forensics._triage_runs import (
+    compare,
+    explained,
+    first_bad_module,
+    fp32_failed,
+    run,
+)
 
 __all__ = ["CAUSES", "CODES", "TriageEvent", "triage", "triage_step"]
 
-CAUSES = ("numerics", "model_or_data", "transient_fault", "persistent_fault")
 _NOT_PRECISION = ("model_nonfinite", "input_nonfinite")
-CODES = {
-    "numerics": "AG380",
-    "model_or_data": "AG381",
-    "transient_fault": "AG382",
-    "persistent_fault": "AG383",
-}
-
-
-@dataclass(frozen=True)
-class TriageEvent:
-    """One failed step's verdict.
-
-    ``cause`` is one of :data:`CAUSES`; ``module`` the leaf module where the first wrong
-    value appeared (None when the loss itself, or nothing, is to blame); ``op`` the aten op
-    (persistent faults; numerics: ``locate``'s); ``rank`` the process the fault is on (the
-    triaging rank for numerics and model/data); ``phase`` "forward" | "backward" | "update"
-    (an audit mismatch outside both) | None;
-    ``evidence`` plain JSON values; ``diagnosis`` ``locate``'s for numerics.
-    """
-
-    step: int
-    cause: str
-    module: str | None
-    op: str | None
-    rank: int
-    evidence: dict[str, Any] = field(default_factory=dict)
-    phase: str | None = None
-    diagnosis: Diagnosis | None = None
-
-    @property
-    def code(self) -> str:
-        """The finding code: AG380 numerics, AG381 model/data, AG382/AG383 faults."""
-        return CODES[self.cause]
-
-    def finding(self) -> Finding:
-        """This event as a :class:`ampguard.Finding`."""
-        where = " ".join(
-            part
-            for part in (
-                f"module {self.module!r}" if self.module is not None else "",
-                f"op {self.op}" if self.op else "",
-                f"in {self.phase}" if self.phase else "",
-                f"on rank {self.rank}",
-            )
-            if part
-        )
-        return make(
-            self.code,
-            f"step {self.step}: {self.cause.replace('_', ' ')} at {where}",
-            detail=f"module {self.module!r}" if self.module is not None else None,
-            step=self.step,
-            evidence={**self.evidence, "rank": self.rank, "module": self.module, "op": self.op},
-        )
-
-
-@dataclass
-class _Replayed:
-    signature: StepSignature
-    bad: bool
-    loss: float
-    captures: Captures | None
-
-
-def _run(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-    batch: Any,
-    policy: PrecisionPolicy,
-    scale: float,
-    capture: bool,
-) -> _Replayed:
-    recorder = SignatureRecorder(model, capacity=1)
-    captures = Captures(model) if capture else None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # full backward hooks where no input needs grad
-            with policy.autocast():
-                loss = loss_fn(model, batch)
-            (loss.float() * scale).backward()
-    finally:
-        recorder.remove()
-        if captures is not None:
-            captures.remove()
-    sig = recorder.read(recorder.steps[-1])
-    loss_value = float(loss.detach().float())
-    bad = sig.bad or not torch.isfinite(torch.tensor(loss_value)).item()
-    return _Replayed(sig, bool(bad), loss_value, captures)
 
 
 def triage_step(
@@ -163,14 +86,18 @@ def triage_step(
     one training ``model``, also updates that round away or an eps that underflows); else it is
     model or data.
 
-    Cost: one replay at the step's precision, signatures recorded and every leaf's inputs,
-    outputs and gradients copied (a transient fault ends here); when it reproduces, one
-    reference pass of every leaf module on the CPU; then one fp32 replay (numerics: plus
-    ``locate``'s two to five traced passes). A persistent fault adds one re-execution of its
-    module with every op run twice. Measured (fault zoo, median step-equivalents): transient
-    1.8 on HF GPT-2 (2 x 128), 2.8 on a sub-millisecond MLP; persistent 2.8 and 5.3; numerics
-    about 35 (``locate`` most of it). Host syncs throughout: this runs after a failure, not
-    per step.
+    Cost, in passes (a pass: one forward+backward of the step): one replay at the step's
+    precision, its signatures recorded and every leaf's inputs, outputs and gradients copied
+    (a transient fault ends here; a batch or weights holding NaN/inf: no copies); when it
+    reproduces, the CPU reference of every leaf module (about one pass, module by module),
+    skipped when the batch or weights explain the failure; then one fp32 replay (no
+    signatures; model or data ends here); numerics adds ``locate``'s two to five traced
+    passes (each a few passes' worth: every op's output reduced), which name the event's
+    ``module`` and ``op``. A persistent fault adds one re-execution of its module with every op
+    run twice. Measured (fault zoo, CPU time, median step-equivalents, HF GPT-2 2 x 128 / a
+    sub-millisecond MLP): transient 1.8 / 2.7, persistent 2.9 / 4.9, model or data 2.9 (an inf
+    weight) / 5-9, numerics - / about 31 (``locate`` 13-24 of it). Host syncs throughout: this
+    runs after a failure, not per step.
     """
     from ampguard.forensics._locate import locate
 
@@ -178,9 +105,12 @@ def triage_step(
     keep = Preserved(model, rng_state)
     try:
         keep.reset()
+        # a NaN/inf already in the batch or the weights explains a failed replay: it needs no
+        # reference check, so its replay keeps no copies, only the first leaf that output one
+        why = explained(model, batch)
         # one replay, signatures recorded and every leaf's inputs, outputs and gradients kept:
         # a transient fault is decided by its signatures, the reference check reads the rest
-        low = _run(model, loss_fn, batch, policy, scale, capture=True)
+        low = run(model, loss_fn, batch, policy, scale, capture=why is None, watch=True)
         evidence: dict[str, Any] = {
             "precision": policy.precision,
             "scale": scale,
@@ -188,7 +118,7 @@ def triage_step(
             "replay_failed": low.bad,
             "replay_loss": low.loss,
         }
-        diff = _compare(recorded, low)
+        diff = compare(recorded, low)
         if diff is not None:
             phase, module, what = diff
             evidence.update(reproduced=False, first_difference=what, replays=1)
@@ -196,27 +126,37 @@ def triage_step(
                 recorded.step, "transient_fault", module, None, rank, evidence, phase
             )
         evidence["reproduced"] = True
-        assert low.captures is not None
-        deviation = reference_check(model, low.captures, policy)
-        if deviation is not None:
-            op, how = bisect_op(model, deviation, policy)
-            evidence.update(reference="cpu", deviates=deviation.what, op_found_by=how, replays=2)
-            return TriageEvent(
-                recorded.step,
-                "persistent_fault",
-                deviation.module,
-                op,
-                rank,
-                evidence,
-                deviation.phase,
-            )
+        if why is not None and not low.bad:  # finite after all: checked in full
+            keep.reset()
+            low, why = run(model, loss_fn, batch, policy, scale, capture=True), None
+        if why is None:
+            assert low.captures is not None
+            deviation = reference_check(model, low.captures, policy)
+            if deviation is not None:
+                op, how = bisect_op(model, deviation, policy)
+                evidence.update(
+                    reference="cpu", deviates=deviation.what, op_found_by=how, replays=2
+                )
+                return TriageEvent(
+                    recorded.step,
+                    "persistent_fault",
+                    deviation.module,
+                    op,
+                    rank,
+                    evidence,
+                    deviation.phase,
+                )
+        else:
+            evidence["explained_by"] = why  # "batch" | "weights": no reference check
         keep.reset()
-        fp32 = _run(model, loss_fn, batch, resolve_precision(FULL, policy.device_type), 1.0, False)
-        evidence.update(fp32_failed=fp32.bad, fp32_loss=fp32.loss, replays=3)
+        fp32_bad, fp32_loss = fp32_failed(
+            model, loss_fn, batch, resolve_precision(FULL, policy.device_type)
+        )
+        evidence.update(fp32_failed=fp32_bad, fp32_loss=fp32_loss, replays=3 if why is None else 2)
         failed = recorded.bad or low.bad
-        evidence["silent"] = not (failed or fp32.bad)
-        if fp32.bad or policy.dtype is None:
-            culprit = _first_bad_module(low)
+        evidence["silent"] = not (failed or fp32_bad)
+        if fp32_bad or policy.dtype is None:
+            culprit = first_bad_module(low)
             return TriageEvent(
                 recorded.step, "model_or_data", culprit, None, rank, evidence, "forward"
             )
@@ -239,30 +179,6 @@ def triage_step(
         )
     finally:
         keep.close()
-
-
-def _compare(recorded: StepSignature, low: _Replayed) -> tuple[str, str | None, str] | None:
-    """Where the replay parts from the record; a step the recorder sampled out is compared
-    on its loss alone (the flight recorder's fp32 value; None: it was NaN/inf)."""
-    if recorded.complete:
-        return first_difference(recorded, low.signature)
-    finite = math.isfinite(low.loss)
-    if recorded.loss is None:
-        same = not finite
-    else:
-        same = finite and struct.pack("<f", recorded.loss) == struct.pack("<f", low.loss)
-    return None if same else ("forward", None, "the loss (the step's signatures were sampled out)")
-
-
-def _first_bad_module(run: _Replayed) -> str | None:
-    """The first leaf (forward order) whose output held a NaN/inf in ``run``."""
-    if run.captures is None:
-        return None
-    for name in run.captures.order:
-        out = run.captures.caps[name].output
-        if any(not bool(torch.isfinite(t).all()) for t in floats(out)):
-            return name
-    return None
 
 
 def triage(
@@ -296,8 +212,9 @@ def triage(
     also after ``guard.close()``, and written to ``RUN_DIR/triage/rank<R>.json`` for
     ``ampguard postmortem``.
 
-    Cost: per event, see :func:`triage_step` (about three step-equivalents, host syncs);
-    nothing on the training path.
+    Cost: per event, see :func:`triage_step` (one to five step-equivalents for a fault or a
+    model/data bug, tens for numerics, whose ``locate`` traces every op; host syncs); nothing
+    on the training path.
     """
     if recorder is None:
         recorder = getattr(guard, "signatures", None)
@@ -325,7 +242,7 @@ def triage(
             event = _peer(guard, recorder, watch, s, todo, event)
         if event is not None:
             events.append(event)
-    merged = _gathered(events)
+    merged = gathered(events)
     merged = [
         explain_audit(e, audits[e.step], guard.model) if e.step in audits else e for e in merged
     ]
@@ -333,29 +250,9 @@ def triage(
         own = getattr(guard, "signatures", None)
         for rec in (recorder,) if own is None or own is recorder else (recorder, own):
             rec.events.update((e.step, e) for e in merged)  # guard.findings() lists them
-        _write(guard, merged)
+        run_dir = getattr(getattr(guard, "telemetry", None), "run_dir", None)
+        write_events(run_dir, _rank(), merged)
     return merged
-
-
-def _write(guard: Any, events: list[TriageEvent]) -> None:
-    """``RUN_DIR/triage/rank<R>.json`` (atomic) when the Guard has a run folder, for
-    ``ampguard postmortem``; a failed write warns and changes nothing else."""
-    run_dir = getattr(getattr(guard, "telemetry", None), "run_dir", None)
-    if run_dir is None:
-        return
-    rank = _rank()
-    path = Path(run_dir) / TRIAGE_DIR / f"rank{rank}.json"
-    payload = {
-        "kind": TRIAGE_KIND,
-        "version": TRIAGE_VERSION,
-        "rank": rank,
-        "events": [_json_safe({**_plain(e), "code": e.code}) for e in events],
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, payload)
-    except (OSError, ValueError) as err:
-        warnings.warn(f"ag.triage could not write {path} ({err})", RuntimeWarning, stacklevel=3)
 
 
 def _triage_one(
@@ -431,10 +328,10 @@ def _peer(
                 keep = Preserved(model, rng)
                 try:
                     keep.reset()
-                    run = _run(model, loss_fn, peer_batch, policy, scale, capture=False)
+                    replayed = run(model, loss_fn, peer_batch, policy, scale, capture=False)
                 finally:
                     keep.close()
-                return _compare(signature, run)
+                return compare(signature, replayed)
             finally:
                 recorder.paused = False
                 if live is not None:
@@ -451,48 +348,3 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _gathered(events: list[TriageEvent]) -> list[TriageEvent]:
-    """Under ``torch.distributed``: every rank's verdicts, merged (a fault on one rank is the
-    run's verdict for that step); in one process, ``events`` unchanged."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return events
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, [_plain(e) for e in events])
-    by_step: dict[int, TriageEvent] = {}
-    for rank_events in rows:
-        for e in rank_events:
-            ev = TriageEvent(**e)
-            seen = by_step.get(ev.step)
-            if seen is None or (ev.cause.endswith("_fault") and not seen.cause.endswith("_fault")):
-                by_step[ev.step] = ev
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN/inf as None (the run folder's JSON is strict), containers kept."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def _plain(event: TriageEvent) -> dict[str, Any]:
-    return {
-        "step": event.step,
-        "cause": event.cause,
-        "module": event.module,
-        "op": event.op,
-        "rank": event.rank,
-        "evidence": event.evidence,
-        "phase": event.phase,
-    }
-
-
-TriageEvent.__module__ = "ampguard.forensics"  # its public home: repr and pickles name that path
