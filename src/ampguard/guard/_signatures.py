@@ -17,7 +17,7 @@ import torch
 from ampguard.findings import Finding
 from ampguard.forensics import SignatureRecorder
 
-__all__ = ["DEFAULT_EVERY", "attach", "check", "findings"]
+__all__ = ["DEFAULT_EVERY", "attach", "check", "findings", "window"]
 
 DEFAULT_EVERY = 32  # benchmarks/fault_zoo.py: 1.36x on a 0.5 ms CPU step when every window
 
@@ -38,13 +38,25 @@ def check(signatures: Any) -> int | None:
 
 
 def attach(
-    model: torch.nn.Module, every: int | None, clock: Callable[[], int]
+    model: torch.nn.Module, every: int | None, clock: Callable[[], int], losses: bool = True
 ) -> SignatureRecorder | None:
-    """The recorder on ``model`` (its ``.module`` under DDP), or None when off."""
+    """The recorder on ``model`` (its ``.module`` under DDP), or None when off; driven by the
+    owner (``SignatureRecorder.window``, called here for the first window and by the owner as
+    each later one begins), so that a window it does not record runs no hook, unless
+    ``losses`` (a flight recorder keeps those windows' losses, which triage compares a replay
+    with): then one pre-hook keeps their RNG state."""
     if every is None:
         return None
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return SignatureRecorder(inner, every=every, clock=clock)
+    recorder = SignatureRecorder(inner, every=every, clock=clock, unrecorded_rng=losses)
+    recorder.window(clock())
+    return recorder
+
+
+def window(recorder: SignatureRecorder | None, step: int) -> None:
+    """Window ``step`` begins (``SignatureRecorder.window``). Cost: an integer compare."""
+    if recorder is not None:
+        recorder.window(step)
 
 
 def findings(recorder: SignatureRecorder | None) -> list[Finding]:
