@@ -165,7 +165,7 @@ def test_a_window_left_out_runs_no_hook_and_adds_no_sync(flight_recorder) -> Non
     guard0 = ag.Guard(model0, opt0, precision="bf16", **kw)
     modules = [model, *model.children()]
     calls, syncs = [], []
-    for step in range(9):
+    for _ in range(9):
         hooked = any(m._forward_pre_hooks or m._forward_hooks for m in modules)
         calls.append((hooked, _calls_into_recorder(lambda: _step(model, guard, x, y))))
         with SyncCounter() as c:
