@@ -256,3 +256,16 @@ def test_word_sums_of_half_precision_outputs_see_one_flipped_bit() -> None:
     assert int(_wordsum(odd)) == int(bitsum(odd))
     f = torch.randn(6, 4)  # 4-byte elements: bitsum itself
     assert int(_wordsum(f)) == int(bitsum(f))
+
+
+def test_a_recorded_forward_that_raised_leaves_no_hook_on_the_next_window() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = ag.Guard(
+        model, opt, precision="bf16", flight_recorder=False, on_spike=None, signatures=4
+    )
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 3))  # window 0 (recorded): the first Linear raises
+    assert model[2]._forward_hooks  # still in: the model's post-hook never ran
+    guard.restore_counts(steps=1, applied=1, skipped=0)  # window 1 begins: left out
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in [model, *model])

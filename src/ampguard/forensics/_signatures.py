@@ -160,7 +160,7 @@ class SignatureRecorder:
         self.events: dict[int, Any] = {}
         self._window: int | None = None  # the window window() announced (None: not driven)
         self._removed = False
-        self._mode: Any = self._begin  # the model's forward pre-hook now (None: no hook)
+        self._mode = 0  # the model's forward pre-hook: 0 _begin, 1 _keep_rng, 2 none
         self._root: Any = model.register_forward_pre_hook(self._begin)
 
     # -- recording
@@ -171,20 +171,17 @@ class SignatureRecorder:
         state); else they run no hook at all. The Guard calls it as each window begins (after
         each step, and when its step counter is set). Cost: an integer compare (a hook added
         or removed when the mode changes); no host sync."""
+        if self._hooked:  # a recorded forward that raised: its leaves' hooks
+            self._detach()
         if self._removed:
             return
         self._window = step
-        mode = (
-            self._begin
-            if not step % self.every
-            else self._keep_rng
-            if self.unrecorded_rng
-            else None
-        )
+        mode = 0 if not step % self.every else 1 if self.unrecorded_rng else 2
         if mode != self._mode:
             if self._root is not None:
                 self._root.remove()
-            self._root = None if mode is None else self.model.register_forward_pre_hook(mode)
+            hook = (self._begin, self._keep_rng, None)[mode]
+            self._root = None if hook is None else self.model.register_forward_pre_hook(hook)
             self._mode = mode
 
     def _now(self) -> int:
@@ -358,8 +355,7 @@ class SignatureRecorder:
         self._detach()
         if self._root is not None:
             self._root.remove()
-        self._root = self._mode = None
-        self._removed = True
+        self._root, self._mode, self._removed = None, 2, True
 
 
 def _hook_id() -> int:
