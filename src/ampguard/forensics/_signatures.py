@@ -134,7 +134,7 @@ class SignatureRecorder:
         # each leaf's forward hook, made once (its index bound), under a hook id of its own:
         # put into the leaf's hook dict per recorded forward (what register_forward_hook does,
         # less its handle: a tenth of its cost) and taken out when the forward returns
-        self._leaf_hooks = [
+        self._leaf_hooks: list[tuple[Any, int, Callable[..., None]]] = [
             (m._forward_hooks, _hook_id(), partial(self._output_hook, i))
             for i, (_, m) in enumerate(self.leaves)
         ]
@@ -227,7 +227,7 @@ class SignatureRecorder:
         if type(out) is torch.Tensor:
             if not out.is_floating_point():
                 return
-            tensors = (out,)
+            tensors = [out]
         else:
             tensors = _floats(out)
             if not tensors:
