@@ -21,7 +21,7 @@ record part ways, which is where the fault struck.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from ampguard.forensics._replay import rng_state as _rng_state
 
@@ -42,10 +43,20 @@ def bitsum(t: torch.Tensor) -> torch.Tensor:
     an int32 accumulator, 4x faster than int64 on the CPU; 8-byte elements: int64), as a
     0-dim tensor on its device. Still exact, independent of the order, and changed by any
     single flipped bit (by ``±2**k``, never a multiple of ``2**32``). One kernel (an integer
-    view has the same strides), no host sync."""
-    t = t.detach()
+    view has the same strides; no detach: an integer view carries no gradient), no host sync.
+    """
     size = t.element_size()
     return t.view(_INTS[size]).sum(dtype=torch.int64 if size == 8 else torch.int32)
+
+
+def _wordsum(t: torch.Tensor) -> torch.Tensor:
+    """:func:`bitsum` for the hooks: a contiguous 2-byte tensor (bf16/fp16 under autocast) with
+    an even last dimension is summed as int32 words (two elements each: half the elements and
+    no widening, 2-4x faster on the CPU). Its value differs from :func:`bitsum`'s, but it is as
+    exact and order-free, and a flipped bit still changes it by ``±2**k`` (``k < 32``)."""
+    if t.element_size() == 2 and t.dim() and not t.shape[-1] % 2 and t.is_contiguous():
+        return t.view(torch.int32).sum(dtype=torch.int32)
+    return bitsum(t)
 
 
 _FWD, _BWD, _GRAD, _SUM = range(4)
@@ -82,20 +93,25 @@ class StepSignature:
 class SignatureRecorder:
     """Records :class:`StepSignature` rows for ``model`` on the device, with no host sync.
 
-    ``every``: record one step in ``every`` (1: every step); on the other steps no hook is
-    attached. ``capacity``: how many recorded steps the ring keeps. ``clock``: returns the
-    step number of the forward that is starting (``lambda: guard.steps``); by default the
-    recorder counts the model's forward calls. Gradient-accumulation windows: the last
-    micro-batch's signatures are kept.
+    ``every``: record one step in ``every`` (1: every step). ``capacity``: how many recorded
+    steps the ring keeps. ``clock``: returns the step number of the forward that is starting
+    (``lambda: guard.steps``); by default the recorder counts the model's forward calls.
+    Gradient-accumulation windows: the last micro-batch's signatures are kept.
+
+    Left to itself the recorder keeps a forward pre-hook on the model, which decides on each
+    forward whether the step is recorded (one Python call and a host copy of the RNG state on
+    an unrecorded step, so that it can be replayed too: :func:`ampguard.triage` compares an
+    unrecorded step's loss only). Driven by its owner (:meth:`window`, which the Guard and
+    ``ampguard.watch`` call as each window begins), it hooks the model only on the windows it
+    records, and on the others only with ``unrecorded_rng`` (for their RNG state: the Guard
+    asks for it when its flight recorder keeps their losses); otherwise an unrecorded window
+    runs no hook at all.
 
     Cost per recorded step: one integer reduction per leaf module output, one per gradient of
-    such an output (a pre-hook on its autograd node, no tensor hook) and one per parameter
-    gradient, read in one callback at the end of the backward (no per-parameter hook), plus one
-    ``_foreach_norm`` (max-abs) over the gradients for NaN/inf; a forward hook per leaf for the
-    length of the model's forward, and a host copy of the RNG state. No host sync;
-    :meth:`read` and :meth:`bad_steps` sync. Unrecorded steps (``every > 1``) cost one Python
-    call (the model's forward pre-hook) and a host copy of the RNG state, so that they can be
-    replayed too (:func:`ampguard.triage` compares an unrecorded step's loss only).
+    such an output (a pre-hook on its autograd node, no tensor hook), plus one
+    ``_foreach_norm`` over the parameters' gradients in one callback at the end of the backward
+    (no per-parameter hook); a forward hook per leaf for the length of the model's forward, and
+    a host copy of the RNG state. No host sync; :meth:`read` and :meth:`bad_steps` sync.
     """
 
     def __init__(
@@ -105,6 +121,7 @@ class SignatureRecorder:
         every: int = 1,
         capacity: int = 16,
         clock: Callable[[], int] | None = None,
+        unrecorded_rng: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -112,19 +129,27 @@ class SignatureRecorder:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**6:
                 raise ValueError(f"{name} must be an int in [1, 1000000], got {value!r}")
         self.model, self.every, self.capacity, self._clock = model, every, capacity, clock
+        self.unrecorded_rng = bool(unrecorded_rng)
         self.leaves = [(n, m) for n, m in model.named_modules() if not any(m.children())]
-        self._index = {id(m): i for i, (_, m) in enumerate(self.leaves)}
+        # each leaf's forward hook, made once (its index bound), under a hook id of its own:
+        # put into the leaf's hook dict per recorded forward (what register_forward_hook does,
+        # less its handle: a tenth of its cost) and taken out when the forward returns
+        self._leaf_hooks: list[tuple[Any, int, Callable[..., None]]] = [
+            (m._forward_hooks, _hook_id(), partial(self._output_hook, i))
+            for i, (_, m) in enumerate(self.leaves)
+        ]
+        self._leaf_hooks.append((model._forward_hooks, _hook_id(), self._end))
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owners = {n: n.rpartition(".")[0] for n, _ in self.params}
         self._device_type = next((p.device.type for _, p in self.params), "cpu")
-        # per slot: (kind, index, 0-dim device tensor) as the hooks made them; combined on
-        # read (one stack, one host read), so a recorded step costs one reduction per tensor
-        self._rows: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(capacity)]
+        # per slot: (kind, index, device tensor) as the hooks made them; combined on read (one
+        # stack, one host read), so a recorded step costs one reduction per tensor
+        self._rows: list[list[tuple[int, int, Any]]] = [[] for _ in range(capacity)]
         self._steps: list[int | None] = [None] * capacity
         self._forwards = 0
         self._slot = 0
         self._orders: list[tuple[list[int], list[int]]] = [([], []) for _ in range(capacity)]
-        self._step_hooks: list[Any] = []
+        self._hooked = False  # the leaves' forward hooks are in (a recorded forward runs)
         self._queued = True  # the gradient callback of the step being recorded
         self._rng: list[Any] = [None] * capacity
         self._recent: deque[tuple[int, Any]] = deque(maxlen=capacity)  # every step's RNG
@@ -133,13 +158,48 @@ class SignatureRecorder:
         # the ampguard.TriageEvent of each step ag.triage decided with this recorder (the
         # Guard's findings() reads them): step -> event
         self.events: dict[int, Any] = {}
-        self._root = model.register_forward_pre_hook(self._begin)
+        self._window: int | None = None  # the window window() announced (None: not driven)
+        self._removed = False
+        self._mode = 0  # the model's forward pre-hook: 0 _begin, 1 _keep_rng, 2 none
+        self._root: Any = model.register_forward_pre_hook(self._begin)
 
     # -- recording
-    def _begin(self, _m: Any, _args: Any) -> None:
-        step = self._clock() if self._clock is not None else self._forwards
+    def window(self, step: int) -> None:
+        """Window ``step`` begins (the step number ``clock`` returns during it): from the first
+        call on, the model is hooked only while a window is recorded (``step % every == 0``),
+        and for the other windows only with ``unrecorded_rng`` (one pre-hook keeping their RNG
+        state); else they run no hook at all. The Guard calls it as each window begins (after
+        each step, and when its step counter is set). Cost: an integer compare (a hook added
+        or removed when the mode changes); no host sync."""
+        if self._hooked:  # a recorded forward that raised: its leaves' hooks
+            self._detach()
+        if self._removed:
+            return
+        self._window = step
+        mode = 0 if not step % self.every else 1 if self.unrecorded_rng else 2
+        if mode != self._mode:
+            if self._root is not None:
+                self._root.remove()
+            hook = (self._begin, self._keep_rng, None)[mode]
+            self._root = None if hook is None else self.model.register_forward_pre_hook(hook)
+            self._mode = mode
+
+    def _now(self) -> int:
+        if self._clock is not None:
+            return self._clock()
+        return self._forwards if self._window is None else self._window
+
+    def _keep_rng(self, _m: Any, _args: Any) -> None:
+        """An unrecorded window's forward (driven by :meth:`window`): its RNG state only."""
+        step = self._now()
         self._forwards += 1
-        if self._step_hooks:  # a forward that raised: its hooks
+        if not self.paused:
+            self._recent.append((step, _rng_state(self._device_type)))
+
+    def _begin(self, _m: Any, _args: Any) -> None:
+        step = self._now()
+        self._forwards += 1
+        if self._hooked:  # a forward that raised: its hooks
             self._detach()
         if self.paused:
             return
@@ -156,53 +216,53 @@ class SignatureRecorder:
         self._queued = False
         # registered now, so they run after the module's own hooks (they see what its
         # consumers see); the model's post-hook takes them off when the forward returns
-        hook = self._output_hook
-        self._step_hooks = [m.register_forward_hook(hook) for _, m in self.leaves]
-        self._step_hooks.append(self.model.register_forward_hook(self._end))
+        for hooks, key, hook in self._leaf_hooks:
+            hooks[key] = hook
+        self._hooked = True
 
     def _end(self, _m: Any, _args: Any, _out: Any) -> None:
         self._detach()
 
-    def _output_hook(self, module: Any, _args: Any, out: Any) -> None:
-        i = self._index[id(module)]
+    def _output_hook(self, i: int, _module: Any, _args: Any, out: Any) -> None:
         if type(out) is torch.Tensor:
-            tensors = [out] if out.is_floating_point() else []
+            if not out.is_floating_point():
+                return
+            tensors = [out]
         else:
             tensors = _floats(out)
-        if not tensors:
-            return
+            if not tensors:
+                return
         slot = self._slot
         fwd_order, bwd_order = self._orders[slot]
         fwd_order.append(i)
         row = self._rows[slot]
         for t in tensors:
-            row.append((_FWD, i, bitsum(t)))
+            row.append((_FWD, i, _wordsum(t)))
             node = t.grad_fn
             if node is not None:
-                node.register_prehook(self._output_grad_hook(row, i, bwd_order, t.output_nr))
+                node.register_prehook(partial(self._output_grad, row, i, bwd_order, t.output_nr))
 
-    def _output_grad_hook(
-        self, row: list[tuple[int, int, torch.Tensor]], i: int, order: list[int], nr: int
-    ) -> Callable[[Any], None]:
-        def hook(grad_outputs: Any) -> None:
-            g = grad_outputs[nr]
-            if g is None:
-                return
-            order.append(i)
-            row.append((_BWD, i, bitsum(g)))
-            if not self._queued:  # the parameters' gradients: once, when the backward ends
-                self._queued = True
-                Variable._execution_engine.queue_callback(partial(self._grads, row))
+    def _output_grad(
+        self, row: list[tuple[int, int, Any]], i: int, order: list[int], nr: int, grads: Any
+    ) -> None:
+        g = grads[nr]
+        if g is None:
+            return
+        order.append(i)
+        row.append((_BWD, i, _wordsum(g)))
+        if not self._queued:  # the parameters' gradients: once, when the backward ends
+            self._queued = True
+            Variable._execution_engine.queue_callback(partial(self._grads, row))
 
-        return hook
-
-    def _grads(self, row: list[tuple[int, int, torch.Tensor]]) -> None:
+    def _grads(self, row: list[tuple[int, int, Any]]) -> None:
         """At the end of the backward: every parameter gradient's signature in one foreach
-        pass (its L2 norm, compared bit for bit), which is also the NaN/inf flag."""
+        pass (its L2 norm, compared bit for bit), which is also the NaN/inf flag. The norms
+        are kept as the list the pass made (stacked on read)."""
         present = [(j, p.grad) for j, (_, p) in enumerate(self.params) if p.grad is not None]
         if present:
-            norms = torch._foreach_norm([g.detach() for _, g in present])
-            row.append((_GRAD, -1, torch.stack([n.float() for n in norms])))
+            with torch.no_grad():  # create_graph=True: no graph through the norms
+                norms = torch._foreach_norm([g for _, g in present])
+            row.append((_GRAD, -1, norms))
             self._grad_index[self._slot] = [j for j, _ in present]
 
     def observe_loss(self, loss: torch.Tensor) -> None:
@@ -213,9 +273,9 @@ class SignatureRecorder:
             self._rows[self._slot].append((_SUM, -1, loss.detach().float().sum()))
 
     def _detach(self) -> None:
-        for h in self._step_hooks:
-            h.remove()
-        self._step_hooks = []
+        for hooks, key, _ in self._leaf_hooks:
+            hooks.pop(key, None)
+        self._hooked = False
 
     # -- reading
     @property
@@ -248,7 +308,7 @@ class SignatureRecorder:
         """Recorded steps whose gradients or loss (:meth:`observe_loss`) held NaN/inf.
         Cost: one host sync."""
         flags = [
-            (s, t)
+            (s, _vector(t))
             for s, row in zip(self._steps, self._rows, strict=True)
             if s is not None
             for kind, _, t in row
@@ -265,8 +325,8 @@ class SignatureRecorder:
         row = self._rows[slot]
         ints = [t.long() for kind, _, t in row if kind in (_FWD, _BWD)]
         values = torch.stack(ints).tolist() if ints else []
-        norms = [t for kind, _, t in row if kind == _GRAD]
-        floats = [t.reshape(-1).float() for kind, _, t in row if kind in (_SUM, _GRAD)]
+        norms = [_vector(t) for kind, _, t in row if kind == _GRAD]
+        floats = [_vector(t) for kind, _, t in row if kind in (_SUM, _GRAD)]
         bad = bool(floats) and not bool(torch.isfinite(torch.cat(floats)).all())
         names = [n for n, _ in self.leaves]
         tables: dict[int, dict[int, int]] = {_FWD: {}, _BWD: {}}
@@ -293,7 +353,22 @@ class SignatureRecorder:
     def remove(self) -> None:
         """Remove every hook from the model. Idempotent."""
         self._detach()
-        self._root.remove()
+        if self._root is not None:
+            self._root.remove()
+        self._root, self._mode, self._removed = None, 2, True
+
+
+def _hook_id() -> int:
+    """A hook id of its own (from the counter ``register_forward_hook``'s handles draw on)."""
+    return RemovableHandle(OrderedDict()).id
+
+
+def _vector(t: Any) -> torch.Tensor:
+    """A row's loss sum or gradient norms (the list ``_foreach_norm`` made) as one 1-D fp32
+    tensor (exact: a bf16/fp16 norm widens without rounding)."""
+    if isinstance(t, torch.Tensor):
+        return t.reshape(-1).float()
+    return torch.stack([n.float() for n in t])
 
 
 def _dedup(names: Sequence[str], order: Sequence[int]) -> list[str]:

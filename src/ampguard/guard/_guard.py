@@ -33,7 +33,7 @@ from ampguard.distributed import DistributedState
 from ampguard.findings import Finding
 from ampguard.forensics.islands import Pattern as Fp32Pattern
 from ampguard.fp8 import Conversion
-from ampguard.guard import _config, _flags, _parts, _rescue, _spikes, _summary, _window
+from ampguard.guard import _config, _flags, _parts, _rescue, _signatures, _spikes, _summary, _window
 from ampguard.guard import _state as guard_state
 from ampguard.telemetry import Telemetry
 
@@ -547,6 +547,7 @@ class Guard:
         if self._state.scaled and scaler_state is not None:
             self._state.loss_scale.load_state_dict(scaler_state)
         self._state.steps = steps
+        _signatures.window(self._state.signatures, steps)
         self._state.counts.applied = applied
         self._state.counts.skipped = skipped
 

@@ -114,4 +114,6 @@ def attach(guard: Host, state: StepState, config: GuardConfig) -> None:
             state.telemetry.release()
         raise
     # sync-free signatures for ampguard.triage (ampguard.guard._signatures); last: hooks
-    state.signatures = _signatures.attach(c.model, c.signatures_every, lambda: state.steps)
+    state.signatures = _signatures.attach(
+        c.model, c.signatures_every, lambda: state.steps, state.spikes is not None
+    )

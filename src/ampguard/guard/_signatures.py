@@ -4,7 +4,9 @@
 2% of its time; the other windows are still triaged, compared on the loss alone), an int
 ``N`` one window in ``N`` (``1``: every window, every module localised); the recorder
 (:class:`ampguard.forensics.SignatureRecorder`) hooks the model (the module inside a DDP
-wrapper, so its replays run no collective) and numbers windows by ``guard.steps``.
+wrapper, so its replays run no collective) and numbers windows by ``guard.steps``. The Guard
+drives it (:func:`window`, as each window begins): a window it does not record runs none of
+its hooks (with a flight recorder, one pre-hook keeping the window's RNG state).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 from ampguard.findings import Finding
 from ampguard.forensics import SignatureRecorder
 
-__all__ = ["DEFAULT_EVERY", "attach", "check", "findings"]
+__all__ = ["DEFAULT_EVERY", "attach", "check", "findings", "window"]
 
-DEFAULT_EVERY = 32  # benchmarks/fault_zoo.py: 1.36x on a 0.5 ms CPU step when every window
+DEFAULT_EVERY = 32  # benchmarks/bench_signatures.py: every window 1.31x on a 1.3 ms CPU step
 
 
 def check(signatures: Any) -> int | None:
@@ -38,13 +40,25 @@ def check(signatures: Any) -> int | None:
 
 
 def attach(
-    model: torch.nn.Module, every: int | None, clock: Callable[[], int]
+    model: torch.nn.Module, every: int | None, clock: Callable[[], int], losses: bool = True
 ) -> SignatureRecorder | None:
-    """The recorder on ``model`` (its ``.module`` under DDP), or None when off."""
+    """The recorder on ``model`` (its ``.module`` under DDP), or None when off; driven by the
+    owner (``SignatureRecorder.window``, called here for the first window and by the owner as
+    each later one begins), so that a window it does not record runs no hook, unless
+    ``losses`` (a flight recorder keeps those windows' losses, which triage compares a replay
+    with): then one pre-hook keeps their RNG state."""
     if every is None:
         return None
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return SignatureRecorder(inner, every=every, clock=clock)
+    recorder = SignatureRecorder(inner, every=every, clock=clock, unrecorded_rng=losses)
+    recorder.window(clock())
+    return recorder
+
+
+def window(recorder: SignatureRecorder | None, step: int) -> None:
+    """Window ``step`` begins (``SignatureRecorder.window``). Cost: an integer compare."""
+    if recorder is not None:
+        recorder.window(step)
 
 
 def findings(recorder: SignatureRecorder | None) -> list[Finding]:

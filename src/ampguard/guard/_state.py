@@ -291,6 +291,8 @@ def apply(guard: StepState, plan: Plan) -> float | None:
             stacklevel=user_stacklevel(),
         )
     guard.steps = plan.steps
+    if guard.signatures is not None:  # the window that begins now, by the restored count
+        guard.signatures.window(guard.steps)
     guard.counts = plan.counters
     guard.fallback = plan.fallback
     if guard.micro:  # a half-finished window: its gradients must not join the next one

@@ -128,6 +128,8 @@ def step(
         raise
     finally:
         state.resume.after_step(state.steps)
+        if state.signatures is not None:  # the next window: hooked only if it is recorded
+            state.signatures.window(state.steps)
         # also on an exception: the window's grads are already unscaled/clipped in place and
         # must not leak into the next window
         for opt in state.optimizers:

@@ -43,6 +43,7 @@ class ResumeSurface:
 
     recorder: Any
     _done: int
+    _signatures: Any
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: the steps seen and the spike detector's statistic (None
@@ -62,5 +63,7 @@ class ResumeSurface:
                 f"{self._done}; attach a new one for the resumed run"
             )
         self._done = state["steps"]
+        if self._signatures is not None:  # the window that begins now, by the restored count
+            self._signatures.window(self._done)
         if self.recorder is not None and state.get("spikes") is not None:
             self.recorder.spikes.detector.load_state_dict(state["spikes"])

@@ -234,7 +234,9 @@ class Watch(TriageSurface, AutopsySurface, ResumeSurface, SkipSteps, UpdateProbe
             if config is None
             else AttachRecorder(config, model, self.optimizers, dev, self.telemetry, scaled)
         )
-        self._signatures = attach_signatures(model, every, lambda: self._done)
+        self._signatures = attach_signatures(
+            model, every, lambda: self._done, self.recorder is not None
+        )
         self._batches = 0  # batches handed to record_batch (ampguard.triage replays them)
         self._skipped_window = 0
         if watched is None and self.recorder is not None and self.recorder.acts:
@@ -508,6 +510,8 @@ class Watch(TriageSurface, AutopsySurface, ResumeSurface, SkipSteps, UpdateProbe
             status = status if bits is None else bits + status
         tel.on_step(window, status, grad_norm)
         self._done += 1
+        if self._signatures is not None:  # the next window: hooked only if it is recorded
+            self._signatures.window(self._done)
         self._grads_seen = False
         if rec is not None:
             rec.end(window, None if isinstance(status, int) or status is None else status, scale)
