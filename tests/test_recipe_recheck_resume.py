@@ -166,3 +166,19 @@ def test_a_malformed_recheck_state_is_one_error_and_nothing_changes(field, value
         guard.load_state_dict(state)
     assert guard.fp8.formats() == {"b": "nvfp4", "c": "nvfp4"}
     assert guard.state_dict()["fp8"]["strikes"] == {}
+
+
+def test_a_moved_layer_stays_up_even_when_its_old_format_would_read_healthy_again():
+    from ampguard.fp8._fidelity import failing, gradient_fidelity
+
+    model = _model()
+    guard = _guard(model)
+    batch = _batches(1)[0]
+    moved = guard.fp8.recheck(loss_fn, [batch], step=2)
+    assert [m["module"] for m in moved] == ["b"] and guard.fp8.formats()["b"] == "mxfp8"
+    model.spike = nn.Identity()  # the drift is gone: b in NVFP4 would read healthy now
+    meter = gradient_fidelity(model, loss_fn, [batch], {"b": "nvfp4", "c": "nvfp4"})
+    assert "b" not in failing(meter)
+    for step in (4, 6, 8):
+        assert guard.fp8.recheck_step(loss_fn, batch, step) == []
+    assert guard.fp8.formats() == {"b": "mxfp8", "c": "nvfp4"}  # no demotion

@@ -12,15 +12,20 @@ numerics of each format, not its speed.
 
 Bad input, each one ``ValueError`` naming it before anything is converted: a recipe that is not
 a dict of strings, a layer that is not a Linear of the model, an unknown format, a format the
-layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``) is ``{"format": "recipe",
-"recipe": {layer: format}}`` of the converted layers; a resumed Guard converts exactly those, in
-those formats (a warning when this Guard had a different recipe). No telemetry of its own and
+layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``, version 2) is ``{"format":
+"recipe", "version": 2, "recipe": {layer: format}, "strikes": {layer: n}, "moves": [...]}``: the
+converted layers' formats, the re-check's pending drift counts and its moves so far; a resumed
+Guard converts exactly those, in those formats (a warning when this Guard had a different
+recipe), and moves a pending layer at the step an uninterrupted run would (a version-1 state,
+formats only, loads with no pending drift). No telemetry of its own and
 no per-step rescue (:meth:`LayerRecipe.watch` does nothing); :meth:`LayerRecipe.recheck` reads
 the gradient-fidelity meter on shadow micro-batches and moves a drifting layer one format up. The
 Guard calls it every ``recheck_every`` windows (a certificate's field; 100 for a dict) on the
 batch given to ``Guard.step(batch=..., loss_fn=...)`` (no re-check without them), the RNG and
 buffers put back (:meth:`LayerRecipe.recheck_step`); each move is an AG114 finding and in the
-saved state, so a resumed Guard trains the moved formats.
+saved state, so a resumed Guard trains the moved formats. A moved layer stays up (no demotion:
+a move down would need a reading of the lower format too, and a layer at a limit would flip
+between formats on noise; search again to bring it down).
 Cost: none at construction.
 """
 
