@@ -7,7 +7,8 @@ then every recipe (all-MXFP8, all-NVFP4, first/last Linear in bf16 with NVFP4 be
 judged against bf16's run of the same seed with the issue's rule: within
 ``max(3 sigma of bf16, 0.5% of bf16's loss)``, sigma bf16's run-to-run spread (seeds s, s + 1).
 Reported: the share of matmul FLOPs in NVFP4, the search's training steps as a share of one run,
-and fails out of the seeds. Run: ``python benchmarks/bench_recipe.py [--steps 120] [--long 240]
+and fails out of the seeds; each seed's gaps go to stderr as the seed ends (a run cut short
+still counts its seeds). Run: ``python benchmarks/bench_recipe.py [--steps 120] [--long 240]
 [--seeds 3]``.
 """
 
