@@ -7,7 +7,8 @@ then every recipe (all-MXFP8, all-NVFP4, first/last Linear in bf16 with NVFP4 be
 judged against bf16's run of the same seed with the issue's rule: within
 ``max(3 sigma of bf16, 0.5% of bf16's loss)``, sigma bf16's run-to-run spread (seeds s, s + 1).
 Reported: the share of matmul FLOPs in NVFP4, the search's training steps as a share of one run,
-and fails out of the seeds. Run: ``python benchmarks/bench_recipe.py [--steps 120] [--long 240]
+and fails out of the seeds; each seed's gaps go to stderr as the seed ends (a run cut short
+still counts its seeds). Run: ``python benchmarks/bench_recipe.py [--steps 120] [--long 240]
 [--seeds 3]``.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 import warnings
 
@@ -163,12 +165,14 @@ def _gap_table(factory, loss_fn, held, recipes, seeds, first: int = 0) -> dict[s
     run = range(first, first + seeds)
     bf16 = [_tail(_train(factory, loss_fn, held, {}, s, _opt))[1] for s in run]
     sigma = statistics.stdev(bf16) if seeds > 1 else 0.0
-    out = {"": [max(3 * sigma, 0.005 * b) for b in bf16]}
-    for label, recipe in recipes.items():
-        out[label] = [
-            _tail(_train(factory, loss_fn, held, recipe, s, _opt))[1] - bf16[i]
-            for i, s in enumerate(run)
-        ]
+    out: dict[str, list[float]] = {"": [max(3 * sigma, 0.005 * b) for b in bf16]}
+    for i, s in enumerate(run):  # seed by seed, each seed's gaps to stderr: a cut run counts
+        for label, recipe in recipes.items():
+            gap = _tail(_train(factory, loss_fn, held, recipe, s, _opt))[1] - bf16[i]
+            out.setdefault(label, []).append(gap)
+        print(f"seed {s}: tolerance {out[''][i]:.4f}, bf16 {bf16[i]:.4f}, gaps "
+              + ", ".join(f"{k} {v[i]:+.4f}" for k, v in out.items() if k), file=sys.stderr,
+              flush=True)  # fmt: skip
     return out
 
 

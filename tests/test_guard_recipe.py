@@ -73,7 +73,10 @@ def test_a_checkpoint_resumes_the_per_layer_formats_and_the_losses(tmp_path):
                               guard=guard)  # fmt: skip
     assert guard.state_dict()["fp8"] == {
         "format": "recipe",
+        "version": 2,
         "recipe": {"a": "nvfp4", "b": "fp8_blockwise"},
+        "strikes": {},
+        "moves": [],
     }
     after = _steps(guard, model, 3)
     model2 = _model(seed=5)

@@ -12,8 +12,9 @@ The search, from one start (``model_factory()`` under ``seeds[0]``) on identical
 4. **Prune with the meter.** The gradient-fidelity meter (:mod:`ampguard.fp8._fidelity`: per
    layer cosine and relative error of the recipe's weight gradient against bf16's, and the input
    features its forward loses, on the first shadow micro-batches) flags layers; the earliest
-   flagged in the forward moves one format up with its group and the meter reads again, until
-   nothing is flagged (no training step spent). A group is flagged too when its share of the
+   flagged in the forward moves one format up with its group (and with it every group flagged
+   for its own input's values, ``losing_inputs``) and the meter reads again, until nothing is
+   flagged (no training step spent). A group is flagged too when its share of the
    meter's predicted loss effect (``lost_progress``: the gradient error's share of a step's
    loss decrease) is at least ``COST_RATIO`` times its share of the matmul FLOPs
    (:func:`_costly`): a head that reads healthy layer by layer but holds most of the error.
@@ -67,6 +68,7 @@ from ampguard.fp8 import (
     converted,
     failing,
     gradient_fidelity,
+    losing_inputs,
     lost_progress,
     reference_gradients,
     restore,
@@ -282,17 +284,24 @@ def _prune(
     promoted: list[tuple[str, ...]],
     kind: str,
 ) -> None:
-    """Promote (one group at a time, the earliest in the forward first: what a flagged layer
-    feeds may be flagged for its input's sake) what the meter flags, until nothing is."""
+    """Promote what the meter flags, until nothing is: per reading, the earliest flagged group
+    in the forward (what a flagged layer feeds may be flagged for its input's sake), and with
+    it every group flagged for its own input's values (:func:`ampguard.fp8.losing_inputs`: no
+    other layer's format changes those), so two such layers cost one reading, not two."""
     forward = list(meter.group_of)
     for _ in range(len(recipe) * len(ladder)):
         bad = meter.flagged(recipe)
         if not bad:
             return
         first = min(bad, key=forward.index)
-        moved = _promote(meter.model, first, recipe, meter.group_of, ladder)
-        promoted.append(moved)
-        history.append({"kind": kind, "promoted": list(moved), "recipe": dict(recipe)})
+        own = [n for n in losing_inputs(meter.read(recipe)) if n in bad]
+        before = dict(recipe)
+        for layer in dict.fromkeys([first, *sorted(own, key=forward.index)]):
+            if recipe[layer] != before[layer]:
+                continue  # moved already with its group in this reading
+            moved = _promote(meter.model, layer, recipe, meter.group_of, ladder)
+            promoted.append(moved)
+            history.append({"kind": kind, "promoted": list(moved), "recipe": dict(recipe)})
 
 
 def _costly(

@@ -203,7 +203,8 @@ CATALOGUE: dict[str, Code] = _table(
         "under Guard(precision=<a {layer: format} recipe or ag.RecipeCertificate>) the "
         "gradient-fidelity meter, re-read every recheck_every steps on the step's batch, found "
         "a layer's weight gradient (or forward input) outside its limits against bf16 on 2 "
-        "re-checks in a row, so the Guard moved the layer to the next format up (bf16 last)",
+        "re-checks in a row, so the Guard moved the layer to the next format up (bf16 last); "
+        "it stays there (no move back down), and checkpoints keep the move and a pending count",
         "start the layer in that format: ag.recipe_search on batches from this point of training",
     ),
     # -- runtime: silent precision failures ---------------------------------------------------

@@ -32,6 +32,7 @@ from ampguard.fp8._fidelity import (
     converted,
     failing,
     gradient_fidelity,
+    losing_inputs,
     lost_progress,
     reference_gradients,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "converted",
     "failing",
     "gradient_fidelity",
+    "losing_inputs",
     "lost_progress",
     "reference_gradients",
     "check_formats",

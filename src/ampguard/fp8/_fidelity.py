@@ -39,6 +39,7 @@ from ampguard.fp8._recipe import HIGH
 __all__ = [
     "gradient_fidelity",
     "failing",
+    "losing_inputs",
     "MIN_COSINE",
     "MAX_REL_ERROR",
     "MAX_LOST_INPUTS",
@@ -270,4 +271,16 @@ def failing(meter: dict[str, dict[str, Any]]) -> list[str]:
             and m["column_rel_error"] <= MAX_REL_ERROR
             and m.get("lost_inputs", 0.0) <= MAX_LOST_INPUTS
         )
+    ]
+
+
+def losing_inputs(meter: dict[str, dict[str, Any]]) -> list[str]:
+    """The low-precision layers whose own forward cast loses more than ``MAX_LOST_INPUTS`` of
+    their input features (the features sharing a block with a massive one): flagged for the
+    values of their own input, which no other layer's format changes (a subset of
+    :func:`failing`). Cost: none (reads the figures)."""
+    return [
+        n
+        for n, m in meter.items()
+        if m["format"] != HIGH and not m.get("lost_inputs", 0.0) <= MAX_LOST_INPUTS
     ]

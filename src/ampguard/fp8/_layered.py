@@ -12,15 +12,20 @@ numerics of each format, not its speed.
 
 Bad input, each one ``ValueError`` naming it before anything is converted: a recipe that is not
 a dict of strings, a layer that is not a Linear of the model, an unknown format, a format the
-layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``) is ``{"format": "recipe",
-"recipe": {layer: format}}`` of the converted layers; a resumed Guard converts exactly those, in
-those formats (a warning when this Guard had a different recipe). No telemetry of its own and
+layer's shape cannot take. Checkpoints: the Guard state (``"fp8"``, version 2) is ``{"format":
+"recipe", "version": 2, "recipe": {layer: format}, "strikes": {layer: n}, "moves": [...]}``: the
+converted layers' formats, the re-check's pending drift counts and its moves so far; a resumed
+Guard converts exactly those, in those formats (a warning when this Guard had a different
+recipe), and moves a pending layer at the step an uninterrupted run would (a version-1 state,
+formats only, loads with no pending drift). No telemetry of its own and
 no per-step rescue (:meth:`LayerRecipe.watch` does nothing); :meth:`LayerRecipe.recheck` reads
 the gradient-fidelity meter on shadow micro-batches and moves a drifting layer one format up. The
 Guard calls it every ``recheck_every`` windows (a certificate's field; 100 for a dict) on the
 batch given to ``Guard.step(batch=..., loss_fn=...)`` (no re-check without them), the RNG and
 buffers put back (:meth:`LayerRecipe.recheck_step`); each move is an AG114 finding and in the
-saved state, so a resumed Guard trains the moved formats.
+saved state, so a resumed Guard trains the moved formats. A moved layer stays up (no demotion:
+a move down would need a reading of the lower format too, and a layer at a limit would flip
+between formats on noise; search again to bring it down).
 Cost: none at construction.
 """
 
@@ -196,12 +201,20 @@ class LayerRecipe:
         """Nothing: no per-layer telemetry or rescue of its own."""
 
     def state(self) -> dict[str, Any]:
-        """Guard state ``"fp8"``: ``{"format": "recipe", "recipe": {layer: format}}``."""
-        return {"format": RECIPE_FORMAT, "recipe": self.formats()}
+        """Guard state ``"fp8"`` (version :data:`STATE_VERSION`): ``{"format": "recipe",
+        "version": 2, "recipe": {layer: format}, "strikes": {layer: n}, "moves": [...]}``: the
+        converted layers' formats, the re-checks in a row that flagged each layer not moved yet
+        (a pending drift) and the moves so far (AG114), so a resumed Guard moves a layer at the
+        step an uninterrupted run would. Cost: no device op."""
+        moves = self.rescue.changes if self.rescue is not None else []
+        return {"format": RECIPE_FORMAT, "version": STATE_VERSION, "recipe": self.formats(),
+                "strikes": dict(self._strikes), "moves": [dict(m) for m in moves]}  # fmt: skip
 
     def check_state(self, value: Any) -> list[dict[str, Any]]:
         """Validate a saved state (``ValueError`` naming the field, nothing changed);
-        ``[{"module": name, "format": fmt}, ...]`` to convert."""
+        ``[{"module": name, "format": fmt, "strikes": n, "moves": [...]}, ...]`` to load, a
+        layer the re-check moved to bf16 included (``"bf16"``). A version-1 state (formats
+        only) loads with no pending drift and no moves."""
         if value is None:
             return []
         recipe = value.get("recipe") if isinstance(value, dict) else None
@@ -210,16 +223,40 @@ class LayerRecipe:
                 f"malformed Guard state: 'fp8' must be {{'format': 'recipe', 'recipe': "
                 f"{{layer: format}}}} under a per-layer precision, got {value!r:.80}"
             )
+        version = value.get("version", 1)
+        if version not in (1, STATE_VERSION) or isinstance(version, bool):
+            raise ValueError(
+                f"malformed Guard state: 'fp8' is a per-layer recipe state of version "
+                f"{version!r}; this ampguard reads versions 1 and {STATE_VERSION}"
+            )
+        v2 = version == STATE_VERSION
+        moves = _check_moves(value.get("moves"), self._all) if v2 else []
+        full = dict(recipe) if isinstance(recipe, dict) else recipe
+        if isinstance(full, dict):
+            for m in moves:
+                if m["module"] not in full:
+                    full[m["module"]] = HIGH  # moved up to bf16: no longer converted
         try:
-            checked = check_recipe(recipe, self.model, argument="Guard state 'fp8.recipe'")
+            checked = check_recipe(full, self.model, argument="Guard state 'fp8.recipe'")
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed Guard state: {e}") from None
-        return [{"module": n, "format": f} for n, f in checked.items()]
+        strikes = _check_strikes(value.get("strikes"), checked) if v2 else {}
+        return [{"module": n, "format": f, "strikes": strikes.get(n, 0),
+                 "moves": [m for m in moves if m["module"] == n]}
+                for n, f in checked.items()]  # fmt: skip
 
     def load(self, changes: list[dict[str, Any]], telemetry: Fp8Log | None) -> None:
         """Convert exactly the saved layers in their saved formats (warns when they differ from
-        this Guard's). Cost: no device op."""
-        wanted = {c["module"]: c["format"] for c in changes}
+        this Guard's), and take the saved drift counts and moves. Cost: no device op."""
+        self._strikes = {c["module"]: c["strikes"] for c in changes if c.get("strikes")}
+        moves = [m for c in changes for m in c.get("moves", ())]
+        moves.sort(key=lambda m: (-1 if m["step"] is None else m["step"],
+                                  self._all.index(m["module"])))  # fmt: skip
+        self.rescue = None
+        if moves:
+            self.rescue = _Moves()
+            self.rescue.changes.extend(dict(m) for m in moves)
+        wanted = {c["module"]: c["format"] for c in changes if c["format"] != HIGH}
         if wanted == self.formats():
             return
         warnings.warn(
@@ -229,7 +266,7 @@ class LayerRecipe:
             stacklevel=user_stacklevel(),
         )
         self.revert()
-        self._chosen = {n: f for n, f in wanted.items() if f != HIGH}
+        self._chosen = dict(wanted)
         self.convert()
 
     def summary(self) -> dict[str, Any]:
@@ -271,6 +308,58 @@ def _every(plan: Any) -> int | None:
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"precision: recheck_every must be a positive int or None, got {every!r}")
     return every
+
+
+STATE_VERSION = 2  # of the Guard state "fp8" (1: the formats only; 2: + strikes and moves)
+_MOVE_KEYS = {"module", "step", "from", "to", "reason"}
+
+
+def _check_strikes(value: Any, recipe: dict[str, str]) -> dict[str, int]:
+    """A saved ``strikes`` map: ``{converted layer: positive int}`` (``ValueError`` naming it)."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"malformed Guard state: 'fp8.strikes' must be a {{layer: count}} dict, got "
+            f"{value!r:.80}"
+        )
+    for name, n in value.items():
+        if recipe.get(name, HIGH) == HIGH:
+            raise ValueError(
+                f"malformed Guard state: 'fp8.strikes' names {name!r}, which the saved recipe "
+                "does not train in a low-precision format"
+            )
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"malformed Guard state: 'fp8.strikes' of {name!r} must be a positive int, "
+                f"got {n!r}"
+            )
+    return dict(value)
+
+
+def _check_moves(value: Any, linears: list[str]) -> list[dict[str, Any]]:
+    """A saved ``moves`` list (``ValueError`` naming the first bad entry)."""
+    allowed = (*FORMATS, HIGH)
+    if not isinstance(value, list):
+        raise ValueError(f"malformed Guard state: 'fp8.moves' must be a list, got {value!r:.80}")
+    for m in value:
+        ok = isinstance(m, dict) and set(m) == _MOVE_KEYS
+        if ok and m["module"] not in linears:
+            raise ValueError(
+                f"malformed Guard state: 'fp8.moves' names {m['module']!r}, which is not a "
+                "Linear layer of this model"
+            )
+        step = m.get("step") if ok else None
+        if not (
+            ok
+            and (step is None or (isinstance(step, int) and not isinstance(step, bool)))
+            and m["from"] in allowed
+            and m["to"] in allowed
+            and isinstance(m["reason"], str)
+        ):
+            raise ValueError(
+                f"malformed Guard state: an entry of 'fp8.moves' must be {{'module', 'step', "
+                f"'from', 'to', 'reason'}}, got {m!r:.80}"
+            )
+    return [dict(m) for m in value]
 
 
 class _Moves:
