@@ -124,6 +124,7 @@ class GroupStep:
         self.grads = [p.grad for p in self.params]
         self.kahan_numel = sum(self.sizes[: self.n_kahan])
         self.sr_numel = sum(self.sizes[: self.n_sr])
+        self.numel = sum(self.sizes)
         self.measured = (
             [True] * len(self.params)
             if measure is True
@@ -170,7 +171,7 @@ class GroupStep:
         """The flat buffer := ``weight (+ Kahan buffer)`` in fp32."""
         torch._foreach_copy_(self.values, self.data)
         if self.comp_flat is not None:
-            self.flat[: self.kahan_numel].add_(self.comp_flat)
+            self._stretch(self.kahan_numel).add_(self.comp_flat)
         elif self.n_kahan:
             torch._foreach_add_(self.values[: self.n_kahan], self.comps)
 
@@ -187,13 +188,13 @@ class GroupStep:
         rounded = self.data[:k] + self.data[sr:]  # Kahan and nearest: to nearest
         if rounded:
             torch._foreach_copy_(rounded, self.values[:k] + self.values[sr:])
-        if k:
-            head = self.flat[: self.kahan_numel]
+        head = self._stretch(self.kahan_numel) if k else None
+        if head is not None:
             head.sub_(head.to(self.dtype))  # the residual, exact in fp32
         if sr:
-            stochastic_round_(self.flat[: self.sr_numel], self.dtype, generator)
-            if self.comp_flat is not None:
-                self.comp_flat.copy_(self.flat[: self.kahan_numel])
+            stochastic_round_(self._stretch(self.sr_numel), self.dtype, generator)
+            if self.comp_flat is not None and head is not None:
+                self.comp_flat.copy_(head)
             elif k:
                 torch._foreach_copy_(self.comps, self.values[:k])
             if sr > k:
@@ -202,6 +203,11 @@ class GroupStep:
         self._states_back()
         self.restore(states=False)
         return sums
+
+    def _stretch(self, n: int) -> torch.Tensor:
+        """The first ``n`` elements of the flat buffer (the buffer itself when that is all of
+        it: one operation fewer)."""
+        return self.flat if n == self.numel else self.flat[:n]
 
     def _sums(self, intended: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """Per measured member: ``<written, intended>`` and ``<intended, intended>``, with

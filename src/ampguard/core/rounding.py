@@ -95,7 +95,7 @@ def stochastic_round_(
     bits per element from :func:`draw_noise` in element order; returns ``flat``. Cost: one
     draw and :func:`round_with_noise_`."""
     noise = draw_noise(flat.numel(), generator, flat.device)
-    return round_with_noise_(flat, dtype, noise.view(flat.shape))
+    return round_with_noise_(flat, dtype, noise if flat.dim() == 1 else noise.view(flat.shape))
 
 
 def draw_noise(numel: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -107,7 +107,8 @@ def draw_noise(numel: int, generator: torch.Generator, device: torch.device) -> 
     words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
     words.random_(-(2**63), None, generator=generator)
     if words.device.type == "cpu":  # read unsigned: no mask pass (measured on the CPU only)
-        return words.view(torch.uint16)[:numel].to(torch.int32)
+        quarters = words.view(torch.uint16)
+        return (quarters if numel % 4 == 0 else quarters[:numel]).to(torch.int32)
     return words.view(torch.int16)[:numel].to(torch.int32).bitwise_and_(0xFFFF)
 
 
