@@ -383,29 +383,26 @@ def test_distributed_demo_under_fsdp2_skips_the_outlier_steps_on_every_rank(two)
         assert v["origin"] == {0: 0, 1: 3}
 
 
-@pytest.mark.slow  # multi-process (torchrun)
-@pytest.mark.timeout(120)
-def test_torchrun_launches_the_ddp_demo(tmp_path):
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_demo(out: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(S._free_port()),
-        "-m",
-        "ampguard",
-        "demo",
-        "--distributed",
-        "--steps",
-        "30",
-        "--no-progress",
-        "--out",
-        str(tmp_path / "run"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(S._free_port()), "-m", "ampguard", "demo", "--distributed"]
+    cmd += ["--steps", "30", "--no-progress", "--out", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+
+
+@pytest.mark.slow  # multi-process (torchrun)
+@pytest.mark.timeout(220)
+def test_torchrun_launches_the_ddp_demo(tmp_path):
+    proc = _torchrun_demo(tmp_path / "run")
+    if proc.returncode != 0 and _TEARDOWN_ABORT in proc.stderr:
+        # a rank aborting in torch's own teardown (std::terminate: a C++ thread still
+        # joinable at exit) was seen once in a loaded CI run, never in 30 launches alone; a
+        # second launch tells that from a demo that fails
+        proc = _torchrun_demo(tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ampguard demo: 30 steps in fp16 on 2 CPU ranks (ddp") == 1
     assert (

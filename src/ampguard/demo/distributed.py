@@ -56,7 +56,11 @@ def run_distributed_demo(
     check_int("steps", steps)
     owns_group = _init_group()
     try:
-        return _run(kind, steps, seed, Path(out), precision, progress, quiet)
+        result = _run(kind, steps, seed, Path(out), precision, progress, quiet)
+        if owns_group:
+            # no rank tears its connections down while a peer's last collective is in flight
+            dist.barrier()
+        return result
     finally:
         if owns_group:
             dist.destroy_process_group()
