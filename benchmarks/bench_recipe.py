@@ -215,9 +215,17 @@ def _rank_recipes(names: list[str], have: int) -> dict[str, dict[str, str]]:
 
 
 def run(
-    name: str, steps: int, long: int, seeds: int, rank_seeds: int, dump: str = "", first: int = 0
+    name: str,
+    steps: int,
+    long: int,
+    seeds: int,
+    rank_seeds: tuple[int, int],
+    dump: str = "",
+    first: int = 0,
 ) -> None:
-    """Print the model's rows as they come (a row per recipe, the search, the rank check)."""
+    """Print the model's rows as they come (a row per recipe, the search, the rank check of
+    ``rank_seeds``: the final gap's seeds, the meter's seeds; 0 seeds: no rank check)."""
+    rank_seeds, meter_seeds = rank_seeds
     cls, loss_fn, task = MODELS[name]
 
     def factory() -> nn.Module:
@@ -254,24 +262,43 @@ def run(
         f"held-out {time.perf_counter() - t0:.0f} s) | | | |"
     )
     if rank_seeds:
-        ranked = {**recipes, **_rank_recipes(_linears(model), len(recipes))}
-        final = _gap_table(factory, loss_fn, held, ranked, rank_seeds, first)
-        final.pop("")
-        early = max(1, long // 20)  # 5% of the held-out run
-        score = {k: _meter_score(factory, loss_fn, held, r, early, first)
-                 for k, r in ranked.items()}  # fmt: skip
-        labels = list(ranked)
-        gap = [statistics.mean(final[k]) for k in labels]
-        rho_old, rho_progress, rho = (
-            _spearman([score[k][i] for k in labels], gap) for i in range(3)
-        )
-        if dump:
-            with open(dump, "w") as f:
-                json.dump({"labels": labels, "gap": gap, "readings": READINGS}, f)
-        emit(f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by final "
-             f"gap: Spearman rho {rho:.2f} by fidelity_score, {rho_old:.2f} by the summed "
-             f"squared relative error, {rho_progress:.2f} by lost_progress; seeds {first}-"
-             f"{first + rank_seeds - 1}) | | | |")  # fmt: skip
+        reuse = {k: v[:rank_seeds] for k, v in gaps.items()} if first == 0 else {}
+        emit(_rank_check(name, factory, loss_fn, held, model, recipes, reuse,
+                         (first, rank_seeds, meter_seeds), dump))  # fmt: skip
+
+
+def _rank_check(name, factory, loss_fn, held, model, recipes, reuse, seeds, dump) -> str:
+    """The rank check's row: every recipe's meter reading at 5% of the held-out run, on each of
+    ``meter`` seeds, ranked against the recipe's final gap to bf16 averaged over ``truth``
+    seeds from ``first`` (the table's gaps in ``reuse`` stand in for their recipes' runs), with
+    the truth's own noise ceiling: its halves' Spearman rho, stepped up by Spearman-Brown to the
+    reliability of the whole mean, whose square root bounds any score's rho."""
+    first, truth, meter = seeds
+    ranked = {**recipes, **_rank_recipes(_linears(model), len(recipes))}
+    todo = {k: r for k, r in ranked.items() if len(reuse.get(k, ())) < truth}
+    final = {**reuse, **_gap_table(factory, loss_fn, held, todo, truth, first)}
+    final.pop("")
+    labels = list(ranked)
+    gap = [statistics.mean(final[k]) for k in labels]
+    r_half, reliability = _split_half([final[k][:truth] for k in labels])
+    early = max(1, len(held) // 20)  # 5% of the held-out run
+    rhos = []  # per meter seed: (summed rel. error, lost_progress, fidelity_score)
+    for s in range(first, first + meter):
+        score = {k: _meter_score(factory, loss_fn, held, r, early, s) for k, r in ranked.items()}
+        rhos.append([_spearman([score[k][i] for k in labels], gap) for i in range(3)])
+    if dump:
+        with open(dump, "w") as f:
+            json.dump({"labels": labels, "gap": gap, "gaps": final, "readings": READINGS}, f)
+    per = ", ".join(f"{r[2]:.2f}" for r in rhos)
+    med = [statistics.median(r[i] for r in rhos) for i in range(3)]
+    return (
+        f"| {name} | (meter at {early} steps ranks {len(labels)} recipes by their final gap "
+        f"over seeds {first}-{first + truth - 1}: Spearman rho, median over meter seeds "
+        f"{first}-{first + meter - 1}, {med[2]:.2f} by fidelity_score ({per}), {med[0]:.2f} by "
+        f"the summed squared relative error, {med[1]:.2f} by lost_progress; the gap's noise "
+        f"ceiling {math.sqrt(reliability):.2f} (halves' rho {r_half:.2f}, Spearman-Brown "
+        f"reliability {reliability:.2f})) | | | |"
+    )
 
 
 def _count_passes():
@@ -294,6 +321,20 @@ def _count_passes():
         return count[0]
 
     return read
+
+
+def _split_half(gaps: list[list[float]]) -> tuple[float, float]:
+    """``(rho, reliability)`` of per-recipe seed gaps: the Spearman rho between the recipes'
+    mean gaps over the first and the second half of the seeds, and the Spearman-Brown
+    reliability of the mean over all of them, ``2 rho / (1 + rho)`` (nan below 2 seeds or for a
+    rho <= 0). Its square root bounds the rho any score can reach against those gaps."""
+    half = min(len(g) for g in gaps) // 2
+    if not half:
+        return math.nan, math.nan
+    rho = _spearman(
+        *([statistics.mean(g[a:b]) for g in gaps] for a, b in ((0, half), (half, 2 * half)))
+    )
+    return rho, (2 * rho / (1 + rho) if rho > 0 else math.nan)
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -352,7 +393,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="one full run (the search's batches)")
     ap.add_argument("--long", type=int, default=None, help="held-out steps (default --steps)")
     ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--rank-seeds", type=int, default=3, help="seeds of the rank check (0: off)")
+    ap.add_argument("--rank-seeds", type=int, default=6,
+                    help="seeds of the rank check's final gap (0: no rank check)")  # fmt: skip
+    ap.add_argument("--meter-seeds", type=int, default=3,
+                    help="seeds the rank check reads the meter on (rho: their median)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="3 seeds, 150 steps, no rank check")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rank-first", type=int, default=0,
@@ -373,7 +417,8 @@ def main() -> None:
     print("| model | recipe | matmul FLOPs in NVFP4 | held-out fails | worst gap / tolerance |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        run(name, args.steps, long, args.seeds, args.rank_seeds, args.rank_dump, args.rank_first)
+        rank = args.rank_seeds, min(args.meter_seeds, args.rank_seeds)
+        run(name, args.steps, long, args.seeds, rank, args.rank_dump, args.rank_first)
 
 
 if __name__ == "__main__":
