@@ -1,26 +1,16 @@
 """benchmarks/bench_recipe.py's rank check: the final gap's noise ceiling (split-half rho and
 its Spearman-Brown reliability) that bounds the meter's Spearman rho, computed right."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from _bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_recipe", BENCH / "bench_recipe.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("bench_recipe") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_halves_that_rank_the_recipes_alike_are_fully_reliable(bench):

@@ -2,25 +2,14 @@
 planted window, the peers' rules are scored on the same losses) and the autopsy names its
 mechanism and layer with a verified counterfactual; the score counts what it says."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from _bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def zoo():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("spike_zoo", BENCH / "spike_zoo.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("spike_zoo") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.mark.slow

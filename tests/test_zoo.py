@@ -1,25 +1,14 @@
 """benchmarks/silent_zoo.py: the zoo's discovery and its case interface, and one case run end to
 end (locate, a Guard run, the advisor) against what it expects."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from _bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def runner():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("silent_zoo", BENCH / "silent_zoo.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with bench_module("silent_zoo") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def test_discovery_finds_every_case_with_its_interface(runner):
