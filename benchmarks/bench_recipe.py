@@ -159,21 +159,32 @@ def _fixed(model: nn.Module, loss_fn, batch) -> dict[str, dict[str, str]]:
     }
 
 
-def _gap_table(factory, loss_fn, held, recipes, seeds, first: int = 0) -> dict[str, list[float]]:
+def _gap_table(
+    factory, loss_fn, held, recipes, seeds, first: int = 0, known=None
+) -> dict[str, list[float]]:
     """Every recipe's final-loss gap to bf16 per seed (seeds ``first`` on), and the judge's
-    tolerance (key "")."""
+    tolerance (key ""). ``known``: gaps already measured from the same ``first``, per label,
+    taken instead of training those seeds again."""
+    known = known or {}
     run = range(first, first + seeds)
     bf16 = [_tail(_train(factory, loss_fn, held, {}, s, _opt))[1] for s in run]
     sigma = statistics.stdev(bf16) if seeds > 1 else 0.0
     out: dict[str, list[float]] = {"": [max(3 * sigma, 0.005 * b) for b in bf16]}
     for i, s in enumerate(run):  # seed by seed, each seed's gaps to stderr: a cut run counts
         for label, recipe in recipes.items():
-            gap = _tail(_train(factory, loss_fn, held, recipe, s, _opt))[1] - bf16[i]
+            done = known.get(label, ())
+            gap = (
+                done[i] if i < len(done) else _train_gap(factory, loss_fn, held, recipe, s, bf16[i])
+            )
             out.setdefault(label, []).append(gap)
         print(f"seed {s}: tolerance {out[''][i]:.4f}, bf16 {bf16[i]:.4f}, gaps "
               + ", ".join(f"{k} {v[i]:+.4f}" for k, v in out.items() if k), file=sys.stderr,
               flush=True)  # fmt: skip
     return out
+
+
+def _train_gap(factory, loss_fn, held, recipe, seed: int, bf16: float) -> float:
+    return _tail(_train(factory, loss_fn, held, recipe, seed, _opt))[1] - bf16
 
 
 def _fails(gaps: list[float], tol: list[float]) -> int:
@@ -272,11 +283,11 @@ def _rank_check(name, factory, loss_fn, held, model, recipes, reuse, seeds, dump
     ``meter`` seeds, ranked against the recipe's final gap to bf16 averaged over ``truth``
     seeds from ``first`` (the table's gaps in ``reuse`` stand in for their recipes' runs), with
     the truth's own noise ceiling: its halves' Spearman rho, stepped up by Spearman-Brown to the
-    reliability of the whole mean, whose square root bounds any score's rho."""
+    reliability of the whole mean, whose square root estimates the most rho a score can expect
+    (an estimate: with few seeds a rho can land above it)."""
     first, truth, meter = seeds
     ranked = {**recipes, **_rank_recipes(_linears(model), len(recipes))}
-    todo = {k: r for k, r in ranked.items() if len(reuse.get(k, ())) < truth}
-    final = {**reuse, **_gap_table(factory, loss_fn, held, todo, truth, first)}
+    final = _gap_table(factory, loss_fn, held, ranked, truth, first, reuse)
     final.pop("")
     labels = list(ranked)
     gap = [statistics.mean(final[k]) for k in labels]
@@ -327,7 +338,7 @@ def _split_half(gaps: list[list[float]]) -> tuple[float, float]:
     """``(rho, reliability)`` of per-recipe seed gaps: the Spearman rho between the recipes'
     mean gaps over the first and the second half of the seeds, and the Spearman-Brown
     reliability of the mean over all of them, ``2 rho / (1 + rho)`` (nan below 2 seeds or for a
-    rho <= 0). Its square root bounds the rho any score can reach against those gaps."""
+    rho <= 0). Its square root estimates the most rho a score can expect against those gaps."""
     half = min(len(g) for g in gaps) // 2
     if not half:
         return math.nan, math.nan

@@ -1,5 +1,5 @@
 """benchmarks/bench_recipe.py's rank check: the final gap's noise ceiling (split-half rho and
-its Spearman-Brown reliability) that bounds the meter's Spearman rho, computed right."""
+its Spearman-Brown reliability) that the meter's Spearman rho is read against, computed right."""
 
 import math
 
