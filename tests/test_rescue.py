@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampguard as ag
-from ampguard.core.rounding import kahan_read, kahan_write, stochastic_round
+from ampguard.core.rounding import kahan_buffer, kahan_read, kahan_write, stochastic_round
 from ampguard.testing import SyncCounter
 
 
@@ -54,14 +54,17 @@ def run(mode, steps=150, dtype=torch.bfloat16, lr=2e-4, wd=0.0, opt=torch.optim.
 
 # ---------------------------------------------------------------- the rounding itself
 def test_kahan_write_keeps_what_rounds_away_and_stochastic_rounding_is_unbiased():
-    stored = torch.ones(1000, dtype=torch.bfloat16)
-    comp = torch.zeros_like(stored)
-    value = kahan_read(stored, comp)
-    for _ in range(100):  # 100 updates of 1e-4, each below half an ulp of 1.0 (2**-8)
-        value = kahan_read(stored, comp) + 1e-4
-        kahan_write(value, stored, comp)
-    # within 5% of the 0.01 added (the buffer itself holds 8 bits of the residual)
-    assert torch.allclose(kahan_read(stored, comp), torch.full((1000,), 1.01), atol=5e-4)
+    for dtype in (torch.bfloat16, torch.float16):
+        stored = torch.ones(1000, dtype=dtype)
+        comp = kahan_buffer(stored)
+        exact = torch.ones(1000)
+        for _ in range(100):  # 100 updates of 1e-4, each below half an ulp of 1.0 (bf16, fp16)
+            value = kahan_read(stored, comp) + 1e-5
+            exact += 1e-5
+            kahan_write(value, stored, comp)
+        # the pair holds the fp32 sum exactly (what fp32 master weights would hold)
+        assert torch.equal(kahan_read(stored, comp), exact)
+        assert comp.dtype == torch.int16 and stored.dtype == dtype
     plain = torch.ones(1000, dtype=torch.bfloat16) + 1e-4
     assert torch.equal(plain, torch.ones(1000, dtype=torch.bfloat16))  # nearest loses it all
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +86,7 @@ def test_kahan_and_stochastic_close_the_gap_to_fp32_master_weights():
     applied = kahan_guard.rescue.applied()
     assert applied and all(0.98 < a < 1.02 for a in applied.values())
     (note,) = [f for f in kahan_guard.findings() if f.code == "AG177"]
-    assert note.evidence["bytes_per_param"] == 2.0  # a bf16 buffer per element
+    assert note.evidence["bytes_per_param"] == 2.0  # an int16 buffer per element
 
 
 def test_decoupled_weight_decay_is_applied_in_fp32():
@@ -100,7 +103,11 @@ def test_decoupled_weight_decay_is_applied_in_fp32():
             guard.backward(loss)
             guard.step()
         comp = guard.rescue.rescue.comp.get(0) if guard.rescue is not None else None
-        value = model.weight.detach().float() + (comp.float() if comp is not None else 0.0)
+        value = (
+            kahan_read(model.weight.detach(), comp)
+            if comp is not None
+            else model.weight.detach().float()
+        )
         return float(value.mean())  # Kahan: the stored weight plus what its buffer carries
 
     intended = 0.5 * (1 - 1e-5) ** 200

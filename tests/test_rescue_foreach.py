@@ -1,9 +1,9 @@
 """The stagnation rescue's vectorised write-back on real training runs: bitwise the documented
 per-parameter arithmetic (the fp32 step on copies, then ``kahan_write`` / ``stochastic_round`` of
 each parameter in order with one generator), for bf16 and fp16, Kahan, stochastic rounding and
-a mix; a parameter the rescue does not cover is never touched; the stochastic rounding is
-exactly the documented one (every noise value enumerated); the rescue's own work per step does
-not grow with the number of parameters."""
+a mix; a parameter the rescue does not cover is never touched; the Kahan split and the
+stochastic rounding are exactly the documented ones (bit patterns and every noise value
+enumerated); the rescue's own work per step does not grow with the number of parameters."""
 
 import pytest
 import torch
@@ -12,7 +12,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampguard.core.rescue import SEED, Rescue
-from ampguard.core.rounding import draw_noise, kahan_read, round_with_noise_
+from ampguard.core.rounding import (
+    draw_noise,
+    kahan_buffer,
+    kahan_read,
+    kahan_split_,
+    kahan_write,
+    round_with_noise_,
+)
 
 
 def model_of(
@@ -66,11 +73,10 @@ def rescued_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: bo
 
 def reference_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: bool = False):
     """The documented arithmetic one parameter at a time: the covered parameters step as fp32
-    twins (value = weight + Kahan buffer; gradient and states in fp32), then each is written back:
-    Kahan ones to nearest, their residuals and the stochastic ones' values rounded with one draw
-    of noise sliced in the documented order (Kahan ones first, then stochastic ones, each in the
-    parameters' order); the others step in their own dtype; a parameter without a gradient is
-    left alone."""
+    twins (value = what the weight and its Kahan buffer hold; gradient and states in fp32), then
+    each is written back: Kahan ones by ``kahan_write``, the stochastic ones' values rounded with
+    one draw of noise sliced in the parameters' order; the others step in their own dtype; a
+    parameter without a gradient is left alone."""
     model = model_of(dtype, frozen=frozen)
     params = list(model.parameters())
     covered = [i for i in range(len(params)) if i in methods]
@@ -78,7 +84,7 @@ def reference_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: 
     plain = [params[i] for i in range(len(params)) if i not in methods]
     topt = OPTS[opt_name](twins)
     popt = OPTS[opt_name](plain) if plain else None
-    comp = {i: torch.zeros_like(params[i]) for i in covered if methods[i] == "kahan"}
+    comp = {i: kahan_buffer(params[i]) for i in covered if methods[i] == "kahan"}
     low: list[dict] = [{} for _ in covered]  # the covered parameters' states, in their dtype
     gen = torch.Generator().manual_seed(SEED)
     for x, y in batches(steps):
@@ -94,28 +100,23 @@ def reference_run(dtype, opt_name, methods: dict[int, str], steps: int, frozen: 
                 for k, v in saved.items():
                     topt.state[t][k] = v.float()
             topt.step()
-            # the documented order of the random draws: Kahan members, then stochastic ones
-            order = sorted(range(len(covered)), key=lambda j: methods[covered[j]] != "kahan")
-            # one draw of 16-bit noise for all of them, sliced in that order
-            order = [j for j in order if params[covered[j]].grad is not None]
-            targets, pieces = [], []
+            order = [j for j in range(len(covered)) if params[covered[j]].grad is not None]
+            pieces, targets = [], []
             for j in order:
                 t, i = twins[j], covered[j]
-                p = params[i]
                 if methods[i] == "kahan":
-                    p.data.copy_(t.data)  # to nearest
-                    pieces.append(torch.sub(t.data, p.data).flatten())  # the residual
-                    targets.append(comp[i])
-                else:
+                    kahan_write(t.data, params[i].data, comp[i])
+                else:  # one draw of 16-bit noise for the stochastic ones, in their order
                     pieces.append(t.data.flatten().clone())
-                    targets.append(p.data)
-            noise = draw_noise(sum(x.numel() for x in pieces), gen, torch.device("cpu"))
-            offset = 0
-            for x, target in zip(pieces, targets, strict=True):
-                n = x.numel()
-                round_with_noise_(x, dtype, noise[offset : offset + n])
-                target.copy_(x.view_as(target))
-                offset += n
+                    targets.append(params[i].data)
+            if pieces:
+                noise = draw_noise(sum(x.numel() for x in pieces), gen, torch.device("cpu"))
+                offset = 0
+                for x, target in zip(pieces, targets, strict=True):
+                    n = x.numel()
+                    round_with_noise_(x, dtype, noise[offset : offset + n])
+                    target.copy_(x.view_as(target))
+                    offset += n
             for j in order:
                 t, i, saved = twins[j], covered[j], low[j]
                 for k, v in topt.state[t].items():
@@ -238,15 +239,74 @@ def test_a_parameter_the_rescue_does_not_cover_is_never_touched():
 
 def test_one_random_draw_per_group_whatever_the_number_of_parameters():
     for depth in (1, 5):
-        model = model_of(torch.bfloat16, depth=depth)
-        opt = OPTS["adamw"](model.parameters())
-        rescue = Rescue([opt], list(model.parameters()))
-        rescue.cover(list(range(len(rescue.params))), "kahan")
-        one_step_ops(model, opt)  # the first step creates the states
-        ops = one_step_ops(model, opt)
-        draws = [op for op in ops if "rand" in op]
-        assert len(draws) == 1, (depth, draws)
-        assert ops.count("bitwise_and_") == 1  # the truncation (the noise is read unsigned)
+        for method, draws_wanted in (("kahan", 0), ("stochastic", 1)):
+            model = model_of(torch.bfloat16, depth=depth)
+            opt = OPTS["adamw"](model.parameters())
+            rescue = Rescue([opt], list(model.parameters()))
+            rescue.cover(list(range(len(rescue.params))), method)
+            one_step_ops(model, opt)  # the first step creates the states
+            ops = one_step_ops(model, opt)
+            draws = [op for op in ops if "rand" in op]
+            assert len(draws) == draws_wanted, (depth, method, draws)
+            # Kahan: no rounding pass of its own; stochastic: the one truncation
+            assert ops.count("bitwise_and_") == draws_wanted
+
+
+# ---------------------------------------------------------------- the Kahan split, exactly
+def random_patterns(n: int = 200_000) -> torch.Tensor:
+    """fp32 values of every kind: ``n`` random bit patterns (both signs, subnormals, huge,
+    infinities and NaN) and the edge patterns (ties, the largest finite, zeros)."""
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int64, generator=gen)
+    edges = [0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0, 0x80000000]
+    edges += [0x477FE000, 0x477FF000, 0x38800000, 0x00000001, 0x7F800000, 0x7FC00000]
+    edges_t = torch.tensor(edges, dtype=torch.int64)
+    edges_t = torch.where(edges_t >= 2**31, edges_t - 2**32, edges_t)
+    return torch.cat([bits, edges_t]).to(torch.int32).view(torch.float32)
+
+
+def test_the_bf16_kahan_pair_is_the_fp32_value_bitwise_and_the_weight_its_nearest():
+    value = random_patterns()
+    stored = torch.empty(value.shape, dtype=torch.bfloat16)
+    comp = kahan_buffer(stored)
+    kahan_write(value, stored, comp)
+    back = kahan_read(stored, comp)
+    finite = value.isfinite()
+    assert torch.equal(back.view(torch.int32)[finite], value.view(torch.int32)[finite])
+    assert torch.equal(back.isnan(), value.isnan()) and torch.equal(back.isinf(), value.isinf())
+    nearest = value.to(torch.bfloat16).float()  # round to nearest even
+    both = finite & nearest.isfinite() & stored.isfinite()
+    assert ((stored.float() - value).abs() <= (nearest - value).abs())[both].all()
+    assert torch.equal(stored.signbit()[finite], value.signbit()[finite])  # no sign flips
+    assert torch.equal(value, random_patterns()) or bool(value.isnan().any())  # left as it was
+
+
+def test_the_fp16_kahan_pair_is_exact_in_range_and_the_weight_its_nearest():
+    value = random_patterns()
+    stored = torch.empty(value.shape, dtype=torch.float16)
+    comp = kahan_buffer(stored)
+    kahan_write(value, stored, comp)
+    back = kahan_read(stored, comp)
+    finite = value.isfinite()
+    assert torch.equal(stored[finite], value[finite].to(torch.float16))  # nearest even
+    exact = finite & (value.abs() >= 2.0**-16) & (value.abs() <= 65504)
+    assert int(exact.sum()) > 1000
+    assert torch.equal(back.view(torch.int32)[exact], value.view(torch.int32)[exact])
+    small = finite & (value.abs() < 2.0**-16)  # the buffer clamped: at worst what fp16 loses
+    assert ((back - value).abs() <= (stored.float() - value).abs())[small].all()
+    over = finite & (value.abs() > 65520)  # overflowed: inf, as without a buffer
+    assert back[over].isinf().all() and stored[over].isinf().all()
+
+
+def test_kahan_split_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="float32"):
+        kahan_split_(
+            torch.zeros(3, dtype=torch.float64), torch.bfloat16, torch.zeros(3, dtype=torch.int16)
+        )
+    with pytest.raises(ValueError, match="int16"):
+        kahan_split_(torch.zeros(3), torch.bfloat16, torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        kahan_split_(torch.zeros(3), torch.float8_e4m3fn, torch.zeros(3, dtype=torch.int16))
 
 
 def test_the_noise_is_the_four_16_bit_quarters_of_each_64_bit_word_in_order():

@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from ampguard.core.rounding import kahan_read, kahan_write, stochastic_round
+from ampguard.core.rounding import (
+    COMP_DTYPE,
+    kahan_buffer,
+    kahan_read,
+    kahan_write,
+    stochastic_round,
+)
 from ampguard.core.stagnation import (
     LOW_PRECISION,
     SAMPLE_EVERY,
@@ -96,7 +102,7 @@ class EmaWatch:
         dev = self.params[0].device if self.params else torch.device("cpu")
         self.comp: list[torch.Tensor] = []
         if self.method == "kahan":
-            self.comp = [torch.zeros_like(p) for p in self.params]
+            self.comp = [kahan_buffer(p) for p in self.params]
         self.generator = torch.Generator(device=dev).manual_seed(0xE3A)
         self._counts = torch.zeros(len(self.params), 2, dtype=torch.int64, device=dev)
         self._snap: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -122,7 +128,7 @@ class EmaWatch:
                 value = kahan_read(p, self.comp[i]) if self.comp else p.float()
                 value.lerp_(s.float(), 1.0 - float(decay))
                 if self.method == "kahan":
-                    kahan_write(value, p, self.comp[i], self.generator)
+                    kahan_write(value, p, self.comp[i])
                 elif self.method == "stochastic":
                     p.copy_(stochastic_round(value, p.dtype, self.generator))
                 else:
@@ -163,7 +169,7 @@ class EmaWatch:
                 before = kahan_read(stored, comp) if comp is not None else stored.float()
                 value = before.clone().lerp_(s.float(), 1.0 - float(decay))
                 if self.method == "kahan" and comp is not None:
-                    kahan_write(value, stored, comp, gen)
+                    kahan_write(value, stored, comp)
                 elif self.method == "stochastic":
                     stored.copy_(stochastic_round(value, stored.dtype, gen))
                 else:
@@ -227,7 +233,7 @@ class EmaWatch:
         if method not in (None, "kahan", "stochastic"):
             raise ValueError(f"method must be None, 'kahan' or 'stochastic', got {method!r}")
         if method == "kahan" and not self.comp:
-            self.comp = [torch.zeros_like(p) for p in self.params]
+            self.comp = [kahan_buffer(p) for p in self.params]
         elif method != "kahan" and self.comp:
             with torch.no_grad():
                 for p, c in zip(self.params, self.comp, strict=True):
@@ -310,6 +316,7 @@ class EmaWatch:
         if (
             not isinstance(comp, list)
             or (comp and [tuple(c.shape) for c in comp] != [tuple(p.shape) for p in self.params])
+            or any(not isinstance(c, torch.Tensor) or c.dtype != COMP_DTYPE for c in comp)
             or state.get("method") not in (None, "kahan", "stochastic")
             or not isinstance(state.get("counts"), torch.Tensor)
             or tuple(state["counts"].shape) != tuple(self._counts.shape)
@@ -323,8 +330,7 @@ class EmaWatch:
         comp = state["comp"]
         self.method = state["method"]
         self.comp = [
-            c.to(p.device, p.dtype).clone()
-            for c, p in zip(comp, self.params if comp else [], strict=True)
+            c.to(p.device).clone() for c, p in zip(comp, self.params if comp else [], strict=True)
         ]
         self.generator.set_state(state["generator"])
         self._counts.copy_(state["counts"])

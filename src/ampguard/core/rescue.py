@@ -6,8 +6,9 @@ gradient and its low-precision state tensors, ``exp_avg``, ``exp_avg_sq``...) to
 optimizer's own step runs on them unchanged (its decoupled weight decay too, so it is applied in
 fp32), and a step post-hook writes the new fp32 value back into the parameter's own storage:
 
-- ``"kahan"``: through a compensation buffer in the parameter's dtype (:func:`~ampguard.core.
-  rounding.kahan_write`; the next step starts from ``weight + buffer``): 2 bytes per element;
+- ``"kahan"``: through a compensation buffer (:func:`~ampguard.core.rounding.kahan_write`: int16,
+  the fp32 spacings from the stored weight to the value, so the pair holds the fp32 value
+  exactly; the next step starts from it): 2 bytes per element;
 - ``"stochastic"``: by stochastic rounding (a generator this object owns): nothing persistent;
 - ``"nearest"``: plain rounding (a parameter covered only to keep its optimizer states in fp32).
 
@@ -18,17 +19,18 @@ is not covered is never touched: its cost is zero.
 
 On the rescue's sampled steps (its first, then every :data:`~ampguard.core.stagnation.SAMPLE_EVERY`)
 it measures the share of the intended update that reached the stored value: ``<written,
-intended> / <intended, intended>`` per parameter, with ``intended`` the fp32 step and ``written``
-the change of ``weight (+ buffer)``; 1.0 when nothing is lost (stochastic rounding: in
-expectation). Counted on the device; :meth:`Rescue.applied` reads it (one host sync).
+intended> / <intended, intended>`` per parameter, with ``intended`` the fp32 step and
+``written`` the change of the value the weight (and its buffer) holds; 1.0 when nothing is lost
+(stochastic rounding: in expectation). Counted on the device; :meth:`Rescue.applied` reads it
+(one host sync).
 
 The covered parameters of an optimizer step as groups, one per dtype and device, each written
-back by a few multi-tensor and flat operations with one random draw
-(:mod:`ampguard.core.rescue_step`); a parameter without a gradient is skipped, as the optimizer
-skips it. Cost, per covered element and step: the fp32 copies of the weight, gradient and
-states (freed after the step) and about a dozen elementwise passes; per group about ten
-operations; no host sync. Persistent: the Kahan buffers (one flat tensor per group, 2 bytes per
-element), and fp32 states when asked for.
+back by a few multi-tensor and flat operations, with one random draw when stochastic rounding
+is among them (:mod:`ampguard.core.rescue_step`); a parameter without a gradient is skipped, as
+the optimizer skips it. Cost, per covered element and step: the fp32 copies of the weight,
+gradient and states (freed after the step) and a few elementwise passes; per group about ten
+operations; no host sync. Persistent: the Kahan buffers (one flat int16 tensor per group, 2
+bytes per element), and fp32 states when asked for.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 
 from ampguard._util.stack import user_stacklevel
 from ampguard.core.rescue_step import GroupPlan, GroupStep, float_state, plan_groups
-from ampguard.core.rounding import kahan_read
+from ampguard.core.rounding import COMP_DTYPE, kahan_buffer, kahan_read
 from ampguard.core.stagnation import LOW_PRECISION, SAMPLE_EVERY
 
 __all__ = ["METHODS", "RESCUE_SHARE", "KAHAN_BUDGET", "Rescue", "closure_only", "SEED"]
@@ -137,7 +139,7 @@ class Rescue:
             self.methods[i] = method
             self._fresh.add(i)
             if method == "kahan" and i not in self.comp:
-                self.comp[i] = torch.zeros_like(self.params[i])
+                self.comp[i] = kahan_buffer(self.params[i])
             elif method != "kahan":
                 self._fold(i)
 
@@ -300,6 +302,11 @@ class Rescue:
             p = self.params[i] if 0 <= i < n else None
             if p is None or not isinstance(c, torch.Tensor) or c.shape != p.shape:
                 raise ValueError(f"malformed Guard state: 'rescue.comp' entry {key!r} does not fit")
+            if c.dtype != COMP_DTYPE:
+                raise ValueError(
+                    f"malformed Guard state: 'rescue.comp' entry {key!r} is {c.dtype}, a Kahan "
+                    f"buffer is {COMP_DTYPE} (fp32 spacings from its weight)"
+                )
         if not isinstance(state.get("generator"), torch.Tensor):
             raise ValueError("malformed Guard state: 'rescue.generator' must be a tensor")
         applied = state.get("applied")
@@ -312,8 +319,7 @@ class Rescue:
         self._layout_epoch += 1
         self.methods = {int(k): m for k, m in state["methods"].items()}
         self.comp = {
-            int(k): c.to(self.params[int(k)].device, self.params[int(k)].dtype).clone()
-            for k, c in state["comp"].items()
+            int(k): c.to(self.params[int(k)].device).clone() for k, c in state["comp"].items()
         }
         self.generator.set_state(state["generator"])
         self._applied.copy_(state["applied"])

@@ -3,27 +3,29 @@
 The covered parameters of one optimizer that share a dtype and a device form a
 :class:`GroupPlan` (rebuilt when the methods change), laid out Kahan members first, then
 stochastic, then nearest ones, each in the parameters' order; the Kahan members' buffers are
-views of one flat tensor in that order (2 bytes per element, as before). A :class:`GroupStep`
-is one step of a plan:
+views of one flat int16 tensor in that order (2 bytes per element). A :class:`GroupStep` is one
+step of a plan:
 
 - swapping in, the fp32 values are views of one flat buffer: one ``torch._foreach_copy_`` from
-  the weights and one add of the flat Kahan buffer (``weight + buffer``); gradients and
-  low-precision states get fp32 copies; the optimizer's own step then runs on them unchanged
-  (its decoupled weight decay too: applied in fp32);
-- writing back is a few operations on the whole group, however many parameters it has: one
-  ``_foreach_copy_`` rounds the Kahan and nearest members to nearest into their weights; the
-  Kahan residuals ``value - round(value)`` (exact in fp32) and the stochastic members' values
-  are rounded stochastically as one flat stretch (:func:`~ampguard.core.rounding.
-  stochastic_round_`: one random draw for the group); one copy stores the residuals in the
-  flat Kahan buffer, one ``_foreach_copy_`` the stochastic weights, one the fp32 states back.
+  the weights and one integer add of the flat Kahan buffer (the fp32 value the weight and its
+  buffer hold, :func:`~ampguard.core.rounding.kahan_read`); gradients and low-precision states
+  get fp32 copies (one ``_foreach_copy_`` each); the optimizer's own step then runs on them
+  unchanged (its decoupled weight decay too: applied in fp32);
+- writing back is a few operations on the whole group, however many parameters it has: the
+  Kahan stretch of the flat buffer is split into its rounding and the buffer
+  (:func:`~ampguard.core.rounding.kahan_split_`: two integer ops for bf16, no random draw), the
+  stochastic stretch is rounded stochastically (:func:`~ampguard.core.rounding.
+  stochastic_round_`: one random draw, only when the group has stochastic members), one
+  ``_foreach_copy_`` stores every member's weight (the nearest ones rounded there), one the fp32
+  states back.
 
 Per element this is :func:`~ampguard.core.rounding.kahan_write` /
 :func:`~ampguard.core.rounding.stochastic_round` of each parameter in turn with one generator,
-the draws taken in the layout's order (with one method on every layer: the parameters' order);
-a test holds the two bitwise equal. What remains per parameter is bookkeeping (``.data`` /
-``.grad`` swapped, state entries reassigned) and one copy in and out of each tensor.
-Parameters outside the plans are never looked at. Cost: the fp32 copies (freed after the
-step) and about ten elementwise passes over the group; no host sync.
+the stochastic members' draws taken in the layout's order; a test holds the two bitwise equal.
+What remains per parameter is bookkeeping (``.data`` / ``.grad`` swapped, state entries
+reassigned) and one copy in and out of each tensor. Parameters outside the plans are never
+looked at. Cost: the fp32 copies (freed after the step) and a few elementwise passes over the
+group; no host sync.
 """
 
 from __future__ import annotations
@@ -33,13 +35,22 @@ from typing import Any
 
 import torch
 
-from ampguard.core.rounding import stochastic_round_
+from ampguard.core.rounding import kahan_split_, stochastic_round_
 from ampguard.core.stagnation import LOW_PRECISION
 
 __all__ = ["GroupPlan", "GroupStep", "plan_groups", "float_state"]
 
 _unflatten = torch._utils._unflatten_dense_tensors  # views of one flat buffer, made in C++
 _ORDER = {"kahan": 0, "stochastic": 1, "nearest": 2}
+
+
+def _fp32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 copies of ``tensors`` (same shapes and strides): one allocation each and one
+    ``_foreach_copy_``."""
+    out = [torch.empty_like(t, dtype=torch.float32) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, tensors)
+    return out
 
 
 def float_state(v: Any) -> bool:
@@ -73,6 +84,28 @@ class GroupPlan:
             for (i, _, _), view in zip(kahan, self.comps, strict=True):
                 comps[i] = view
             self.comp_flat = flat
+        self.kahan_numel = sum(self.sizes[: self.n_kahan])
+        self.sr_numel = sum(self.sizes[: self.n_sr])
+        self.numel = sum(self.sizes)
+        self.geometry = _geometry(self.params)
+
+
+def _geometry(params: list[Any]) -> list[tuple[Any, tuple[int, ...], int]]:
+    """``(shape, contiguous strides, offset)`` of each parameter in one flat buffer."""
+    out, offset = [], 0
+    for p in params:
+        strides, step = [], 1
+        for n in reversed(p.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        out.append((p.shape, tuple(reversed(strides)), offset))
+        offset += p.numel()
+    return out
+
+
+def _views(flat: torch.Tensor, geometry: list[tuple[Any, tuple[int, ...], int]]) -> list:
+    """The views of ``flat`` that :func:`_geometry` describes (one ``as_strided`` each)."""
+    return [flat.as_strided(shape, strides, offset) for shape, strides, offset in geometry]
 
 
 def plan_groups(
@@ -109,6 +142,8 @@ class GroupStep:
             self.n_kahan, self.n_sr = plan.n_kahan, plan.n_sr
             self.comps, self.comp_flat = plan.comps, plan.comp_flat
             self.indices, self.params, self.sizes = plan.indices, plan.params, plan.sizes
+            self.kahan_numel, self.sr_numel = plan.kahan_numel, plan.sr_numel
+            self.numel, geometry = plan.numel, plan.geometry
         else:
             has = [p.grad is not None for p in plan.params]
             self.n_kahan, self.n_sr = sum(has[: plan.n_kahan]), sum(has[: plan.n_sr])
@@ -117,14 +152,14 @@ class GroupStep:
             self.indices = [i for i, h in zip(plan.indices, has, strict=True) if h]
             self.params = [p for p, h in zip(plan.params, has, strict=True) if h]
             self.sizes = [n for n, h in zip(plan.sizes, has, strict=True) if h]
+            self.kahan_numel = sum(self.sizes[: self.n_kahan])
+            self.sr_numel = sum(self.sizes[: self.n_sr])
+            self.numel, geometry = sum(self.sizes), _geometry(self.params)
         self.opt_state = opt_state
         self.fp32_states = fp32_states
         self.dtype = plan.dtype
         self.data = [p.data for p in self.params]  # the low-precision storage, written back
         self.grads = [p.grad for p in self.params]
-        self.kahan_numel = sum(self.sizes[: self.n_kahan])
-        self.sr_numel = sum(self.sizes[: self.n_sr])
-        self.numel = sum(self.sizes)
         self.measured = (
             [True] * len(self.params)
             if measure is True
@@ -136,14 +171,15 @@ class GroupStep:
         self.slots: list[tuple[dict, Any]] = []  # (state, key) of each swapped state
         self.low: list[torch.Tensor] = []  # their low-precision tensors
         self.high: list[torch.Tensor] = []  # their fp32 copies
-        self.flat = torch.empty(sum(self.sizes), dtype=torch.float32, device=plan.device)
-        self.values: list[torch.Tensor] = list(_unflatten(self.flat, self.data))
+        self.flat = torch.empty(self.numel, dtype=torch.float32, device=plan.device)
+        self.values: list[torch.Tensor] = _views(self.flat, geometry)
         self.start: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ swap in
     def swap_in(self) -> None:
-        """The fp32 values (``weight + buffer``), gradients and states in place of the
-        low-precision ones; on an error, everything is put back. Cost: the copies."""
+        """The fp32 values (what each weight and its buffer hold), gradients and states in
+        place of the low-precision ones; on an error, everything is put back. Cost: the
+        copies."""
         try:
             self._read_values()
             if any(self.measured):
@@ -156,8 +192,8 @@ class GroupStep:
                         if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and v.dim():
                             self.slots.append((state, k))
                             self.low.append(v)
-            self.high = [v.float() for v in self.low]
-            grads = [g.float() for g in self.grads]
+            self.high = _fp32_copies(self.low)
+            grads = _fp32_copies(self.grads)
         except BaseException:
             self.restore()
             raise
@@ -168,12 +204,13 @@ class GroupStep:
             p.grad = grad
 
     def _read_values(self) -> None:
-        """The flat buffer := ``weight (+ Kahan buffer)`` in fp32."""
+        """The flat buffer := the fp32 value of each weight (and its Kahan buffer)."""
         torch._foreach_copy_(self.values, self.data)
         if self.comp_flat is not None:
-            self._stretch(self.kahan_numel).add_(self.comp_flat)
+            self._stretch(self.kahan_numel).view(torch.int32).add_(self.comp_flat)
         elif self.n_kahan:
-            torch._foreach_add_(self.values[: self.n_kahan], self.comps)
+            heads = [v.view(torch.int32) for v in self.values[: self.n_kahan]]
+            torch._foreach_add_(heads, self.comps)
 
     # ------------------------------------------------------------------ write back
     def write_back(self, generator: torch.Generator) -> list[tuple[int, torch.Tensor]]:
@@ -185,20 +222,15 @@ class GroupStep:
                 self.values[j].copy_(p.data)
         intended = self.flat - self.start if self.start is not None else None
         k, sr = self.n_kahan, self.n_sr
-        rounded = self.data[:k] + self.data[sr:]  # Kahan and nearest: to nearest
-        if rounded:
-            torch._foreach_copy_(rounded, self.values[:k] + self.values[sr:])
-        head = self._stretch(self.kahan_numel) if k else None
-        if head is not None:
-            head.sub_(head.to(self.dtype))  # the residual, exact in fp32
-        if sr:
-            stochastic_round_(self._stretch(self.sr_numel), self.dtype, generator)
-            if self.comp_flat is not None and head is not None:
-                self.comp_flat.copy_(head)
-            elif k:
-                torch._foreach_copy_(self.comps, self.values[:k])
-            if sr > k:
-                torch._foreach_copy_(self.data[k:sr], self.values[k:sr])
+        if self.comp_flat is not None:
+            kahan_split_(self._stretch(self.kahan_numel), self.dtype, self.comp_flat)
+        else:
+            for value, comp in zip(self.values[:k], self.comps, strict=True):
+                kahan_split_(value, self.dtype, comp)
+        if sr > k:
+            tail = self.flat[self.kahan_numel : self.sr_numel]
+            stochastic_round_(tail if k else self._stretch(self.sr_numel), self.dtype, generator)
+        torch._foreach_copy_(self.data, self.values)  # exact but for the nearest members
         sums = self._sums(intended) if intended is not None else []
         self._states_back()
         self.restore(states=False)
@@ -211,7 +243,7 @@ class GroupStep:
 
     def _sums(self, intended: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """Per measured member: ``<written, intended>`` and ``<intended, intended>``, with
-        ``written`` the change of ``weight (+ buffer)``, in float64."""
+        ``written`` the change of the value the weight (and its buffer) holds, in float64."""
         assert self.start is not None
         self._read_values()  # the flat buffer now holds the value written
         written = self.flat.sub_(self.start).double()

@@ -2,12 +2,21 @@
 
 Two ways, both per element and on the device:
 
-- **Kahan compensation** (:func:`kahan_write`): the stored weight ``w`` and a compensation buffer
-  ``c`` of the same shape (in the weight's own dtype, 2 bytes per element) together hold the
-  fp32 value: ``value ~ w + c``. Writing ``v`` stores ``w = round(v)`` and ``c = round(v - w)``,
-  so an update smaller than half an ulp of ``w`` waits in ``c`` until the sum crosses a
-  representable value (:func:`kahan_read` gives ``w + c`` in fp32). About 16 significant bits for
-  bf16 instead of 8; the buffer is rounded stochastically (unbiased below those 16 bits).
+- **Kahan compensation** (:func:`kahan_write`, in place on a flat fp32 stretch:
+  :func:`kahan_split_`): the stored weight ``w`` (the value rounded to nearest) and a
+  compensation buffer ``c`` of the same shape (int16, 2 bytes per element,
+  :func:`kahan_buffer`) hold the fp32 value exactly: ``c`` is the distance from ``float(w)`` to
+  the value counted in fp32 spacings, the difference of the two fp32 bit patterns
+  (:func:`kahan_read`: ``bits(float(w)) + c``). An update smaller than half an ulp of ``w``
+  waits in ``c`` until the sum crosses a representable value, and nothing is rounded twice: no
+  random draw, no bias, the fp32 value's own 24 bits. bf16: ``c`` is the fp32 pattern's low 16
+  bits read as a signed number and ``w`` its top 16 with that carry (ties round away from zero),
+  so the pair is the fp32 value bitwise wherever it is (infinities and NaN stay what they are).
+  fp16: ``w`` rounds to nearest even; ``c`` is exact for ``|value| >= 2**-16`` (at most 2**12
+  spacings in fp16's normal range); below, fp16's subnormal spacing of 2**-24 is more than the
+  32,767 fp32 spacings of such a value that int16 holds, so ``c`` is clamped there (what does
+  not fit rounds away, as without a buffer); 0 where ``w`` overflowed to inf (the weight stays
+  inf, as without a buffer).
 - **Stochastic rounding** (:func:`stochastic_round`, in place on fp32: :func:`stochastic_round_`):
   round up (in magnitude) with probability equal to the distance from the value below, in units
   of the spacing there: unbiased (the expected stored value is the fp32 value), nothing
@@ -27,7 +36,10 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "COMP_DTYPE",
+    "kahan_buffer",
     "kahan_read",
+    "kahan_split_",
     "kahan_write",
     "stochastic_round",
     "stochastic_round_",
@@ -43,28 +55,53 @@ _LOW13 = -8192  # 0xFFFFE000: the bits fp16 keeps of an fp32 pattern in fp16's n
 _FP16_TINY = 2.0**-14  # fp16's smallest normal value; below it the spacing is 2**-24
 
 
+COMP_DTYPE = torch.int16  # a Kahan buffer's dtype: fp32 spacings from the stored weight
+
+
+def kahan_buffer(stored: torch.Tensor) -> torch.Tensor:
+    """A zero Kahan buffer for ``stored`` (int16, same shape and device: the stored value is
+    the fp32 value exactly)."""
+    return torch.zeros(stored.shape, dtype=COMP_DTYPE, device=stored.device)
+
+
 def kahan_read(stored: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
-    """The fp32 value ``stored + comp`` (a new tensor). Cost: a cast and an add."""
-    return stored.float().add_(comp)
+    """The fp32 value that ``stored`` and its buffer ``comp`` hold (a new tensor): the bit
+    pattern of ``float(stored)`` plus ``comp``. Cost: a cast and an integer add."""
+    value = stored.to(torch.float32, copy=True)
+    value.view(torch.int32).add_(comp)
+    return value
 
 
-def kahan_write(
-    value: torch.Tensor,
-    stored: torch.Tensor,
-    comp: torch.Tensor,
-    generator: torch.Generator | None = None,
-) -> None:
-    """Store fp32 ``value`` as ``stored = round(value)``, ``comp = round(value - stored)`` (in
-    place; ``stored``/``comp`` keep their dtype). With ``generator`` the compensation itself is
-    rounded stochastically: a nearest-rounded buffer holds only 8 bits of the residual (bf16),
-    so a steady update smaller than its own spacing (weight decay of 1e-5 a step) would be
-    biased, by up to half of it. Cost: about four elementwise ops (and one draw)."""
-    stored.copy_(value)
-    residual = torch.sub(value, stored)  # fp32 (the promoted type); exact
-    if generator is None:
-        comp.copy_(residual)
-    else:
-        comp.copy_(stochastic_round_(residual, comp.dtype, generator))
+def kahan_split_(flat: torch.Tensor, dtype: torch.dtype, comp: torch.Tensor) -> torch.Tensor:
+    """Split the contiguous fp32 tensor ``flat`` into its rounding to ``dtype`` (left in
+    ``flat``, in place: fp32 values exactly representable in ``dtype``) and the buffer ``comp``
+    (int16, same number of elements, written) such that :func:`kahan_read` of the two gives the
+    old ``flat`` (see the module docstring). Returns ``flat``. Cost: two integer ops (bf16),
+    about eight ops (fp16); no random draw, no host sync."""
+    if flat.dtype != torch.float32 or comp.dtype != COMP_DTYPE:
+        raise ValueError(
+            f"kahan_split_: flat must be float32 and comp int16, got {flat.dtype}, {comp.dtype}"
+        )
+    bits = flat.view(torch.int32)
+    if dtype == torch.bfloat16:
+        comp.view(-1).copy_(bits.view(-1))  # the low 16 bits, signed (the copy wraps)
+        bits.sub_(comp.view(bits.shape))  # the top 16 bits, the carry included
+        return flat
+    if dtype != torch.float16:
+        raise ValueError(f"Kahan compensation: dtype must be bfloat16 or float16, got {dtype}")
+    near = flat.to(torch.float16).to(torch.float32)
+    spacings = torch.sub(bits, near.view(torch.int32)).clamp_(-(2**15), 2**15 - 1)
+    spacings.masked_fill_(near.isinf(), 0)
+    comp.view(-1).copy_(spacings.view(-1))
+    return flat.copy_(near)
+
+
+def kahan_write(value: torch.Tensor, stored: torch.Tensor, comp: torch.Tensor) -> None:
+    """Store fp32 ``value`` as ``stored`` (rounded to nearest) and its Kahan buffer ``comp``
+    (int16) so that :func:`kahan_read` gives ``value`` back (exactly; fp16: for ``|value| >=
+    2**-16``). ``value`` is left as it is. Cost: a copy and :func:`kahan_split_`."""
+    flat = value.to(torch.float32, copy=True).contiguous()
+    stored.copy_(kahan_split_(flat, stored.dtype, comp).view_as(stored))
 
 
 def nearest_write(value: torch.Tensor, stored: torch.Tensor) -> None:
