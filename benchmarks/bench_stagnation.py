@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampguard as ag
+from ampguard.core.rounding import kahan_read
 
 VOCAB, SEQ, WIDTH = 32, 16, 32
 
@@ -255,7 +256,7 @@ def decay_share(model_name: str, method: str, decisions: dict) -> float:
         value = p.detach().float()
         i = index.get(id(p))
         if i is not None and i in comp:
-            value = value + comp[i].float()
+            value = kahan_read(p.detach(), comp[i])
         done += float((s - value).abs().sum())
         want += float(s.abs().sum()) * (1 - (1 - 1e-5) ** steps)
     return done / want if want else float("nan")
