@@ -197,6 +197,7 @@ class Rescue:
                 except BaseException:
                     for done in steps:
                         done.restore()
+                        done.finish()
                     raise
                 steps.append(step)
                 self._fresh.difference_update(step.indices)
@@ -212,6 +213,7 @@ class Rescue:
                 for i, sums in step.write_back(self.generator):
                     self._applied[i] += sums
                     self.samples += 1
+                step.finish()
 
     def abort(self) -> None:
         """A step raised between the hooks: put the low-precision tensors back unchanged (the
@@ -220,6 +222,7 @@ class Rescue:
             for steps in self._steps.values():
                 for step in steps:
                     step.restore()
+                    step.finish()
         self._steps.clear()
 
     # ------------------------------------------------------------------ fp32 states on load

@@ -22,35 +22,40 @@ step of a plan:
 Per element this is :func:`~ampguard.core.rounding.kahan_write` /
 :func:`~ampguard.core.rounding.stochastic_round` of each parameter in turn with one generator,
 the stochastic members' draws taken in the layout's order; a test holds the two bitwise equal.
-What remains per parameter is bookkeeping (``.data`` / ``.grad`` swapped, state entries
+The fp32 tensors of a step where every member has a gradient are those of the previous one:
+the plan's :class:`~ampguard.core.workspace.Workspace` s (values and gradients; the swapped
+states') keep them, with no memory between steps, and the state entries to swap
+(:class:`StateSlots`) are reused while the optimizer's states are the same tensors. What
+remains per parameter is bookkeeping (``.data`` / ``.grad`` swapped, state entries
 reassigned) and one copy in and out of each tensor. Parameters outside the plans are never
-looked at. Cost: the fp32 copies (freed after the step) and a few elementwise passes over the
-group; no host sync.
+looked at. Cost: the fp32 copies (their memory freed after the step: nothing persistent but
+the Kahan buffers) and a few elementwise passes over the group; no host sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import repeat
+from operator import attrgetter, getitem, is_, is_not, setitem
 from typing import Any
 
 import torch
 
 from ampguard.core.rounding import kahan_split_, stochastic_round_
 from ampguard.core.stagnation import LOW_PRECISION
+from ampguard.core.workspace import Workspace, contiguous_geometry, views, workspace
 
-__all__ = ["GroupPlan", "GroupStep", "plan_groups", "float_state"]
+__all__ = ["GroupPlan", "GroupStep", "StateSlots", "plan_groups", "float_state"]
 
 _unflatten = torch._utils._unflatten_dense_tensors  # views of one flat buffer, made in C++
 _ORDER = {"kahan": 0, "stochastic": 1, "nearest": 2}
+_grad = attrgetter("grad")
 
 
-def _fp32_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 copies of ``tensors`` (same shapes and strides): one allocation each and one
-    ``_foreach_copy_``."""
-    out = [torch.empty_like(t, dtype=torch.float32) for t in tensors]
-    if out:
-        torch._foreach_copy_(out, tensors)
-    return out
+def _fp32_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Uninitialised fp32 tensors like ``tensors`` (same shapes and strides): one allocation
+    each."""
+    return [torch.empty_like(t, dtype=torch.float32) for t in tensors]
 
 
 def float_state(v: Any) -> bool:
@@ -87,25 +92,76 @@ class GroupPlan:
         self.kahan_numel = sum(self.sizes[: self.n_kahan])
         self.sr_numel = sum(self.sizes[: self.n_sr])
         self.numel = sum(self.sizes)
-        self.geometry = _geometry(self.params)
+        self.geometry = contiguous_geometry([p.shape for p in self.params])
+        self.offsets = [offset * 4 for _, _, offset in self.geometry]  # bytes into the fp32 flat
+        self.states: StateSlots | None = None  # the last full step's, reused while they hold
+        self.ws: Workspace | None = None  # a full step's fp32 values and gradients
+        self.ws_failed = False
+
+    def workspace(self) -> Workspace | None:
+        """The :class:`~ampguard.core.workspace.Workspace` of a full step: the whole flat
+        fp32 value buffer, each member's fp32 value (a view of it) and fp32 gradient. None
+        where the device has none (then the step makes its tensors)."""
+        if (self.ws is None or self.ws.retired) and not self.ws_failed:
+            n, shapes = self.numel, [p.shape for p in self.params]
+            layout = [((n,), (1,), 0), *self.geometry, *contiguous_geometry(shapes, n)]
+            self.ws = workspace(2 * n, layout, self.device)
+            self.ws_failed = self.ws is None
+        return self.ws
 
 
-def _geometry(params: list[Any]) -> list[tuple[Any, tuple[int, ...], int]]:
-    """``(shape, contiguous strides, offset)`` of each parameter in one flat buffer."""
-    out, offset = [], 0
-    for p in params:
-        strides, step = [], 1
-        for n in reversed(p.shape):
-            strides.append(step)
-            step *= max(n, 1)
-        out.append((p.shape, tuple(reversed(strides)), offset))
-        offset += p.numel()
-    return out
+class StateSlots:
+    """The optimizer-state entries a step swaps to fp32 (``slot_dicts[j][slot_keys[j]]``) and
+    their low-precision tensors ``low``, and each member's state keys before the step
+    (``keys``).
+    :meth:`holds` tells whether they are still what the optimizer has (the same state dicts,
+    of the same sizes, holding the same tensors), so a step reuses them without reading every
+    entry again."""
 
+    def __init__(self, opt_state: Mapping[Any, Any], params: list[Any]) -> None:
+        self.dicts: list[Any] = [opt_state.get(p) for p in params]
+        self.keys = [tuple(state) if state else () for state in self.dicts]
+        self.present = [d for d in self.dicts if d is not None]
+        self.lens = [len(d) for d in self.present]
+        self.slot_dicts: list[dict] = []  # the state dict and key of each swapped entry
+        self.slot_keys: list[Any] = []
+        self.low: list[torch.Tensor] = []
+        for state in self.dicts:
+            for k, v in state.items() if state else ():
+                if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and v.dim():
+                    self.slot_dicts.append(state)
+                    self.slot_keys.append(k)
+                    self.low.append(v)
+        self.ws: Workspace | None = None  # their fp32 copies (made on a full step's first use)
+        self.ws_failed = not self.low
 
-def _views(flat: torch.Tensor, geometry: list[tuple[Any, tuple[int, ...], int]]) -> list:
-    """The views of ``flat`` that :func:`_geometry` describes (one ``as_strided`` each)."""
-    return [flat.as_strided(shape, strides, offset) for shape, strides, offset in geometry]
+    def workspace(self, device: Any) -> Workspace | None:
+        """The :class:`~ampguard.core.workspace.Workspace` of the swapped states' fp32
+        copies (None when there are none, or where the device has none)."""
+        if (self.ws is None or self.ws.retired) and not self.ws_failed:
+            numel, shapes = sum(v.numel() for v in self.low), [v.shape for v in self.low]
+            self.ws = workspace(numel, contiguous_geometry(shapes), device)
+            self.ws_failed = self.ws is None
+        return self.ws
+
+    def holds(self, opt_state: Mapping[Any, Any], params: list[Any]) -> bool:
+        """True while every member's state is the same dict with as many keys and every
+        swapped entry the same tensor. Cost: a pass over the members and the entries (no
+        tensor op)."""
+        return (
+            all(map(is_, map(opt_state.get, params), self.dicts))
+            and list(map(len, self.present)) == self.lens
+            and all(map(is_, self.entries(), self.low))
+        )
+
+    def entries(self) -> map:
+        """What the optimizer's states hold now at each swapped entry."""
+        return map(getitem, self.slot_dicts, self.slot_keys)
+
+    def put(self, tensors: list[torch.Tensor]) -> None:
+        """Store ``tensors`` at the swapped entries, in order."""
+        for _ in map(setitem, self.slot_dicts, self.slot_keys, tensors):
+            pass
 
 
 def plan_groups(
@@ -138,7 +194,8 @@ class GroupStep:
         fp32_states: bool,
         measure: bool | set[int],
     ) -> None:
-        if all(p.grad is not None for p in plan.params):
+        grads = list(map(_grad, plan.params))
+        if all(map(is_not, grads, repeat(None))):
             self.n_kahan, self.n_sr = plan.n_kahan, plan.n_sr
             self.comps, self.comp_flat = plan.comps, plan.comp_flat
             self.indices, self.params, self.sizes = plan.indices, plan.params, plan.sizes
@@ -152,14 +209,18 @@ class GroupStep:
             self.indices = [i for i, h in zip(plan.indices, has, strict=True) if h]
             self.params = [p for p, h in zip(plan.params, has, strict=True) if h]
             self.sizes = [n for n, h in zip(plan.sizes, has, strict=True) if h]
+            grads = [g for g in grads if g is not None]
             self.kahan_numel = sum(self.sizes[: self.n_kahan])
             self.sr_numel = sum(self.sizes[: self.n_sr])
-            self.numel, geometry = sum(self.sizes), _geometry(self.params)
+            self.numel = sum(self.sizes)
+            geometry = contiguous_geometry([p.shape for p in self.params])
+        self.plan = plan if len(self.params) == len(plan.params) else None  # a full step
+        self.offsets = plan.offsets if self.plan else [o * 4 for _, _, o in geometry]
         self.opt_state = opt_state
         self.fp32_states = fp32_states
         self.dtype = plan.dtype
         self.data = [p.data for p in self.params]  # the low-precision storage, written back
-        self.grads = [p.grad for p in self.params]
+        self.grads = grads
         self.measured = (
             [True] * len(self.params)
             if measure is True
@@ -167,12 +228,19 @@ class GroupStep:
             if measure
             else []
         )
-        self.keys: list[tuple] = []  # each member's state keys before the step
-        self.slots: list[tuple[dict, Any]] = []  # (state, key) of each swapped state
-        self.low: list[torch.Tensor] = []  # their low-precision tensors
+        self.states: StateSlots | None = None  # the swapped state entries (set by swap_in)
+        self.low: list[torch.Tensor] = []  # their low-precision tensors (read, never changed)
         self.high: list[torch.Tensor] = []  # their fp32 copies
-        self.flat = torch.empty(self.numel, dtype=torch.float32, device=plan.device)
-        self.values: list[torch.Tensor] = _views(self.flat, geometry)
+        self.device = plan.device
+        self.ws = plan.workspace() if self.plan is not None else None
+        self.state_ws: Workspace | None = None
+        self.grad_buffers: list[torch.Tensor] | None = None  # the fp32 gradients' tensors
+        if self.ws is not None:
+            got, n = self.ws.acquire(), len(self.params)
+            self.flat, self.values, self.grad_buffers = got[0], got[1 : n + 1], got[n + 1 :]
+        else:
+            self.flat = torch.empty(self.numel, dtype=torch.float32, device=plan.device)
+            self.values = views(self.flat, geometry)
         self.start: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ swap in
@@ -181,31 +249,46 @@ class GroupStep:
         place of the low-precision ones; on an error, everything is put back. Cost: the
         copies."""
         try:
-            self._read_values()
+            self.states = states = self._state_slots()
+            self.low = states.low
+            if self.plan is not None:
+                self.state_ws = states.workspace(self.device)
+            self.high = self.state_ws.acquire() if self.state_ws else _fp32_like(self.low)
+            grads = self.grad_buffers
+            if grads is None:
+                grads = _fp32_like(self.grads)
+            torch._foreach_copy_(self.values + grads + self.high, self.data + self.grads + self.low)
+            self._add_comps()
             if any(self.measured):
                 self.start = self.flat.clone()
-            for p in self.params:
-                state = self.opt_state.get(p)
-                self.keys.append(tuple(state) if state else ())
-                if state:
-                    for k, v in state.items():
-                        if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION and v.dim():
-                            self.slots.append((state, k))
-                            self.low.append(v)
-            self.high = _fp32_copies(self.low)
-            grads = _fp32_copies(self.grads)
         except BaseException:
             self.restore()
+            self.finish()
             raise
-        for (state, k), v in zip(self.slots, self.high, strict=True):
-            state[k] = v
+        states.put(self.high)
         for p, value, grad in zip(self.params, self.values, grads, strict=True):
             p.data = value
             p.grad = grad
 
+    def _state_slots(self) -> StateSlots:
+        """The states to swap: the plan's from its last full step while they hold, else read
+        (and kept by the plan on a full step)."""
+        plan = self.plan
+        if plan is not None and plan.states is not None:
+            if plan.states.holds(self.opt_state, self.params):
+                return plan.states
+        states = StateSlots(self.opt_state, self.params)
+        if plan is not None:
+            plan.states = states
+        return states
+
     def _read_values(self) -> None:
         """The flat buffer := the fp32 value of each weight (and its Kahan buffer)."""
         torch._foreach_copy_(self.values, self.data)
+        self._add_comps()
+
+    def _add_comps(self) -> None:
+        """Add the Kahan buffers to the values' bit patterns (the fp32 value they hold)."""
         if self.comp_flat is not None:
             self._stretch(self.kahan_numel).view(torch.int32).add_(self.comp_flat)
         elif self.n_kahan:
@@ -217,9 +300,11 @@ class GroupStep:
         """Write the stepped fp32 values back (see the module docstring), restore the
         low-precision tensors, and return ``(index, [<written, intended>, <intended,
         intended>])`` of each measured member (float64, on the device). No host sync."""
-        for j, p in enumerate(self.params):  # an optimizer that replaced .data (not in place)
-            if p.data_ptr() != self.values[j].data_ptr():
-                self.values[j].copy_(p.data)
+        base = self.flat.data_ptr()
+        if [p.data_ptr() - base for p in self.params] != self.offsets:
+            for p, value in zip(self.params, self.values, strict=True):
+                if p.data_ptr() != value.data_ptr():  # an optimizer that replaced .data
+                    value.copy_(p.data)
         intended = self.flat - self.start if self.start is not None else None
         k, sr = self.n_kahan, self.n_sr
         if self.comp_flat is not None:
@@ -263,23 +348,28 @@ class GroupStep:
         would have made them; fp32 states the optimizer keeps itself stay."""
         if self.fp32_states:
             return
-        if self.slots:
-            now = [state[k] for state, k in self.slots]
-            if all(v is h for v, h in zip(now, self.high, strict=True)):  # updated in place
+        states = self.states
+        assert states is not None
+        if self.low:
+            now = list(states.entries())
+            if all(map(is_, now, self.high)):  # updated in place
                 torch._foreach_copy_(self.low, self.high)
-                for (state, k), old in zip(self.slots, self.low, strict=True):
-                    state[k] = old
+                states.put(self.low)
             else:  # the optimizer put new tensors there
-                for (state, k), old, v in zip(self.slots, self.low, now, strict=True):
+                for state, k, old, v in zip(
+                    states.slot_dicts, states.slot_keys, self.low, now, strict=True
+                ):
                     if float_state(v) and v.dtype == torch.float32:
                         state[k] = old.copy_(v)
-        for p, keys, d in zip(self.params, self.keys, self.data, strict=True):
-            after = self.opt_state.get(p)
-            if not after or len(after) == len(keys):
+        after = list(map(self.opt_state.get, self.params))
+        if all(map(is_, after, states.dicts)) and list(map(len, states.present)) == states.lens:
+            return  # the same states, as many entries: none created
+        for p_after, keys, d in zip(after, states.keys, self.data, strict=True):
+            if not p_after or len(p_after) == len(keys):
                 continue
-            for k, v in list(after.items()):
+            for k, v in list(p_after.items()):
                 if k not in keys and float_state(v) and v.dtype == torch.float32:
-                    after[k] = v.to(d.dtype)
+                    p_after[k] = v.to(d.dtype)
 
     def restore(self, states: bool = True) -> None:
         """Put the low-precision weights and gradients back (and, unless ``states`` is False,
@@ -287,6 +377,15 @@ class GroupStep:
         for p, d, g in zip(self.params, self.data, self.grads, strict=True):
             p.data = d
             p.grad = g
-        if states:
-            for (state, k), old in zip(self.slots, self.low, strict=True):
-                state[k] = old
+        if states and self.states is not None:
+            self.states.put(self.low)
+
+    def finish(self) -> None:
+        """Drop the step's fp32 tensors and free the workspaces' memory (call it after
+        :meth:`write_back` or :meth:`restore` returned; the step is then spent). A workspace
+        that something else still holds is retired with its memory instead (see
+        :mod:`ampguard.core.workspace`)."""
+        del self.flat, self.values, self.high, self.grad_buffers
+        for ws in (self.ws, self.state_ws):
+            if ws is not None:
+                ws.release()

@@ -84,8 +84,10 @@ def kahan_split_(flat: torch.Tensor, dtype: torch.dtype, comp: torch.Tensor) -> 
         )
     bits = flat.view(torch.int32)
     if dtype == torch.bfloat16:
-        comp.view(-1).copy_(bits.view(-1))  # the low 16 bits, signed (the copy wraps)
-        bits.sub_(comp.view(bits.shape))  # the top 16 bits, the carry included
+        same = comp.shape == bits.shape  # a flat stretch and its flat buffer: no view needed
+        low = comp if same else comp.view(-1)
+        low.copy_(bits if same else bits.view(-1))  # the low 16 bits, signed (the copy wraps)
+        bits.sub_(comp if same else comp.view(bits.shape))  # the top 16 bits, with the carry
         return flat
     if dtype != torch.float16:
         raise ValueError(f"Kahan compensation: dtype must be bfloat16 or float16, got {dtype}")
