@@ -35,6 +35,7 @@ run a part).
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import time
 import warnings
@@ -200,14 +201,28 @@ def train(model_name: str, opt_name: str, method: str, steps: int) -> dict | Non
         guard.backward(loss)
         guard.step()
 
-    return {"loss": final, "bytes": extra, "decisions": decisions, "step": step}
+    trained = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "guard": guard.state_dict()}
+    )
+
+    def reset() -> None:  # back to the trained state (untimed, before each round)
+        model.load_state_dict(trained["model"])
+        opt.load_state_dict(copy.deepcopy(trained["opt"]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            guard.load_state_dict(copy.deepcopy(trained["guard"]))
+
+    return {"loss": final, "bytes": extra, "decisions": decisions, "step": step, "reset": reset}
 
 
 def interleaved_times(rows: dict, rounds: int = 15, least: float = 0.1) -> dict[str, float]:
     """Median CPU seconds per step of each method (this process, one torch thread), timed in
     alternating rounds: on a shared machine wall time swings by 10x, CPU time much less. A
     round is at least 10 steps and ``least`` CPU seconds of the plain step (a 1 ms step in
-    rounds of 10 swung by 0.3x between methods that run the same operations)."""
+    rounds of 10 swung by 0.3x between methods that run the same operations). Each round
+    starts from the trained state (model, optimizer and Guard restored, untimed): the timed
+    steps repeat one batch, and 15 rounds of them in a row trained a `.half()` Adafactor run
+    on into a non-finite weight (a ScaleCollapseError at its 616th extra step)."""
     times: dict[str, list[float]] = {m: [] for m, r in rows.items() if r is not None}
     first = next(iter(times))
     t0 = time.process_time()
@@ -216,6 +231,7 @@ def interleaved_times(rows: dict, rounds: int = 15, least: float = 0.1) -> dict[
     steps = max(10, math.ceil(least / max((time.process_time() - t0) / 5, 1e-6)))
     for _ in range(rounds):
         for m in times:
+            rows[m]["reset"]()
             t0 = time.process_time()
             for _ in range(steps):
                 rows[m]["step"]()
