@@ -265,13 +265,18 @@ def random_patterns(n: int = 200_000) -> torch.Tensor:
     return torch.cat([bits, edges_t]).to(torch.int32).view(torch.float32)
 
 
-def test_the_bf16_kahan_pair_is_the_fp32_value_bitwise_and_the_weight_its_nearest():
+def kahan_round_trip(dtype: torch.dtype):
+    """``random_patterns()`` through ``kahan_write`` into ``dtype`` and back: the values, the
+    stored weights, what ``kahan_read`` gives back and the finite mask."""
     value = random_patterns()
-    stored = torch.empty(value.shape, dtype=torch.bfloat16)
+    stored = torch.empty(value.shape, dtype=dtype)
     comp = kahan_buffer(stored)
     kahan_write(value, stored, comp)
-    back = kahan_read(stored, comp)
-    finite = value.isfinite()
+    return value, stored, kahan_read(stored, comp), value.isfinite()
+
+
+def test_the_bf16_kahan_pair_is_the_fp32_value_bitwise_and_the_weight_its_nearest():
+    value, stored, back, finite = kahan_round_trip(torch.bfloat16)
     assert torch.equal(back.view(torch.int32)[finite], value.view(torch.int32)[finite])
     assert torch.equal(back.isnan(), value.isnan()) and torch.equal(back.isinf(), value.isinf())
     nearest = value.to(torch.bfloat16).float()  # round to nearest even
@@ -282,12 +287,7 @@ def test_the_bf16_kahan_pair_is_the_fp32_value_bitwise_and_the_weight_its_neares
 
 
 def test_the_fp16_kahan_pair_is_exact_in_range_and_the_weight_its_nearest():
-    value = random_patterns()
-    stored = torch.empty(value.shape, dtype=torch.float16)
-    comp = kahan_buffer(stored)
-    kahan_write(value, stored, comp)
-    back = kahan_read(stored, comp)
-    finite = value.isfinite()
+    value, stored, back, finite = kahan_round_trip(torch.float16)
     assert torch.equal(stored[finite], value[finite].to(torch.float16))  # nearest even
     exact = finite & (value.abs() >= 2.0**-16) & (value.abs() <= 65504)
     assert int(exact.sum()) > 1000

@@ -43,7 +43,7 @@ import torch
 
 from ampguard.core.rounding import kahan_split_, stochastic_round_
 from ampguard.core.stagnation import LOW_PRECISION
-from ampguard.core.workspace import Workspace, contiguous_geometry, views, workspace
+from ampguard.core.workspace import Reusable, Workspace, contiguous_geometry, views
 
 __all__ = ["GroupPlan", "GroupStep", "StateSlots", "plan_groups", "float_state"]
 
@@ -95,19 +95,10 @@ class GroupPlan:
         self.geometry = contiguous_geometry([p.shape for p in self.params])
         self.offsets = [offset * 4 for _, _, offset in self.geometry]  # bytes into the fp32 flat
         self.states: StateSlots | None = None  # the last full step's, reused while they hold
-        self.ws: Workspace | None = None  # a full step's fp32 values and gradients
-        self.ws_failed = False
-
-    def workspace(self) -> Workspace | None:
-        """The :class:`~ampguard.core.workspace.Workspace` of a full step: the whole flat
-        fp32 value buffer, each member's fp32 value (a view of it) and fp32 gradient. None
-        where the device has none (then the step makes its tensors)."""
-        if (self.ws is None or self.ws.retired) and not self.ws_failed:
-            n, shapes = self.numel, [p.shape for p in self.params]
-            layout = [((n,), (1,), 0), *self.geometry, *contiguous_geometry(shapes, n)]
-            self.ws = workspace(2 * n, layout, self.device)
-            self.ws_failed = self.ws is None
-        return self.ws
+        n, shapes = self.numel, [p.shape for p in self.params]
+        layout = [((n,), (1,), 0), *self.geometry, *contiguous_geometry(shapes, n)]
+        # a full step's fp32 tensors: the flat value buffer, each value (a view) and gradient
+        self.workspace = Reusable(2 * n, layout, self.device)
 
 
 class StateSlots:
@@ -132,17 +123,9 @@ class StateSlots:
                     self.slot_dicts.append(state)
                     self.slot_keys.append(k)
                     self.low.append(v)
-        self.ws: Workspace | None = None  # their fp32 copies (made on a full step's first use)
-        self.ws_failed = not self.low
-
-    def workspace(self, device: Any) -> Workspace | None:
-        """The :class:`~ampguard.core.workspace.Workspace` of the swapped states' fp32
-        copies (None when there are none, or where the device has none)."""
-        if (self.ws is None or self.ws.retired) and not self.ws_failed:
-            numel, shapes = sum(v.numel() for v in self.low), [v.shape for v in self.low]
-            self.ws = workspace(numel, contiguous_geometry(shapes), device)
-            self.ws_failed = self.ws is None
-        return self.ws
+        numel, shapes = sum(v.numel() for v in self.low), [v.shape for v in self.low]
+        device = self.low[0].device if self.low else None
+        self.workspace = Reusable(numel, contiguous_geometry(shapes), device)  # their fp32 copies
 
     def holds(self, opt_state: Mapping[Any, Any], params: list[Any]) -> bool:
         """True while every member's state is the same dict with as many keys and every
@@ -231,8 +214,7 @@ class GroupStep:
         self.states: StateSlots | None = None  # the swapped state entries (set by swap_in)
         self.low: list[torch.Tensor] = []  # their low-precision tensors (read, never changed)
         self.high: list[torch.Tensor] = []  # their fp32 copies
-        self.device = plan.device
-        self.ws = plan.workspace() if self.plan is not None else None
+        self.ws = plan.workspace.get() if self.plan is not None else None
         self.state_ws: Workspace | None = None
         self.grad_buffers: list[torch.Tensor] | None = None  # the fp32 gradients' tensors
         if self.ws is not None:
@@ -252,7 +234,7 @@ class GroupStep:
             self.states = states = self._state_slots()
             self.low = states.low
             if self.plan is not None:
-                self.state_ws = states.workspace(self.device)
+                self.state_ws = states.workspace.get()
             self.high = self.state_ws.acquire() if self.state_ws else _fp32_like(self.low)
             grads = self.grad_buffers
             if grads is None:

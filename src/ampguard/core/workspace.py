@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Workspace", "workspace", "contiguous_geometry", "views", "Geometry"]
+__all__ = ["Workspace", "Reusable", "workspace", "contiguous_geometry", "views", "Geometry"]
 
 Geometry = list[tuple[Any, tuple[int, ...], int]]  # (shape, strides, offset) of each view
 
@@ -100,5 +100,23 @@ def workspace(numel: int, geometry: Geometry, device: Any) -> Workspace | None:
         return None
     try:
         return Workspace(numel, geometry, device)
-    except (RuntimeError, NotImplementedError):
-        return None
+    except (RuntimeError, NotImplementedError):  # a storage this device cannot resize
+        return None  # the documented fallback: fresh tensors each step, as without one
+
+
+class Reusable:
+    """The :class:`Workspace` of one layout, made on first use and made again once retired; None
+    for good where none can be made (or there is nothing to hold: ``numel`` 0)."""
+
+    def __init__(self, numel: int, geometry: Geometry, device: Any) -> None:
+        self._args = (numel, geometry, device)
+        self._ws: Workspace | None = None
+        self._failed = numel == 0
+
+    def get(self) -> Workspace | None:
+        """The workspace (made now if there is none or it was retired). Cost: none, or the
+        making of one."""
+        if (self._ws is None or self._ws.retired) and not self._failed:
+            self._ws = workspace(*self._args)
+            self._failed = self._ws is None
+        return self._ws
